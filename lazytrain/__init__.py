@@ -1,0 +1,29 @@
+"""LazyTrain: compile a training schedule for a model too large for its GPU, then run it.
+
+``lazytrain.compile(model, ...)`` -> ``ir.Plan``; ``lazytrain.Trainer(model, plan, optimizer=...)``.
+"""
+
+from __future__ import annotations
+
+from .ir import Plan, PlanError
+
+__version__ = "0.1.0"
+
+
+def compile(model, **kwargs):  # noqa: A001 - the product's verb
+    """Trace, cost, solve, lower and verify; see ``lazytrain.compiler.compile_model``."""
+    from .compiler.api import compile_model
+    return compile_model(model, **kwargs)
+
+
+def __getattr__(name: str):
+    if name == "Trainer":
+        from .runtime.trainer import Trainer
+        return Trainer
+    if name == "optim":
+        from .runtime import optim
+        return optim
+    raise AttributeError(name)
+
+
+__all__ = ["Plan", "PlanError", "compile", "Trainer", "optim"]

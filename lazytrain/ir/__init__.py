@@ -1,0 +1,31 @@
+"""LazyTrain IR: the model as blocks, and the plan as an explicit op list.
+
+Grammar of a plan (one op per line, ``#id kind tensor move bytes ms after deps``)::
+
+    plan     ::= op*                          -- program order; each resource runs its ops in this order
+    op       ::= load        params[j]            host->gpu   (h2d)
+               | compute     block[j] mbM [+saved] reads params[j], act[j] mbM; writes act[j+1] mbM
+               | recompute   block[j] mbM         as compute, during backward; always writes saved[j] mbM
+               | backward    block[j] mbM         reads saved[j], dact[j+1]; writes dact[j]; accumulates grads[j]
+               | offload     act[i]|saved[j] mbM  gpu->host (d2h) | host->nvme (nvme)   -- a copy
+               | reload      act[i]|saved[j] mbM  nvme->host (nvme) | host->gpu (h2d)   -- a copy
+               | grad_offload grads[j]            gpu->host (d2h), moves
+               | update      block[j]             optimizer step on the host (cpu)
+               | free        tensor on tier       drops one copy
+    deps     ::= op ids that must finish first (always earlier ops)
+
+One list is one period of the steady state: an ``update`` placed before its block's
+``grad_offload`` is *lagged*: it applies the previous step's gradients and must finish before the
+block's parameters are loaded again.
+"""
+
+from .decisions import Decisions, Place, Saved
+from .graph import Block, ModelGraph, ParamSpec, TensorSpec
+from .ops import GiB, Op, OpKind, Resource, TensorId, TensorKind, Tier
+from .plan import PLAN_FORMAT, Plan, PlanError, SolverStats
+from .semantics import Sizes, effects
+from .verify import MemoryReport, verify
+
+__all__ = ["Block", "Decisions", "GiB", "MemoryReport", "ModelGraph", "Op", "OpKind", "PLAN_FORMAT", "ParamSpec",
+           "Place", "Plan", "PlanError", "Resource", "Saved", "Sizes", "SolverStats", "TensorId", "TensorKind",
+           "TensorSpec", "Tier", "effects", "verify"]

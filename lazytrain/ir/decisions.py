@@ -1,0 +1,113 @@
+"""What a policy decides; every solver returns this and one lowering turns it into ops.
+
+Windows (the unit the MILP reasons in) are numbered in step order:
+``F_0 .. F_{L-1}`` (forward of block j = window j), ``B_{L-1} .. B_0`` (backward of block j =
+window 2L-1-j), and ``X = 2L``, the gap between steps for work that cannot hide anywhere.
+
+Per boundary i (0..L-1) ``boundary[i]`` says where act[i] is kept from the forward until the
+backward needs it: GPU / HOST / NVME, or NONE when backward does not need it or regenerates it by
+recomputing from an earlier kept boundary (a recompute *segment*).  Per block j ``saved[j]`` says
+what happens to what its backward needs: KEEP it on the GPU, offload to HOST or NVME and reload,
+or RECOMPUTE it in the backward from the nearest kept boundary at or before j.
+
+Transfers and updates carry the window they are issued in: ``offload_window[j]`` /
+``reload_window[j]`` for saved activations (a tuple of (window, micro-batches) so a transfer can
+spread over windows), ``update_window[j]`` for the host update of block j.  An update window in
+``F_*`` means the update runs lazily during the next step's forward (it must precede the load of
+block j there); ``None`` lets the lowering pick the earliest legal window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Place(Enum):
+    GPU = "gpu"
+    HOST = "host"
+    NVME = "nvme"
+    NONE = "none"
+
+
+class Saved(Enum):
+    KEEP = "keep"
+    HOST = "host"
+    NVME = "nvme"
+    RECOMPUTE = "recompute"
+
+
+Spread = tuple[tuple[int, int], ...]   # ((window, n_micro_batches), ...)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decisions:
+    policy: str
+    micro_batch: int
+    n_micro: int
+    boundary: tuple[Place, ...]
+    saved: tuple[Saved, ...]
+    update_window: tuple[int | None, ...] = ()
+    offload_window: tuple[Spread | None, ...] = ()
+    reload_window: tuple[Spread | None, ...] = ()
+    prefetch: int = 1
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.saved)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """Backward units [s, e): runs of RECOMPUTE blocks that start at a kept boundary, and
+        every other block alone.  A block in a multi-block segment regenerates its input from
+        the segment's start, so all the segment's parameters are on the GPU together."""
+        segs: list[tuple[int, int]] = []
+        j = 0
+        L = self.n_blocks
+        while j < L:
+            e = j + 1
+            if self.saved[j] is Saved.RECOMPUTE:
+                while e < L and self.saved[e] is Saved.RECOMPUTE and self.boundary[e] is Place.NONE:
+                    e += 1
+            segs.append((j, e))
+            j = e
+        return segs
+
+    def check(self) -> None:
+        """Structural validity (not memory): raises ValueError naming the first problem."""
+        L = self.n_blocks
+        if len(self.boundary) != L:
+            raise ValueError(f"boundary has {len(self.boundary)} entries, expected {L}")
+        if self.micro_batch < 1 or self.n_micro < 1:
+            raise ValueError("micro_batch and n_micro must be >= 1")
+        if self.saved and self.saved[0] is Saved.RECOMPUTE and self.boundary[0] is Place.NONE:
+            raise ValueError("block 0 is recomputed but boundary 0 (the inputs) is not kept")
+        for j in range(1, L):
+            if self.saved[j] is Saved.RECOMPUTE and self.boundary[j] is Place.NONE \
+                    and self.saved[j - 1] is not Saved.RECOMPUTE:
+                raise ValueError(f"block {j} is recomputed from boundary {j}, which is not kept, "
+                                 f"and block {j - 1} is not recomputed")
+        for name in ("update_window", "offload_window", "reload_window"):
+            v = getattr(self, name)
+            if v and len(v) != L:
+                raise ValueError(f"{name} has {len(v)} entries, expected {L}")
+
+    def to_json(self) -> dict:
+        return {"policy": self.policy, "micro_batch": self.micro_batch, "n_micro": self.n_micro,
+                "boundary": [p.value for p in self.boundary], "saved": [s.value for s in self.saved],
+                "update_window": list(self.update_window),
+                "offload_window": [None if s is None else [list(x) for x in s] for s in self.offload_window],
+                "reload_window": [None if s is None else [list(x) for x in s] for s in self.reload_window],
+                "prefetch": self.prefetch, "notes": self.notes}
+
+    @staticmethod
+    def from_json(d: dict) -> Decisions:
+        def spread(v):
+            return None if v is None else tuple((int(a), int(b)) for a, b in v)
+        return Decisions(policy=str(d["policy"]), micro_batch=int(d["micro_batch"]), n_micro=int(d["n_micro"]),
+                         boundary=tuple(Place(x) for x in d["boundary"]),
+                         saved=tuple(Saved(x) for x in d["saved"]),
+                         update_window=tuple(None if x is None else int(x) for x in d.get("update_window", ())),
+                         offload_window=tuple(spread(x) for x in d.get("offload_window", ())),
+                         reload_window=tuple(spread(x) for x in d.get("reload_window", ())),
+                         prefetch=int(d.get("prefetch", 1)), notes=dict(d.get("notes", {})))

@@ -1,0 +1,158 @@
+"""The model as streaming blocks: what the compiler knows about a model, as plain data.
+
+Every figure here is *per sample* (micro-batch of 1) at the traced sequence length; activation
+bytes, saved bytes and FLOPs all scale linearly with the micro-batch size, so the compiler can
+search micro-batch sizes without tracing again.  Parameter figures are element counts; their
+byte size depends on the dtype the plan streams them in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+
+import networkx as nx
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "float64": 8,
+               "int8": 1, "uint8": 1}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorSpec:
+    """A value crossing a block boundary (per sample): name, shape without the batch dim, dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool = False   # depends on parameters: backward sends a gradient for it
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * DTYPE_BYTES.get(self.dtype, 4)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamSpec:
+    """One parameter of a block.  ``owner`` is the block that updates it: a tied parameter
+    (e.g. lm_head sharing the embedding) is listed in every block that reads it, with the
+    owner's index, and its gradient is accumulated into the owner's before the owner's update."""
+
+    name: str
+    shape: tuple[int, ...]
+    owner: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Block:
+    """The unit that streams through the GPU: embedding, one decoder layer, or head + loss."""
+
+    index: int
+    name: str                     # module path, e.g. "model.layers.3"
+    kind: str                     # "embed" | "layer" | "head" | "other"
+    params: tuple[ParamSpec, ...]
+    inputs: tuple[TensorSpec, ...]   # values entering from earlier blocks (per sample)
+    outputs: tuple[TensorSpec, ...]  # values this block produces for later blocks (per sample)
+    saved_bytes: int              # bytes autograd saves for backward (per sample)
+    workspace_bytes: int          # transient peak above inputs/outputs/saved (per sample)
+    fwd_flops: int                # per sample
+    bwd_flops: int                # per sample
+
+    @property
+    def param_numel(self) -> int:
+        """Elements this block loads (tied links included)."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def owned_numel(self) -> int:
+        """Elements this block updates."""
+        return sum(p.numel for p in self.params if p.owner == self.index)
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(t.nbytes for t in self.outputs)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelGraph:
+    """A model as a chain of blocks plus the per-sample bytes live at each boundary.
+
+    ``boundary_bytes[i]`` is what is live between block i-1 and block i (i = 0: the model's
+    inputs; i = L: the loss).  A boundary is every value produced before the cut and read after
+    it, so skip connections and glue values (rotary tables, masks) are counted where they live.
+    """
+
+    name: str
+    seq_len: int
+    dtype: str                    # compute dtype the activation figures were traced in
+    blocks: tuple[Block, ...]
+    boundary_bytes: tuple[int, ...]
+    boundary_values: tuple[tuple[str, ...], ...] = ()  # names of the values live at each boundary
+    edges: tuple[tuple[int, int], ...] = ()   # dataflow block -> block (beyond the chain)
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if len(self.boundary_bytes) != len(self.blocks) + 1:
+            raise ValueError("boundary_bytes needs one entry per block boundary (L + 1)")
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def total_params(self) -> int:
+        """Distinct parameters (tied ones counted once)."""
+        return sum(b.owned_numel for b in self.blocks)
+
+    @cached_property
+    def dataflow(self) -> nx.DiGraph:
+        """Blocks as nodes, an edge for each producer -> consumer pair (the chain plus skips)."""
+        g = nx.DiGraph()
+        g.add_nodes_from(range(self.n_blocks))
+        g.add_edges_from((i, i + 1) for i in range(self.n_blocks - 1))
+        g.add_edges_from(self.edges)
+        for b in self.blocks:
+            for p in b.params:
+                if p.owner != b.index:
+                    g.add_edge(p.owner, b.index, tied=True)
+        return g
+
+    def fingerprint(self) -> str:
+        """Structure hash: block kinds, names, parameter names and shapes, seq and dtype.
+        A plan carries it and refuses a model whose structure differs."""
+        desc = [(b.kind, b.name, [(p.name, list(p.shape), p.owner) for p in b.params]) for b in self.blocks]
+        return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["meta"] = dict(self.meta)
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> ModelGraph:
+        blocks = tuple(
+            Block(**{**b,
+                     "params": tuple(ParamSpec(name=p["name"], shape=tuple(p["shape"]), owner=p["owner"])
+                                     for p in b["params"]),
+                     "inputs": tuple(TensorSpec(name=t["name"], shape=tuple(t["shape"]), dtype=t["dtype"],
+                                                requires_grad=bool(t.get("requires_grad", False)))
+                                     for t in b["inputs"]),
+                     "outputs": tuple(TensorSpec(name=t["name"], shape=tuple(t["shape"]), dtype=t["dtype"],
+                                                 requires_grad=bool(t.get("requires_grad", False)))
+                                      for t in b["outputs"])})
+            for b in d["blocks"])
+        return ModelGraph(name=d["name"], seq_len=d["seq_len"], dtype=d["dtype"], blocks=blocks,
+                          boundary_bytes=tuple(d["boundary_bytes"]),
+                          boundary_values=tuple(tuple(v) for v in d.get("boundary_values", ())),
+                          edges=tuple(tuple(e) for e in d.get("edges", ())), meta=dict(d.get("meta", {})))

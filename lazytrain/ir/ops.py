@@ -1,0 +1,130 @@
+"""The op list: a plan is a flat program of these, one line each (see ``lazytrain.ir`` for the grammar)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class OpKind(Enum):
+    # parameters stream in
+    LOAD = "load"                  # params[j] host -> gpu
+    # work on the GPU
+    COMPUTE = "compute"            # forward of block j, micro-batch m
+    RECOMPUTE = "recompute"        # forward again during backward (saves for backward)
+    BACKWARD = "backward"          # backward of block j, micro-batch m; accumulates grads[j]
+    # activations move between tiers
+    OFFLOAD = "offload"            # copy gpu -> host, or host -> nvme
+    RELOAD = "reload"              # copy nvme -> host, or host -> gpu
+    # gradients and the optimizer
+    GRAD_OFFLOAD = "grad_offload"  # grads[j] gpu -> host
+    UPDATE = "update"              # optimizer step of block j on the host
+    # memory
+    FREE = "free"                  # drop one copy of a tensor on one tier
+
+
+class Tier(Enum):
+    GPU = "gpu"
+    HOST = "host"
+    NVME = "nvme"
+
+
+class Resource(Enum):
+    """What an op occupies; each resource runs its ops in list order (a CUDA stream, a thread)."""
+
+    GPU = "gpu"
+    H2D = "h2d"
+    D2H = "d2h"
+    CPU = "cpu"
+    NVME = "nvme"
+    NONE = "none"
+
+
+class TensorKind(Enum):
+    PARAMS = "params"      # a block's parameters (streaming dtype)
+    GRADS = "grads"        # a block's gradient accumulator
+    ACT = "act"            # boundary i: the values entering block i, per micro-batch
+    SAVED = "saved"        # what block j's backward needs, per micro-batch
+    GRAD_ACT = "dact"      # gradient w.r.t. boundary i, per micro-batch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorId:
+    kind: TensorKind
+    index: int
+    mb: int | None = None
+
+    def __str__(self) -> str:
+        s = f"{self.kind.value}[{self.index}]"
+        return s if self.mb is None else f"{s} mb{self.mb}"
+
+    def to_json(self) -> list:
+        return [self.kind.value, self.index, self.mb]
+
+    @staticmethod
+    def from_json(v: list) -> TensorId:
+        return TensorId(kind=TensorKind(v[0]), index=int(v[1]), mb=None if v[2] is None else int(v[2]))
+
+    def __lt__(self, other: TensorId) -> bool:  # enums do not order; order by value
+        return (self.kind.value, self.index, -1 if self.mb is None else self.mb) < (
+            other.kind.value, other.index, -1 if other.mb is None else other.mb)
+
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Op:
+    """One instruction.  Fields are the same for every kind; unused ones are None / 0.
+
+    ``tensor`` is the value the op produces or moves (compute: its output boundary act[j+1];
+    backward: dact[j]; load: params[j]; free: what is dropped from ``src``).  ``save`` marks a
+    forward that records what backward needs (saved[j]).  ``seconds`` is the cost model's
+    predicted duration on ``resource``; ``window`` the schedule window it was placed in.
+    """
+
+    id: int
+    kind: OpKind
+    block: int
+    mb: int | None = None
+    tensor: TensorId | None = None
+    src: Tier | None = None
+    dst: Tier | None = None
+    nbytes: int = 0
+    save: bool = False
+    resource: Resource = Resource.NONE
+    seconds: float = 0.0
+    window: int = 0
+    deps: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        what = str(self.tensor) if self.tensor is not None else f"block[{self.block}]"
+        if self.kind in (OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD):
+            what = f"block[{self.block}] mb{self.mb}"
+            if self.save and self.kind is OpKind.COMPUTE:
+                what += " +saved"
+        move = f"{self.src.value}->{self.dst.value}" if self.src and self.dst else (self.src.value if self.src else "")
+        size = f"{self.nbytes / GiB:.2f} GiB" if self.nbytes else ""
+        after = "after " + ",".join(f"#{d}" for d in self.deps) if self.deps else ""
+        parts = [f"#{self.id}", f"{self.kind.value:<12}", f"{what:<18}", f"{move:<10}", f"{size:>10}",
+                 f"{self.seconds * 1e3:8.3f} ms" if self.seconds else " " * 11, after]
+        return " ".join(parts).rstrip()
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "kind": self.kind.value, "block": self.block, "mb": self.mb,
+                "tensor": None if self.tensor is None else self.tensor.to_json(),
+                "src": None if self.src is None else self.src.value,
+                "dst": None if self.dst is None else self.dst.value,
+                "nbytes": self.nbytes, "save": self.save, "resource": self.resource.value,
+                "seconds": self.seconds, "window": self.window, "deps": list(self.deps)}
+
+    @staticmethod
+    def from_json(d: dict) -> Op:
+        return Op(id=int(d["id"]), kind=OpKind(d["kind"]), block=int(d["block"]),
+                  mb=None if d.get("mb") is None else int(d["mb"]),
+                  tensor=None if d.get("tensor") is None else TensorId.from_json(d["tensor"]),
+                  src=None if d.get("src") is None else Tier(d["src"]),
+                  dst=None if d.get("dst") is None else Tier(d["dst"]),
+                  nbytes=int(d.get("nbytes", 0)), save=bool(d.get("save", False)),
+                  resource=Resource(d.get("resource", "none")), seconds=float(d.get("seconds", 0.0)),
+                  window=int(d.get("window", 0)), deps=tuple(int(x) for x in d.get("deps", ())))

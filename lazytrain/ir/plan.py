@@ -1,0 +1,147 @@
+"""The plan: the compiled artifact.  Versioned JSON (``"format": "lazytrain.plan/1"``), never pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .decisions import Decisions
+from .graph import ModelGraph
+from .ops import GiB, Op, OpKind
+
+PLAN_FORMAT = "lazytrain.plan/1"
+
+
+class PlanError(ValueError):
+    """A plan file or plan object that cannot be used: malformed, wrong version, wrong model, or
+    failing verification.  The message says what and, where possible, what to do."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverStats:
+    status: str
+    objective: float | None = None
+    gap: float | None = None
+    n_vars: int = 0
+    n_constraints: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(kw_only=True)
+class Plan:
+    graph: ModelGraph
+    hardware: dict
+    budgets: dict                 # gpu_bytes, host_bytes, nvme_bytes, nvme_dir
+    batch_size: int
+    seq_len: int
+    param_dtype: str
+    decisions: Decisions
+    ops: list[Op]
+    predicted: dict = field(default_factory=dict)
+    solver: SolverStats | None = None
+    history: list[dict] = field(default_factory=list)
+    options: dict = field(default_factory=dict)
+
+    # ---- views -------------------------------------------------------------------------
+    @property
+    def micro_batch(self) -> int:
+        return self.decisions.micro_batch
+
+    @property
+    def n_micro(self) -> int:
+        return self.decisions.n_micro
+
+    @property
+    def fingerprint(self) -> str:
+        return self.graph.fingerprint()
+
+    def __str__(self) -> str:
+        head = (f"plan {self.graph.name}: batch {self.batch_size} = {self.n_micro} x {self.micro_batch}, "
+                f"seq {self.seq_len}, policy {self.decisions.policy}, {len(self.ops)} ops")
+        return "\n".join([head, *map(str, self.ops)])
+
+    def table(self, limit: int | None = None) -> str:
+        """The op list as a table (tabulate)."""
+        from tabulate import tabulate
+        rows = []
+        for op in self.ops[:limit]:
+            rows.append([op.id, op.kind.value, op.block, "" if op.mb is None else op.mb,
+                         "" if op.tensor is None else str(op.tensor),
+                         f"{op.src.value}->{op.dst.value}" if op.src and op.dst else (op.src.value if op.src else ""),
+                         f"{op.nbytes / GiB:.3f}" if op.nbytes else "", op.resource.value,
+                         f"{op.seconds * 1e3:.3f}" if op.seconds else "",
+                         ",".join(map(str, op.deps[:4])) + ("…" if len(op.deps) > 4 else "")])
+        out = tabulate(rows, headers=["#", "kind", "blk", "mb", "tensor", "move", "GiB", "res", "ms", "deps"])
+        if limit is not None and len(self.ops) > limit:
+            out += f"\n... {len(self.ops) - limit} more ops"
+        return out
+
+    def summary(self) -> str:
+        """Totals: decisions, predicted time and memory, solver statistics (tabulate)."""
+        from tabulate import tabulate
+        from .summary import summary_rows
+        return tabulate(summary_rows(self), tablefmt="plain")
+
+    # ---- JSON --------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"format": PLAN_FORMAT,
+                "model": {"name": self.graph.name, "fingerprint": self.fingerprint,
+                          "n_blocks": self.graph.n_blocks, "total_params": self.graph.total_params},
+                "graph": self.graph.to_json(), "hardware": self.hardware, "budgets": self.budgets,
+                "batch_size": self.batch_size, "micro_batch": self.micro_batch, "n_micro": self.n_micro,
+                "seq_len": self.seq_len, "param_dtype": self.param_dtype,
+                "decisions": self.decisions.to_json(), "ops": [op.to_json() for op in self.ops],
+                "predicted": self.predicted,
+                "solver": None if self.solver is None else self.solver.__dict__,
+                "history": self.history, "options": self.options}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically (temporary file + rename) so a crash never leaves half a plan."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @staticmethod
+    def from_json(d: dict) -> Plan:
+        from .verify import check_plan_json
+        check_plan_json(d)
+        try:
+            graph = ModelGraph.from_json(d["graph"])
+            plan = Plan(graph=graph, hardware=dict(d["hardware"]), budgets=dict(d["budgets"]),
+                        batch_size=int(d["batch_size"]), seq_len=int(d["seq_len"]),
+                        param_dtype=str(d["param_dtype"]), decisions=Decisions.from_json(d["decisions"]),
+                        ops=[Op.from_json(o) for o in d["ops"]], predicted=dict(d.get("predicted") or {}),
+                        solver=None if not d.get("solver") else SolverStats(**d["solver"]),
+                        history=list(d.get("history") or []), options=dict(d.get("options") or {}))
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
+        if d["model"].get("fingerprint") != plan.fingerprint:
+            raise PlanError("plan's model fingerprint does not match its own graph: the file was edited "
+                            "or corrupted; compile it again")
+        return plan
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> Plan:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise PlanError(f"cannot read plan {path}: {e.strerror}") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); "
+                            "was it truncated? compile the plan again") from None
+        return Plan.from_json(d)
+
+    def count(self, kind: OpKind) -> int:
+        return sum(op.kind is kind for op in self.ops)

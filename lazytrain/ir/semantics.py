@@ -1,0 +1,91 @@
+"""What each op reads, writes and drops: the one definition that verify, the simulator and the
+runtime's memory accounting share.  Sizes come from the graph, the micro-batch and the dtypes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .graph import DTYPE_BYTES, ModelGraph
+from .ops import Op, OpKind, TensorId, TensorKind, Tier
+
+GRAD_ACCUM_BYTES = 4   # gradients accumulate in fp32 on the GPU (exact over micro-batches)
+GRAD_WIRE_BYTES = 2    # and cross PCIe / live on the host in bf16 (the clip norm is taken before)
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    graph: ModelGraph
+    micro_batch: int
+    param_dtype: str = "bfloat16"
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
+    def of(self, t: TensorId, tier: Tier = Tier.GPU) -> int:
+        b = self.graph.blocks
+        if t.kind is TensorKind.PARAMS:
+            return b[t.index].param_numel * self.param_bytes
+        if t.kind is TensorKind.GRADS:
+            per = GRAD_ACCUM_BYTES if tier is Tier.GPU else GRAD_WIRE_BYTES
+            if self.param_bytes == 4:   # fp32 training keeps fp32 gradients everywhere
+                per = 4
+            return b[t.index].param_numel * per
+        if t.kind in (TensorKind.ACT, TensorKind.GRAD_ACT):
+            return self.graph.boundary_bytes[t.index] * self.micro_batch
+        if t.kind is TensorKind.SAVED:
+            return b[t.index].saved_bytes * self.micro_batch
+        raise ValueError(t)
+
+    def workspace(self, block: int) -> int:
+        return self.graph.blocks[block].workspace_bytes * self.micro_batch
+
+
+@dataclass(frozen=True, slots=True)
+class Effects:
+    reads: tuple[tuple[TensorId, Tier], ...]
+    writes: tuple[tuple[TensorId, Tier], ...]
+    drops: tuple[tuple[TensorId, Tier], ...]
+    transient: int = 0    # bytes on the GPU only while the op runs
+
+
+def effects(op: Op, sizes: Sizes) -> Effects:
+    """Reads, writes, drops of one op (the op list's operational semantics)."""
+    L = sizes.graph.n_blocks
+    j, m, k = op.block, op.mb, op.kind
+    G = Tier.GPU
+    params = TensorId(kind=TensorKind.PARAMS, index=j)
+    if k is OpKind.LOAD:
+        return Effects((), ((params, G),), ())
+    if k in (OpKind.COMPUTE, OpKind.RECOMPUTE):
+        reads = ((params, G), (TensorId(kind=TensorKind.ACT, index=j, mb=m), G))
+        writes = []
+        if k is OpKind.COMPUTE or op.tensor is None or op.tensor.kind is TensorKind.ACT:
+            if j + 1 < L:
+                writes.append((TensorId(kind=TensorKind.ACT, index=j + 1, mb=m), G))
+        if op.save or k is OpKind.RECOMPUTE:
+            writes.append((TensorId(kind=TensorKind.SAVED, index=j, mb=m), G))
+        return Effects(reads, tuple(writes), (), sizes.workspace(j))
+    if k is OpKind.BACKWARD:
+        saved = TensorId(kind=TensorKind.SAVED, index=j, mb=m)
+        reads = [(params, G), (saved, G)]
+        drops = [(saved, G)]
+        if j + 1 < L:
+            dout = TensorId(kind=TensorKind.GRAD_ACT, index=j + 1, mb=m)
+            reads.append((dout, G))
+            drops.append((dout, G))
+        writes = [(TensorId(kind=TensorKind.GRADS, index=j), G)]
+        if j > 0:
+            writes.append((TensorId(kind=TensorKind.GRAD_ACT, index=j, mb=m), G))
+        return Effects(tuple(reads), tuple(writes), tuple(drops), sizes.workspace(j))
+    if k in (OpKind.OFFLOAD, OpKind.RELOAD):
+        return Effects(((op.tensor, op.src),), ((op.tensor, op.dst),), ())
+    if k is OpKind.GRAD_OFFLOAD:
+        g = TensorId(kind=TensorKind.GRADS, index=j)
+        return Effects(((g, G),), ((g, Tier.HOST),), ((g, G),))
+    if k is OpKind.UPDATE:
+        return Effects(((TensorId(kind=TensorKind.GRADS, index=j), Tier.HOST),), (),
+                       ((TensorId(kind=TensorKind.GRADS, index=j), Tier.HOST),))
+    if k is OpKind.FREE:
+        return Effects((), (), ((op.tensor, op.src),))
+    raise ValueError(f"unknown op kind {k}")

@@ -1,0 +1,42 @@
+"""Rows for ``plan.summary()``: decision counts, predicted figures, solver statistics."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .decisions import Place, Saved
+from .ops import GiB, OpKind
+
+
+def summary_rows(plan) -> list[list]:
+    d = plan.decisions
+    pred = plan.predicted
+    b = Counter(p for p in d.boundary[1:])
+    s = Counter(d.saved)
+    rows = [
+        ["model", f"{plan.graph.name} ({plan.graph.total_params / 1e9:.2f} B params, {plan.graph.n_blocks} blocks)"],
+        ["batch", f"{plan.batch_size} = {d.n_micro} x {d.micro_batch}, seq {plan.seq_len}"],
+        ["policy", d.policy],
+        ["boundaries kept gpu / host / nvme", f"{b[Place.GPU]} / {b[Place.HOST]} / {b[Place.NVME]}"],
+        ["saved kept / host / nvme / recomputed",
+         f"{s[Saved.KEEP]} / {s[Saved.HOST]} / {s[Saved.NVME]} / {s[Saved.RECOMPUTE]}"],
+        ["ops", f"{len(plan.ops)} ({', '.join(f'{k.value} {plan.count(k)}' for k in OpKind if plan.count(k))})"],
+    ]
+    if pred:
+        rows += [
+            ["predicted step", f"{pred.get('step_time_s', 0):.4f} s"],
+            ["predicted model TFLOPS", f"{pred.get('model_tflops', 0):.1f}"],
+            ["peak GPU / host / NVMe", f"{pred.get('peak_gpu_bytes', 0) / GiB:.2f} / "
+                                       f"{pred.get('peak_host_bytes', 0) / GiB:.2f} / "
+                                       f"{pred.get('peak_nvme_bytes', 0) / GiB:.2f} GiB"],
+            ["busy s (gpu h2d d2h cpu nvme)", " ".join(f"{pred.get('busy_s', {}).get(r, 0):.3f}"
+                                                       for r in ("gpu", "h2d", "d2h", "cpu", "nvme"))],
+            ["exposed transfer s", f"{pred.get('exposed_transfer_s', 0):.4f}"],
+        ]
+        if "megatrain_step_time_s" in pred:
+            rows.append(["gain over megatrain", f"{pred['megatrain_step_time_s'] / pred['step_time_s']:.3f}x"])
+    if plan.solver:
+        st = plan.solver
+        rows.append(["solver", f"{st.status}, objective {st.objective}, gap {st.gap}, {st.n_vars} vars, "
+                               f"{st.n_constraints} constraints, {st.seconds:.2f} s"])
+    return rows

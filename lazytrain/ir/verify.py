@@ -1,0 +1,216 @@
+"""``verify(plan)``: check a plan from its ops alone, without trusting the solver that made it.
+
+It walks the op list in program order and checks that every input is resident where it is read,
+that an op reading another resource's output depends on its producer (so the runtime's events
+order them; no silent race), that a ``free`` waits for every reader, that every block is updated
+exactly once per step after all its gradients are on the host, and that peak memory per tier
+(recomputed here) is within the budgets.  Any failure is a ``PlanError`` naming the op.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .ops import GiB, Op, OpKind, Resource, TensorId, TensorKind, Tier
+from .plan import PLAN_FORMAT, Plan, PlanError
+from .semantics import Sizes, effects
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    peak_gpu_bytes: int
+    peak_host_bytes: int           # static host store + offloaded activations at their peak
+    peak_nvme_bytes: int
+    host_static_bytes: int
+    gpu_curve: tuple[int, ...]     # GPU bytes after each op (program order)
+
+
+def host_static_bytes(plan: Plan) -> int:
+    """Host store: parameters, master weights, optimizer state and gradient buffers."""
+    per_param = float(plan.options.get("host_bytes_per_param", 16.0))
+    return int(plan.graph.total_params * per_param)
+
+
+def _fail(op: Op, msg: str) -> PlanError:
+    return PlanError(f"op #{op.id} ({op}): {msg}")
+
+
+def _contributors(plan: Plan) -> dict[int, set[int]]:
+    """Block -> blocks whose gradients feed its update (itself plus tied readers)."""
+    out: dict[int, set[int]] = defaultdict(set)
+    for b in plan.graph.blocks:
+        for p in b.params:
+            out[p.owner].add(b.index)
+    return out
+
+
+def verify(plan: Plan) -> MemoryReport:
+    ops = plan.ops
+    L = plan.graph.n_blocks
+    M = plan.n_micro
+    sizes = Sizes(plan.graph, plan.micro_batch, plan.param_dtype)
+    by_id = ops
+    for i, op in enumerate(ops):
+        if op.id != i:
+            raise PlanError(f"op at position {i} has id {op.id}; ids must be 0..n-1 in order")
+        if not 0 <= op.block < L:
+            raise _fail(op, f"block {op.block} out of range 0..{L - 1}")
+        if op.mb is not None and not 0 <= op.mb < M:
+            raise _fail(op, f"micro-batch {op.mb} out of range 0..{M - 1}")
+        for d in op.deps:
+            if not 0 <= d < i:
+                raise _fail(op, f"depends on #{d}, which is not an earlier op (dependencies must point back)")
+
+    # ---- updates: exactly once, after every contributing gradient ------------------------
+    contrib = _contributors(plan)
+    grad_off = {op.block: op.id for op in ops if op.kind is OpKind.GRAD_OFFLOAD}
+    updates: dict[int, Op] = {}
+    for op in ops:
+        if op.kind is OpKind.UPDATE:
+            if op.block in updates:
+                raise _fail(op, f"block {op.block} is updated twice in one step (first at #{updates[op.block].id})")
+            updates[op.block] = op
+    lagged: set[int] = set()
+    for owner, readers in contrib.items():
+        if owner not in updates:
+            raise PlanError(f"block {owner} owns parameters but is never updated")
+        u = updates[owner]
+        for r in readers:
+            if r not in grad_off:
+                raise PlanError(f"block {r}'s gradients never leave the GPU (no grad_offload)")
+        before = [grad_off[r] < u.id for r in readers]
+        if all(before):
+            missing = [grad_off[r] for r in readers if grad_off[r] not in u.deps]
+            if missing:
+                raise _fail(u, f"update must depend on grad_offload #{missing[0]}")
+        elif not any(before):
+            lagged.add(owner)
+            # a lagged update applies last step's gradients: it must finish before the params load
+            for op in ops:
+                if op.kind is OpKind.LOAD and any(p.owner == owner for p in plan.graph.blocks[op.block].params) \
+                        and op.window < L:
+                    if op.id < u.id or u.id not in op.deps:
+                        raise _fail(op, f"loads parameters of block {owner} before/without waiting for "
+                                        f"its lagged update #{u.id}")
+                    break
+        else:
+            raise _fail(u, "update runs between the gradients of its contributors (some before, some after)")
+
+    # ---- residency walk --------------------------------------------------------------------
+    where: dict[TensorId, dict[Tier, int]] = defaultdict(dict)   # tensor -> tier -> producer op id
+    readers: dict[tuple[TensorId, Tier], list[int]] = defaultdict(list)
+    for b in lagged:
+        where[TensorId(kind=TensorKind.GRADS, index=b)][Tier.HOST] = -1
+    use = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
+    peak = dict(use)
+    curve = []
+    static_host = host_static_bytes(plan)
+
+    def ordered(op: Op, producer: int) -> bool:
+        if producer < 0 or producer in op.deps:
+            return True
+        p = by_id[producer]
+        return p.resource is op.resource and p.resource is not Resource.NONE
+
+    for op in ops:
+        eff = effects(op, sizes)
+        for t, tier in eff.reads:
+            prod = where.get(t, {}).get(tier)
+            if prod is None:
+                raise _fail(op, f"reads {t} on {tier.value}, which is not resident there")
+            if not ordered(op, prod):
+                raise _fail(op, f"reads {t} on {tier.value} produced by #{prod} on another resource "
+                                f"without depending on it")
+            readers[(t, tier)].append(op.id)
+        transient = eff.transient
+        for t, tier in eff.writes:
+            if tier in where[t]:
+                if t.kind is TensorKind.GRADS and tier is Tier.GPU:
+                    continue   # accumulation into the existing buffer
+                raise _fail(op, f"writes {t} on {tier.value}, which is already there (leak or double load)")
+            where[t][tier] = op.id
+            readers[(t, tier)] = []
+            if tier is not Tier.HOST or t.kind is not TensorKind.GRADS:
+                use[tier] += sizes.of(t, tier)
+        peak[Tier.GPU] = max(peak[Tier.GPU], use[Tier.GPU] + transient)
+        for t, tier in eff.drops:
+            if tier not in where.get(t, {}):
+                raise _fail(op, f"drops {t} on {tier.value}, which is not resident there")
+            if op.kind is OpKind.FREE:
+                late = [r for r in readers[(t, tier)] if not ordered(op, r)]
+                if late:
+                    raise _fail(op, f"frees {t} on {tier.value} without waiting for its reader #{late[0]}")
+            del where[t][tier]
+            if tier is not Tier.HOST or t.kind is not TensorKind.GRADS:
+                use[tier] -= sizes.of(t, tier)
+        for tier in (Tier.HOST, Tier.NVME):
+            peak[tier] = max(peak[tier], use[tier])
+        curve.append(use[Tier.GPU])
+
+    leftovers = [f"{t} on {tier.value}" for t, tiers in where.items() for tier in tiers
+                 if not (t.kind is TensorKind.GRADS and tier is Tier.HOST)]
+    if leftovers:
+        raise PlanError(f"the step ends with tensors still resident: {', '.join(leftovers[:5])}"
+                        f"{' …' if len(leftovers) > 5 else ''} (every step must start from the same state)")
+    host_grads = {t.index for t, tiers in where.items() if t.kind is TensorKind.GRADS and Tier.HOST in tiers}
+    if host_grads != lagged:
+        raise PlanError(f"gradients of blocks {sorted(host_grads ^ lagged)} are left pending at the end of the step")
+
+    report = MemoryReport(peak_gpu_bytes=peak[Tier.GPU], peak_host_bytes=static_host + peak[Tier.HOST],
+                          peak_nvme_bytes=peak[Tier.NVME], host_static_bytes=static_host, gpu_curve=tuple(curve))
+    budgets = plan.budgets
+    for name, used, key in (("GPU", report.peak_gpu_bytes, "gpu_bytes"), ("host", report.peak_host_bytes, "host_bytes"),
+                            ("NVMe", report.peak_nvme_bytes, "nvme_bytes")):
+        cap = budgets.get(key)
+        if cap is not None and used > cap:
+            raise PlanError(f"peak {name} memory {used / GiB:.2f} GiB exceeds the budget of {cap / GiB:.2f} GiB")
+    return report
+
+
+# ---- JSON shape check (before building objects, so bad files give a PlanError) ------------
+_REQUIRED = {"format": str, "model": dict, "graph": dict, "hardware": dict, "budgets": dict, "batch_size": int,
+             "seq_len": int, "param_dtype": str, "decisions": dict, "ops": list}
+_OP_FIELDS = {"id": int, "kind": str, "block": int}
+_LIMIT = 1 << 62
+
+
+def check_plan_json(d: object) -> None:
+    if not isinstance(d, dict):
+        raise PlanError("plan file must hold a JSON object")
+    fmt = d.get("format")
+    if fmt != PLAN_FORMAT:
+        if isinstance(fmt, str) and fmt.startswith("lazytrain.plan/"):
+            raise PlanError(f"plan format {fmt!r} is not supported by this version (expects {PLAN_FORMAT!r}); "
+                            "compile the plan again with this version")
+        raise PlanError(f"not a LazyTrain plan (format {fmt!r}, expected {PLAN_FORMAT!r})")
+    for key, typ in _REQUIRED.items():
+        if key not in d:
+            raise PlanError(f"plan is missing the field {key!r}")
+        if not isinstance(d[key], typ) or (typ is int and isinstance(d[key], bool)):
+            raise PlanError(f"plan field {key!r} must be {typ.__name__}, got {type(d[key]).__name__}")
+    for key in ("batch_size", "seq_len"):
+        if not 0 < d[key] < _LIMIT:
+            raise PlanError(f"plan field {key!r} out of range: {d[key]}")
+    kinds = {k.value for k in OpKind}
+    for i, o in enumerate(d["ops"]):
+        if not isinstance(o, dict):
+            raise PlanError(f"op {i} must be an object")
+        for key, typ in _OP_FIELDS.items():
+            if not isinstance(o.get(key), typ) or isinstance(o.get(key), bool):
+                raise PlanError(f"op {i}: field {key!r} missing or not {typ.__name__}")
+        if o["kind"] not in kinds:
+            raise PlanError(f"op {i}: unknown kind {o['kind']!r} (known: {', '.join(sorted(kinds))})")
+        deps = o.get("deps", [])
+        if not isinstance(deps, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in deps):
+            raise PlanError(f"op {i}: deps must be a list of op ids")
+        for x in deps:
+            if not 0 <= x < i:
+                raise PlanError(f"op {i}: dependency #{x} does not point to an earlier op (a cycle or a bad id)")
+        for key in ("nbytes",):
+            v = o.get(key, 0)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _LIMIT:
+                raise PlanError(f"op {i}: {key} must be a non-negative integer below 2**62")
+        v = o.get("seconds", 0.0)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1e9:
+            raise PlanError(f"op {i}: seconds must be a non-negative number")
