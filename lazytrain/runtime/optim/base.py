@@ -1,0 +1,58 @@
+"""The host optimizer interface: what the runtime's ``update`` op calls.
+
+Ownership, chosen so an 8-bit optimizer can keep host memory near 8 bytes/param:
+- the runtime owns, per block, the flat *load buffer* (pinned, in the plan's param dtype: what
+  ``load`` copies to the GPU) and the flat *gradient buffer* (pinned, what ``grad_offload`` fills);
+- the optimizer owns the master weights and its state, however it represents them (fp32 copy,
+  or bf16 high half = the load buffer plus 16 low bits, ...), and on every ``step`` writes the new
+  parameters into the load buffer.
+
+``segments`` lists the tensors packed in a block's flat buffers as (name, offset, numel, shape),
+so an optimizer can treat small tensors (norms, biases) differently.  Gradient clipping is done
+by the caller: ``step`` receives the clip coefficient (1.0 when no clipping applies), already
+folded from the global norm.  ``step`` must be safe to call from a worker thread concurrently for
+different blocks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+Segment = tuple[str, int, int, tuple[int, ...]]
+
+
+class HostOptimizer(ABC):
+    #: bytes of host memory per parameter: load buffer + gradient buffer + master + state
+    host_bytes_per_param: float = 16.0
+    #: global gradient-norm clip threshold (None: no clipping)
+    max_grad_norm: float | None = None
+
+    @abstractmethod
+    def setup(self, block: int, init: torch.Tensor, load_buffer: torch.Tensor, segments: list[Segment]) -> None:
+        """Take ownership of block ``block``: ``init`` is a flat fp32 copy of its initial parameters
+        (the optimizer may keep or discard it), ``load_buffer`` the runtime's flat buffer to write
+        updated parameters into."""
+
+    @abstractmethod
+    def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0) -> None:
+        """One update of block ``block`` from its flat gradient (bf16 or fp32, same layout)."""
+
+    @abstractmethod
+    def master(self, block: int) -> torch.Tensor:
+        """Flat fp32 master weights of the block (a copy or a view)."""
+
+    @abstractmethod
+    def state_tensors(self, block: int) -> dict[str, torch.Tensor]:
+        """Everything needed to resume this block bit-exactly (for safetensors checkpoints)."""
+
+    @abstractmethod
+    def load_state_tensors(self, block: int, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    @abstractmethod
+    def hyperparameters(self) -> dict:
+        """JSON-able hyper-parameters (lr, betas, eps, weight_decay, max_grad_norm, step count)."""
+
+    def load_hyperparameters(self, hp: dict) -> None:
+        """Restore what ``hyperparameters`` returned (at least the step count)."""
