@@ -1,0 +1,235 @@
+"""Arithmetic word problems, generated: a task of the MetaMathQA kind that needs no download.
+
+A problem is a starting count and a few steps applied in order; its answer is the count after the
+last step. The English is templated from the numbers, so the numbers of ``Problem`` are the numbers
+of the question, in order::
+
+    problem  ::= start step*                   -- count := start, then each step in order
+    step     ::= add a | sub a                 -- count + a | count - a (never below zero)
+               | add_groups a b                -- count + a * b   ("buys a packs of b")
+               | mul a | div a                 -- count * a | count / a (a divides count exactly)
+
+Train and eval never share a problem: a stable hash of the arithmetic alone (start and steps, not
+the names, items or wording) puts every problem in one split, whatever the seed or difficulty. So an
+eval problem's arithmetic never appears in train under any wording.
+
+    >>> ex = eval_examples(1)[0]
+    >>> ex.text      # e.g. 'Q: Mia has 23 pens. She buys 4 packs of 6. She sells 9. How many pens now? A: 38'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+from itertools import islice
+
+
+class StepKind(Enum):
+    # the count grows
+    ADD = "add"                # count + a
+    ADD_GROUPS = "add_groups"  # count + a * b
+    MUL = "mul"                # count * a
+    # the count shrinks
+    SUB = "sub"                # count - a, a <= count
+    DIV = "div"                # count / a, a divides count
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Step:
+    kind: StepKind
+    a: int
+    b: int = 1  # only ADD_GROUPS uses it
+
+    def apply(self, count: int) -> int:
+        if self.kind is StepKind.ADD:
+            return count + self.a
+        if self.kind is StepKind.ADD_GROUPS:
+            return count + self.a * self.b
+        if self.kind is StepKind.MUL:
+            return count * self.a
+        if self.kind is StepKind.SUB:
+            return count - self.a
+        assert count % self.a == 0, (count, self)
+        return count // self.a
+
+    def __str__(self) -> str:
+        operands = f"{self.a} {self.b}" if self.kind is StepKind.ADD_GROUPS else f"{self.a}"
+        return f"{self.kind.value} {operands}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Problem:
+    start: int
+    steps: tuple[Step, ...]
+
+    @property
+    def answer(self) -> int:
+        count = self.start
+        for step in self.steps:
+            count = step.apply(count)
+        return count
+
+    @property
+    def key(self) -> str:
+        """The arithmetic alone, one line: ``37 ; add_groups 4 12 ; sub 19``."""
+        return " ; ".join([str(self.start), *map(str, self.steps)])
+
+    @property
+    def in_eval(self) -> bool:
+        """Which split this problem belongs to; fixed by the arithmetic, never by a seed."""
+        digest = hashlib.sha256(f"lazytrain.arith/{self.key}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") % 100 < EVAL_PERCENT
+
+
+EVAL_PERCENT = 10  # share of the problem space reserved for eval
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Example:
+    problem: Problem
+    question: str  # the English
+    answer: str    # str(problem.answer)
+
+    @property
+    def prompt(self) -> str:
+        """What the model is given; the answer follows it directly."""
+        return f"Q: {self.question} A: "
+
+    @property
+    def text(self) -> str:
+        """The training sequence without bos/eos: ``Q: ... A: 38`` (the tokenizer adds the eos)."""
+        return self.prompt + self.answer
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Difficulty:
+    name: str
+    n_steps: tuple[int, int]       # inclusive range of steps per problem
+    max_digits: int                # start, and ADD/SUB operands, have at most this many digits
+    factor_max: int                # ADD_GROUPS, MUL and DIV operands lie in 2..factor_max
+    kinds: tuple[StepKind, ...]    # always includes ADD and SUB, so some step always fits
+    max_answer: int                # every count along the way stays in 0..max_answer
+    seq_len: int                   # tokens (chars + bos + eos) of the longest example; longer draws are redrawn
+
+
+PRESETS = {
+    d.name: d for d in (
+        Difficulty(name="easy", n_steps=(1, 2), max_digits=2, factor_max=9,
+                   kinds=(StepKind.ADD, StepKind.SUB, StepKind.ADD_GROUPS), max_answer=999, seq_len=96),
+        Difficulty(name="medium", n_steps=(2, 3), max_digits=2, factor_max=9,
+                   kinds=(StepKind.ADD, StepKind.SUB, StepKind.ADD_GROUPS, StepKind.MUL, StepKind.DIV),
+                   max_answer=999, seq_len=128),
+        Difficulty(name="hard", n_steps=(3, 4), max_digits=3, factor_max=12,
+                   kinds=(StepKind.ADD, StepKind.SUB, StepKind.ADD_GROUPS, StepKind.MUL, StepKind.DIV),
+                   max_answer=9999, seq_len=160),
+    )
+}
+
+
+def get_difficulty(spec: str | Difficulty) -> Difficulty:
+    if isinstance(spec, Difficulty):
+        return spec
+    if spec not in PRESETS:
+        raise ValueError(f"unknown difficulty {spec!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[spec]
+
+
+# ---- drawing the arithmetic ------------------------------------------------------------------------
+
+def _draw_step(rng: random.Random, count: int, d: Difficulty) -> Step:
+    top = 10 ** d.max_digits - 1
+    room = d.max_answer - count
+    options: list[Step] = []  # one candidate per feasible kind, so every kind is equally likely
+    for kind in d.kinds:
+        if kind is StepKind.ADD and room >= 1:
+            options.append(Step(kind=kind, a=rng.randint(1, min(top, room))))
+        elif kind is StepKind.SUB and count >= 1:
+            options.append(Step(kind=kind, a=rng.randint(1, min(top, count))))
+        elif kind is StepKind.ADD_GROUPS and room >= 4:
+            a = rng.randint(2, min(d.factor_max, room // 2))
+            options.append(Step(kind=kind, a=a, b=rng.randint(2, min(d.factor_max, room // a))))
+        elif kind is StepKind.MUL and count >= 1 and count * 2 <= d.max_answer:
+            options.append(Step(kind=kind, a=rng.randint(2, min(d.factor_max, d.max_answer // count))))
+        elif kind is StepKind.DIV and count >= 2:
+            divisors = [a for a in range(2, d.factor_max + 1) if count % a == 0]
+            if divisors:
+                options.append(Step(kind=kind, a=rng.choice(divisors)))
+    return rng.choice(options)
+
+
+def draw_problem(rng: random.Random, d: Difficulty) -> Problem:
+    count = start = rng.randint(1, 10 ** d.max_digits - 1)
+    steps = []
+    for _ in range(rng.randint(*d.n_steps)):
+        steps.append(_draw_step(rng, count, d))
+        count = steps[-1].apply(count)
+    return Problem(start=start, steps=tuple(steps))
+
+
+# ---- the English -----------------------------------------------------------------------------------
+
+NAMES = (("Tom", "He"), ("Ann", "She"), ("Sam", "He"), ("Mia", "She"), ("Ben", "He"), ("Zoe", "She"),
+         ("Leo", "He"), ("Ivy", "She"), ("Max", "He"), ("Eva", "She"))
+ITEMS = ("apples", "pens", "coins", "books", "eggs", "cards", "shells", "stamps", "nuts", "beads")
+STEP_TEMPLATES = {
+    StepKind.ADD: ("{P} buys {a} more.", "{P} finds {a} more.", "{P} gets {a} more."),
+    StepKind.SUB: ("{P} gives away {a}.", "{P} loses {a}.", "{P} sells {a}."),
+    StepKind.ADD_GROUPS: ("{P} buys {a} packs of {b}.", "{P} gets {a} bags of {b}."),
+    StepKind.MUL: ("{P} then has {a} times as many.",),
+    StepKind.DIV: ("{P} keeps 1/{a} of them.",),
+}
+QUESTIONS = ("How many {item} now?", "How many does {N} have?", "How many {item} does {N} have?")
+
+
+def phrase(problem: Problem, rng: random.Random) -> str:
+    name, pronoun = rng.choice(NAMES)
+    item = rng.choice(ITEMS)
+    sentences = [f"{name} has {problem.start} {item}."]
+    for step in problem.steps:
+        sentences.append(rng.choice(STEP_TEMPLATES[step.kind]).format(P=pronoun, a=step.a, b=step.b))
+    sentences.append(rng.choice(QUESTIONS).format(item=item, N=name))
+    return " ".join(sentences)
+
+
+def n_tokens(ex: Example) -> int:
+    """Length under the char tokenizer: one token a character, plus bos and eos."""
+    return len(ex.text) + 2
+
+
+# ---- the two splits --------------------------------------------------------------------------------
+
+def _examples(rng: random.Random, d: Difficulty, want_eval: bool) -> Iterator[Example]:
+    while True:
+        problem = draw_problem(rng, d)
+        if problem.in_eval != want_eval:
+            continue
+        ex = Example(problem=problem, question=phrase(problem, rng), answer=str(problem.answer))
+        if n_tokens(ex) <= d.seq_len:
+            yield ex
+
+
+def train_examples(difficulty: str | Difficulty = "easy", *, seed: int = 0) -> Iterator[Example]:
+    """An endless, seeded stream of train problems (repeats allowed; none is ever an eval problem)."""
+    d = get_difficulty(difficulty)
+    return _examples(random.Random(f"train/{d.name}/{seed}"), d, want_eval=False)
+
+
+def eval_examples(n: int, difficulty: str | Difficulty = "easy", *, seed: int = 0) -> list[Example]:
+    """``n`` distinct eval problems (distinct arithmetic), the same list for the same arguments."""
+    d = get_difficulty(difficulty)
+    seen: set[str] = set()
+    out: list[Example] = []
+    for ex in _examples(random.Random(f"eval/{d.name}/{seed}"), d, want_eval=True):
+        if ex.problem.key not in seen:
+            seen.add(ex.problem.key)
+            out.append(ex)
+        if len(out) == n:
+            return out
+    raise AssertionError("unreachable")
+
+
+def take_train(n: int, difficulty: str | Difficulty = "easy", *, seed: int = 0) -> list[Example]:
+    return list(islice(train_examples(difficulty, seed=seed), n))

@@ -1,0 +1,128 @@
+"""Batches for training, and exact-match scoring by batched greedy decoding.
+
+A sequence is ``<bos> Q: ... A: <answer> <eos>``, right-padded with ``<pad>`` to ``seq_len``.
+``labels`` sit at the same positions as ``input_ids`` (the Hugging Face convention): the loss
+compares ``logits[:, t]`` with ``labels[:, t + 1]``, as ``shifted_cross_entropy`` does. By default
+only the answer and its eos carry a label; the prompt and the padding are ``IGNORE``.
+
+Decoding keeps the training layout (right padding, causal model) and tracks one position per row:
+each step runs the model on the batch and reads each row's logits at its own last token. This is exact
+for any causal ``generate_fn``, since no row ever sees a pad before its own tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .arith import Difficulty, Example, get_difficulty, train_examples
+from .tokenizer import CharTokenizer
+
+IGNORE = -100  # label of a position without loss (torch's cross_entropy ignore_index)
+
+GenerateFn = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] int64 -> logits [B, T, V]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    input_ids: torch.Tensor  # [B, T] int64, right-padded with pad_id
+    labels: torch.Tensor     # [B, T] int64, IGNORE where there is no loss
+
+
+def encode_example(ex: Example, tokenizer: CharTokenizer) -> tuple[list[int], int]:
+    """Token ids of the whole sequence, and how many of them (bos + prompt) come before the answer."""
+    prompt = tokenizer.encode(ex.prompt, bos=True)
+    return prompt + tokenizer.encode(ex.answer, eos=True), len(prompt)
+
+
+def collate(examples: Sequence[Example], seq_len: int, *, tokenizer: CharTokenizer | None = None,
+            loss_on_prompt: bool = False) -> Batch:
+    """Fixed ``[len(examples), seq_len]`` tensors; ``loss_on_prompt`` puts labels on every real token."""
+    tok = tokenizer or CharTokenizer()
+    input_ids = torch.full((len(examples), seq_len), tok.pad_id, dtype=torch.int64)
+    labels = torch.full((len(examples), seq_len), IGNORE, dtype=torch.int64)
+    for row, ex in enumerate(examples):
+        ids, n_prompt = encode_example(ex, tok)
+        if len(ids) > seq_len:
+            raise ValueError(f"example of {len(ids)} tokens does not fit seq_len={seq_len}: {ex.text!r}")
+        input_ids[row, :len(ids)] = torch.tensor(ids)
+        first = 0 if loss_on_prompt else n_prompt
+        labels[row, first:len(ids)] = input_ids[row, first:len(ids)]
+    return Batch(input_ids=input_ids, labels=labels)
+
+
+def train_batches(batch_size: int, *, difficulty: str | Difficulty = "easy", seed: int = 0,
+                  seq_len: int | None = None, tokenizer: CharTokenizer | None = None,
+                  loss_on_prompt: bool = False) -> Iterator[Batch]:
+    """Endless train batches, the same sequence for the same arguments; ``seq_len`` defaults to the preset's."""
+    d = get_difficulty(difficulty)
+    stream = train_examples(d, seed=seed)
+    while True:
+        examples = [next(stream) for _ in range(batch_size)]
+        yield collate(examples, seq_len or d.seq_len, tokenizer=tokenizer, loss_on_prompt=loss_on_prompt)
+
+
+def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss over labelled positions: ``logits[:, t]`` predicts ``labels[:, t + 1]``."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+                           ignore_index=IGNORE)
+
+
+@torch.no_grad()
+def greedy_generate(model_fn: GenerateFn, prompt_ids: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int,
+                    *, eos_id: int = CharTokenizer.eos_id, pad_id: int = CharTokenizer.pad_id) -> list[list[int]]:
+    """Greedy continuation of each prompt (rows may differ in length); each stops after its eos or
+    after ``max_new_tokens``. Returns the new tokens per row, the eos included when it came."""
+    rows = [[int(t) for t in p] for p in prompt_ids]
+    if any(not r for r in rows):
+        raise ValueError("every prompt needs at least one token (the bos)")
+    lengths = [len(r) for r in rows]
+    ids = torch.full((len(rows), max(lengths) + max_new_tokens), pad_id, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+    out: list[list[int]] = [[] for _ in rows]
+    active = list(range(len(rows)))
+    while active:
+        width = max(lengths[i] for i in active)
+        logits = model_fn(ids[active, :width])
+        if logits.shape[:2] != (len(active), width):
+            raise ValueError(f"generate_fn returned logits of shape {tuple(logits.shape)} for input "
+                             f"{(len(active), width)}; expected [B, T, V]")
+        last = torch.tensor([lengths[i] - 1 for i in active], device=logits.device)
+        picked = logits[torch.arange(len(active), device=logits.device), last].argmax(-1).tolist()
+        still = []
+        for i, token in zip(active, picked):
+            out[i].append(token)
+            ids[i, lengths[i]] = token
+            lengths[i] += 1
+            if token != eos_id and len(out[i]) < max_new_tokens:
+                still.append(i)
+        active = still
+    return out
+
+
+def predict(generate_fn: GenerateFn, examples: Sequence[Example], batch_size: int = 64, *,
+            tokenizer: CharTokenizer | None = None, max_new_tokens: int | None = None) -> list[str | None]:
+    """The decoded answer per example, or None where the model did not end with eos in time.
+    ``max_new_tokens`` defaults to the longest reference answer plus its eos."""
+    tok = tokenizer or CharTokenizer()
+    budget = max_new_tokens or max(len(ex.answer) for ex in examples) + 1
+    answers: list[str | None] = []
+    for lo in range(0, len(examples), batch_size):
+        chunk = examples[lo:lo + batch_size]
+        prompts = [tok.encode(ex.prompt, bos=True) for ex in chunk]
+        for new in greedy_generate(generate_fn, prompts, budget, eos_id=tok.eos_id, pad_id=tok.pad_id):
+            answers.append(tok.decode(new[:-1]) if new and new[-1] == tok.eos_id else None)
+    return answers
+
+
+def exact_match(generate_fn: GenerateFn, examples: Sequence[Example], batch_size: int = 64, *,
+                tokenizer: CharTokenizer | None = None, max_new_tokens: int | None = None) -> float:
+    """Share of examples whose greedy answer, up to eos, equals the reference string exactly."""
+    if not examples:
+        raise ValueError("exact_match needs at least one example")
+    got = predict(generate_fn, examples, batch_size, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
+    return sum(g == ex.answer for g, ex in zip(got, examples)) / len(examples)
