@@ -37,6 +37,11 @@ class Sizes:
             return b[t.index].saved_bytes * self.micro_batch
         raise ValueError(t)
 
+    def contributors(self, owner: int) -> tuple[int, ...]:
+        """Blocks whose gradients feed ``owner``'s update: itself and blocks reading its tied params."""
+        return tuple(b.index for b in self.graph.blocks if b.index == owner
+                     or any(p.owner == owner for p in b.params))
+
     def workspace(self, block: int) -> int:
         return self.graph.blocks[block].workspace_bytes * self.micro_batch
 
@@ -83,9 +88,9 @@ def effects(op: Op, sizes: Sizes) -> Effects:
     if k is OpKind.GRAD_OFFLOAD:
         g = TensorId(kind=TensorKind.GRADS, index=j)
         return Effects(((g, G),), ((g, Tier.HOST),), ((g, G),))
-    if k is OpKind.UPDATE:
-        return Effects(((TensorId(kind=TensorKind.GRADS, index=j), Tier.HOST),), (),
-                       ((TensorId(kind=TensorKind.GRADS, index=j), Tier.HOST),))
+    if k is OpKind.UPDATE:   # consumes the host gradients of every block that reads j's parameters
+        gs = tuple((TensorId(kind=TensorKind.GRADS, index=c), Tier.HOST) for c in sizes.contributors(j))
+        return Effects(gs, (), gs)
     if k is OpKind.FREE:
         return Effects((), (), ((op.tensor, op.src),))
     raise ValueError(f"unknown op kind {k}")

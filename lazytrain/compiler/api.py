@@ -1,0 +1,238 @@
+"""``compile_model``: model -> verified, simulated Plan.  The passes, in order:
+trace -> cost -> solve (policy, per candidate micro-batch) -> lower -> verify -> simulate.
+Each pass's wall time goes into ``plan.history``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from ..ir import GiB, Plan, PlanError, verify
+from ..ir.graph import ModelGraph
+from .cost import CostModel
+from .lower import lower
+from .simulate import simulate
+
+POLICIES = ("milp", "megatrain", "recompute-all", "keep-all")
+#: host bytes per parameter by optimizer (load buffer + grad buffer + master + states)
+HOST_BYTES_PER_PARAM = {"hybrid8bit": 8.25, "adamw": 16.0}
+
+
+class BudgetError(PlanError):
+    """No plan fits the memory budgets; the message states the smallest budget that would."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _as_graph(model, seq_len: int, param_dtype: str, history: list) -> ModelGraph:
+    if isinstance(model, ModelGraph):
+        return model
+    from .trace import trace
+    t = time.perf_counter()
+    if isinstance(model, str):
+        from .presets import build_model
+        model = build_model(model)
+    graph = trace(model, seq_len=seq_len, dtype=param_dtype)
+    history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4)})
+    return graph
+
+
+class Compiler:
+    """Everything fixed for one compile: graph, hardware, budgets, options."""
+
+    def __init__(self, graph: ModelGraph, hw, budgets: dict, *, param_dtype: str, optimizer: str, clip: bool,
+                 solver: str = "cbc", time_limit: float | None = None):
+        self.graph, self.hw, self.budgets = graph, hw, budgets
+        self.param_dtype, self.optimizer, self.clip = param_dtype, optimizer, clip
+        self.solver, self.time_limit = solver, time_limit
+        self.options = {"host_bytes_per_param": HOST_BYTES_PER_PARAM[optimizer], "optimizer": optimizer,
+                        "clip": clip}
+
+    def cost(self, micro_batch: int) -> CostModel:
+        return CostModel(self.graph, self.hw, micro_batch, self.param_dtype, self.optimizer == "hybrid8bit")
+
+    def build(self, decisions, batch_size: int, *, check_budget: bool = True) -> Plan:
+        cost = self.cost(decisions.micro_batch)
+        ops = lower(decisions, cost, clip=self.clip)
+        budgets = self.budgets if check_budget else {k: v for k, v in self.budgets.items() if k == "nvme_dir"}
+        plan = Plan(graph=self.graph, hardware=self.hw.to_json(), budgets=dict(budgets), batch_size=batch_size,
+                    seq_len=self.graph.seq_len, param_dtype=self.param_dtype, decisions=decisions, ops=ops,
+                    options=dict(self.options))
+        rep = verify(plan)
+        sim = simulate(plan)
+        flops = 6 * self.graph.total_params * batch_size * self.graph.seq_len
+        hw_flops = sum(self.graph.blocks[op.block].fwd_flops if op.kind.value in ("compute", "recompute")
+                       else self.graph.blocks[op.block].bwd_flops for op in ops
+                       if op.kind.value in ("compute", "recompute", "backward")) * decisions.micro_batch
+        plan.predicted = {
+            "step_time_s": sim.step_time_s, "peak_gpu_bytes": max(rep.peak_gpu_bytes, sim.peak_gpu_bytes),
+            "peak_host_bytes": rep.peak_host_bytes, "peak_nvme_bytes": rep.peak_nvme_bytes,
+            "host_static_bytes": rep.host_static_bytes, "busy_s": sim.busy_s,
+            "exposed_transfer_s": sim.exposed_transfer_s,
+            "model_tflops": flops / sim.step_time_s / 1e12 if sim.step_time_s else 0.0,
+            "hardware_tflops": hw_flops / sim.step_time_s / 1e12 if sim.step_time_s else 0.0,
+            "tokens_per_s": batch_size * self.graph.seq_len / sim.step_time_s if sim.step_time_s else 0.0,
+        }
+        if plan.budgets.get("gpu_bytes") and plan.predicted["peak_gpu_bytes"] > plan.budgets["gpu_bytes"]:
+            raise PlanError(f"simulated peak GPU memory {plan.predicted['peak_gpu_bytes'] / GiB:.2f} GiB "
+                            f"exceeds the budget")
+        return plan
+
+    def decide(self, policy: str, micro_batch: int, n_micro: int, warm=None):
+        from .solvers.heuristics import HEURISTICS
+        if policy in HEURISTICS:
+            return HEURISTICS[policy](self.graph, micro_batch, n_micro), None
+        if policy == "milp":
+            from .solvers.milp import solve
+            return solve(self, micro_batch, n_micro, warm=warm)
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+    def best(self, policy: str, batch_size: int, micro_batch: int | None = None) -> Plan | None:
+        """Best feasible plan over micro-batch sizes (the given one only, if given)."""
+        cands = [micro_batch] if micro_batch else _divisors(batch_size)
+        best: Plan | None = None
+        for mb in cands:
+            t = time.perf_counter()
+            warm = None
+            if policy == "milp":
+                warm = self.best_heuristic(batch_size, mb)
+            try:
+                dec, stats = self.decide(policy, mb, batch_size // mb, warm=warm)
+                plan = self.build(dec, batch_size)
+            except PlanError:
+                continue
+            plan.solver = stats
+            plan.history.append({"pass": f"solve+lower+verify+simulate ({policy}, micro-batch {mb})",
+                                 "seconds": round(time.perf_counter() - t, 4)})
+            if best is None or plan.predicted["step_time_s"] < best.predicted["step_time_s"]:
+                best = plan
+        return best
+
+    def best_heuristic(self, batch_size: int, micro_batch: int) -> Plan | None:
+        out = None
+        for pol in ("megatrain", "recompute-all", "keep-all"):
+            p = self.best(pol, batch_size, micro_batch)
+            if p and (out is None or p.predicted["step_time_s"] < out.predicted["step_time_s"]):
+                out = p
+        return out
+
+    def smallest_gpu_need(self, batch_size: int, micro_batch: int | None) -> int:
+        """Peak GPU bytes of the most frugal plan we can build: recompute everything, boundaries
+        on the host, the smallest micro-batch."""
+        from ..ir import Decisions, Place, Saved
+        mb = micro_batch or 1
+        L = self.graph.n_blocks
+        dec = Decisions(policy="frugal", micro_batch=mb, n_micro=batch_size // mb, boundary=(Place.HOST,) * L,
+                        saved=(Saved.RECOMPUTE,) * L)
+        return self.build(dec, batch_size, check_budget=False).predicted["peak_gpu_bytes"]
+
+
+def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micro_batch: int | None = None,
+                  gpu_memory=None, host_memory=None, nvme_dir: str | None = None, nvme_memory=None,
+                  hardware: str = "h200", policy: str = "milp", optimizer: str = "hybrid8bit",
+                  param_dtype: str = "bfloat16", clip: bool = True, solver: str = "cbc",
+                  time_limit: float | None = None, reserve=None) -> Plan:
+    """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
+    to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
+
+    ``gpu_memory`` / ``host_memory`` / ``nvme_memory`` accept bytes or sizes like ``"24GiB"``;
+    they default to the hardware profile's.  ``batch_size="max"`` finds the largest batch with a
+    feasible plan.  ``reserve`` is GPU memory kept back for the CUDA context, cuBLAS workspaces
+    and allocator fragmentation (default: 1 GiB + 5% of the budget).
+    """
+    from ..units import parse_size
+    from .hardware import get_profile
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if optimizer not in HOST_BYTES_PER_PARAM:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(HOST_BYTES_PER_PARAM)}")
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch < 1):
+        raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
+    history: list[dict] = []
+    t0 = time.perf_counter()
+    hw = get_profile(hardware) if isinstance(hardware, str) else hardware
+    graph = _as_graph(model, seq_len, param_dtype, history)
+
+    def size(v, default):
+        return default if v is None else (parse_size(v) if isinstance(v, str) else int(v))
+    gpu = size(gpu_memory, hw.gpu_memory_bytes)
+    res = size(reserve, int(GiB + 0.05 * gpu))
+    budgets = {"gpu_bytes": gpu - res, "gpu_total_bytes": gpu, "gpu_reserve_bytes": res,
+               "host_bytes": size(host_memory, hw.host_memory_bytes),
+               "nvme_bytes": size(nvme_memory, 0) if nvme_dir else 0, "nvme_dir": nvme_dir}
+    if budgets["gpu_bytes"] <= 0:
+        raise BudgetError(f"GPU memory {gpu / GiB:.2f} GiB is below the reserve of {res / GiB:.2f} GiB")
+    comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
+                    solver=solver, time_limit=time_limit)
+
+    if batch_size == "max":
+        plan = _max_batch(comp, policy, micro_batch)
+    else:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer or 'max', got {batch_size!r}")
+        if micro_batch and batch_size % micro_batch:
+            raise ValueError(f"micro_batch {micro_batch} does not divide batch_size {batch_size}")
+        plan = comp.best(policy, batch_size, micro_batch)
+        if plan is None:
+            raise _budget_error(comp, batch_size, micro_batch)
+    history = history + plan.history
+    if policy != "megatrain":
+        base = comp.best("megatrain", plan.batch_size)
+        if base is not None:
+            plan.predicted["megatrain_step_time_s"] = base.predicted["step_time_s"]
+    history.append({"pass": "total", "seconds": round(time.perf_counter() - t0, 4)})
+    plan.history = history
+    return plan
+
+
+def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None) -> BudgetError:
+    need = comp.smallest_gpu_need(batch_size, micro_batch)
+    res = comp.budgets["gpu_reserve_bytes"]
+    host_need = int(comp.graph.total_params * comp.options["host_bytes_per_param"])
+    msg = (f"needs at least {(need + res) / GiB:.2f} GiB of GPU memory for batch {batch_size}, seq "
+           f"{comp.graph.seq_len} (plan peak {need / GiB:.2f} GiB + {res / GiB:.2f} GiB reserve); the budget is "
+           f"{comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB: lower the batch or the sequence, or raise --gpu-memory")
+    if host_need > comp.budgets["host_bytes"]:
+        msg = (f"needs at least {host_need / GiB:.2f} GiB of host memory for the parameters and optimizer "
+               f"state of {comp.graph.total_params / 1e9:.2f} B parameters ({comp.options['host_bytes_per_param']} "
+               f"bytes each); the budget is {comp.budgets['host_bytes'] / GiB:.2f} GiB")
+    return BudgetError(msg)
+
+
+def _max_batch(comp: Compiler, policy: str, micro_batch: int | None) -> Plan:
+    """Largest batch with a feasible plan: doubling, then bisection (feasibility is monotone for
+    a fixed micro-batch, which is what bounds memory)."""
+    def feasible(b: int) -> Plan | None:
+        mb = micro_batch if micro_batch and b % micro_batch == 0 else None
+        if micro_batch and mb is None:
+            return None
+        return comp.best(policy if policy != "milp" else "recompute-all", b, mb)
+    step = micro_batch or 1
+    lo, hi = 0, step
+    best = None
+    while True:
+        p = feasible(hi)
+        if p is None:
+            break
+        best, lo, hi = p, hi, hi * 2
+        if hi > 1 << 16:
+            break
+    if best is None:
+        raise _budget_error(comp, step, micro_batch)
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if mid <= lo:
+            break
+        p = feasible(mid)
+        if p is None:
+            hi = mid
+        else:
+            best, lo = p, mid
+    if policy == "milp":
+        p = comp.best("milp", lo, micro_batch)
+        best = p or best
+    return replace(best) if best else best

@@ -1,0 +1,65 @@
+"""Cost model: seconds for every kind of work on a block, from the graph and a hardware profile.
+
+All times are for one micro-batch where work is per micro-batch (compute, activation transfers)
+and per block where it is per block (parameter load, gradient offload, host update).  Forward
+recompute costs the same as forward; backward FLOPs come from the trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from ..ir import ModelGraph
+from ..ir.semantics import GRAD_WIRE_BYTES, Sizes
+
+
+@dataclass(frozen=True)
+class CostModel:
+    graph: ModelGraph
+    hw: object                 # compiler.hardware.HardwareProfile
+    micro_batch: int
+    param_dtype: str = "bfloat16"
+    eight_bit: bool = True
+
+    @cached_property
+    def sizes(self) -> Sizes:
+        return Sizes(self.graph, self.micro_batch, self.param_dtype)
+
+    def fwd_s(self, j: int) -> float:
+        return self.hw.matmul_seconds(self.graph.blocks[j].fwd_flops * self.micro_batch)
+
+    def bwd_s(self, j: int) -> float:
+        return self.hw.matmul_seconds(self.graph.blocks[j].bwd_flops * self.micro_batch)
+
+    def param_bytes(self, j: int) -> int:
+        return self.graph.blocks[j].param_numel * self.sizes.param_bytes
+
+    def grad_bytes(self, j: int) -> int:
+        per = 4 if self.sizes.param_bytes == 4 else GRAD_WIRE_BYTES
+        return self.graph.blocks[j].param_numel * per
+
+    def load_s(self, j: int) -> float:
+        return self.hw.h2d_seconds(self.param_bytes(j))
+
+    def grad_offload_s(self, j: int) -> float:
+        return self.hw.d2h_seconds(self.grad_bytes(j))
+
+    def update_s(self, j: int) -> float:
+        n = self.graph.blocks[j].owned_numel
+        return self.hw.update_seconds(n, self.eight_bit) if n else 0.0
+
+    def act_bytes(self, i: int) -> int:
+        return self.graph.boundary_bytes[i] * self.micro_batch
+
+    def saved_bytes(self, j: int) -> int:
+        return self.graph.blocks[j].saved_bytes * self.micro_batch
+
+    def d2h_s(self, nbytes: int) -> float:
+        return self.hw.d2h_seconds(nbytes)
+
+    def h2d_s(self, nbytes: int) -> float:
+        return self.hw.h2d_seconds(nbytes)
+
+    def nvme_s(self, nbytes: int, write: bool) -> float:
+        return self.hw.nvme_seconds(nbytes, write)
