@@ -19,10 +19,9 @@ from lazytrain.tasks import (
     greedy_generate,
     predict,
     shifted_cross_entropy,
-    take_train,
     train_batches,
 )
-from lazytrain.tasks.arith import n_tokens
+from lazytrain.tasks.arith import n_tokens, take_train
 
 TOK = CharTokenizer()
 OPS = {  # an evaluator of its own, so the test does not trust Step.apply
