@@ -1,0 +1,130 @@
+"""Built-in model shapes and ``build_model``: preset name | HF ``config.json`` | ``pkg.module:factory``.
+
+Shapes are copied from the published configs (Hugging Face ``config.json`` of each base model);
+``transformers`` is optional and imported only when a Hugging Face architecture is built.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HF_ARCHS = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HF_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _qwen25(h, i, n, a, kv, tied, max_pos, eps):
+    return {"model_type": "qwen2", "hidden_size": h, "intermediate_size": i, "num_hidden_layers": n,
+            "num_attention_heads": a, "num_key_value_heads": kv, "vocab_size": 151936, "tie_word_embeddings": tied,
+            "rope_theta": 1000000.0, "rms_norm_eps": eps, "max_position_embeddings": max_pos,
+            "hidden_act": "silu", "use_sliding_window": False}
+
+
+def _llama3(h, i, n, a, kv):
+    return {"model_type": "llama", "hidden_size": h, "intermediate_size": i, "num_hidden_layers": n,
+            "num_attention_heads": a, "num_key_value_heads": kv, "vocab_size": 128256, "tie_word_embeddings": False,
+            "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "hidden_act": "silu"}
+
+
+def _qwen3(h, i, n, a, kv):
+    return {"model_type": "qwen3", "hidden_size": h, "intermediate_size": i, "num_hidden_layers": n,
+            "num_attention_heads": a, "num_key_value_heads": kv, "head_dim": 128, "vocab_size": 151936,
+            "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 40960, "hidden_act": "silu", "use_sliding_window": False}
+
+
+PRESETS: dict[str, dict] = {
+    # our plain GPT (lazytrain.models.gpt); "tiny" is ~3.5M parameters and fast on a CPU
+    "tiny": {"model_type": "lazytrain-gpt", "vocab": 1024, "d_model": 256, "n_layer": 4, "n_head": 4,
+             "d_ff": 1024, "max_seq": 512, "tie_weights": True},
+    "gpt2": {"model_type": "lazytrain-gpt", "vocab": 50257, "d_model": 768, "n_layer": 12, "n_head": 12,
+             "d_ff": 3072, "max_seq": 1024, "tie_weights": True},
+    # Qwen2.5 base models (Qwen2Config)
+    "qwen2.5-0.5b": _qwen25(896, 4864, 24, 14, 2, True, 32768, 1e-6),
+    "qwen2.5-1.5b": _qwen25(1536, 8960, 28, 12, 2, True, 131072, 1e-6),
+    "qwen2.5-3b": _qwen25(2048, 11008, 36, 16, 2, True, 32768, 1e-6),
+    "qwen2.5-7b": _qwen25(3584, 18944, 28, 28, 4, False, 131072, 1e-6),
+    "qwen2.5-14b": _qwen25(5120, 13824, 48, 40, 8, False, 131072, 1e-5),
+    "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8, False, 131072, 1e-5),
+    "qwen2.5-72b": _qwen25(8192, 29568, 80, 64, 8, False, 131072, 1e-5),
+    # Llama 3 (LlamaConfig)
+    "llama3-8b": _llama3(4096, 14336, 32, 32, 8),
+    "llama3-70b": _llama3(8192, 28672, 80, 64, 8),
+    # Qwen3 (Qwen3Config, head_dim 128)
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, 8),
+}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("this model needs Hugging Face transformers: pip install lazytrain[hf]") from e
+    return transformers
+
+
+def _unknown_preset(spec: str) -> ValueError:
+    close = difflib.get_close_matches(spec.lower(), PRESETS, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"unknown model {spec!r}: not a preset, a config.json path, or 'package.module:factory'."
+                      f"{hint} Known presets: {', '.join(PRESETS)}")
+
+
+def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source: str = "config") -> nn.Module:
+    """Build a model from a config dict (a preset's or a Hugging Face ``config.json``'s)."""
+    model_type = cfg.get("model_type")
+    if model_type == "lazytrain-gpt":
+        from ..models.gpt import GPT, GPTConfig
+        gcfg = GPTConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+        with torch.device(device):
+            return GPT(gcfg).to(dtype)
+    if model_type not in HF_ARCHS:
+        archs = cfg.get("architectures") or []
+        raise ValueError(f"{source}: unsupported architecture (model_type={model_type!r}, architectures={archs}); "
+                         f"supported: {', '.join(HF_ARCHS)} and lazytrain-gpt")
+    missing = [k for k in HF_REQUIRED if k not in cfg]
+    if missing:
+        raise ValueError(f"{source}: {model_type} config is missing {', '.join(missing)}")
+    tf = _transformers()
+    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")}
+    hf_cfg = tf.AutoConfig.for_model(model_type, **fields)
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = tf.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
+    return model.to(dtype)
+
+
+def build_model(spec: str, device="meta", dtype=torch.bfloat16) -> nn.Module:
+    """A model from a preset name, a HF ``config.json`` (or a folder holding one), or ``pkg.module:factory``.
+
+    On ``device="meta"`` (the default) nothing is allocated, so any size builds on a laptop.
+    """
+    if spec in PRESETS:
+        return build_from_config(PRESETS[spec], device=device, dtype=dtype, source=f"preset {spec}")
+    path = Path(spec)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from e
+        return build_from_config(cfg, device=device, dtype=dtype, source=str(path))
+    if ":" in spec and not path.exists():
+        mod_name, _, fn_name = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(mod_name), fn_name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot load factory {spec!r}: {e}") from e
+        with torch.device(device):
+            model = fn()
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"factory {spec!r} returned {type(model).__name__}, not an nn.Module")
+        return model.to(dtype)
+    raise _unknown_preset(spec)
