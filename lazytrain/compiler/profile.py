@@ -1,0 +1,259 @@
+"""Measure this machine into a ``HardwareProfile`` (what ``lazytrain profile -o hw.json`` runs).
+
+``measure(device=None, quick=False, disk_dir=None, verbose=True)`` times, each as the median of
+several repeats after a warm-up:
+
+- pinned host->GPU, GPU->host, and both at once (two CUDA streams; duplex = the sum of the two),
+  then pageable copies; with CUDA events, 256 MB buffers (64 MB with ``quick``);
+- the dense bf16 matmul rate (8192^3 GEMMs), and ``compute_efficiency``/``kernel_overhead_s`` from a
+  transformer-like block (QKV and output projections, causal SDPA, a 4x MLP) run forward+backward
+  at micro-batch 8 and 4 x 1024, fitted to ``3 * flops / (rate * efficiency) + 2 * overhead`` as
+  the built-in H200 calibration is (FLOPs counted by ``layer_flops``, backward = 2x forward). The
+  block has no norms or rotary embeddings, so it is a little more efficient than a real layer;
+- fused fp32 AdamW on the host (``torch.optim.AdamW(fused=True)``, else ``foreach``) over 48M
+  parameters (12M with ``quick``); the 8-bit rate is taken equal to it (no 8-bit kernel is measured);
+- sequential write (with fsync) and read of a 256 MB temp file (64 MB with ``quick``) in
+  ``disk_dir`` (default: the temp directory); the page cache is dropped for the file before reading
+  (``posix_fadvise``), so the read is the disk's, best effort;
+- CPU cores (affinity), host memory (physical or the cgroup limit), GPU memory.
+
+Without CUDA the "GPU" is the CPU: matmul and the block run on the CPU in fp32 (what CPU mode
+computes in; ``bf16_tflops`` then holds the fp32 rate), transfers are memcpy rates, and
+``source`` says so. With ``quick=True`` this takes well under 30 s on a small CPU machine.
+Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+from .hardware import HardwareProfile, _cpu_cores, _host_memory_bytes, layer_flops
+
+__all__ = ["measure"]
+
+
+def _log(verbose: bool, text: str) -> None:
+    if verbose:
+        print(f"[lazytrain profile] {text}", file=sys.stderr, flush=True)
+
+
+def _median_seconds(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
+    """Median wall time of ``fn`` after one warm-up; CUDA work is timed with events."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _transfers(device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:
+    """GB/s of pinned and pageable copies each way and pinned both ways at once."""
+    n = nbytes // 2  # bf16 elements
+    gpu_a = torch.empty(n, dtype=torch.bfloat16, device=device)
+    gpu_b = torch.empty(n, dtype=torch.bfloat16, device=device)
+    pinned_a = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    pinned_b = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    pageable = torch.ones(n, dtype=torch.bfloat16)
+    h2d_stream, d2h_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def h2d() -> None:
+        with torch.cuda.stream(h2d_stream):
+            gpu_a.copy_(pinned_a, non_blocking=True)
+        torch.cuda.current_stream(device).wait_stream(h2d_stream)
+
+    def d2h() -> None:
+        with torch.cuda.stream(d2h_stream):
+            pinned_b.copy_(gpu_b, non_blocking=True)
+        torch.cuda.current_stream(device).wait_stream(d2h_stream)
+
+    def both() -> None:
+        h2d_stream.wait_stream(torch.cuda.current_stream(device))
+        d2h_stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(h2d_stream):
+            gpu_a.copy_(pinned_a, non_blocking=True)
+        with torch.cuda.stream(d2h_stream):
+            pinned_b.copy_(gpu_b, non_blocking=True)
+        torch.cuda.current_stream(device).wait_stream(h2d_stream)
+        torch.cuda.current_stream(device).wait_stream(d2h_stream)
+
+    gb = nbytes / 1e9
+    return {
+        "h2d_gbps": gb / _median_seconds(h2d, repeats, device),
+        "d2h_gbps": gb / _median_seconds(d2h, repeats, device),
+        "duplex_gbps": 2 * gb / _median_seconds(both, repeats, device),
+        "pageable_h2d_gbps": gb / _median_seconds(lambda: gpu_a.copy_(pageable), repeats, device),
+        "pageable_d2h_gbps": gb / _median_seconds(lambda: pageable.copy_(gpu_b), repeats, device),
+    }
+
+
+def _memcpy_gbps(nbytes: int, repeats: int) -> float:
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    return nbytes / 1e9 / _median_seconds(lambda: dst.copy_(src), repeats, torch.device("cpu"))
+
+
+def _matmul_tflops(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> float:
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    iters = 5 if device.type == "cuda" else 1
+
+    def run() -> None:
+        for _ in range(iters):
+            torch.mm(a, b)
+
+    return 2 * size**3 * iters / _median_seconds(run, repeats, device) / 1e12
+
+
+def _block_seconds(device: torch.device, dtype: torch.dtype, batch: int, seq: int, hidden: int,
+                   repeats: int) -> tuple[float, float]:
+    """Forward+backward seconds of a transformer-like block, and its forward FLOPs by ``layer_flops``."""
+    heads = max(1, hidden // 128)
+    shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, 4 * hidden), (4 * hidden, hidden)]
+    weights = [(torch.randn(shape, device=device, dtype=dtype) * 0.02).requires_grad_() for shape in shapes]
+    w_qkv, w_out, w_up, w_down = weights
+    x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
+
+    def step() -> None:
+        q, k, v = (x @ w_qkv).view(batch, seq, 3, heads, hidden // heads).permute(2, 0, 3, 1, 4)
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = x + attn.transpose(1, 2).reshape(batch, seq, hidden) @ w_out
+        y = h + torch.nn.functional.gelu(h @ w_up) @ w_down
+        y.sum().backward()
+
+    params = sum(w.numel() for w in weights)
+    return _median_seconds(step, repeats, device), layer_flops(params, batch, seq, hidden)
+
+
+def _fit_block(device: torch.device, dtype: torch.dtype, batch: int, seq: int, hidden: int, repeats: int,
+               tflops: float) -> tuple[float, float]:
+    """``(compute_efficiency, kernel_overhead_s)`` fitted like the built-in calibration.
+
+    Forward+backward at micro-batch ``batch`` and ``batch // 2`` is modelled as
+    ``3 * flops / (tflops * efficiency) + 2 * overhead``; two sizes give the slope (efficiency) and the
+    intercept (overhead). If noise makes the fit meaningless, overhead is 0 and efficiency comes
+    from the larger size alone.
+    """
+    big_s, big_flops = _block_seconds(device, dtype, batch, seq, hidden, repeats)
+    small_s, small_flops = _block_seconds(device, dtype, batch // 2, seq, hidden, repeats)
+    peak = tflops * 1e12
+    slope = (big_s - small_s) / (3 * (big_flops - small_flops))  # seconds per counted FLOP
+    overhead = (big_s - 3 * big_flops * slope) / 2
+    if slope <= 0 or overhead < 0 or 1 / (slope * peak) > 1:
+        return min(1.0, 3 * big_flops / big_s / peak), 0.0
+    return 1 / (slope * peak), overhead
+
+
+def _adam_gparams(n_params: int, repeats: int) -> tuple[float, str]:
+    """Host AdamW rate in G params/s: fused if this torch supports it on the CPU, else foreach."""
+    params = [torch.nn.Parameter(torch.randn(n_params // 4)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    try:
+        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+        optimizer.step()
+        kind = "fused"
+    except (RuntimeError, TypeError, NotImplementedError):
+        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        kind = "foreach"
+    seconds = _median_seconds(optimizer.step, repeats, torch.device("cpu"))
+    return sum(p.numel() for p in params) / seconds / 1e9, kind
+
+
+def _disk_gbps(directory: str | None, nbytes: int) -> tuple[float, float]:
+    """(read, write) GB/s of one file of ``nbytes``, written with fsync, read after dropping its cache."""
+    chunk = os.urandom(min(nbytes, 16 * 2**20))
+    fd, path = tempfile.mkstemp(prefix="lazytrain-disk-", dir=directory)
+    try:
+        t0 = time.perf_counter()
+        written = 0
+        while written < nbytes:
+            written += os.write(fd, chunk)
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.lseek(fd, 0, os.SEEK_SET)
+        t0 = time.perf_counter()
+        while os.read(fd, len(chunk)):
+            pass
+        read_s = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return written / 1e9 / read_s, written / 1e9 / write_s
+
+
+def measure(device: str | torch.device | None = None, quick: bool = False, disk_dir: str | None = None,
+            verbose: bool = True) -> HardwareProfile:
+    """Measure this machine (see the module docstring); ``device`` defaults to ``cuda`` when available."""
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    repeats = 3 if quick else 7
+    cores, host_memory = _cpu_cores(), _host_memory_bytes()
+    _log(verbose, f"{'quick ' if quick else ''}measurement of {device} ({cores} host cores)")
+
+    if on_gpu:
+        props = torch.cuda.get_device_properties(device)
+        gpu_name, gpu_memory = props.name, props.total_memory
+        copy_bytes = (64 if quick else 256) * 2**20
+        _log(verbose, f"PCIe copies, {copy_bytes >> 20} MB each ...")
+        rates = _transfers(device, copy_bytes, repeats)
+        dtype, mm_size = torch.bfloat16, 8192
+        batch, seq, hidden = 8, 1024, 2048
+    else:
+        gpu_name, gpu_memory = "CPU (no GPU)", host_memory
+        _log(verbose, "no CUDA: the 'GPU' figures are this CPU's (fp32 matmul, memcpy for transfers)")
+        rate = _memcpy_gbps((64 if quick else 256) * 2**20, repeats)
+        rates = dict.fromkeys(("h2d_gbps", "d2h_gbps", "duplex_gbps", "pageable_h2d_gbps", "pageable_d2h_gbps"), rate)
+        dtype, mm_size = torch.float32, (1024 if quick else 2048)
+        batch, seq, hidden = (4, 256, 256) if quick else (4, 512, 512)
+    _log(verbose, "  " + ", ".join(f"{k[:-5]} {v:.1f} GB/s" for k, v in rates.items()))
+
+    _log(verbose, f"{dtype} matmul {mm_size}^3 ...")
+    tflops = _matmul_tflops(device, dtype, mm_size, repeats)
+    _log(verbose, f"  {tflops:.2f} TFLOP/s")
+
+    _log(verbose, f"transformer-like block, micro-batch {batch} and {batch // 2} x {seq}, hidden {hidden}, "
+         "forward+backward ...")
+    efficiency, overhead = _fit_block(device, dtype, batch, seq, hidden, repeats, tflops)
+    _log(verbose, f"  efficiency {efficiency:.3f}, overhead {overhead * 1e6:.0f} us/launch")
+
+    adam_params = (12 if quick else 48) * 2**20
+    _log(verbose, f"host AdamW over {adam_params / 1e6:.0f}M params ...")
+    adam, adam_kind = _adam_gparams(adam_params, repeats)
+    _log(verbose, f"  {adam:.2f} G params/s ({adam_kind})")
+
+    disk_bytes = (64 if quick else 256) * 2**20
+    _log(verbose, f"disk, {disk_bytes >> 20} MB file in {disk_dir or tempfile.gettempdir()} ...")
+    disk_read, disk_write = _disk_gbps(disk_dir, disk_bytes)
+    _log(verbose, f"  read {disk_read:.2f} GB/s, write {disk_write:.2f} GB/s")
+
+    where = (f"measured on {gpu_name}" if on_gpu else
+             "measured on the CPU without CUDA: GPU figures are the CPU's (fp32 matmul, memcpy transfers)")
+    profile = HardwareProfile(
+        name="measured", gpu_name=gpu_name, gpu_memory_bytes=int(gpu_memory), host_memory_bytes=int(host_memory),
+        cpu_cores=cores, bf16_tflops=tflops, compute_efficiency=efficiency, kernel_overhead_s=overhead,
+        **rates, cpu_adam_gparams=adam, cpu_adam8_gparams=adam, nvme_read_gbps=disk_read, nvme_write_gbps=disk_write,
+        source=f"{where} by lazytrain profile{' (quick)' if quick else ''}, torch {torch.__version__}; "
+        f"{adam_kind} AdamW; 8-bit optimizer rate assumed equal to fp32 (not measured); "
+        f"disk = {disk_dir or tempfile.gettempdir()}",
+    )
+    _log(verbose, str(profile))
+    return profile
