@@ -1,0 +1,182 @@
+"""The executable form of a model: one function per block, run on whatever tensors it is given.
+
+``build_program(model, ...)`` exports a meta clone of the model (``trace_export``) and keeps one fx
+``GraphModule`` per block, parameters lifted to inputs, so the runtime passes each block the buffers
+it streamed in and never mutates the model.  The program is specialised to (micro_batch, seq_len)
+and to ``dtype`` (casts inside the model, e.g. RMSNorm's, are recorded in that dtype).
+
+The last block of a causal LM returns ``{"loss_sum", "n_tokens"}``: the summed next-token
+cross-entropy of the micro-batch and the number of labels that are not -100, computed over chunks
+of ``loss_chunk_tokens`` tokens; the backward recomputes each chunk's logits, so at most one chunk of
+logits (and its gradient) exists at a time.  The last block of an ``nn.Sequential`` returns
+``loss_fn(output, target)`` as ``loss_sum`` with ``n_tokens = 1``, so the runtime's normalisation
+averages the micro-batch losses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..ir import ModelGraph
+from .trace_export import BlockCode, Split, TraceError, export, find_layers, meta_clone, reduce_layers, reducible
+from .trace_export import split as split_graph
+
+IGNORE = -100
+DEFAULT_CHUNK = 2048
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """sum over tokens of CE(features @ W.T + b, labels), one chunk of logits at a time (fwd and bwd)."""
+
+    @staticmethod
+    def forward(ctx, feats, weight, bias, labels, chunk):
+        ctx.save_for_backward(feats, weight, bias, labels)
+        ctx.chunk = chunk
+        total = feats.new_zeros((), dtype=torch.float32)
+        for s in range(0, feats.shape[0], chunk):
+            total = total + _chunk_loss(feats[s:s + chunk], weight, bias, labels[s:s + chunk])
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        feats, weight, bias, labels = ctx.saved_tensors
+        need_f, need_w, need_b = ctx.needs_input_grad[:3]
+        gf = torch.empty_like(feats) if need_f else None
+        gw = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        gb = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        for s in range(0, feats.shape[0], ctx.chunk):
+            f = feats[s:s + ctx.chunk].detach().requires_grad_(need_f)
+            with torch.enable_grad():
+                w = weight.detach().requires_grad_(need_w)
+                b = None if bias is None else bias.detach().requires_grad_(need_b)
+                loss = _chunk_loss(f, w, b, labels[s:s + ctx.chunk])
+                wrt = [t for t, need in ((f, need_f), (w, need_w), (b, need_b)) if need]
+                grads = iter(torch.autograd.grad(loss, wrt, grad))
+            if need_f:
+                gf[s:s + ctx.chunk] = next(grads)
+            if need_w:
+                gw += next(grads)
+            if need_b:
+                gb += next(grads)
+        return gf, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype), None, None
+
+
+def _chunk_loss(f, w, b, lab):
+    logits = f @ w.t() if b is None else torch.addmm(b, f, w.t())
+    return torch.nn.functional.cross_entropy(logits.float(), lab, ignore_index=IGNORE, reduction="sum")
+
+
+def chunked_next_token_loss(feats, weight, bias, labels, chunk: int = DEFAULT_CHUNK):
+    """(summed next-token CE, number of counted tokens) of features (b, s, d) against labels (b, s)."""
+    shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1).reshape(-1)
+    flat = feats.reshape(-1, feats.shape[-1])
+    loss = _ChunkedCrossEntropy.apply(flat, weight, bias, shifted, chunk)
+    return loss, (shifted != IGNORE).sum()
+
+
+@dataclass
+class BlockProgram:
+    """Per-block code of one model at one (micro_batch, seq_len, dtype, device)."""
+
+    graph: ModelGraph
+    blocks: list[BlockCode] = field(default_factory=list, repr=False)
+    micro_batch: int = 1
+    seq_len: int = 0
+    loss_chunk_tokens: int = DEFAULT_CHUNK
+
+    def run_block(self, j: int, params: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> dict:
+        """Forward of block j with the given parameter tensors; inputs by name (extra keys ignored)."""
+        bc = self.blocks[j]
+        try:
+            args = [params[n] for n in bc.param_names] + [inputs[n] for n in bc.input_names]
+        except KeyError as e:
+            raise KeyError(f"block {j} ({bc.name}) needs {e.args[0]!r}") from None
+        outs = bc.gm(*args)
+        if bc.loss is not None:
+            lh = bc.loss
+            loss, n = chunked_next_token_loss(outs[0], params[lh.weight], None if lh.bias is None else params[lh.bias],
+                                              inputs[lh.labels], self.loss_chunk_tokens)
+            return {"loss_sum": loss, "n_tokens": n}
+        if bc.user_loss:
+            return {"loss_sum": outs[0], "n_tokens": torch.ones((), dtype=torch.int64, device=outs[0].device)}
+        return dict(zip(bc.output_names, outs))
+
+    def param_names(self, j: int) -> list[str]:
+        return [p.name for p in self.graph.blocks[j].params]
+
+    def batch_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The values of boundary 0 (the model's inputs) for one micro-batch."""
+        return {"input_ids": input_ids, "labels": labels}
+
+
+def build_program(model: nn.Module, *, micro_batch: int, seq_len: int, device: str | torch.device,
+                  dtype: torch.dtype, example_inputs=None, loss_fn=None,
+                  loss_chunk_tokens: int = DEFAULT_CHUNK) -> BlockProgram:
+    """Export ``model`` (never touching its weights) and split it into per-block programs."""
+    from .trace import graph_from_split
+    sp = build_split(model, micro_batch=micro_batch, seq_len=seq_len, device=device, dtype=dtype,
+                     example_inputs=example_inputs, loss_fn=loss_fn)
+    graph = graph_from_split(sp, model, seq_len=seq_len, dtype=dtype, micro_batch=micro_batch, measure=False)
+    return BlockProgram(graph=graph, blocks=sp.blocks, micro_batch=micro_batch, seq_len=seq_len,
+                        loss_chunk_tokens=loss_chunk_tokens)
+
+
+def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dtype, example_inputs=None,
+                loss_fn=None) -> Split:
+    """Export (three layers when the layers are identical), split, and expand to the full depth."""
+    sequential = isinstance(model, nn.Sequential)
+    buffers = {k: v for k, v in model.named_buffers()}
+    clone = meta_clone(model, dtype)
+    n_layers = None
+    if reducible(model):
+        n_layers = len(find_layers(model)[1])
+        clone = reduce_layers(clone)
+    ep, root = export(clone, micro_batch, seq_len, example_inputs, loss_fn)
+    sp = split_graph(ep, root, device=device, buffers=buffers, sequential=sequential)
+    if n_layers is not None:
+        sp = expand(sp, n_layers)
+    names = {n for b in sp.blocks for n in b.param_names}
+    missing = [n for n, _ in model.named_parameters() if n not in names]
+    sp.meta["unused_params"] = missing
+    return sp
+
+
+def expand(sp: Split, n_layers: int) -> Split:
+    """Blocks of a 3-layer export -> blocks of the n-layer model (layer 1's code serves layers 1..n-2)."""
+    pre = sp.layers_prefix
+    emb, l0, l1, l2, head = sp.blocks
+    from_prev = {1: l0, 2: l1}
+    for r, blk in ((1, l1), (2, l2)):
+        allowed = set(sp.user_inputs) | set(emb.output_names) | set(from_prev[r].output_names)
+        if not set(blk.input_names) <= allowed or blk.gm.graph.find_nodes(op="get_attr"):
+            raise TraceError(f"{pre}.{r} reads values other than the previous layer's; cannot replicate layers")
+    if not set(head.input_names) <= set(sp.user_inputs) | set(emb.output_names) | set(l2.output_names):
+        raise TraceError("the head reads values from layers before the last; cannot replicate layers")
+
+    def rename(name: str, r: int, j: int) -> str:
+        for rr, jj in ((r, j), (r - 1, j - 1)):
+            if rr >= 0 and name.startswith(f"{pre}.{rr}."):
+                return f"{pre}.{jj}." + name[len(f"{pre}.{rr}."):]
+        return name
+
+    def relabel(bc: BlockCode, r: int, j: int, name: str | None = None) -> BlockCode:
+        return BlockCode(name=name or rename(bc.name + ".", r, j)[:-1], kind=bc.kind, gm=bc.gm,
+                         param_names=[rename(n, r, j) for n in bc.param_names],
+                         input_names=[rename(n, r, j) for n in bc.input_names],
+                         output_names=[rename(n, r, j) for n in bc.output_names], loss=bc.loss,
+                         user_loss=bc.user_loss)
+
+    layers = [l0] + [relabel(l1, 1, j) for j in range(1, n_layers - 1)] + [relabel(l2, 2, n_layers - 1)]
+    head2 = relabel(head, 3, n_layers, name=head.name)
+    values = {k: v for k, v in sp.values.items() if not k.startswith(f"{pre}.")}
+    values.update({k: sp.values[k] for k in l0.output_names})
+    for j in range(1, n_layers):
+        r = 1 if j < n_layers - 1 else 2
+        tmpl = l1 if r == 1 else l2
+        for k in tmpl.output_names:
+            values[rename(k, r, j)] = sp.values[k]
+    return Split(blocks=[emb, *layers, head2], values=values, user_inputs=sp.user_inputs, layers_prefix=pre,
+                 meta={**sp.meta, "replicated_from": 3})

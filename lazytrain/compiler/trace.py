@@ -1,0 +1,245 @@
+"""trace: a model -> ``ir.ModelGraph`` (blocks with per-sample bytes and FLOPs).
+
+Figures come from running each block's program (``program.py``) on ``meta`` tensors at micro-batch
+``TRACE_MICRO_BATCH`` (2) and dividing by it, so values without a batch dimension (rotary tables)
+are amortised rather than counted once per sample:
+- FLOPs: ``FlopCounterMode`` over the forward, and over ``autograd.backward`` of the block's
+  outputs (the head's backward includes recomputing each chunk of logits);
+- saved bytes: every tensor ``saved_tensors_hooks`` sees, deduplicated by storage, parameters
+  excluded (a block input that backward reads *is* counted);
+- workspace: the forward's peak of live values (fx liveness, plus what autograd has saved so far)
+  above what survives it (saved + outputs), or the largest single op's gradient footprint
+  (its output and inputs), whichever is larger; the head adds one chunk of logits (model dtype,
+  fp32, fp32 gradient).  Attention is costed as a fused kernel (O(seq) saved per head).
+Structurally identical layers are measured once (``Split.meta["replicated_from"]``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from ..ir import Block, ModelGraph, ParamSpec, TensorSpec
+from ..ir.graph import DTYPE_BYTES
+from .program import DEFAULT_CHUNK, build_split
+from .trace_export import Split, TraceError
+
+TRACE_MICRO_BATCH = 2
+__all__ = ["TraceError", "trace"]
+
+
+def _dtype(d) -> torch.dtype:
+    if isinstance(d, torch.dtype):
+        return d
+    try:
+        return getattr(torch, str(d).replace("torch.", ""))
+    except AttributeError:
+        raise ValueError(f"unknown dtype {d!r}") from None
+
+
+def _dname(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def trace(model: nn.Module, *, seq_len: int, dtype="bfloat16", example_inputs=None, loss_fn=None) -> ModelGraph:
+    """Blocks of ``model`` (embedding, each layer, head + loss) with per-sample costs at ``seq_len``.
+
+    ``model``: our GPT, a Hugging Face Qwen2 / Llama / Qwen3 causal LM, or an ``nn.Sequential``
+    (each child a block; ``example_inputs=(x, target)`` and ``loss_fn(output, target)`` required).
+    Real weights are never touched: everything runs on a meta clone.
+    """
+    t0 = time.perf_counter()
+    dt = _dtype(dtype)
+    sp = build_split(model, micro_batch=TRACE_MICRO_BATCH, seq_len=seq_len, device="meta", dtype=dt,
+                     example_inputs=example_inputs, loss_fn=loss_fn)
+    g = graph_from_split(sp, model, seq_len=seq_len, dtype=dt, micro_batch=TRACE_MICRO_BATCH, measure=True)
+    g.meta["trace_seconds"] = round(time.perf_counter() - t0, 3)
+    return g
+
+
+def _config_summary(model: nn.Module) -> dict:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return {}
+    if hasattr(cfg, "to_dict"):
+        keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "rope_theta", "rms_norm_eps",
+                "max_position_embeddings")
+        d = cfg.to_dict()
+        return {k: d[k] for k in keys if k in d}
+    from dataclasses import asdict, is_dataclass
+    return asdict(cfg) if is_dataclass(cfg) else {}
+
+
+def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.dtype, micro_batch: int,
+                     measure: bool) -> ModelGraph:
+    shapes = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    owner: dict[str, int] = {}
+    for j, b in enumerate(sp.blocks):
+        for n in b.param_names:
+            owner.setdefault(n, j)
+    mb = micro_batch
+
+    def spec(name: str) -> TensorSpec:
+        shape, dt, rg = sp.values[name]
+        per = shape[1:] if shape and shape[0] == mb else shape
+        return TensorSpec(name=name, shape=tuple(per), dtype=_dname(dt), requires_grad=rg)
+
+    def nbytes(name: str) -> int:
+        shape, dt, _ = sp.values[name]
+        return math.prod(shape) * DTYPE_BYTES.get(_dname(dt), 4)
+
+    L = len(sp.blocks)
+    produced = {n: 0 for n in sp.user_inputs if n in sp.values}
+    last_use: dict[str, int] = {}
+    for j, b in enumerate(sp.blocks):
+        for n in b.output_names:
+            produced[n] = j + 1
+        for n in b.input_names:
+            last_use[n] = max(last_use.get(n, -1), j)
+    live = [[] for _ in range(L + 1)]
+    for n, p in produced.items():
+        for i in range(p, last_use.get(n, p - 1) + 1):
+            live[i].append(n)
+    boundary_bytes = [math.ceil(sum(nbytes(n) for n in vs) / mb) for vs in live]
+    boundary_bytes[L] = 12   # loss_sum (fp32) + n_tokens (int64)
+    live[L] = ["loss_sum", "n_tokens"]
+    edges = sorted({(produced[n] - 1, j) for j, b in enumerate(sp.blocks) for n in b.input_names
+                    if produced.get(n, 0) > 0 and j > produced[n]})
+
+    cache: dict[tuple, tuple[int, int, int, int]] = {}
+    blocks = []
+    for j, b in enumerate(sp.blocks):
+        figs = (0, 0, 0, 0)
+        if measure:
+            key = (id(b.gm), b.loss is not None)
+            if key not in cache:
+                try:
+                    cache[key] = _measure(b, sp, shapes, dtype, mb, seq_len)
+                except TraceError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - name the block, not a deep traceback
+                    raise TraceError(f"measuring block {j} ({b.name}) failed: {type(e).__name__}: "
+                                     f"{str(e).splitlines()[0] if str(e) else ''}") from None
+            figs = cache[key]
+        saved, ws, ff, bf = figs
+        outputs = tuple(spec(n) for n in b.output_names)
+        if b.loss is not None or b.user_loss:
+            outputs = (TensorSpec(name="loss_sum", shape=(), dtype="float32", requires_grad=True),
+                       TensorSpec(name="n_tokens", shape=(), dtype="int64"))
+        blocks.append(Block(
+            index=j, name=b.name, kind=b.kind,
+            params=tuple(ParamSpec(name=n, shape=shapes[n][0], owner=owner[n]) for n in b.param_names),
+            inputs=tuple(spec(n) for n in b.input_names), outputs=outputs,
+            saved_bytes=math.ceil(saved / mb), workspace_bytes=math.ceil(ws / mb),
+            fwd_flops=math.ceil(ff / mb), bwd_flops=math.ceil(bf / mb)))
+    meta = {"architecture": type(model).__name__, "config": _config_summary(model), "traced_micro_batch": mb,
+            "replicated_layers": bool(sp.meta.get("replicated_from")),
+            "unused_params": list(sp.meta.get("unused_params", []))}
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+    return ModelGraph(name=name, seq_len=seq_len, dtype=_dname(dtype), blocks=tuple(blocks),
+                      boundary_bytes=tuple(boundary_bytes), boundary_values=tuple(tuple(v) for v in live),
+                      edges=tuple(e for e in edges if e[1] != e[0] + 1), meta=meta)
+
+
+def _flash_cpu_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _flash_cpu_bwd_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# the fused attention used on meta (see trace_export.sdpa) has no formula in FlopCounterMode
+_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu_flops,
+          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_bwd_flops}
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:  # noqa: BLE001 - tensor subclasses without storage
+        return id(t)
+
+
+def _tbytes(t) -> int:
+    return t.untyped_storage().nbytes() if isinstance(t, torch.Tensor) else 0
+
+
+class _Liveness(fx.Interpreter):
+    """Runs a block on meta and records the peak of live values (plus what autograd saved so far)."""
+
+    def __init__(self, gm, saved: dict, exclude: set):
+        super().__init__(gm, garbage_collect_values=True)
+        self.saved, self.exclude, self.peak, self.op_peak = saved, exclude, 0, 0
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.op == "call_function":
+            live = {}
+            for v in list(self.env.values()) + [out]:
+                for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if isinstance(t, torch.Tensor) and _storage_key(t) not in self.exclude:
+                        live[_storage_key(t)] = _tbytes(t)
+            live.update(self.saved)
+            self.peak = max(self.peak, sum(live.values()))
+            ins = [a for a in n.all_input_nodes if a in self.env]
+            fp = sum(_tbytes(t) for t in (out if isinstance(out, (tuple, list)) else (out,))
+                     if isinstance(t, torch.Tensor) and t.is_floating_point())
+            fp += sum(_tbytes(self.env[a]) for a in ins if isinstance(self.env[a], torch.Tensor)
+                      and self.env[a].is_floating_point() and _storage_key(self.env[a]) not in self.exclude)
+            self.op_peak = max(self.op_peak, fp)
+        return out
+
+
+def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: int):
+    """(saved bytes, workspace bytes, fwd FLOPs, bwd FLOPs) of one block at micro-batch ``mb``."""
+    from .program import chunked_next_token_loss
+    params = {}
+    for n in b.param_names:
+        shape, dt = shapes[n]
+        dt = dtype if dt.is_floating_point else dt
+        params[n] = torch.empty(shape, dtype=dt, device="meta", requires_grad=dt.is_floating_point)
+    inputs = {}
+    for n in b.input_names:
+        shape, dt, rg = sp.values[n]
+        inputs[n] = torch.empty(shape, dtype=dt, device="meta", requires_grad=rg)
+    pkeys = {_storage_key(p) for p in params.values()}
+    in_keys = {_storage_key(t) for t in inputs.values()}
+    saved: dict = {}
+
+    def pack(t):
+        k = _storage_key(t)
+        if k not in pkeys:
+            saved[k] = _tbytes(t)
+        return t
+
+    args = [params[n] for n in b.param_names] + [inputs[n] for n in b.input_names]
+    interp = _Liveness(b.gm, saved, pkeys | in_keys)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False, custom_mapping=_FLOPS) as fc:
+        outs = interp.run(*args)
+        if b.loss is not None:
+            lh = b.loss
+            loss, _ = chunked_next_token_loss(outs[0], params[lh.weight],
+                                              None if lh.bias is None else params[lh.bias], inputs[lh.labels])
+            outs = (loss,)
+    fwd = fc.get_total_flops()
+    keep = dict(saved)
+    for t in outs:
+        if isinstance(t, torch.Tensor):
+            keep[_storage_key(t)] = _tbytes(t)
+    ws = max(interp.peak - sum(keep.values()), interp.op_peak, 0)
+    if b.loss is not None:
+        w = params[b.loss.weight]
+        tokens = min(DEFAULT_CHUNK, mb * seq_len)
+        ws += tokens * w.shape[0] * (w.element_size() + 8)
+    grad_outs = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
+    with FlopCounterMode(display=False, custom_mapping=_FLOPS) as fc2:
+        if grad_outs:
+            torch.autograd.backward(grad_outs, [torch.ones_like(t) for t in grad_outs])
+    return sum(saved.values()), ws, fwd, fc2.get_total_flops()
