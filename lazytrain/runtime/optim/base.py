@@ -54,5 +54,5 @@ class HostOptimizer(ABC):
     def hyperparameters(self) -> dict:
         """JSON-able hyper-parameters (lr, betas, eps, weight_decay, max_grad_norm, step count)."""
 
-    def load_hyperparameters(self, hp: dict) -> None:
+    def load_hyperparameters(self, hp: dict) -> None:  # noqa: B027 (optional to override)
         """Restore what ``hyperparameters`` returned (at least the step count)."""

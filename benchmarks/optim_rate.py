@@ -1,0 +1,59 @@
+"""Host optimizer throughput (G params/s) on one transformer-layer-sized block.
+
+    /work/venv/bin/python benchmarks/optim_rate.py [--numel 77100000] [--threads N] [--steps 3]
+
+A block of ``--numel`` parameters (default: one Qwen2.5-3B decoder layer, 77.1M) with a bf16 load
+buffer and bf16 gradients, as the runtime hands them over.  Reports the median step time of
+``--steps`` steps after one warm-up, for TorchAdamW (fp32 master and moments) and
+Hybrid8bitAdamW, and each one's host bytes/param.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from lazytrain.runtime.optim import Hybrid8bitAdamW, TorchAdamW
+
+
+def rate(opt, numel: int, steps: int) -> float:
+    init = torch.randn(numel) * 0.02
+    load = torch.empty(numel, dtype=torch.bfloat16)
+    big = numel - 2 * 2048
+    segs = [("w", 0, big, (big,)), ("norm", big, 2048, (2048,)), ("bias", big + 2048, 2048, (2048,))]
+    opt.setup(0, init, load, segs)
+    del init
+    grad = (torch.randn(numel) * 1e-3).to(torch.bfloat16)
+    opt.step(0, grad, 0.5)  # warm-up (first touch of the state)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.step(0, grad, 0.5)
+        times.append(time.perf_counter() - t0)
+    return numel / statistics.median(times) / 1e9, opt.host_bytes_per_param
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=77_100_000)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=None, help="Hybrid8bitAdamW chunk_numel")
+    ap.add_argument("--only", choices=["torch", "8bit"], default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    print(f"block of {a.numel / 1e6:.1f}M params, bf16 load buffer and grads, {a.threads} threads")
+    if a.only in (None, "torch"):
+        r, b = rate(TorchAdamW(lr=1e-4, weight_decay=0.1), a.numel, a.steps)
+        print(f"TorchAdamW       {r:6.3f} G params/s   {b:.3f} B/param")
+    if a.only in (None, "8bit"):
+        kw = {"chunk_numel": a.chunk} if a.chunk else {}
+        r, b = rate(Hybrid8bitAdamW(lr=1e-4, weight_decay=0.1, num_threads=a.threads, **kw), a.numel, a.steps)
+        print(f"Hybrid8bitAdamW  {r:6.3f} G params/s   {b:.3f} B/param")
+
+
+if __name__ == "__main__":
+    main()

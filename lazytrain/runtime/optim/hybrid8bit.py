@@ -1,0 +1,286 @@
+"""Hybrid 8-bit AdamW: block-wise 8-bit moments, fp32 moments for small tensors, a 48-bit-free master.
+
+Memory (DESIGN.md §5): with the runtime's bf16 load buffer (2 B) and bf16 gradient buffer (2 B), the
+optimizer adds per parameter
+- 2 B: the low 16 bits of the fp32 master.  The load buffer holds the *round-to-nearest* bf16 of the
+  master (what the GPU should compute with) and ``lo = bits(master) - (bf16_bits << 16)``, an int16
+  in [-2^15, 2^15); ``(hi << 16) + lo`` gives the fp32 master back exactly, so the master costs
+  2 extra bytes instead of 4 and there is no drift between master and load buffer.
+- 1 B: m, signed code;  1 B: sqrt(v), unsigned code (see ``quant.py`` for the codes and why);
+- 8 B per ``block_size`` parameters: one fp32 absmax for m and one for sqrt(v).
+Tensors (segments) with fewer than ``min_8bit_numel`` elements (norms, biases) keep fp32 m and v:
+they are a negligible fraction of the parameters and the most sensitive to quantization.
+Total ~8.004 B/param for a transformer layer; ``host_bytes_per_param`` reports the exact figure
+from what was allocated.  With an fp32 load buffer (CPU tests) that buffer is the master.
+
+Why sqrt(v): the update needs sqrt(v) anyway (decode, square, EMA, sqrt: one multiply more than
+storing v), and the square root halves the log-range, so 16 binades of the code cover 32 binades
+of v at 1/32 relative precision.  Why a per-block absmax: one outlier only affects its block of
+``block_size`` elements.  Bias correction is applied once, in the step size and the denominator
+(``lr / (1 - b1^t)`` and ``sqrt(v) / sqrt(1 - b2^t) + eps``), exactly as ``torch.optim.AdamW``;
+weight decay is decoupled (``p *= 1 - lr * wd`` before the Adam step).
+
+Speed: the update walks the block in chunks of ``chunk_numel`` elements (a multiple of
+``block_size``), so every temporary is chunk-sized and stays in cache; each chunk is ~35 vectorized
+torch ops (decode m and sqrt(v) ~10, EMAs 4, update 4, master split/join 7, absmax 3, encode ~13).
+Chunks run on a thread pool of ``num_threads`` workers (torch ops release the GIL; chunks below
+torch's 32768-element grain run single-threaded inside each worker, so threads do not nest).
+``step`` holds a per-block lock and only touches that block's state, so concurrent calls for
+different blocks are safe.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from . import quant as Q
+from .base import HostOptimizer, Segment
+
+
+class _BlockState:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.step = 0
+
+
+def _split_master_(p: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
+    """Write fp32 ``p`` as round-to-nearest bf16 ``hi`` (int16 view) and the int16 remainder ``lo``."""
+    bits = p.view(torch.int32)
+    lo.copy_(bits)  # int32 -> int16 keeps the low 16 bits (two's complement wrap)
+    t = bits.add(0x8000)
+    t.bitwise_right_shift_(16)
+    hi.copy_(t)
+
+
+def _join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    bits = hi.to(torch.int32)
+    bits.bitwise_left_shift_(16)
+    bits.add_(lo)
+    return bits.view(torch.float32)
+
+
+class Hybrid8bitAdamW(HostOptimizer):
+    """AdamW with block-wise 8-bit moments; see the module docstring for the format and memory."""
+
+    def __init__(
+        self,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = None,
+        block_size: int = 2048,
+        min_8bit_numel: int = 4096,
+        chunk_numel: int = 16384,
+        num_threads: int | None = None,
+    ):
+        if block_size <= 0 or chunk_numel % block_size:
+            raise ValueError(f"chunk_numel ({chunk_numel}) must be a multiple of block_size ({block_size})")
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.max_grad_norm = max_grad_norm
+        self.block_size, self.min_8bit_numel, self.chunk_numel = block_size, min_8bit_numel, chunk_numel
+        self.num_threads = num_threads or torch.get_num_threads() or os.cpu_count() or 1
+        self._blocks: dict[int, _BlockState] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._grad_bytes = 2
+
+    # -- memory --------------------------------------------------------------------------------------
+    @property
+    def host_bytes_per_param(self) -> float:
+        if not self._blocks:  # estimate for an all-8-bit block with bf16 buffers
+            return 2 + 2 + 2 + 1 + 1 + 8 / self.block_size
+        numel = total = 0
+        for st in self._blocks.values():
+            numel += st.load.numel()
+            total += st.load.numel() * (st.load.element_size() + self._grad_bytes)
+            for name in ("lo", "own_master", "mq", "vq", "m_absmax", "v_absmax", "m32", "v32"):
+                t = getattr(st, name)
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total / numel
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def setup(self, block: int, init: torch.Tensor, load_buffer: torch.Tensor, segments: list[Segment]) -> None:
+        init = init.reshape(-1).to(torch.float32)
+        n = load_buffer.numel()
+        st = _BlockState()
+        st.load = load_buffer
+        st.lo = st.own_master = None
+        if load_buffer.dtype == torch.float32:
+            if init.data_ptr() != load_buffer.data_ptr():
+                load_buffer.copy_(init)
+        elif load_buffer.dtype == torch.bfloat16:
+            st.lo = torch.empty(n, dtype=torch.int16)
+            _split_master_(init, load_buffer.view(torch.int16), st.lo)
+        else:  # e.g. fp16 load buffer: keep a plain fp32 master
+            st.own_master = init.clone()
+            load_buffer.copy_(init)
+        if not segments:
+            segments = [("flat", 0, n, (n,))]
+        # 8-bit work items (off, numel, rows, qoff, soff) and fp32 ranges (off, numel, soff32)
+        st.items, st.small = [], []
+        q = s = s32 = 0
+        bs, ch = self.block_size, self.chunk_numel
+        for _name, off, numel, _shape in sorted(segments, key=lambda x: x[1]):
+            if numel < self.min_8bit_numel:
+                st.small.append((off, numel, s32))
+                s32 += numel
+                continue
+            full = numel // bs * bs
+            for a in range(0, full, ch):
+                k = min(ch, full - a)
+                st.items.append((off + a, k, k // bs, q + a, s + a // bs))
+            if numel > full:  # a last, shorter quantization block
+                st.items.append((off + full, numel - full, 1, q + full, s + full // bs))
+            q += numel
+            s += -(-numel // bs)
+        st.mq = torch.zeros(q, dtype=torch.uint8)
+        st.vq = torch.zeros(q, dtype=torch.uint8)
+        st.m_absmax, st.v_absmax = torch.zeros(s), torch.zeros(s)
+        st.m32, st.v32 = torch.zeros(s32), torch.zeros(s32)
+        self._blocks[block] = st
+
+    # -- master access -------------------------------------------------------------------------------
+    def _get(self, st, off: int, n: int) -> torch.Tensor:
+        if st.lo is not None:
+            return _join_master(st.load.view(torch.int16)[off : off + n], st.lo[off : off + n])
+        if st.own_master is not None:
+            return st.own_master[off : off + n]
+        return st.load[off : off + n]
+
+    def _put(self, st, off: int, n: int, p: torch.Tensor) -> None:
+        if st.lo is not None:
+            _split_master_(p, st.load.view(torch.int16)[off : off + n], st.lo[off : off + n])
+        elif st.own_master is not None:
+            st.load[off : off + n].copy_(p)
+
+    def master(self, block: int) -> torch.Tensor:
+        st = self._blocks[block]
+        return self._get(st, 0, st.load.numel()).clone()
+
+    # -- the update ----------------------------------------------------------------------------------
+    def _pool_map(self, fn, items) -> None:
+        if self.num_threads <= 1 or len(items) <= 1:
+            for it in items:
+                fn(it)
+            return
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="lazytrain-optim")
+        k = -(-len(items) // self.num_threads)  # one contiguous run of chunks per worker
+        futures = [
+            self._pool.submit(lambda run: [fn(it) for it in run], items[i : i + k]) for i in range(0, len(items), k)
+        ]
+        for f in futures:
+            f.result()
+
+    def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0) -> None:
+        st = self._blocks[block]
+        grad = grad.reshape(-1)
+        self._grad_bytes = grad.element_size()
+        b1, b2 = self.betas
+        with st.lock:
+            st.step += 1
+            t = st.step
+            c = dict(
+                b1=b1,
+                b2=b2,
+                sqrt_b2=math.sqrt(b2),
+                gm=(1 - b1) * clip_coef,
+                gv=(1 - b2) * clip_coef * clip_coef,
+                decay=1 - self.lr * self.weight_decay,
+                inv_bc2_sqrt=1 / math.sqrt(1 - b2**t),
+                step_size=-self.lr / (1 - b1**t),
+                eps=self.eps,
+            )
+            self._pool_map(lambda it: self._chunk8(st, grad, it, c), st.items)
+            for off, n, s32 in st.small:
+                self._small(st, grad, off, n, s32, c)
+
+    def _chunk8(self, st, grad, item, c) -> None:
+        off, n, rows, qoff, soff = item
+        g = grad[off : off + n].to(torch.float32).view(rows, -1)
+        m_am, v_am = st.m_absmax[soff : soff + rows], st.v_absmax[soff : soff + rows]
+        mq, vq = st.mq[qoff : qoff + n].view(rows, -1), st.vq[qoff : qoff + n].view(rows, -1)
+        f, pre = Q.decode_factor(m_am, Q.SIGNED_TOP, c["b1"])
+        m = Q.decode_signed(mq, f[:, None], pre)  # b1 * m
+        m.add_(g, alpha=c["gm"])
+        f, pre = Q.decode_factor(v_am, Q.UNSIGNED_TOP, c["sqrt_b2"])
+        s = Q.decode_unsigned(vq, f[:, None], pre)  # sqrt(b2 * v)
+        s.mul_(s)
+        s.addcmul_(g, g, value=c["gv"])
+        s.sqrt_()
+        p = self._get(st, off, n).view(rows, -1)
+        if c["decay"] != 1.0:
+            p.mul_(c["decay"])
+        denom = torch.mul(s, c["inv_bc2_sqrt"])
+        denom.add_(c["eps"])
+        p.addcdiv_(m, denom, value=c["step_size"])
+        self._put(st, off, n, p.view(-1))
+        m_am.copy_(Q.absmax_rows(m))
+        v_am.copy_(s.amax(dim=1))
+        Q.encode_signed_(m, Q.encode_factor(m_am, Q.SIGNED_TOP)[:, None], mq)
+        Q.encode_unsigned_(s, Q.encode_factor(v_am, Q.UNSIGNED_TOP)[:, None], vq)
+
+    def _small(self, st, grad, off, n, s32, c) -> None:
+        g = grad[off : off + n].to(torch.float32)
+        m, v = st.m32[s32 : s32 + n], st.v32[s32 : s32 + n]
+        m.mul_(c["b1"]).add_(g, alpha=c["gm"])
+        v.mul_(c["b2"]).addcmul_(g, g, value=c["gv"])
+        p = self._get(st, off, n)
+        if c["decay"] != 1.0:
+            p.mul_(c["decay"])
+        denom = v.sqrt().mul_(c["inv_bc2_sqrt"]).add_(c["eps"])
+        p.addcdiv_(m, denom, value=c["step_size"])
+        self._put(st, off, n, p)
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    _STATE = ("mq", "vq", "m_absmax", "v_absmax", "m32", "v32")
+
+    def state_tensors(self, block: int) -> dict[str, torch.Tensor]:
+        st = self._blocks[block]
+        with st.lock:
+            out = {k: getattr(st, k).clone() for k in self._STATE}
+            out["master"] = self.master(block)
+            out["step"] = torch.tensor([st.step], dtype=torch.int64)
+        return out
+
+    def load_state_tensors(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
+        st = self._blocks[block]
+        with st.lock:
+            for k in self._STATE:
+                getattr(st, k).copy_(tensors[k])
+            n = st.load.numel()
+            master = tensors["master"].to(torch.float32).reshape(-1)
+            if st.lo is not None:
+                _split_master_(master.contiguous(), st.load.view(torch.int16), st.lo)
+            else:
+                (st.own_master if st.own_master is not None else st.load).copy_(master)
+                st.load.copy_(master[:n])
+            st.step = int(tensors["step"].reshape(-1)[0])
+
+    def hyperparameters(self) -> dict:
+        return {
+            "name": "Hybrid8bitAdamW",
+            "lr": self.lr,
+            "betas": list(self.betas),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "max_grad_norm": self.max_grad_norm,
+            "block_size": self.block_size,
+            "min_8bit_numel": self.min_8bit_numel,
+            "step": max((st.step for st in self._blocks.values()), default=0),
+        }
+
+    def load_hyperparameters(self, hp: dict) -> None:
+        self.lr = hp.get("lr", self.lr)
+        self.betas = tuple(hp.get("betas", self.betas))
+        self.eps = hp.get("eps", self.eps)
+        self.weight_decay = hp.get("weight_decay", self.weight_decay)
+        self.max_grad_norm = hp.get("max_grad_norm", self.max_grad_norm)

@@ -1,0 +1,175 @@
+"""fp32 AdamW on the host: a master copy per block and ``torch.optim.AdamW`` doing the math.
+
+The reference optimizer: every update is ``torch.optim.AdamW`` (fused CPU kernel where this torch
+has one, else foreach), so results equal plain PyTorch training bit-for-bit.  Per block the optimizer
+owns an fp32 master (or, when the runtime's load buffer is itself fp32, uses that buffer as the
+master) and fp32 ``exp_avg`` / ``exp_avg_sq``; the block is cut into chunks of ``chunk_numel``
+elements, each a separate optimizer parameter (a view of the flat master), so the fp32 copy of
+the gradient is one reusable chunk-sized scratch buffer rather than a whole block.  AdamW is
+elementwise, so chunking changes no result.
+
+Host bytes per parameter: load buffer (2 for bf16) + gradient buffer (2 for bf16) + master (4, or 0
+when the load buffer is the fp32 master) + exp_avg and exp_avg_sq (8) = 16.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .base import HostOptimizer, Segment
+
+
+def _fused_supported() -> bool:
+    try:
+        p = torch.zeros(1, requires_grad=True)
+        p.grad = torch.zeros(1)
+        torch.optim.AdamW([p], fused=True).step()
+        return True
+    except (RuntimeError, ValueError, TypeError):
+        return False
+
+
+class _Block:
+    __slots__ = ("load", "master", "opt", "chunks", "lock")
+
+    def __init__(self, load, master, opt, chunks):
+        self.load, self.master, self.opt, self.chunks = load, master, opt, chunks
+        self.lock = threading.Lock()
+
+
+class TorchAdamW(HostOptimizer):
+    """fp32 AdamW with decoupled weight decay, matching ``torch.optim.AdamW`` (see module docstring)."""
+
+    def __init__(
+        self,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = None,
+        chunk_numel: int = 1 << 22,
+        param_bytes: int = 2,
+        grad_bytes: int = 2,
+    ):
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.max_grad_norm = max_grad_norm
+        self.chunk_numel = chunk_numel
+        self.fused = _fused_supported()
+        self._param_bytes, self._grad_bytes = param_bytes, grad_bytes
+        self._blocks: dict[int, _Block] = {}
+        self._flat_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._step_count: dict[int, int] = {}
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+    @property
+    def host_bytes_per_param(self) -> float:
+        """Computed from what is allocated (before any ``setup``: the bf16-buffer case)."""
+        if not self._blocks:
+            return float(self._param_bytes + self._grad_bytes + 4 + 8)
+        numel = sum(b.master.numel() for b in self._blocks.values())
+        owned = 0
+        for b in self._blocks.values():
+            if b.master.data_ptr() != b.load.data_ptr():
+                owned += b.master.numel() * 4
+            owned += 2 * b.master.numel() * 4  # exp_avg, exp_avg_sq
+        load = sum(b.load.numel() * b.load.element_size() for b in self._blocks.values())
+        return (load + owned) / numel + self._grad_bytes
+
+    def _make_opt(self, params):
+        kw = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        return (
+            torch.optim.AdamW(params, fused=True, **kw) if self.fused else torch.optim.AdamW(params, foreach=True, **kw)
+        )
+
+    # -- HostOptimizer -------------------------------------------------------------------------------
+    def setup(self, block: int, init: torch.Tensor, load_buffer: torch.Tensor, segments: list[Segment]) -> None:
+        init = init.reshape(-1)
+        if load_buffer.dtype == torch.float32:
+            master = load_buffer
+            if init.data_ptr() != master.data_ptr():
+                master.copy_(init)
+        else:
+            master = init.to(torch.float32, copy=True)
+            load_buffer.copy_(master)
+        n = master.numel()
+        chunks = [master[i : i + self.chunk_numel] for i in range(0, n, self.chunk_numel)]
+        opt = self._make_opt(chunks)
+        for c in chunks:  # state lives in preallocated flat tensors so checkpoints are two copies
+            opt.state[c] = {}
+        exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
+        for i, c in enumerate(chunks):
+            lo, hi = i * self.chunk_numel, i * self.chunk_numel + c.numel()
+            opt.state[c] = {
+                "step": torch.zeros((), dtype=torch.float32),
+                "exp_avg": exp_avg[lo:hi],
+                "exp_avg_sq": exp_avg_sq[lo:hi],
+            }
+        self._blocks[block] = _Block(load_buffer, master, opt, chunks)
+        self._flat_state[block] = (exp_avg, exp_avg_sq)
+        self._step_count[block] = 0
+
+    def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0) -> None:
+        b = self._blocks[block]
+        grad = grad.reshape(-1)
+        with b.lock:
+            for group in b.opt.param_groups:  # follow lr schedules set on this object
+                group.update(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+            scratch = torch.empty(min(self.chunk_numel, b.master.numel()), dtype=torch.float32)
+            for i, c in enumerate(b.chunks):
+                off = i * self.chunk_numel
+                g = scratch[: c.numel()]
+                g.copy_(grad[off : off + c.numel()])
+                if clip_coef != 1.0:
+                    g.mul_(clip_coef)
+                c.grad = g
+                b.opt.step()  # only this chunk has a gradient, so only it is updated
+                c.grad = None
+                if b.load is not b.master:
+                    b.load[off : off + c.numel()].copy_(c)
+            self._step_count[block] += 1
+
+    def master(self, block: int) -> torch.Tensor:
+        return self._blocks[block].master
+
+    def state_tensors(self, block: int) -> dict[str, torch.Tensor]:
+        b = self._blocks[block]
+        exp_avg, exp_avg_sq = self._flat_state[block]
+        steps = torch.stack([b.opt.state[c]["step"] for c in b.chunks])
+        return {"master": b.master.clone(), "exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone(), "step": steps}
+
+    def load_state_tensors(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
+        b = self._blocks[block]
+        exp_avg, exp_avg_sq = self._flat_state[block]
+        with b.lock:
+            b.master.copy_(tensors["master"])
+            exp_avg.copy_(tensors["exp_avg"])
+            exp_avg_sq.copy_(tensors["exp_avg_sq"])
+            for c, s in zip(b.chunks, tensors["step"]):
+                b.opt.state[c]["step"].copy_(s)
+            if b.load is not b.master:
+                b.load.copy_(b.master)
+            self._step_count[block] = int(tensors["step"].max().item()) if len(b.chunks) else 0
+
+    def hyperparameters(self) -> dict:
+        return {
+            "name": "TorchAdamW",
+            "lr": self.lr,
+            "betas": list(self.betas),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "max_grad_norm": self.max_grad_norm,
+            "fused": self.fused,
+            "step": max(self._step_count.values(), default=0),
+        }
+
+    def load_hyperparameters(self, hp: dict) -> None:
+        self.lr = hp.get("lr", self.lr)
+        self.betas = tuple(hp.get("betas", self.betas))
+        self.eps = hp.get("eps", self.eps)
+        self.weight_decay = hp.get("weight_decay", self.weight_decay)
+        self.max_grad_norm = hp.get("max_grad_norm", self.max_grad_norm)
+        for b in self._blocks.values():
+            for g in b.opt.param_groups:
+                g.update(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
