@@ -66,7 +66,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 def _chunk_loss(f, w, b, lab):
     logits = f @ w.t() if b is None else torch.addmm(b, f, w.t())
-    return torch.nn.functional.cross_entropy(logits.float(), lab, ignore_index=IGNORE, reduction="sum")
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    return torch.nn.functional.cross_entropy(logits, lab, ignore_index=IGNORE, reduction="sum")
 
 
 def chunked_next_token_loss(feats, weight, bias, labels, chunk: int = DEFAULT_CHUNK):

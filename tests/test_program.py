@@ -1,0 +1,133 @@
+"""The per-block program is the model: chaining its blocks reproduces the model's loss and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lazytrain.compiler.presets import build_from_config
+from lazytrain.compiler.program import build_program, chunked_next_token_loss
+from lazytrain.compiler.trace import TraceError, trace
+
+SEQ, MB = 24, 2
+
+
+def _hf(model_type: str, tied: bool, **extra) -> dict:
+    return {"model_type": model_type, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 301, "tie_word_embeddings": tied,
+            "max_position_embeddings": 128, "rms_norm_eps": 1e-6, **extra}
+
+
+CONFIGS = {
+    "gpt": {"model_type": "lazytrain-gpt", "vocab": 257, "d_model": 64, "n_layer": 6, "n_head": 4, "d_ff": 128,
+            "max_seq": 64, "tie_weights": True},
+    "qwen2": _hf("qwen2", True),
+    "llama": _hf("llama", False),
+    "qwen3": _hf("qwen3", False, head_dim=32),
+}
+
+
+def _model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    m = build_from_config(CONFIGS[kind], device="cpu", dtype=torch.float32)
+    for p in m.parameters():   # HF inits norms to ones and biases to zeros: perturb so they matter
+        with torch.no_grad():
+            p.add_(torch.randn_like(p) * 0.02)
+    return m
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (MB, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100   # ignored tokens must not count
+    return ids, labels
+
+
+def _chain(prog, params, ids, labels):
+    vals = prog.batch_inputs(ids, labels)
+    for j in range(prog.graph.n_blocks):
+        vals.update(prog.run_block(j, {n: params[n] for n in prog.param_names(j)}, vals))
+    return vals["loss_sum"], vals["n_tokens"]
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_chain_matches_model(kind):
+    model = _model(kind)
+    vocab = CONFIGS[kind].get("vocab", CONFIGS[kind].get("vocab_size"))
+    ids, labels = _batch(vocab)
+    out = model(ids, labels=labels)
+    ref = out if isinstance(out, torch.Tensor) else out.loss
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    prog = build_program(model, micro_batch=MB, seq_len=SEQ, device="cpu", dtype=torch.float32)
+    assert prog.graph.n_blocks == 6 + 2
+    params = dict(model.named_parameters())
+    loss_sum, n_tokens = _chain(prog, params, ids, labels)
+    assert int(n_tokens) == int((labels[:, 1:] != -100).sum())
+    loss = loss_sum / n_tokens
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-6)
+    loss.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    # the program never mutated the model
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_every_parameter_is_in_a_block_and_tied_listed_twice():
+    model = _model("qwen2")
+    prog = build_program(model, micro_batch=MB, seq_len=SEQ, device="cpu", dtype=torch.float32)
+    names = [n for j in range(prog.graph.n_blocks) for n in prog.param_names(j)]
+    assert set(names) == {n for n, _ in model.named_parameters()}
+    assert names.count("model.embed_tokens.weight") == 2
+    assert prog.graph.blocks[-1].params[-1].owner == 0 or any(
+        p.owner == 0 for p in prog.graph.blocks[-1].params)
+
+
+def test_chunked_loss_matches_full_and_chunks():
+    torch.manual_seed(0)
+    feats = torch.randn(2, 7, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(11, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 7))
+    labels[1, 3] = -100
+    loss, n = chunked_next_token_loss(feats, w, b, labels, chunk=3)
+    logits = feats @ w.t() + b
+    ref = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1),
+                                      ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(loss, ref)
+    assert int(n) == 11
+    assert torch.autograd.gradcheck(lambda f, w, b: chunked_next_token_loss(f, w, b, labels, chunk=3)[0].double(),
+                                    (feats, w, b))
+
+
+def test_sequential_blocks_run_user_loss():
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x, target = torch.randn(3, 8), torch.randint(0, 4, (3,))
+    loss_fn = nn.functional.cross_entropy
+    prog = build_program(seq, micro_batch=3, seq_len=1, device="cpu", dtype=torch.float32,
+                         example_inputs=(x, target), loss_fn=loss_fn)
+    assert prog.graph.n_blocks == 3
+    loss_sum, n = _chain(prog, dict(seq.named_parameters()), x, target)
+    torch.testing.assert_close(loss_sum / n, loss_fn(seq(x), target))
+    g = trace(seq, seq_len=1, dtype="float32", example_inputs=(x, target), loss_fn=loss_fn)
+    assert [b.kind for b in g.blocks] == ["other"] * 3 and g.blocks[0].fwd_flops == 2 * 8 * 16
+
+
+def test_untraceable_model_raises_trace_error():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4)])
+
+        def forward(self, input_ids, labels=None):
+            if input_ids.sum() > 0:   # data-dependent control flow
+                return input_ids.float().sum()
+            return self.layers[0](input_ids.float()).sum()
+
+    with pytest.raises(TraceError, match="Bad"):
+        trace(Bad(), seq_len=4)
