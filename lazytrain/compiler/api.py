@@ -54,13 +54,14 @@ class Compiler:
         return CostModel(self.graph, self.hw, micro_batch, self.param_dtype, self.optimizer == "hybrid8bit")
 
     def build(self, decisions, batch_size: int, *, check_budget: bool = True) -> Plan:
+        """Lower, verify (against the budgets unless told not to) and simulate one decision."""
         cost = self.cost(decisions.micro_batch)
         ops = lower(decisions, cost, clip=self.clip)
         budgets = self.budgets if check_budget else {k: v for k, v in self.budgets.items() if k == "nvme_dir"}
         plan = Plan(graph=self.graph, hardware=self.hw.to_json(), budgets=dict(budgets), batch_size=batch_size,
                     seq_len=self.graph.seq_len, param_dtype=self.param_dtype, decisions=decisions, ops=ops,
                     options=dict(self.options))
-        rep = verify(plan)
+        rep = verify(plan, early_exit=check_budget)
         sim = simulate(plan)
         flops = 6 * self.graph.total_params * batch_size * self.graph.seq_len
         hw_flops = sum(self.graph.blocks[op.block].fwd_flops if op.kind.value in ("compute", "recompute")
@@ -89,22 +90,87 @@ class Compiler:
             return solve(self, micro_batch, n_micro, warm=warm)
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
-    def best(self, policy: str, batch_size: int, micro_batch: int | None = None) -> Plan | None:
-        """Best feasible plan over micro-batch sizes (the given one only, if given)."""
-        cands = [micro_batch] if micro_batch else _divisors(batch_size)
+    def micro_batches(self, batch_size: int, micro_batch: int | None) -> list[int]:
+        """Candidate micro-batch sizes, largest first: the given one, else divisors of the batch
+        up to 32."""
+        if micro_batch:
+            return [micro_batch]
+        return sorted((d for d in _divisors(batch_size) if d <= 32), reverse=True)
+
+    def best(self, policy: str, batch_size: int, micro_batch: int | None = None, tries: int = 2) -> Plan | None:
+        """Best feasible plan over micro-batch sizes (the given one only, if given).  Larger
+        micro-batches run the GPU more efficiently, so candidates go largest first and the search
+        stops after ``tries`` feasible ones."""
+        if policy == "milp":
+            return self.best_milp(batch_size, micro_batch)
         best: Plan | None = None
-        for mb in cands:
+        found = 0
+        for mb in self.micro_batches(batch_size, micro_batch):
+            if found >= tries:
+                break
             t = time.perf_counter()
-            warm = None
-            if policy == "milp":
-                warm = self.best_heuristic(batch_size, mb)
             try:
-                dec, stats = self.decide(policy, mb, batch_size // mb, warm=warm)
+                dec, stats = self.decide(policy, mb, batch_size // mb)
                 plan = self.build(dec, batch_size)
             except PlanError:
                 continue
+            found += 1
             plan.solver = stats
-            plan.history.append({"pass": f"solve+lower+verify+simulate ({policy}, micro-batch {mb})",
+            plan.history.append({"pass": f"{policy} micro-batch {mb}: decide+lower+verify+simulate",
+                                 "seconds": round(time.perf_counter() - t, 4)})
+            if best is None or plan.predicted["step_time_s"] < best.predicted["step_time_s"]:
+                best = plan
+        return best
+
+    def best_milp(self, batch_size: int, micro_batch: int | None, top: int = 2) -> Plan | None:
+        """Heuristics over every candidate micro-batch (cheap), then the MILP at the ``top`` most
+        promising ones, warm-started from the best heuristic there.  The result is never worse than
+        that heuristic: if the solver's plan simulates slower, the heuristic's plan is returned."""
+        from .solvers.milp import solve
+        heur = [p for p in (self.best(pol, batch_size, micro_batch) for pol in ("megatrain", "recompute-all", "keep-all"))
+                if p is not None]
+        heur.sort(key=lambda p: p.predicted["step_time_s"])
+        by_mb: dict[int, Plan] = {}
+        for p in heur:
+            by_mb.setdefault(p.micro_batch, p)
+        # the MILP may fit larger micro-batches than any heuristic (by offloading): try those too
+        cands = self.micro_batches(batch_size, micro_batch)
+        top_mb = max(by_mb) if by_mb else 0
+        tries = [(mb, by_mb[mb]) for mb in list(by_mb)[:top]]
+        larger = sorted(mb for mb in cands if mb > top_mb)
+        best: Plan | None = None
+        extra = 0
+        while tries or (larger and extra < 2):
+            mb, warm = tries.pop(0) if tries else (larger.pop(0), None)
+            t = time.perf_counter()
+            plan = None
+            budget = self.budgets["gpu_bytes"]
+            stats = None
+            for _ in range(3):
+                try:
+                    dec, stats = solve(self, mb, batch_size // mb, warm=warm, gpu_bytes=budget)
+                except PlanError:
+                    break
+                trial = self.build(dec, batch_size, check_budget=False)
+                excess = trial.predicted["peak_gpu_bytes"] - self.budgets["gpu_bytes"]
+                if excess <= 0:
+                    try:
+                        plan = self.build(dec, batch_size)
+                    except PlanError:
+                        plan = None
+                    break
+                budget -= int(excess * 1.05) + 1
+            if warm is not None and (plan is None or warm.predicted["step_time_s"] < plan.predicted["step_time_s"]):
+                plan = warm
+                plan.decisions.notes["milp_fallback"] = "the heuristic warm start simulated faster"
+            if plan is None:
+                if warm is None:
+                    larger = []          # feasibility is monotone in the micro-batch: stop growing
+                continue
+            if warm is None:
+                extra += 1
+            plan.solver = stats
+            plan.history.append({"pass": f"milp micro-batch {mb}: solve+lower+verify+simulate",
                                  "seconds": round(time.perf_counter() - t, 4)})
             if best is None or plan.predicted["step_time_s"] < best.predicted["step_time_s"]:
                 best = plan

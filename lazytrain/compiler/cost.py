@@ -27,10 +27,10 @@ class CostModel:
         return Sizes(self.graph, self.micro_batch, self.param_dtype)
 
     def fwd_s(self, j: int) -> float:
-        return self.hw.matmul_seconds(self.graph.blocks[j].fwd_flops * self.micro_batch)
+        return self.hw.block_seconds(self.graph.blocks[j].fwd_flops * self.micro_batch)
 
     def bwd_s(self, j: int) -> float:
-        return self.hw.matmul_seconds(self.graph.blocks[j].bwd_flops * self.micro_batch)
+        return self.hw.block_seconds(self.graph.blocks[j].bwd_flops * self.micro_batch)
 
     def param_bytes(self, j: int) -> int:
         return self.graph.blocks[j].param_numel * self.sizes.param_bytes

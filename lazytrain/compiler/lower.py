@@ -121,8 +121,13 @@ def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
                 if window < L or all(c in grad_off for c in contributors[j]):
                     emit_update(j)
 
+    param_frees: list[int] = []
+
     def load(j: int) -> int:
+        """Parameter load; it waits for the latest parameter free issued before it, so parameter
+        slots are bounded in time as they are in program order (prefetch distance 1)."""
         deps = tuple(update_op[o] for o in owners_loaded_by[j] if o in update_op and E.window < L)
+        deps += tuple(param_frees[-1:])
         return em(OpKind.LOAD, j, tensor=_tid(TensorKind.PARAMS, j), src=H, dst=G, nbytes=cost.param_bytes(j),
                   resource=Resource.H2D, seconds=cost.load_s(j), deps=deps)
 
@@ -198,7 +203,7 @@ def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
                     pending_off[w].append(lambda st=st, to=to, j=j, mb=mb:
                                           offload_chain(st, cost.saved_bytes(j), to, j, mb))
         if j < L - 1:
-            em(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G)
+            param_frees.append(em(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G))
     # offloads deferred past the forward run at the start of the backward
     late = [fn for w in sorted(pending_off) for fn in pending_off[w]]
 
@@ -242,7 +247,7 @@ def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
             E.window = 2 * L - 1 - j
             grad_off[j] = em(OpKind.GRAD_OFFLOAD, j, tensor=_tid(TensorKind.GRADS, j), src=G, dst=H,
                              nbytes=cost.grad_bytes(j), resource=Resource.D2H, seconds=cost.grad_offload_s(j))
-            em(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G)
+            param_frees.append(em(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G))
             for o in range(L):
                 if L <= upd[o] < 2 * L and upd[o] <= E.window and o not in update_op \
                         and all(c in grad_off for c in contributors[o]):

@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 
-class Place(Enum):
+class Place(str, Enum):
     GPU = "gpu"
     HOST = "host"
     NVME = "nvme"
     NONE = "none"
 
 
-class Saved(Enum):
+class Saved(str, Enum):
     KEEP = "keep"
     HOST = "host"
     NVME = "nvme"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 
-class OpKind(Enum):
+class OpKind(str, Enum):
     # parameters stream in
     LOAD = "load"                  # params[j] host -> gpu
     # work on the GPU
@@ -23,13 +23,13 @@ class OpKind(Enum):
     FREE = "free"                  # drop one copy of a tensor on one tier
 
 
-class Tier(Enum):
+class Tier(str, Enum):
     GPU = "gpu"
     HOST = "host"
     NVME = "nvme"
 
 
-class Resource(Enum):
+class Resource(str, Enum):
     """What an op occupies; each resource runs its ops in list order (a CUDA stream, a thread)."""
 
     GPU = "gpu"
@@ -40,7 +40,7 @@ class Resource(Enum):
     NONE = "none"
 
 
-class TensorKind(Enum):
+class TensorKind(str, Enum):
     PARAMS = "params"      # a block's parameters (streaming dtype)
     GRADS = "grads"        # a block's gradient accumulator
     ACT = "act"            # boundary i: the values entering block i, per micro-batch

@@ -45,7 +45,9 @@ def _contributors(plan: Plan) -> dict[int, set[int]]:
     return out
 
 
-def verify(plan: Plan) -> MemoryReport:
+def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
+    """Check ``plan``; returns its memory report or raises PlanError.  With ``early_exit`` the
+    walk stops at the first point over the GPU budget (used when screening candidates)."""
     ops = plan.ops
     L = plan.graph.n_blocks
     M = plan.n_micro
@@ -110,6 +112,7 @@ def verify(plan: Plan) -> MemoryReport:
     peak = dict(use)
     curve = []
     static_host = host_static_bytes(plan)
+    gpu_cap = plan.budgets.get("gpu_bytes")
 
     def ordered(op: Op, producer: int) -> bool:
         """Is ``producer`` certain to finish before ``op`` starts?  Yes if it is a dependency, runs
@@ -144,6 +147,8 @@ def verify(plan: Plan) -> MemoryReport:
             if (tier is not Tier.HOST or t.kind is not TensorKind.GRADS) and not (t in batch and tier is Tier.HOST):
                 use[tier] += sizes.of(t, tier)
         peak[Tier.GPU] = max(peak[Tier.GPU], use[Tier.GPU] + transient)
+        if early_exit and gpu_cap is not None and peak[Tier.GPU] > gpu_cap:
+            raise _fail(op, f"GPU memory {peak[Tier.GPU] / GiB:.2f} GiB exceeds the budget of {gpu_cap / GiB:.2f} GiB")
         for t, tier in eff.drops:
             if tier not in where.get(t, {}):
                 raise _fail(op, f"drops {t} on {tier.value}, which is not resident there")

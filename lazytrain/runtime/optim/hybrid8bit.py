@@ -89,6 +89,7 @@ class Hybrid8bitAdamW(HostOptimizer):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._grad_bytes = 2
+        self._tls = threading.local()
 
     # -- memory --------------------------------------------------------------------------------------
     @property
@@ -199,33 +200,57 @@ class Hybrid8bitAdamW(HostOptimizer):
                 step_size=-self.lr / (1 - b1**t),
                 eps=self.eps,
             )
+            c["m_dec"], c["m_pre"] = Q.decode_factor(st.m_absmax, Q.SIGNED_TOP, b1)
+            c["v_dec"], c["v_pre"] = Q.decode_factor(st.v_absmax, Q.UNSIGNED_TOP, math.sqrt(b2))
             self._pool_map(lambda it: self._chunk8(st, grad, it, c), st.items)
             for off, n, s32 in st.small:
                 self._small(st, grad, off, n, s32, c)
 
+    def _scratch(self) -> list[torch.Tensor]:
+        """Five chunk-sized int32 buffers per thread, reused across steps: fresh multi-hundred-KB
+        temporaries per op would cost page faults on every chunk."""
+        bufs = getattr(self._tls, "bufs", None)
+        if bufs is None:
+            bufs = self._tls.bufs = [torch.empty(self.chunk_numel, dtype=torch.int32) for _ in range(5)]
+        return bufs
+
     def _chunk8(self, st, grad, item, c) -> None:
         off, n, rows, qoff, soff = item
-        g = grad[off : off + n].to(torch.float32).view(rows, -1)
+        f32 = torch.float32
+        G, M, S, P, T = (b[:n].view(rows, -1) for b in self._scratch())
+        g = G.view(f32)
+        g.copy_(grad[off : off + n].view(rows, -1))
         m_am, v_am = st.m_absmax[soff : soff + rows], st.v_absmax[soff : soff + rows]
         mq, vq = st.mq[qoff : qoff + n].view(rows, -1), st.vq[qoff : qoff + n].view(rows, -1)
-        f, pre = Q.decode_factor(m_am, Q.SIGNED_TOP, c["b1"])
-        m = Q.decode_signed(mq, f[:, None], pre)  # b1 * m
+        m = Q.decode_signed(mq, c["m_dec"][soff : soff + rows, None], c["m_pre"], out=M, tmp=T)  # b1 * m
         m.add_(g, alpha=c["gm"])
-        f, pre = Q.decode_factor(v_am, Q.UNSIGNED_TOP, c["sqrt_b2"])
-        s = Q.decode_unsigned(vq, f[:, None], pre)  # sqrt(b2 * v)
+        s = Q.decode_unsigned(vq, c["v_dec"][soff : soff + rows, None], c["v_pre"], out=S)  # sqrt(b2 * v)
         s.mul_(s)
         s.addcmul_(g, g, value=c["gv"])
         s.sqrt_()
-        p = self._get(st, off, n).view(rows, -1)
+        if st.lo is not None:
+            hi, lo = st.load.view(torch.int16)[off : off + n].view(rows, -1), st.lo[off : off + n].view(rows, -1)
+            P.copy_(hi)
+            P.bitwise_left_shift_(16)
+            P.add_(lo)
+            p = P.view(f32)
+        else:
+            p = self._get(st, off, n).view(rows, -1)
         if c["decay"] != 1.0:
             p.mul_(c["decay"])
-        denom = torch.mul(s, c["inv_bc2_sqrt"])
+        denom = torch.mul(s, c["inv_bc2_sqrt"], out=G.view(f32))  # the gradient is no longer needed
         denom.add_(c["eps"])
         p.addcdiv_(m, denom, value=c["step_size"])
-        self._put(st, off, n, p.view(-1))
-        m_am.copy_(Q.absmax_rows(m))
-        v_am.copy_(s.amax(dim=1))
-        Q.encode_signed_(m, Q.encode_factor(m_am, Q.SIGNED_TOP)[:, None], mq)
+        if st.lo is not None:
+            lo.copy_(P)
+            torch.add(P, 0x8000, out=T)
+            T.bitwise_right_shift_(16)
+            hi.copy_(T)
+        else:
+            self._put(st, off, n, p.view(-1))
+        torch.maximum(m.amax(dim=1), m.amin(dim=1).neg_(), out=m_am)
+        torch.amax(s, dim=1, out=v_am)
+        Q.encode_signed_(m, Q.encode_factor(m_am, Q.SIGNED_TOP)[:, None], mq, tmp=T)
         Q.encode_unsigned_(s, Q.encode_factor(v_am, Q.UNSIGNED_TOP)[:, None], vq)
 
     def _small(self, st, grad, off, n, s32, c) -> None:

@@ -49,11 +49,12 @@ def decode_factor(absmax: torch.Tensor, top: float, extra: float = 1.0) -> tuple
     return absmax * (extra / (top * _TWO_112)), _TWO_112
 
 
-def encode_signed_(x: torch.Tensor, enc: torch.Tensor, out: torch.Tensor) -> None:
-    """Quantize ``x`` ([nblocks, B] fp32, destroyed) into ``out`` (uint8 [nblocks, B])."""
+def encode_signed_(x: torch.Tensor, enc: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor | None = None) -> None:
+    """Quantize ``x`` ([nblocks, B] fp32, destroyed) into ``out`` (uint8 [nblocks, B]); ``enc`` is
+    the [nblocks, 1] ``encode_factor``; ``tmp`` an optional int32 scratch shaped like ``x``."""
     x.mul_(enc)
     xi = x.view(torch.int32)
-    sign = xi.bitwise_right_shift(24)
+    sign = torch.bitwise_right_shift(xi, 24, out=tmp) if tmp is not None else xi.bitwise_right_shift(24)
     sign.bitwise_and_(0x80)
     xi.bitwise_and_(0x7FFFFFFF)
     xi.add_(1 << (SIGNED_SHIFT - 1))  # round to nearest (ties away from zero)
@@ -63,10 +64,13 @@ def encode_signed_(x: torch.Tensor, enc: torch.Tensor, out: torch.Tensor) -> Non
     out.copy_(xi)
 
 
-def decode_signed(q: torch.Tensor, factor: torch.Tensor, pre: float = 1.0) -> torch.Tensor:
-    """fp32 values of signed codes ``q`` (uint8 [nblocks, B]) times the per-block ``factor`` [nblocks, 1]."""
-    ci = q.to(torch.int32)
-    sign = ci.bitwise_and(0x80)
+def decode_signed(
+    q: torch.Tensor, factor: torch.Tensor, pre: float = 1.0, out: torch.Tensor | None = None, tmp=None
+) -> torch.Tensor:
+    """fp32 values of signed codes ``q`` (uint8 [nblocks, B]) times the per-block ``factor`` [nblocks, 1];
+    ``out`` and ``tmp`` are optional int32 scratch tensors shaped like ``q`` (``out`` is returned as fp32)."""
+    ci = out.copy_(q) if out is not None else q.to(torch.int32)
+    sign = torch.bitwise_and(ci, 0x80, out=tmp) if tmp is not None else ci.bitwise_and(0x80)
     ci.bitwise_xor_(sign)
     sign.bitwise_left_shift_(24)
     ci.bitwise_left_shift_(SIGNED_SHIFT)
@@ -87,8 +91,8 @@ def encode_unsigned_(x: torch.Tensor, enc: torch.Tensor, out: torch.Tensor) -> N
     out.copy_(xi)
 
 
-def decode_unsigned(q: torch.Tensor, factor: torch.Tensor, pre: float = 1.0) -> torch.Tensor:
-    ci = q.to(torch.int32)
+def decode_unsigned(q: torch.Tensor, factor: torch.Tensor, pre: float = 1.0, out: torch.Tensor | None = None):
+    ci = out.copy_(q) if out is not None else q.to(torch.int32)
     ci.bitwise_left_shift_(UNSIGNED_SHIFT)
     x = ci.view(torch.float32)
     if pre != 1.0:

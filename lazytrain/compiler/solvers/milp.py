@@ -1,0 +1,211 @@
+"""The MILP policy: choose recomputation, activation placement (GPU / host / NVMe) and so the
+overlap of every transfer with compute jointly, minimising the predicted step time.
+
+Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
+
+    windows   w in F_0..F_{L-1}, B_{L-1}..B_0, X        (forward of j, backward of j, between steps)
+    T_w >= 0                                            window duration;  objective  min sum_w T_w
+    per block j (binaries, one of):   keep[j] + host[j] + nvme[j] + recompute[j] = 1
+        keep: saved activations S_j stay on the GPU F_j..B_j;  host/nvme: offloaded in F_j and
+        reloaded during B_{j+1};  recompute: forward again in B_j from boundary j
+    per boundary j (binaries):  bgpu[j] + bhost[j] + bnvme[j] = recompute[j]
+        a recomputed block's input boundary is kept on the GPU, or offloaded in F_j and reloaded
+        during B_{j+1}
+    compute   T_{F_j} >= M fwd_j                T_{B_j} >= M (bwd_j + fwd_j recompute[j])
+    h2d       T_{F_j} >= P_{j+1}/h2d            T_{B_j} >= (P_{j-1} + M S_{j-1} (host+nvme)[j-1]
+                                                            + M A_{j-1} (bhost+bnvme)[j-1]) / h2d
+    d2h       T_{F_j} >= M (S_j (host+nvme)[j] + A_j (bhost+bnvme)[j]) / d2h
+              T_{B_j} >= G_{j+1}/d2h            (gradients of the block before leave during B_j)
+    nvme      T_{F_j} >= M (S_j nvme[j] + A_j bnvme[j]) / nvme_write,  T_{B_j} likewise for block j-1 / nvme_read
+    updates   with exact clipping every update waits for the global norm (end of backward) and is
+              lagged into the next step, in block order on the host, each before its block's load:
+              T_X >= G_0/d2h + U_0 + P_0/h2d;  for j >= 1:
+              T_X + sum_{k<j} T_{F_k} >= G_0/d2h + sum_{i<=j} U_i + P_j/h2d
+              (without clipping: T_X >= G_0/d2h + U_0 + P_0/h2d and sum U <= T_X + sum_B T_w)
+    memory    per window, GPU bytes of: parameters (current + prefetched), the gradient accumulator
+              (B_j), saved activations kept so far, offloaded ones in flight (one micro-batch) or
+              reloaded, kept boundaries, reloaded boundaries, boundary gradients, and the block's
+              workspace  <=  budget;  host: static store + M sum_j (S_j host[j] + A_j bhost[j]) <= budget;
+              NVMe likewise.
+    head      the last block neither offloads nor stores its boundary off the GPU (it runs its
+              forward and backward back to back).
+
+The model is small (7L binaries, 2L+1 continuous), so CBC or HiGHS solve it to a small gap in
+seconds even for 80 layers; identical layers are symmetric, so a time limit returns the incumbent
+and its gap.  The lowering's program-order memory is checked by ``ir.verify`` afterwards; if the
+window memory model was optimistic, the budget is tightened by the excess and the MILP re-solved.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ...ir import Decisions, GiB, Place, Saved, SolverStats
+
+MS = 1e3
+
+
+def _mip():
+    try:
+        import mip
+    except ImportError as e:  # pragma: no cover - mip is a core dependency
+        raise RuntimeError("the milp policy needs python-mip: pip install mip") from e
+    return mip
+
+
+def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | None = None):
+    """Returns (Decisions, SolverStats).  ``comp`` is a compiler.api.Compiler."""
+    mip = _mip()
+    t0 = time.perf_counter()
+    g = comp.graph
+    cost = comp.cost(micro_batch)
+    hw = comp.hw
+    L, M = g.n_blocks, n_micro
+    budget = (gpu_bytes if gpu_bytes is not None else comp.budgets["gpu_bytes"]) / GiB
+    host_cap = comp.budgets.get("host_bytes")
+    nvme_cap = comp.budgets.get("nvme_bytes") or 0
+    host_static = g.total_params * comp.options["host_bytes_per_param"] / GiB
+
+    P = [cost.param_bytes(j) / GiB for j in range(L)]
+    Gacc = [g.blocks[j].param_numel * (4) / GiB for j in range(L)]
+    S = [cost.saved_bytes(j) / GiB for j in range(L)]
+    A = [cost.act_bytes(j) / GiB for j in range(L)] + [0.0]
+    W = [cost.sizes.workspace(j) / GiB for j in range(L)]
+    fwd = [cost.fwd_s(j) * MS for j in range(L)]
+    bwd = [cost.bwd_s(j) * MS for j in range(L)]
+    U = [cost.update_s(j) * MS for j in range(L)]
+    load = [cost.load_s(j) * MS for j in range(L)]
+    gout = [cost.grad_offload_s(j) * MS for j in range(L)]
+    h2d_ms = hw.h2d_seconds(GiB) * MS        # ms per GiB
+    d2h_ms = hw.d2h_seconds(GiB) * MS
+    nvw_ms = hw.nvme_seconds(GiB, True) * MS
+    nvr_ms = hw.nvme_seconds(GiB, False) * MS
+    use_nvme = bool(comp.budgets.get("nvme_dir")) and nvme_cap > 0
+
+    m = mip.Model(name="lazytrain", sense=mip.MINIMIZE,
+                  solver_name=mip.HIGHS if comp.solver == "highs" else mip.CBC)
+    m.verbose = 0
+    m.threads = -1
+    B = mip.BINARY
+    keep = [m.add_var(f"keep_saved[{j}]", var_type=B) for j in range(L)]
+    host = [m.add_var(f"saved_on_host[{j}]", var_type=B) for j in range(L)]
+    nvme = [m.add_var(f"saved_on_nvme[{j}]", var_type=B, ub=1 if use_nvme else 0) for j in range(L)]
+    rec = [m.add_var(f"recompute[{j}]", var_type=B) for j in range(L)]
+    bg = [m.add_var(f"boundary_on_gpu[{j}]", var_type=B) for j in range(L)]
+    bh = [m.add_var(f"boundary_on_host[{j}]", var_type=B) for j in range(L)]
+    bn = [m.add_var(f"boundary_on_nvme[{j}]", var_type=B, ub=1 if use_nvme else 0) for j in range(L)]
+    TF = [m.add_var(f"T_F[{j}]") for j in range(L)]
+    TB = [m.add_var(f"T_B[{j}]") for j in range(L)]
+    TX = m.add_var("T_X")
+    m.objective = mip.xsum(TF) + mip.xsum(TB) + TX
+    xs = mip.xsum
+
+    # -- choices ------------------------------------------------------------------------
+    for j in range(L):
+        m += keep[j] + host[j] + nvme[j] + rec[j] == 1, f"one_policy[{j}]"
+        m += bg[j] + bh[j] + bn[j] == rec[j], f"boundary_iff_recompute[{j}]"
+    h = L - 1
+    m += host[h] + nvme[h] + bh[h] + bn[h] == 0, "head_stays_on_gpu"
+    m += bg[0] == 0, "batch_is_on_host"     # boundary 0 is the batch: reloaded from the host
+    m += bn[0] == 0, "batch_not_on_nvme"
+
+    # -- time per window ----------------------------------------------------------------
+    for j in range(L):
+        m += TF[j] >= M * fwd[j], f"gpu_F[{j}]"
+        if j + 1 < L:
+            m += TF[j] >= load[j + 1], f"h2d_F[{j}]"
+        m += TF[j] >= M * d2h_ms * (S[j] * (host[j] + nvme[j]) + A[j] * (bh[j] + bn[j])), f"d2h_F[{j}]"
+        if use_nvme:
+            m += TF[j] >= M * nvw_ms * (S[j] * nvme[j] + A[j] * bn[j]), f"nvme_F[{j}]"
+        m += TB[j] >= M * bwd[j] + M * fwd[j] * rec[j], f"gpu_B[{j}]"
+        if j >= 1:
+            k = j - 1
+            pre = load[k] if k != L - 1 else 0.0
+            m += TB[j] >= pre + M * h2d_ms * (S[k] * (host[k] + nvme[k]) + A[k] * (bh[k] + bn[k])), f"h2d_B[{j}]"
+            if use_nvme:
+                m += TB[j] >= M * nvr_ms * (S[k] * nvme[k] + A[k] * bn[k]), f"nvme_B[{j}]"
+        if j + 1 < L:
+            m += TB[j] >= gout[j + 1], f"d2h_B[{j}]"
+    # block 0's reloads happen before its backward (nothing left to hide them under)
+    m += TB[0] >= M * bwd[0] + M * fwd[0] * rec[0] + M * h2d_ms * A[0] * bh[0], "h2d_B_first"
+    m += TX >= gout[0] + U[0] + load[0], "step_boundary_chain"
+    if comp.clip:
+        for j in range(1, L):
+            m += TX + xs(TF[k] for k in range(j)) >= gout[0] + sum(U[: j + 1]) + load[j], f"lazy_update[{j}]"
+    else:
+        m += TX + xs(TB) >= sum(U), "host_updates_fit"
+
+    # -- memory per window (GiB) ---------------------------------------------------------
+    for j in range(L):
+        kept = xs(S[i] * M * keep[i] for i in range(j + 1)) + xs(A[i] * M * bg[i] for i in range(j + 1))
+        nxt = P[j + 1] if j + 1 < L else 0.0
+        m += (P[j] + nxt + kept + A[j + 1] * M + A[j] * M + S[j] * (host[j] + nvme[j]) + S[j] * rec[j] * 0
+              + W[j] <= budget), f"gpu_memory_F[{j}]"
+        prev = j - 1
+        pre_p = P[prev] if prev >= 0 else 0.0
+        reloaded = S[j] * M * (host[j] + nvme[j]) + A[j] * M * (bh[j] + bn[j])
+        if prev >= 0:
+            reloaded = reloaded + S[prev] * M * (host[prev] + nvme[prev]) + A[prev] * M * (bh[prev] + bn[prev])
+        kept_b = xs(S[i] * M * keep[i] for i in range(j + 1)) + xs(A[i] * M * bg[i] for i in range(j + 1))
+        m += (P[j] + pre_p + Gacc[j] + kept_b + reloaded + S[j] * rec[j] + A[j + 1] * M + A[j] * M + W[j]
+              <= budget), f"gpu_memory_B[{j}]"
+    if host_cap:
+        m += host_static + M * xs(S[j] * host[j] + A[j] * bh[j] for j in range(L)) <= host_cap / GiB, "host_memory"
+    if use_nvme:
+        m += M * xs(S[j] * nvme[j] + A[j] * bn[j] for j in range(L)) <= nvme_cap / GiB, "nvme_capacity"
+
+    # -- symmetry breaking: among identical consecutive layers, prefer keeping later ones ----
+    for j in range(1, L - 1):
+        a, b = g.blocks[j], g.blocks[j + 1]
+        if a.kind == b.kind == "layer" and a.saved_bytes == b.saved_bytes and a.fwd_flops == b.fwd_flops:
+            m += keep[j] <= keep[j + 1], f"sym_keep[{j}]"
+
+    if warm is not None:
+        start = _warm_start(warm.decisions, keep, host, nvme, rec, bg, bh, bn)
+        if start:
+            m.start = start
+    limit = comp.time_limit if comp.time_limit is not None else _default_limit(L)
+    status = m.optimize(max_seconds=limit)
+    secs = time.perf_counter() - t0
+    ok = status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE)
+    stats = SolverStats(status=status.name.lower(), objective=(m.objective_value / MS) if ok else None,
+                        gap=float(m.gap) if ok else None, n_vars=m.num_cols, n_constraints=m.num_rows,
+                        seconds=round(secs, 3))
+    if not ok:
+        from ...ir import PlanError
+        raise PlanError(f"MILP found no feasible plan at micro-batch {micro_batch} ({status.name.lower()})")
+    val = (lambda v: v.x is not None and v.x > 0.5)
+    saved, boundary = [], []
+    for j in range(L):
+        saved.append(Saved.KEEP if val(keep[j]) else Saved.HOST if val(host[j]) else
+                     Saved.NVME if val(nvme[j]) else Saved.RECOMPUTE)
+        boundary.append(Place.GPU if val(bg[j]) else Place.HOST if val(bh[j]) else
+                        Place.NVME if val(bn[j]) else Place.NONE)
+    if saved[0] is Saved.RECOMPUTE:
+        boundary[0] = Place.HOST
+    dec = Decisions(policy="milp", micro_batch=micro_batch, n_micro=n_micro, boundary=tuple(boundary),
+                    saved=tuple(saved), notes={"objective_s": stats.objective})
+    return dec, stats
+
+
+def _default_limit(L: int) -> float:
+    return 5.0 if L <= 40 else 8.0
+
+
+def _warm_start(dec: Decisions, keep, host, nvme, rec, bg, bh, bn):
+    """A heuristic's decisions as a MIP start, when they lie in this model's space (single-block
+    recompute segments only)."""
+    L = len(keep)
+    if any(s is Saved.RECOMPUTE and dec.boundary[j] is Place.NONE for j, s in enumerate(dec.saved) if j > 0):
+        return None
+    start = []
+    for j in range(L):
+        s = dec.saved[j]
+        start += [(keep[j], float(s is Saved.KEEP)), (host[j], float(s is Saved.HOST)),
+                  (nvme[j], float(s is Saved.NVME)), (rec[j], float(s is Saved.RECOMPUTE))]
+        r = s is Saved.RECOMPUTE
+        p = dec.boundary[j] if r else Place.NONE
+        if j == 0 and r:
+            p = Place.HOST
+        start += [(bg[j], float(p is Place.GPU)), (bh[j], float(p is Place.HOST)), (bn[j], float(p is Place.NVME))]
+    return start

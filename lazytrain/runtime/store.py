@@ -1,0 +1,204 @@
+"""Host store: the per-block flat buffers the runtime owns, and a pool of pinned activation buffers.
+
+Per block j (see ``runtime.optim.base`` for who owns what):
+
+- the *load buffer*: the block's **owned** parameters, flat, in the plan's parameter dtype (what the
+  optimizer writes after each update and ``load`` copies to the GPU);
+- the *gradient buffer*: every parameter the block reads (owned and tied links), flat, in the host
+  gradient dtype (fp32 for fp32 plans, else bf16: ``ir.semantics.Sizes``); ``grad_offload`` fills it.
+
+Both are allocated once, up front, pinned when a GPU is used (allocating pinned memory on the fly
+stalls streams).  A block's GPU layout is ``[owned & untied | owned & tied | tied links]``: the
+first ``owned_numel`` elements mirror the load buffer, the first ``plain_numel`` are the parameters
+whose gradient norm the device can take alone; a tied link is copied to the GPU straight from its
+owner's load buffer, so the host keeps one copy of a tied weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ir import GiB, ModelGraph
+
+log = logging.getLogger("lazytrain")
+
+
+class HostMemoryError(MemoryError):
+    """The host store would not fit in the memory available now; raised before allocating."""
+
+
+@dataclass
+class Segment:
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class BlockLayout:
+    index: int
+    segments: list[Segment]                 # GPU flat order
+    owned_numel: int
+    plain_numel: int
+    #: tied links read by this block: (segment here, owner block, offset in the owner's layout)
+    links: list[tuple[Segment, int, int]] = field(default_factory=list)
+    #: owned tied parameters: (segment here, [(reader block, offset in the reader's layout)])
+    shared: list[tuple[Segment, list[tuple[int, int]]]] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.segments)
+
+    def opt_segments(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
+        """The owned segments as ``HostOptimizer.setup`` wants them."""
+        return [(s.name, s.offset, s.numel, s.shape) for s in self.segments if s.offset < self.owned_numel]
+
+
+def layouts(graph: ModelGraph, canonical: dict[str, str] | None = None) -> list[BlockLayout]:
+    """Flat layouts of every block.  ``canonical`` maps a parameter name to the name of the tensor it
+    is (tied parameters may appear under two names); by default names are their own canonical."""
+    canon = canonical or {}
+
+    def key(name: str) -> str:
+        return canon.get(name, name)
+
+    readers: dict[str, set[int]] = {}
+    for b in graph.blocks:
+        for p in b.params:
+            readers.setdefault(key(p.name), set()).add(b.index)
+    out: list[BlockLayout] = []
+    for b in graph.blocks:
+        plain = [p for p in b.params if p.owner == b.index and len(readers[key(p.name)]) == 1]
+        tied_own = [p for p in b.params if p.owner == b.index and len(readers[key(p.name)]) > 1]
+        foreign = [p for p in b.params if p.owner != b.index]
+        segs, off = [], 0
+        for p in plain + tied_own + foreign:
+            segs.append(Segment(p.name, off, p.numel, tuple(p.shape)))
+            off += p.numel
+        owned = sum(p.numel for p in plain + tied_own)
+        out.append(BlockLayout(b.index, segs, owned, sum(p.numel for p in plain)))
+    by_key = {(lay.index, key(s.name)): s for lay in out for s in lay.segments}
+    for lay in out:
+        b = graph.blocks[lay.index]
+        for p in b.params:
+            if p.owner != lay.index:
+                here = by_key[(lay.index, key(p.name))]
+                there = by_key.get((p.owner, key(p.name)))
+                if there is None:
+                    raise ValueError(f"block {lay.index} reads {p.name} owned by block {p.owner}, which does not "
+                                     f"list it")
+                lay.links.append((here, p.owner, there.offset))
+                owner = out[p.owner]
+                ent = next((e for e in owner.shared if e[0] is there), None)
+                if ent is None:
+                    ent = (there, [])
+                    owner.shared.append(ent)
+                ent[1].append((lay.index, here.offset))
+    return out
+
+
+def mem_available() -> int:
+    """``MemAvailable`` from /proc/meminfo (bytes); a large number where that file does not exist."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def grad_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """Host gradient dtype: fp32 for fp32 training, bf16 otherwise (``ir.semantics``)."""
+    return torch.float32 if param_dtype == torch.float32 else torch.bfloat16
+
+
+class HostStore:
+    """Per-block load and gradient buffers (allocated in ``__init__``, once)."""
+
+    def __init__(self, lays: list[BlockLayout], param_dtype: torch.dtype, *, pin: bool,
+                 optimizer_bytes_per_param: float = 12.0, activation_bytes: int = 0):
+        self.layouts = lays
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype(param_dtype)
+        self.pin = pin
+        need = self.estimate(lays, param_dtype, optimizer_bytes_per_param, activation_bytes)
+        avail = mem_available()
+        log.info("lazytrain host memory estimate: %.2f GiB (buffers %.2f GiB, optimizer %.2f GiB, activations "
+                 "%.2f GiB); available %.2f GiB", need["total"] / GiB, need["buffers"] / GiB,
+                 need["optimizer"] / GiB, need["activations"] / GiB, avail / GiB)
+        if need["total"] > avail:
+            raise HostMemoryError(
+                f"the host store needs about {need['total'] / GiB:.2f} GiB (parameter and gradient buffers "
+                f"{need['buffers'] / GiB:.2f} GiB, optimizer master and state {need['optimizer'] / GiB:.2f} GiB, "
+                f"offloaded activations {need['activations'] / GiB:.2f} GiB) but only {avail / GiB:.2f} GiB is "
+                f"available (MemAvailable): use an 8-bit optimizer, offload activations to NVMe, or free memory")
+        self.load = [torch.empty(lay.owned_numel, dtype=param_dtype, pin_memory=pin) for lay in lays]
+        self.grad = [torch.empty(lay.numel, dtype=self.grad_dtype, pin_memory=pin) for lay in lays]
+
+    @staticmethod
+    def estimate(lays: list[BlockLayout], param_dtype: torch.dtype, optimizer_bytes_per_param: float,
+                 activation_bytes: int) -> dict[str, int]:
+        pb = torch.empty((), dtype=param_dtype).element_size()
+        gb = torch.empty((), dtype=grad_dtype(param_dtype)).element_size()
+        owned = sum(lay.owned_numel for lay in lays)
+        buffers = sum(lay.owned_numel * pb + lay.numel * gb for lay in lays)
+        opt = int(owned * optimizer_bytes_per_param)
+        return {"buffers": buffers, "optimizer": opt, "activations": int(activation_bytes),
+                "total": buffers + opt + int(activation_bytes)}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.load + self.grad)
+
+
+class HostPool:
+    """Host byte buffers for offloaded activations, reused by size.
+
+    A released buffer carries the completion handles of its last readers (an in-flight H2D copy, an
+    NVMe write); ``acquire`` hands it out again only after they are complete.  The op list repeats
+    every step, so after the first step every request is served from the pool: pinned memory is
+    allocated during step 1 only.
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._free: dict[int, list[tuple[torch.Tensor, list]]] = {}
+        self._lock = threading.Lock()
+        self.allocated_bytes = 0
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        from .streams import Streams
+        with self._lock:
+            cands = self._free.get(nbytes, [])
+            pick = None
+            for i, (_, after) in enumerate(cands):
+                if all(_is_done(h) for h in after):
+                    pick = cands.pop(i)
+                    break
+            if pick is None and cands:
+                pick = cands.pop(0)
+        if pick is not None:
+            Streams.wait_on_host(pick[1])
+            return pick[0]
+        with self._lock:
+            self.allocated_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def release(self, buf: torch.Tensor, after=()) -> None:
+        with self._lock:
+            self._free.setdefault(buf.numel(), []).append((buf, [h for h in after if h is not None]))
+
+
+def _is_done(h) -> bool:
+    from concurrent.futures import Future
+    if h is None:
+        return True
+    if isinstance(h, Future):
+        return h.done()
+    return h.query()
