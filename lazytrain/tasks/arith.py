@@ -117,6 +117,8 @@ class Difficulty:
 
 PRESETS = {
     d.name: d for d in (
+        Difficulty(name="tiny", n_steps=(1, 1), max_digits=2, factor_max=9,
+                   kinds=(StepKind.ADD, StepKind.SUB), max_answer=198, seq_len=80),
         Difficulty(name="easy", n_steps=(1, 2), max_digits=2, factor_max=9,
                    kinds=(StepKind.ADD, StepKind.SUB, StepKind.ADD_GROUPS), max_answer=999, seq_len=96),
         Difficulty(name="medium", n_steps=(2, 3), max_digits=2, factor_max=9,
