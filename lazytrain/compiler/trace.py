@@ -221,7 +221,8 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
 
     args = [params[n] for n in b.param_names] + [inputs[n] for n in b.input_names]
     interp = _Liveness(b.gm, saved, pkeys | in_keys)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False, custom_mapping=_FLOPS) as fc:
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with hooks, FlopCounterMode(display=False, custom_mapping=_FLOPS) as fc:
         outs = interp.run(*args)
         if b.loss is not None:
             lh = b.loss

@@ -1,0 +1,154 @@
+"""trace(): blocks, per-sample figures that scale linearly, honest saved bytes, tied params, presets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from lazytrain.compiler.presets import PRESETS, build_from_config, build_model
+from lazytrain.compiler.program import build_program, build_split
+from lazytrain.compiler.trace import _measure, trace
+
+TINY_QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 6,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 301, "tie_word_embeddings": True,
+              "max_position_embeddings": 256}
+
+
+def test_blocks_and_boundaries_of_a_qwen2():
+    model = build_from_config(TINY_QWEN2)          # meta
+    g = trace(model, seq_len=128)
+    assert [b.kind for b in g.blocks] == ["embed"] + ["layer"] * 6 + ["head"]
+    assert g.blocks[1].name == "model.layers.0" and g.blocks[-2].name == "model.layers.5"
+    assert len(g.boundary_bytes) == g.n_blocks + 1 and len(g.boundary_values) == g.n_blocks + 1
+    # labels are live across every cut until the head; rotary tables reach every layer
+    assert all("labels" in g.boundary_values[i] for i in range(g.n_blocks))
+    assert set(g.boundary_values[0]) == {"input_ids", "labels"}
+    layer = g.blocks[3]
+    assert any(t.requires_grad for t in layer.inputs) and len(layer.inputs) >= 3
+    hidden = next(t for t in layer.outputs)
+    assert hidden.shape == (128, 64) and hidden.requires_grad and hidden.dtype == "bfloat16"
+    # boundary bytes = what is live there, not just the hidden state
+    assert g.boundary_bytes[3] > hidden.nbytes
+    assert g.total_params == sum(p.numel() for p in model.parameters())
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert g.meta["architecture"] == "Qwen2ForCausalLM" and g.meta["replicated_layers"]
+    assert g.blocks[2].fwd_flops == g.blocks[4].fwd_flops > 0 and g.blocks[2].bwd_flops > g.blocks[2].fwd_flops
+
+
+def test_tied_embedding_owned_by_block_0():
+    g = trace(build_model("qwen2.5-0.5b"), seq_len=256)
+    head = g.blocks[-1]
+    tied = [p for p in head.params if p.name == "model.embed_tokens.weight"]
+    assert len(tied) == 1 and tied[0].owner == 0 and tied[0].shape == (151936, 896)
+    assert head.owned_numel == 896   # only the final norm is the head's own
+    assert abs(g.total_params - 494_032_768) == 0
+
+
+def test_flops_scale_linearly_with_micro_batch():
+    model = build_from_config(TINY_QWEN2)
+    shapes = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    figs = {}
+    for mb in (1, 4):
+        sp = build_split(model, micro_batch=mb, seq_len=64, device="meta", dtype=torch.bfloat16)
+        figs[mb] = [_measure(b, sp, shapes, torch.bfloat16, mb, 64) for b in sp.blocks[1:3]]
+    g = trace(model, seq_len=64)
+    for k, (one, four) in enumerate(zip(figs[1], figs[4])):
+        assert four[2] == 4 * one[2] and four[3] == 4 * one[3]       # fwd, bwd FLOPs
+        assert g.blocks[1 + k].fwd_flops == one[2]
+        assert abs(four[0] - 4 * one[0]) <= 0.02 * four[0]            # saved bytes
+    # a layer's forward is 2 FLOPs per parameter per token plus attention
+    layer = g.blocks[2]
+    assert 2 * layer.param_numel * 64 < layer.fwd_flops < 2 * layer.param_numel * 64 * 1.5
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gpt"])
+def test_saved_estimate_matches_real_cpu_run(kind):
+    """The meta estimate vs what saved_tensors_hooks see running the layer on CPU, fp32, micro-batch 2."""
+    cfg = TINY_QWEN2 if kind == "qwen2" else {"model_type": "lazytrain-gpt", "vocab": 257, "d_model": 64,
+                                              "n_layer": 6, "n_head": 4, "d_ff": 256, "max_seq": 256}
+    torch.manual_seed(0)
+    model = build_from_config(cfg, device="cpu", dtype=torch.float32)
+    seq, mb, j = 128, 2, 3
+    est = trace(model, seq_len=seq, dtype="float32").blocks[j].saved_bytes * mb
+    prog = build_program(model, micro_batch=mb, seq_len=seq, device="cpu", dtype=torch.float32)
+    params = dict(model.named_parameters())
+    vals = prog.batch_inputs(torch.randint(0, 200, (mb, seq)), torch.randint(0, 200, (mb, seq)))
+    with torch.no_grad():
+        for i in range(j):
+            vals.update(prog.run_block(i, {n: params[n] for n in prog.param_names(i)}, vals))
+    inputs = {t.name: vals[t.name].detach().requires_grad_(t.requires_grad) for t in prog.graph.blocks[j].inputs}
+    pkeys = {p.untyped_storage().data_ptr() for p in params.values()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in pkeys:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        prog.run_block(j, {n: params[n] for n in prog.param_names(j)}, inputs)
+    real = sum(seen.values())
+    assert abs(est - real) <= 0.10 * real, (est, real)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_traces_on_meta(name):
+    model = build_model(name)
+    g = trace(model, seq_len=256)
+    assert g.blocks[0].kind == "embed" and g.blocks[-1].kind == "head"
+    assert g.total_params == sum(p.numel() for p in model.parameters())
+    assert all(b.fwd_flops > 0 and b.saved_bytes > 0 for b in g.blocks[1:])
+    json.dumps(g.to_json())
+
+
+def test_published_sizes():
+    sizes = {"qwen2.5-3b": 3.09e9, "qwen2.5-7b": 7.62e9, "qwen2.5-72b": 72.7e9, "llama3-8b": 8.03e9,
+             "llama3-70b": 70.55e9, "qwen3-8b": 8.19e9, "qwen3-32b": 32.76e9, "gpt2": 124.4e6}
+    for name, n in sizes.items():
+        got = sum(p.numel() for p in build_model(name).parameters())
+        assert abs(got - n) / n < 0.005, (name, got)
+
+
+def test_unknown_preset_lists_known_ones():
+    with pytest.raises(ValueError, match="qwen2.5-7b") as e:
+        build_model("qwen2.5-7")
+    assert "Known presets" in str(e.value) and "llama3-70b" in str(e.value)
+
+
+def test_config_json_errors(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64}))
+    with pytest.raises(ValueError, match="missing intermediate_size"):
+        build_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        build_model(str(tmp_path / "config.json"))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN2))
+    assert type(build_model(str(tmp_path))).__name__ == "Qwen2ForCausalLM"
+
+
+def test_factory_spec():
+    model = build_model("tests.test_trace:_tiny_factory")
+    assert model.config.n_layer == 2
+
+
+def _tiny_factory():
+    from lazytrain.models import GPT, GPTConfig
+    return GPT(GPTConfig(vocab=64, d_model=32, n_layer=2, n_head=2, d_ff=64, max_seq=32))
+
+
+@pytest.mark.slow
+def test_qwen25_72b_traces_fast_and_small():
+    code = ("import time, resource; from lazytrain.compiler.presets import build_model; "
+            "from lazytrain.compiler.trace import trace; t = time.perf_counter(); "
+            "g = trace(build_model('qwen2.5-72b'), seq_len=4096); "
+            "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, g.n_blocks)")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    seconds, rss, n = float(out[0]), int(out[1]), int(out[2])
+    assert n == 82 and seconds < 30 and rss < 2 * 1024**3, (seconds, rss)
+    assert time.perf_counter() - t0 < 60
