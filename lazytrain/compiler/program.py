@@ -129,7 +129,7 @@ def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dty
                 loss_fn=None) -> Split:
     """Export (three layers when the layers are identical), split, and expand to the full depth."""
     sequential = isinstance(model, nn.Sequential)
-    buffers = {k: v for k, v in model.named_buffers()}
+    buffers = _real_buffers(model, device)
     clone = meta_clone(model, dtype)
     n_layers = None
     if reducible(model):
@@ -143,6 +143,29 @@ def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dty
     missing = [n for n, _ in model.named_parameters() if n not in names]
     sp.meta["unused_params"] = missing
     return sp
+
+
+def _real_buffers(model: nn.Module, device) -> dict[str, torch.Tensor]:
+    """The model's buffers; those left on ``meta`` (a model built on meta, e.g. rotary ``inv_freq``) are
+    recomputed by constructing their module again on the CPU from the model's config, when possible."""
+    buffers = dict(model.named_buffers())
+    if torch.device(device).type == "meta" or all(b.device.type != "meta" for b in buffers.values()):
+        return buffers
+    cfg = getattr(model, "config", None)
+    for mod_name, mod in model.named_modules():
+        own = [n for n, b in mod.named_buffers(recurse=False) if b.device.type == "meta"]
+        if not own or cfg is None:
+            continue
+        try:
+            with torch.device("cpu"):
+                fresh = type(mod)(cfg)
+        except Exception:  # noqa: BLE001 - left on meta; split() names the buffer in its error
+            continue
+        for n in own:
+            b = getattr(fresh, n, None)
+            if isinstance(b, torch.Tensor) and b.shape == buffers[f"{mod_name}.{n}".lstrip(".")].shape:
+                buffers[f"{mod_name}.{n}".lstrip(".")] = b
+    return buffers
 
 
 def expand(sp: Split, n_layers: int) -> Split:

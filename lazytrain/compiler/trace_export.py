@@ -309,7 +309,7 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
         for n in members[b]:
             if n in needed:
                 for a in n.all_input_nodes:
-                    if a not in mem and a not in ext and not (a.op == "placeholder" and
+                    if a not in mem and a not in ext and a.op != "get_attr" and not (a.op == "placeholder" and
                                                                (a.name in ph_param or a.name in ph_const)):
                         ext.append(a)
         if b == tail and loss is not None:
@@ -377,6 +377,21 @@ def _param_dependence(g: fx.Graph, ph_param: dict) -> dict:
     return dep
 
 
+def _fix_graph(gm: fx.GraphModule, device) -> None:
+    """In a nested graph: drop metadata asserts, use our attention, move meta devices to ``device``."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target in _SKIP and not n.users:
+            gm.graph.erase_node(n)
+            continue
+        if n.target is aten.scaled_dot_product_attention.default:
+            n.target = sdpa
+        n.args = tree_map(lambda x: _retarget(x, device), n.args)
+        n.kwargs = tree_map(lambda x: _retarget(x, device), n.kwargs)
+        if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), fx.GraphModule):
+            _fix_graph(getattr(gm, n.target), device)
+    gm.recompile()
+
+
 def _build_gm(members, needed, outs, ext, ph_param, ph_const, vname, ep, bufs, device, extra=()):
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -400,6 +415,21 @@ def _build_gm(members, needed, outs, ext, ph_param, ph_const, vname, ep, bufs, d
     def lookup(a):
         if a in env:
             return env[a]
+        if a.op == "get_attr":   # a higher-order op's body (e.g. an autocast region) or a constant
+            if a.target not in consts:
+                obj = ep.graph_module.get_submodule(a.target) if isinstance(
+                    getattr(ep.graph_module, a.target, None), nn.Module) else getattr(ep.graph_module, a.target)
+                attr = "s_" + "".join(c if c.isalnum() else "_" for c in a.target)
+                if isinstance(obj, fx.GraphModule):
+                    sub = copy.deepcopy(obj)
+                    _fix_graph(sub, device)
+                    holder.add_module(attr, sub)
+                elif isinstance(obj, torch.Tensor):
+                    holder.register_buffer(attr, obj.detach().to(device))
+                else:
+                    setattr(holder, attr, copy.deepcopy(obj))
+                consts[a.target] = g.get_attr(attr)
+            return consts[a.target]
         if a.op == "placeholder" and a.name in ph_param:
             return p_nodes[ph_param[a.name]]
         if a.op == "placeholder" and a.name in ph_const:
