@@ -3,6 +3,7 @@ codes and of Hybrid8bitAdamW's update, training parity, checkpoints, clipping.""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -13,9 +14,17 @@ from lazytrain.runtime.optim import (
     Hybrid8bitAdamW,
     NonFiniteGradError,
     TorchAdamW,
+    ckernel,
     clip_coefficient,
 )
 from lazytrain.runtime.optim import quant as Q
+
+HAVE_KERNEL = ckernel.load() is not None
+# Hybrid8bitAdamW has two implementations of the same update: the compiled one-pass kernel and torch ops
+PATHS = [
+    pytest.param(False, id="torch"),
+    pytest.param(True, id="kernel", marks=pytest.mark.skipif(not HAVE_KERNEL, reason="no C compiler")),
+]
 
 HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 
@@ -114,14 +123,14 @@ def test_code_roundtrip_error_bounds():
     torch.testing.assert_close(Q.decode_signed(q[:1, :3], f[:, None], pre)[0, :2], big[0, :2], rtol=1 / 16, atol=0)
 
 
-def _direction_error(steps: int, seed: int = 0) -> list[float]:
+def _direction_error(steps: int, seed: int = 0, kernel: bool = False) -> list[float]:
     """Relative error ||d8 - d32|| / ||d32|| of the per-step update d, both optimizers fed the same
     params and gradients each step (the 8-bit state tracks its own history)."""
     g = torch.Generator().manual_seed(seed)
     n = 3 * 8192 + 100
     init = torch.randn(n, generator=g)
     segs = [("w", 0, n - 100, (n - 100,)), ("b", n - 100, 100, (100,))]
-    a, b = TorchAdamW(**HP), Hybrid8bitAdamW(**HP, chunk_numel=8192, num_threads=2)
+    a, b = TorchAdamW(**HP), Hybrid8bitAdamW(**HP, chunk_numel=8192, num_threads=2, kernel=kernel)
     la, lb = init.clone(), init.clone()
     a.setup(0, init, la, segs)
     b.setup(0, init, lb, segs)
@@ -138,18 +147,20 @@ def _direction_error(steps: int, seed: int = 0) -> list[float]:
     return errs
 
 
-def test_hybrid8bit_update_error_bounded():
-    errs = _direction_error(30)
+@pytest.mark.parametrize("kernel", PATHS)
+def test_hybrid8bit_update_error_bounded(kernel):
+    errs = _direction_error(30, kernel=kernel)
     # bound: 3-bit m and 4-bit sqrt(v) mantissas give <= ~9% per element, a few % in norm
     assert max(errs) < 0.10, errs
     assert sum(errs) / len(errs) < 0.05, errs
 
 
-def test_hybrid8bit_memory_and_bf16_master():
+@pytest.mark.parametrize("kernel", PATHS)
+def test_hybrid8bit_memory_and_bf16_master(kernel):
     n = 4 * 2048 * 8 + 300
     init = torch.randn(n)
     load = torch.empty(n, dtype=torch.bfloat16)
-    opt = Hybrid8bitAdamW(**HP, chunk_numel=4096)
+    opt = Hybrid8bitAdamW(**HP, chunk_numel=4096, kernel=kernel)
     opt.setup(0, init, load, [("w", 0, n - 300, (n - 300,)), ("b", n - 300, 300, (300,))])
     assert torch.equal(opt.master(0), init)  # exact fp32 master from bf16 + 16 low bits
     opt.step(0, torch.randn(n).to(torch.bfloat16))
@@ -203,15 +214,21 @@ def _train(make_opt, steps=300, seed=0):
     return sum(losses[-20:]) / 20
 
 
-def test_hybrid8bit_training_matches_fp32():
+@pytest.mark.parametrize("kernel", PATHS)
+def test_hybrid8bit_training_matches_fp32(kernel):
     hp = dict(lr=3e-3, weight_decay=0.01)
     ref = _train(lambda: TorchAdamW(**hp))
-    q8 = _train(lambda: Hybrid8bitAdamW(**hp, min_8bit_numel=1024, chunk_numel=4096))
+    q8 = _train(lambda: Hybrid8bitAdamW(**hp, min_8bit_numel=1024, chunk_numel=4096, kernel=kernel))
     print(f"final loss fp32 {ref:.5f}  8-bit {q8:.5f}  ({(q8 / ref - 1) * 100:+.2f}%)")
     assert abs(q8 / ref - 1) < 0.02
 
 
-@pytest.mark.parametrize("cls", [TorchAdamW, Hybrid8bitAdamW])
+@pytest.mark.parametrize(
+    "cls",
+    [TorchAdamW, functools.partial(Hybrid8bitAdamW, kernel=False)]
+    + ([functools.partial(Hybrid8bitAdamW, kernel=True)] if HAVE_KERNEL else []),
+    ids=["torch_adamw", "8bit_torch"] + (["8bit_kernel"] if HAVE_KERNEL else []),
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_checkpoint_roundtrip_is_bit_exact(cls, dtype):
     n = 3 * 4096 + 77
@@ -263,6 +280,35 @@ def test_clip_coef_equals_clip_grad_norm(cls):
         assert coef < 0.1
         opt.step(0, flat, coef)
     torch.testing.assert_close(opt.master(0), torch.cat([p.detach().reshape(-1) for p in ref]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not HAVE_KERNEL, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_torch_path(dtype):
+    """One step from the same state: same codes and scales, master within an fp32 ulp or two
+    (torch's vectorized addcdiv may round differently); states are interchangeable."""
+    n = 3 * 8192 + 2048 + 300  # full chunks, a short chunk, a short last quantization block
+    segs = [("w", 0, n - 100, (n - 100,)), ("b", n - 100, 100, (100,))]
+    g = torch.Generator().manual_seed(7)
+    init = torch.randn(n, generator=g)
+    grads = [torch.randn(n, generator=g).to(dtype) for _ in range(3)]
+    a = Hybrid8bitAdamW(**HP, chunk_numel=8192, kernel=False)
+    b = Hybrid8bitAdamW(**HP, chunk_numel=8192, kernel=True)
+    la, lb = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+    a.setup(0, init, la, segs)
+    b.setup(0, init, lb, segs)
+    for gr in grads:
+        b.load_state_tensors(0, a.state_tensors(0))  # restart b from a's state each step
+        a.step(0, gr, 0.8)
+        b.step(0, gr, 0.8)
+        sa, sb = a.state_tensors(0), b.state_tensors(0)
+        for k in ("m32", "v32"):  # small tensors: the same torch code on both paths
+            assert torch.equal(sa[k], sb[k]), k
+        for k in ("m_absmax", "v_absmax"):
+            torch.testing.assert_close(sa[k], sb[k], rtol=1e-6, atol=0)
+        for k in ("mq", "vq"):  # codes agree except where a value sits on a rounding boundary
+            assert (sa[k] != sb[k]).float().mean() < 1e-3, k
+        torch.testing.assert_close(sa["master"], sb["master"], rtol=1e-6, atol=1e-6)
 
 
 def test_clip_coefficient():

@@ -31,6 +31,7 @@ different blocks are safe.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import threading
@@ -76,8 +77,9 @@ class Hybrid8bitAdamW(HostOptimizer):
         max_grad_norm: float | None = None,
         block_size: int = 2048,
         min_8bit_numel: int = 4096,
-        chunk_numel: int = 16384,
+        chunk_numel: int = 65536,
         num_threads: int | None = None,
+        kernel: bool | None = None,
     ):
         if block_size <= 0 or chunk_numel % block_size:
             raise ValueError(f"chunk_numel ({chunk_numel}) must be a multiple of block_size ({block_size})")
@@ -90,6 +92,16 @@ class Hybrid8bitAdamW(HostOptimizer):
         self._pool_lock = threading.Lock()
         self._grad_bytes = 2
         self._tls = threading.local()
+        # the compiled one-pass kernel (ckernel.py) when it builds here; kernel=False forces the torch path
+        self._lib = None
+        if kernel is not False and block_size <= 4096:
+            from . import ckernel
+
+            self._lib = ckernel.load()
+        if kernel and self._lib is None:
+            raise RuntimeError(
+                "Hybrid8bitAdamW(kernel=True): the C kernel could not be built (is a C compiler installed?)"
+            )
 
     # -- memory --------------------------------------------------------------------------------------
     @property
@@ -200,9 +212,16 @@ class Hybrid8bitAdamW(HostOptimizer):
                 step_size=-self.lr / (1 - b1**t),
                 eps=self.eps,
             )
-            c["m_dec"], c["m_pre"] = Q.decode_factor(st.m_absmax, Q.SIGNED_TOP, b1)
-            c["v_dec"], c["v_pre"] = Q.decode_factor(st.v_absmax, Q.UNSIGNED_TOP, math.sqrt(b2))
-            self._pool_map(lambda it: self._chunk8(st, grad, it, c), st.items)
+            m_ratio, c["m_pre"] = Q.decode_ratio(st.m_absmax, Q.SIGNED_TOP, b1)
+            v_ratio, c["v_pre"] = Q.decode_ratio(st.v_absmax, Q.UNSIGNED_TOP, math.sqrt(b2))
+            if self._lib is not None and st.own_master is None and grad.dtype in (torch.bfloat16, torch.float32):
+                keys = ("gm", "gv", "decay", "inv_bc2_sqrt", "step_size", "eps", "m_pre", "v_pre")
+                hp = (ctypes.c_float * 10)(*[c[k] for k in keys], m_ratio, v_ratio)
+                grad = grad.contiguous()
+                self._pool_map(lambda it: self._chunk8_c(st, grad, it, hp), st.items)
+            else:
+                c["m_dec"], c["v_dec"] = st.m_absmax * m_ratio, st.v_absmax * v_ratio
+                self._pool_map(lambda it: self._chunk8(st, grad, it, c), st.items)
             for off, n, s32 in st.small:
                 self._small(st, grad, off, n, s32, c)
 
@@ -213,6 +232,25 @@ class Hybrid8bitAdamW(HostOptimizer):
         if bufs is None:
             bufs = self._tls.bufs = [torch.empty(self.chunk_numel, dtype=torch.int32) for _ in range(5)]
         return bufs
+
+    def _chunk8_c(self, st, grad, item, hp) -> None:
+        off, n, rows, qoff, soff = item
+        ptr = lambda t, i: t.data_ptr() + i * t.element_size()  # noqa: E731
+        lo = st.lo is not None
+        self._lib.hybrid8_chunk(
+            rows,
+            n // rows,
+            ptr(grad, off),
+            int(grad.dtype == torch.bfloat16),
+            ptr(st.load, off) if lo else None,
+            ptr(st.lo, off) if lo else None,
+            None if lo else ptr(st.load, off),
+            ptr(st.mq, qoff),
+            ptr(st.vq, qoff),
+            ptr(st.m_absmax, soff),
+            ptr(st.v_absmax, soff),
+            hp,
+        )
 
     def _chunk8(self, st, grad, item, c) -> None:
         off, n, rows, qoff, soff = item

@@ -40,13 +40,19 @@ def encode_factor(absmax: torch.Tensor, top: float) -> torch.Tensor:
     return torch.where(absmax > 0, f, torch.zeros_like(f))
 
 
-def decode_factor(absmax: torch.Tensor, top: float, extra: float = 1.0) -> tuple[torch.Tensor, float]:
-    """(per-block factor, global pre-factor) with ``value = code_float * pre * factor``; the
-    pre-factor is 1.0 unless the one-step factor ``absmax * extra / top`` overflows fp32."""
+def decode_ratio(absmax: torch.Tensor, top: float, extra: float = 1.0) -> tuple[float, float]:
+    """(ratio, pre) with ``value = code_float * pre * (absmax * ratio)``: ``pre`` is 1.0 unless the
+    one-step factor ``absmax * extra / top`` overflows fp32 for some block."""
     f = absmax * (extra / top)
     if bool(torch.isfinite(f).all()):
-        return f, 1.0
-    return absmax * (extra / (top * _TWO_112)), _TWO_112
+        return extra / top, 1.0
+    return extra / (top * _TWO_112), _TWO_112
+
+
+def decode_factor(absmax: torch.Tensor, top: float, extra: float = 1.0) -> tuple[torch.Tensor, float]:
+    """(per-block factor, global pre-factor) with ``value = code_float * pre * factor``."""
+    ratio, pre = decode_ratio(absmax, top, extra)
+    return absmax * ratio, pre
 
 
 def encode_signed_(x: torch.Tensor, enc: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor | None = None) -> None:
