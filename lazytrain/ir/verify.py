@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .ops import GiB, Op, OpKind, Resource, TensorId, TensorKind, Tier
 from .plan import PLAN_FORMAT, Plan, PlanError
-from .semantics import Sizes, effects
+from .semantics import Effects, Sizes, effects
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,12 @@ def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
     static_host = host_static_bytes(plan)
     gpu_cap = plan.budgets.get("gpu_bytes")
 
+    grad_readers: dict[TensorId, int] = defaultdict(int)
+    for op in ops:
+        if op.kind is OpKind.UPDATE:
+            for t, _ in effects(op, sizes).reads:
+                grad_readers[t] += 1
+
     def ordered(op: Op, producer: int) -> bool:
         """Is ``producer`` certain to finish before ``op`` starts?  Yes if it is a dependency, runs
         earlier on the same resource (FIFO), or precedes a dependency on its own resource."""
@@ -128,6 +134,10 @@ def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
 
     for op in ops:
         eff = effects(op, sizes)
+        if op.kind is OpKind.UPDATE:   # a tied reader's host gradient is dropped by the last update reading it
+            for t, _ in eff.reads:
+                grad_readers[t] -= 1
+            eff = Effects(eff.reads, eff.writes, tuple(d for d in eff.drops if grad_readers[d[0]] == 0))
         for t, tier in eff.reads:
             prod = where.get(t, {}).get(tier)
             if prod is None:
@@ -140,7 +150,8 @@ def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
         for t, tier in eff.writes:
             if tier in where[t]:
                 if t.kind is TensorKind.GRADS and tier is Tier.GPU:
-                    continue   # accumulation into the existing buffer
+                    where[t][tier] = op.id   # accumulation: readers must wait for the last one
+                    continue
                 raise _fail(op, f"writes {t} on {tier.value}, which is already there (leak or double load)")
             where[t][tier] = op.id
             readers[(t, tier)] = []

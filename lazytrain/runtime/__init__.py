@@ -1,0 +1,17 @@
+"""Runtime: executes a ``Plan`` with parameters and optimizer state on the host (DESIGN §5).
+
+``Trainer`` (trainer.py) owns a host store (store.py), streams (streams.py), an NVMe tier
+(nvme.py) and the interpreter (interpreter.py: one handler per op kind, handlers.py).
+"""
+
+from __future__ import annotations
+
+
+def __getattr__(name: str):
+    if name in ("Trainer", "StepStats"):
+        from . import trainer
+        return getattr(trainer, name)
+    raise AttributeError(name)
+
+
+__all__ = ["StepStats", "Trainer"]

@@ -278,7 +278,7 @@ def _forward(ctx: Ctx, op: Op, save: bool) -> None:
         ctx.loss_parts[mb] = (out["loss_sum"], out["n_tokens"])
     writes_act = j + 1 < L and (op.kind is OpKind.COMPUTE or op.tensor is None or op.tensor.kind is TensorKind.ACT)
     if writes_act:
-        names = ctx.plan.graph.boundary_values[j + 1] if ctx.plan.graph.boundary_values else tuple(
+        names = ctx.program.graph.boundary_values[j + 1] if ctx.program.graph.boundary_values else tuple(
             {**a_in, **out})
         nxt = {}
         for n in names:
@@ -348,7 +348,7 @@ def backward(ctx: Ctx, op: Op) -> None:
                 s = offs[n]
                 acc[s.offset:s.offset + s.numel].add_(g.reshape(-1))
         if j > 0:
-            here = set(ctx.plan.graph.boundary_values[j]) if ctx.plan.graph.boundary_values else None
+            here = set(ctx.program.graph.boundary_values[j]) if ctx.program.graph.boundary_values else None
             produced = {name for name, *_ in rec.roots} | set(rec.direct)
             dact = {n: g for n, g in dout.items() if n not in produced and (here is None or n in here)}
             in_grads = dict(zip(lnames, res[len(pnames):]))

@@ -1,0 +1,278 @@
+"""``Trainer``: runs a plan, step after step, with parameters and optimizer state on the host.
+
+One ``step`` = stage the batch on the host, run the op list (``interpreter.run``), then wait for
+the device, read the loss and finish the global gradient norm.  The op list is one period of the
+steady state: an ``update`` placed before its block's ``grad_offload`` is *lagged* and applies the
+previous step's gradients (nothing on the first step); ``flush()`` applies what is still pending
+(call it before evaluating or saving; ``sync_to_model`` does).
+
+Exactness: with the same optimizer the parameters after n steps + ``flush`` equal those of eager
+PyTorch training to rounding: gradients accumulate in fp32 per block over micro-batches, the head's
+gradient is ``1 / valid tokens of the whole batch``, tied parameters get every reader's share
+before their owner's update, and the clip coefficient comes from the global norm of the step.
+Not replayed: RNG state (dropout must be off, or recomputation would draw new masks).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..ir import OpKind, Plan, PlanError
+from . import handlers as h
+from .handlers import Ctx, HostCopy
+from .interpreter import run
+from .nvme import NvmeStore
+from .optim.clipping import GradNormTracker
+from .profiling import Profiler, StepProfile
+from .store import HostPool, HostStore, layouts
+
+log = logging.getLogger("lazytrain")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    tokens: int            # tokens counted in the loss (labels not -100)
+    step_s: float
+    model_tflops: float    # 6 * total_params * batch * seq / step_s / 1e12
+    grad_norm: float
+    skipped: bool          # the step's update was skipped (non-finite gradient norm)
+    tokens_per_s: float = 0.0
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise PlanError(f"unknown dtype {name!r} in the plan")
+    return dt
+
+
+def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+class Trainer:
+    """Train ``model`` with ``plan``.  ``optimizer``: a ``HostOptimizer`` (default fp32 AdamW, lr 1e-5).
+    ``device``: "cuda" (default when available) or "cpu" (CPU mode: same handlers, streams are
+    no-ops; used to test every schedule against eager training)."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, optimizer=None, device=None, nvme_dir=None,
+                 profile: bool = False):
+        from ..compiler.program import build_program
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.plan = plan
+        self.model = model
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError("the model's parameters are on the meta device: build it with real weights to train")
+        param_dtype = _torch_dtype(plan.param_dtype)
+        self.program = build_program(model, micro_batch=plan.micro_batch, seq_len=plan.seq_len, device=self.device,
+                                     dtype=_torch_dtype(plan.graph.dtype))
+        have = self.program.graph.fingerprint()
+        if have != plan.fingerprint:
+            raise PlanError(f"the plan was compiled for another model (plan {plan.graph.name}, fingerprint "
+                            f"{plan.fingerprint}; this model's fingerprint is {have}): compile a plan for this model")
+        if optimizer is None:
+            from .optim.torch_adamw import TorchAdamW
+            optimizer = TorchAdamW(lr=1e-5)
+        self.optimizer = optimizer
+        g = plan.graph
+        L = g.n_blocks
+        # which updates are lagged, and is the global norm known before every update?
+        pos = {op.block: op.id for op in plan.ops if op.kind is OpKind.GRAD_OFFLOAD}
+        last_grad = max(pos.values(), default=-1)
+        lagged, norm_first = {}, True
+        for op in plan.ops:
+            if op.kind is OpKind.UPDATE:
+                contrib = [b.index for b in g.blocks if any(p.owner == op.block for p in b.params)]
+                lagged[op.block] = all(pos[c] > op.id for c in contrib)
+                if not lagged[op.block] and op.id < last_grad:
+                    norm_first = False
+        if optimizer.max_grad_norm is not None and not norm_first:
+            raise PlanError("the optimizer clips gradients (max_grad_norm set) but this plan updates some blocks "
+                            "before the whole backward is done, when the global norm is not known yet: compile "
+                            "the plan with clip=True")
+        lays = layouts(g, _canonical_names(model))
+        pin = self.device.type == "cuda"
+        pred = plan.predicted
+        act_bytes = max(0, int(pred.get("peak_host_bytes", 0)) - int(pred.get("host_static_bytes", 0)))
+        pb = torch.empty((), dtype=param_dtype).element_size()
+        opt_bpp = max(0.0, float(getattr(optimizer, "host_bytes_per_param", 16.0)) - 2 * min(pb, 2))
+        self.store = HostStore(lays, param_dtype, pin=pin, optimizer_bytes_per_param=opt_bpp,
+                               activation_bytes=act_bytes)
+        named = dict(model.named_parameters(remove_duplicate=False))
+        sd = None
+        for j, lay in enumerate(lays):
+            if not lay.owned_numel:
+                continue
+            init = torch.empty(lay.owned_numel, dtype=torch.float32)
+            for s in lay.segments:
+                if s.offset >= lay.owned_numel:
+                    break
+                src = named.get(s.name)
+                if src is None:
+                    sd = sd if sd is not None else model.state_dict()
+                    src = sd[s.name]
+                init[s.offset:s.offset + s.numel].copy_(src.detach().reshape(-1))
+            self.store.load[j].copy_(init)
+            optimizer.setup(j, init, self.store.load[j], lay.opt_segments())
+        nvme = NvmeStore(nvme_dir or plan.budgets.get("nvme_dir")) if any(
+            (op.src is not None and op.src.value == "nvme") or (op.dst is not None and op.dst.value == "nvme")
+            for op in plan.ops) else None
+        from .streams import Streams
+        rg = {t.name for b in self.program.graph.blocks for t in (*b.inputs, *b.outputs) if t.requires_grad}
+        self.ctx = Ctx(plan=plan, program=self.program, device=self.device, streams=Streams(self.device),
+                       store=self.store, pool=HostPool(pin), nvme=nvme, optimizer=optimizer,
+                       tracker=GradNormTracker(optimizer.max_grad_norm), lagged=lagged, norm_first=norm_first,
+                       requires_grad=rg, profiler=Profiler(self.device.type == "cuda") if profile else None)
+        self.steps = 0
+        self.last_profile: StepProfile | None = None
+        self._broken: Exception | None = None
+        self._L = L
+
+    # ---- the step --------------------------------------------------------------------------------
+    def _batch(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(batch, dict):
+            try:
+                ids, labels = batch["input_ids"], batch["labels"]
+            except KeyError as e:
+                raise ValueError(f"batch dict needs 'input_ids' and 'labels' (missing {e.args[0]!r})") from None
+        elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+            ids, labels = batch
+        else:
+            raise ValueError("batch must be a dict with input_ids and labels, or an (input_ids, labels) tuple")
+        ids, labels = torch.as_tensor(ids), torch.as_tensor(labels)
+        B, S = self.plan.batch_size, self.plan.seq_len
+        for name, t in (("input_ids", ids), ("labels", labels)):
+            if t.dim() != 2:
+                raise ValueError(f"{name} must be 2-D [batch, seq], got shape {tuple(t.shape)}")
+            if t.shape[1] > S:
+                raise ValueError(f"{name} has sequence length {t.shape[1]} but the plan was compiled for seq_len "
+                                 f"{S}: recompile the plan with seq_len={t.shape[1]} (or truncate the batch)")
+            if tuple(t.shape) != (B, S):
+                raise ValueError(f"{name} has shape {tuple(t.shape)} but the plan was compiled for batch {B} x seq {S}"
+                                 f" (pad shorter sequences with labels -100, or recompile)")
+        return ids.long(), labels.long()
+
+    def step(self, batch) -> StepStats:
+        if self._broken is not None:
+            raise RuntimeError("a previous step failed; the trainer's state is inconsistent: "
+                               "build a new Trainer") from self._broken
+        ids, labels = self._batch(batch)
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        if ctx.profiler is not None:
+            ctx.profiler.begin_step()
+            t0 = time.perf_counter()
+        mb = self.plan.micro_batch
+        batch_ids = []
+        for m in range(self.plan.n_micro):
+            vals = self.program.batch_inputs(ids[m * mb:(m + 1) * mb], labels[m * mb:(m + 1) * mb])
+            t = h._tid(h.TensorKind.ACT, 0, m)
+            ctx.put(t, h.H, {k: self._stage(v) for k, v in vals.items()})
+            batch_ids.append(t)
+        ctx.done, ctx.grad_sq, ctx.loss_parts = {}, {}, {}
+        ctx.inv_tokens, ctx.coef, ctx.norm_done = None, None, False
+        try:
+            run(ctx, self.plan.ops)
+            ctx.streams.synchronize()
+            for op in self.plan.ops:      # NVMe work of this step (writes, deletes) must be done
+                if op.resource.value == "nvme":
+                    fut = ctx.done.get(op.id)
+                    if fut is not None:
+                        fut.result()
+            coef = h.finish_norm(ctx)
+        except Exception as e:
+            self._broken = e
+            raise
+        for t in batch_ids:
+            for v in ctx.copies.pop((t, h.H)).values():
+                if isinstance(v, HostCopy):
+                    ctx.pool.release(v.buf)
+        leftovers = [f"{t} on {tier.value}" for t, tier in ctx.copies]
+        if leftovers:
+            self._broken = RuntimeError(f"step ended with copies still resident: {leftovers[:5]}")
+            raise self._broken
+        lagged_owners = {b for b, lag in ctx.lagged.items() if lag}
+        skipped = coef is None and ctx.norm_first
+        ctx.pending = set() if coef is None else lagged_owners
+        ctx.pending_coef = coef
+        loss_sum = sum(float(ls) for ls, _ in ctx.loss_parts.values())
+        n_tok = int(sum(int(n) for _, n in ctx.loss_parts.values()))
+        step_s = time.perf_counter() - t0
+        self.steps += 1
+        B, S = self.plan.batch_size, self.plan.seq_len
+        if ctx.profiler is not None:
+            self.last_profile = ctx.profiler.finish(step_s)
+        norm = ctx.tracker.last_norm
+        return StepStats(loss=loss_sum / max(n_tok, 1), tokens=n_tok, step_s=step_s,
+                         model_tflops=6 * self.plan.graph.total_params * B * S / step_s / 1e12,
+                         grad_norm=float("nan") if norm is None else norm, skipped=skipped,
+                         tokens_per_s=B * S / step_s)
+
+    def _stage(self, v):
+        """A batch value into a (pinned) pool buffer on the host: what ``reload act[0]`` copies."""
+        if not isinstance(v, torch.Tensor):
+            return v
+        v = v.contiguous()
+        buf = self.ctx.pool.acquire(v.numel() * v.element_size())
+        typed = buf.view(v.dtype).view(v.shape)
+        typed.copy_(v)
+        return HostCopy(buf, typed)
+
+    # ---- between steps ---------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Apply the pending lagged updates (last step's gradients) now and wait for every update."""
+        ctx = self.ctx
+        if ctx.pending and ctx.pending_coef is not None:
+            from ..ir import Op, Resource
+            for o in sorted(ctx.pending):
+                op = Op(id=-1 - o, kind=OpKind.UPDATE, block=o, resource=Resource.CPU)
+                h.run_update(ctx, op, o, ctx.pending_coef)
+        ctx.pending = set()
+        for fut in list(ctx.update_futures.values()):
+            fut.result()
+        ctx.update_futures.clear()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Current fp32 master weights by parameter name (pending updates applied first)."""
+        self.flush()
+        out = {}
+        for j, lay in enumerate(self.store.layouts):
+            if not lay.owned_numel:
+                continue
+            master = self.optimizer.master(j)
+            for s in lay.segments:
+                if s.offset < lay.owned_numel:
+                    out[s.name] = master[s.offset:s.offset + s.numel].view(s.shape).clone()
+        return out
+
+    def sync_to_model(self) -> None:
+        """Write the current master weights into the model's parameters (after ``flush``)."""
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, v in self.state_dict().items():
+                named[name].copy_(v)
+
+    def close(self) -> None:
+        self.flush()
+        self.ctx.streams.close()
+        if self.ctx.nvme is not None:
+            self.ctx.nvme.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
