@@ -141,6 +141,15 @@ class Trainer:
         self._broken: Exception | None = None
         self._L = L
 
+    @property
+    def profile(self) -> bool:
+        return self.ctx.profiler is not None
+
+    @profile.setter
+    def profile(self, on: bool) -> None:
+        """Turn per-op timing on or off between steps (``last_profile`` keeps the last measured step)."""
+        self.ctx.profiler = Profiler(self.device.type == "cuda") if on else None
+
     # ---- the step --------------------------------------------------------------------------------
     def _batch(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(batch, dict):

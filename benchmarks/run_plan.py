@@ -1,0 +1,129 @@
+"""Run a compiled plan on the GPU and compare it with the compiler's prediction.
+
+    python benchmarks/run_plan.py --model qwen2.5-3b --batch 8 --seq 1024 --gpu-memory 24GiB \\
+        --policy milp --steps 3 --warmup 2 [--micro-batch 4] [--optimizer hybrid8bit] [-o run.json]
+
+Builds a random-init model from a preset on the CPU in bf16, compiles a plan for the H200 profile
+(``--hardware``), caps the GPU at ``--gpu-memory`` with ``torch.cuda.set_per_process_memory_fraction``,
+runs warm-up + measured steps on random tokens, then one profiled step.  Prints and writes JSON:
+median step seconds, model TFLOPS, predicted step time, predicted vs measured peak GPU GiB
+(``torch.cuda.max_memory_allocated``), host RSS GiB, and how much of each transfer kind was hidden
+under compute (plus the exposed update time) in the profiled step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import lazytrain
+from lazytrain.ir import GiB
+from lazytrain.units import parse_size
+
+
+def host_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-3b")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--gpu-memory", default="24GiB")
+    ap.add_argument("--host-memory", default=None)
+    ap.add_argument("--policy", default="milp")
+    ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--optimizer", default="hybrid8bit", choices=["hybrid8bit", "adamw"])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--nvme-dir", default=None)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("-o", "--out", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("run_plan.py needs a CUDA GPU")
+
+    from lazytrain.compiler.presets import build_model
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    model = build_model(a.model, device="cpu", dtype=torch.bfloat16)
+    with torch.no_grad():          # presets built on CPU are initialised; make sure nothing is left empty
+        for p in model.parameters():
+            if not torch.isfinite(p).all():
+                p.normal_(0, 0.02)
+    build_s = time.perf_counter() - t
+
+    t = time.perf_counter()
+    plan = lazytrain.compile(model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
+                             gpu_memory=a.gpu_memory, host_memory=a.host_memory, hardware=a.hardware,
+                             policy=a.policy, optimizer=a.optimizer, nvme_dir=a.nvme_dir)
+    compile_s = time.perf_counter() - t
+    print(plan.summary())
+
+    gpu_bytes = parse_size(a.gpu_memory)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_bytes / total))
+
+    from lazytrain.runtime.optim import Hybrid8bitAdamW, TorchAdamW
+    opt = (Hybrid8bitAdamW(lr=a.lr, max_grad_norm=1.0) if a.optimizer == "hybrid8bit"
+           else TorchAdamW(lr=a.lr, max_grad_norm=1.0))
+    t = time.perf_counter()
+    trainer = lazytrain.Trainer(model, plan, optimizer=opt, device="cuda", nvme_dir=a.nvme_dir)
+    setup_s = time.perf_counter() - t
+    cfg = getattr(model, "config", None)
+    vocab = int(getattr(cfg, "vocab_size", None) or getattr(cfg, "vocab", None) or 1000)
+    g = torch.Generator().manual_seed(1)
+
+    def batch():
+        ids = torch.randint(0, vocab, (a.batch, a.seq), generator=g)
+        return ids, ids.clone()
+
+    stats = []
+    for i in range(a.warmup + a.steps):
+        if i == a.warmup:
+            torch.cuda.reset_peak_memory_stats()
+        s = trainer.step(batch())
+        print(f"step {i}{' (warm-up)' if i < a.warmup else ''}: loss {s.loss:.4f} {s.step_s:.3f} s "
+              f"{s.model_tflops:.1f} model TFLOPS grad norm {s.grad_norm:.3f}")
+        if i >= a.warmup:
+            stats.append(s)
+    peak = torch.cuda.max_memory_allocated()
+    trainer.profile = True
+    trainer.step(batch())
+    prof = trainer.last_profile
+    trainer.close()
+
+    med = statistics.median(s.step_s for s in stats)
+    pred = plan.predicted
+    out = {
+        "model": a.model, "batch": a.batch, "seq": a.seq, "micro_batch": plan.micro_batch, "policy": a.policy,
+        "optimizer": a.optimizer, "gpu_memory": a.gpu_memory, "device": torch.cuda.get_device_name(0),
+        "total_params": plan.graph.total_params, "steps": a.steps, "warmup": a.warmup,
+        "median_step_s": med, "model_tflops": 6 * plan.graph.total_params * a.batch * a.seq / med / 1e12,
+        "predicted_step_s": pred.get("step_time_s"),
+        "predicted_over_measured": (pred.get("step_time_s") or 0) / med,
+        "predicted_peak_gpu_gib": pred.get("peak_gpu_bytes", 0) / GiB, "measured_peak_gpu_gib": peak / GiB,
+        "host_rss_gib": host_rss_bytes() / GiB, "losses": [s.loss for s in stats],
+        "hidden": prof.hidden, "transfer_s": prof.transfer_s, "exposed_update_s": prof.exposed_update_s,
+        "update_s": prof.update_s, "profiled_step_s": prof.step_s, "busy_s": prof.busy_s,
+        "build_s": build_s, "compile_s": compile_s, "setup_s": setup_s,
+    }
+    print(json.dumps({k: v for k, v in out.items() if k != "losses"}, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
