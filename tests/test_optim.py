@@ -187,6 +187,11 @@ class _TinyMLP(torch.nn.Module):
         return self.net(x)
 
 
+@functools.lru_cache(maxsize=None)
+def _train_fp32(lr, weight_decay):
+    return _train(lambda: TorchAdamW(lr=lr, weight_decay=weight_decay))
+
+
 def _train(make_opt, steps=300, seed=0):
     torch.manual_seed(seed)
     model = _TinyMLP()
@@ -217,7 +222,7 @@ def _train(make_opt, steps=300, seed=0):
 @pytest.mark.parametrize("kernel", PATHS)
 def test_hybrid8bit_training_matches_fp32(kernel):
     hp = dict(lr=3e-3, weight_decay=0.01)
-    ref = _train(lambda: TorchAdamW(**hp))
+    ref = _train_fp32(**hp)
     q8 = _train(lambda: Hybrid8bitAdamW(**hp, min_8bit_numel=1024, chunk_numel=4096, kernel=kernel))
     print(f"final loss fp32 {ref:.5f}  8-bit {q8:.5f}  ({(q8 / ref - 1) * 100:+.2f}%)")
     assert abs(q8 / ref - 1) < 0.02

@@ -58,8 +58,8 @@ def test_flops_scale_linearly_with_micro_batch():
         figs[mb] = [_measure(b, sp, shapes, torch.bfloat16, mb, 64) for b in sp.blocks[1:3]]
     g = trace(model, seq_len=64)
     for k, (one, four) in enumerate(zip(figs[1], figs[4])):
-        assert four[2] == 4 * one[2] and four[3] == 4 * one[3]       # fwd, bwd FLOPs
-        assert g.blocks[1 + k].fwd_flops == one[2]
+        assert four[3] == 4 * one[3] and four[4] == 4 * one[4]       # fwd, bwd FLOPs
+        assert g.blocks[1 + k].fwd_flops == one[3]
         assert abs(four[0] - 4 * one[0]) <= 0.02 * four[0]            # saved bytes
     # a layer's forward is 2 FLOPs per parameter per token plus attention
     layer = g.blocks[2]

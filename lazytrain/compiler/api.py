@@ -127,8 +127,8 @@ class Compiler:
         promising ones, warm-started from the best heuristic there.  The result is never worse than
         that heuristic: if the solver's plan simulates slower, the heuristic's plan is returned."""
         from .solvers.milp import solve
-        heur = [p for p in (self.best(pol, batch_size, micro_batch) for pol in ("megatrain", "recompute-all", "keep-all"))
-                if p is not None]
+        heur = [p for pol in ("megatrain", "recompute-all", "keep-all")
+                if (p := self.best(pol, batch_size, micro_batch)) is not None]
         heur.sort(key=lambda p: p.predicted["step_time_s"])
         by_mb: dict[int, Plan] = {}
         for p in heur:

@@ -57,10 +57,10 @@ class _Emitter:
         for key in eff.drops:
             self.producer.pop(key, None)
             self.readers.pop(key, None)
-        for key in eff.writes:
+        for key in eff.writes:          # the latest writer is the producer (accumulation too)
             if key not in self.producer:
-                self.producer[key] = i
                 self.readers[key] = {}
+            self.producer[key] = i
         self.ops.append(Op(id=i, kind=kind, block=block, mb=mb, tensor=tensor, src=src, dst=dst, nbytes=nbytes,
                            save=save, resource=resource, seconds=seconds, window=self.window,
                            deps=tuple(sorted(need))))
@@ -131,10 +131,14 @@ def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
         return em(OpKind.LOAD, j, tensor=_tid(TensorKind.PARAMS, j), src=H, dst=G, nbytes=cost.param_bytes(j),
                   resource=Resource.H2D, seconds=cost.load_s(j), deps=deps)
 
+    saved_offloads: dict[int, list[int]] = defaultdict(list)   # block -> d2h offload op per micro-batch
+
     def offload_chain(t: TensorId, nbytes: int, to: Tier, block: int, mb: int) -> None:
         """gpu -> host (-> nvme), dropping the copies left behind."""
-        em(OpKind.OFFLOAD, block, mb=mb, tensor=t, src=G, dst=H, nbytes=nbytes, resource=Resource.D2H,
-           seconds=cost.d2h_s(nbytes))
+        i = em(OpKind.OFFLOAD, block, mb=mb, tensor=t, src=G, dst=H, nbytes=nbytes, resource=Resource.D2H,
+               seconds=cost.d2h_s(nbytes))
+        if t.kind is TensorKind.SAVED:
+            saved_offloads[block].append(i)
         em(OpKind.FREE, block, mb=mb, tensor=t, src=G)
         if to is N:
             em(OpKind.OFFLOAD, block, mb=mb, tensor=t, src=H, dst=N, nbytes=nbytes, resource=Resource.NVME,
@@ -182,8 +186,11 @@ def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
                 mb_window += [w] * n
         mb_window = (mb_window + [j] * M)[:M]
         for mb in range(M):
+            # throttle: at most two micro-batches of saved activations wait for the D2H stream,
+            # so GPU memory stays bounded in time even when the copies are slower than compute
+            throttle = tuple(saved_offloads[j][mb - 2: mb - 1]) if mb >= 2 else ()
             em(OpKind.COMPUTE, j, mb=mb, tensor=_tid(TensorKind.ACT, j + 1, mb) if j + 1 < L else None, save=save,
-               resource=Resource.GPU, seconds=cost.fwd_s(j))
+               resource=Resource.GPU, seconds=cost.fwd_s(j), deps=throttle)
             a_in = _tid(TensorKind.ACT, j, mb)
             if bplace[j] is Place.GPU:
                 pass                                  # stays until its segment's backward

@@ -25,7 +25,8 @@ def chain(n_layers: int, *, seed: int | None = None, hidden: int = 1024, seq_len
         blocks.append(Block(index=i, name=f"layers.{i - 1}", kind="layer",
                             params=(ParamSpec(name=f"layers.{i - 1}.w", shape=(p,), owner=i),),
                             inputs=(act,), outputs=(act,), saved_bytes=int(saved_per_token * seq_len * jit()),
-                            workspace_bytes=seq_len * hidden * 8, fwd_flops=int(f * jit()), bwd_flops=int(2 * f * jit())))
+                            workspace_bytes=seq_len * hidden * 8, fwd_flops=int(f * jit()),
+                            bwd_flops=int(2 * f * jit())))
     h = n_layers + 1
     head_params = (ParamSpec(name="embed.weight", shape=(vocab, hidden), owner=0),) if tied else (
         ParamSpec(name="lm_head.weight", shape=(vocab, hidden), owner=h),)

@@ -115,7 +115,7 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
     cache: dict[tuple, tuple[int, int, int, int]] = {}
     blocks = []
     for j, b in enumerate(sp.blocks):
-        figs = (0, 0, 0, 0)
+        figs = (0, 0, 0, 0, 0)
         if measure:
             key = (id(b.gm), b.loss is not None)
             if key not in cache:
@@ -127,7 +127,7 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
                     raise TraceError(f"measuring block {j} ({b.name}) failed: {type(e).__name__}: "
                                      f"{str(e).splitlines()[0] if str(e) else ''}") from None
             figs = cache[key]
-        saved, ws, ff, bf = figs
+        saved, ws, fixed, ff, bf = figs
         outputs = tuple(spec(n) for n in b.output_names)
         if b.loss is not None or b.user_loss:
             outputs = (TensorSpec(name="loss_sum", shape=(), dtype="float32", requires_grad=True),
@@ -136,7 +136,7 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
             index=j, name=b.name, kind=b.kind,
             params=tuple(ParamSpec(name=n, shape=shapes[n][0], owner=owner[n]) for n in b.param_names),
             inputs=tuple(spec(n) for n in b.input_names), outputs=outputs,
-            saved_bytes=math.ceil(saved / mb), workspace_bytes=math.ceil(ws / mb),
+            saved_bytes=math.ceil(saved / mb), workspace_bytes=math.ceil(ws / mb), workspace_fixed_bytes=fixed,
             fwd_flops=math.ceil(ff / mb), bwd_flops=math.ceil(bf / mb)))
     meta = {"architecture": type(model).__name__, "config": _config_summary(model), "traced_micro_batch": mb,
             "replicated_layers": bool(sp.meta.get("replicated_from")),
@@ -198,7 +198,8 @@ class _Liveness(fx.Interpreter):
 
 
 def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: int):
-    """(saved bytes, workspace bytes, fwd FLOPs, bwd FLOPs) of one block at micro-batch ``mb``."""
+    """(saved bytes, workspace bytes, fixed workspace bytes, fwd FLOPs, bwd FLOPs) of one block at
+    micro-batch ``mb``; the fixed part does not scale with the micro-batch (a loss chunk)."""
     from .program import chunked_next_token_loss
     params = {}
     for n in b.param_names:
@@ -235,12 +236,12 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
         if isinstance(t, torch.Tensor):
             keep[_storage_key(t)] = _tbytes(t)
     ws = max(interp.peak - sum(keep.values()), interp.op_peak, 0)
-    if b.loss is not None:
+    fixed = 0
+    if b.loss is not None:   # one chunk of logits (+ fp32 softmax) whatever the micro-batch: a fixed cost
         w = params[b.loss.weight]
-        tokens = min(DEFAULT_CHUNK, mb * seq_len)
-        ws += tokens * w.shape[0] * (w.element_size() + 8)
+        fixed = DEFAULT_CHUNK * w.shape[0] * (w.element_size() + 8)
     grad_outs = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
     with FlopCounterMode(display=False, custom_mapping=_FLOPS) as fc2:
         if grad_outs:
             torch.autograd.backward(grad_outs, [torch.ones_like(t) for t in grad_outs])
-    return sum(saved.values()), ws, fwd, fc2.get_total_flops()
+    return sum(saved.values()), ws, fixed, fwd, fc2.get_total_flops()

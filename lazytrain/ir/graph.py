@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
 
 import networkx as nx
 
@@ -68,6 +67,7 @@ class Block:
     workspace_bytes: int          # transient peak above inputs/outputs/saved (per sample)
     fwd_flops: int                # per sample
     bwd_flops: int                # per sample
+    workspace_fixed_bytes: int = 0   # transient that does not grow with the micro-batch (a loss chunk)
 
     @property
     def param_numel(self) -> int:
@@ -115,7 +115,7 @@ class ModelGraph:
         """Distinct parameters (tied ones counted once)."""
         return sum(b.owned_numel for b in self.blocks)
 
-    @cached_property
+    @property
     def dataflow(self) -> nx.DiGraph:
         """Blocks as nodes, an edge for each producer -> consumer pair (the chain plus skips)."""
         g = nx.DiGraph()

@@ -82,6 +82,7 @@ class Plan:
     def summary(self) -> str:
         """Totals: decisions, predicted time and memory, solver statistics (tabulate)."""
         from tabulate import tabulate
+
         from .summary import summary_rows
         return tabulate(summary_rows(self), tablefmt="plain")
 

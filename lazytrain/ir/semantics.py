@@ -43,7 +43,8 @@ class Sizes:
                      or any(p.owner == owner for p in b.params))
 
     def workspace(self, block: int) -> int:
-        return self.graph.blocks[block].workspace_bytes * self.micro_batch
+        b = self.graph.blocks[block]
+        return b.workspace_bytes * self.micro_batch + b.workspace_fixed_bytes
 
 
 @dataclass(frozen=True, slots=True)

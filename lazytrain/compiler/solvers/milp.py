@@ -14,7 +14,9 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
     compute   T_{F_j} >= M fwd_j                T_{B_j} >= M (bwd_j + fwd_j recompute[j])
     h2d       T_{F_j} >= P_{j+1}/h2d            T_{B_j} >= (P_{j-1} + M S_{j-1} (host+nvme)[j-1]
                                                             + M A_{j-1} (bhost+bnvme)[j-1]) / h2d
-    d2h       T_{F_j} >= M (S_j (host+nvme)[j] + A_j (bhost+bnvme)[j]) / d2h
+    d2h       T_{F_j} >= M (S_j ((host+nvme)[j] - spill[j]) + S_{j-1} spill[j-1] + A_j (bhost+bnvme)[j]) / d2h
+              spill[j] in [0, min(1, 2/M)] <= (host+nvme)[j]: offloads finishing in F_{j+1}
+              (h2d in B_j likewise: reload_late[k] <= (host+nvme)[k] finishes in B_k, not B_{k+1})
               T_{B_j} >= G_{j+1}/d2h            (gradients of the block before leave during B_j)
     nvme      T_{F_j} >= M (S_j nvme[j] + A_j bnvme[j]) / nvme_write,  T_{B_j} likewise for block j-1 / nvme_read
     updates   with exact clipping every update waits for the global norm (end of backward) and is
@@ -23,7 +25,8 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
               T_X + sum_{k<j} T_{F_k} >= G_0/d2h + sum_{i<=j} U_i + P_j/h2d
               (without clipping: T_X >= G_0/d2h + U_0 + P_0/h2d and sum U <= T_X + sum_B T_w)
     memory    per window, GPU bytes of: parameters (current + prefetched), the gradient accumulator
-              (B_j), saved activations kept so far, offloaded ones in flight (one micro-batch) or
+              (B_j), saved activations kept so far, offloaded ones in flight (two micro-batches: the
+              lowering throttles compute to that) or
               reloaded, kept boundaries, reloaded boundaries, boundary gradients, and the block's
               workspace  <=  budget;  host: static store + M sum_j (S_j host[j] + A_j bhost[j]) <= budget;
               NVMe likewise.
@@ -94,6 +97,11 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
     bg = [m.add_var(f"boundary_on_gpu[{j}]", var_type=B) for j in range(L)]
     bh = [m.add_var(f"boundary_on_host[{j}]", var_type=B) for j in range(L)]
     bn = [m.add_var(f"boundary_on_nvme[{j}]", var_type=B, ub=1 if use_nvme else 0) for j in range(L)]
+    # transfers overlap the next window at micro-batch granularity: offloads of block j may
+    # finish during F_{j+1} (at most two micro-batches: the lowering throttles compute), and
+    # reloads of block k may finish during B_k (each micro-batch's backward waits only for its own)
+    spill = [m.add_var(f"offload_spill[{j}]", ub=min(1.0, 2.0 / M)) for j in range(L)]
+    late = [m.add_var(f"reload_late[{j}]", ub=1.0) for j in range(L)]
     TF = [m.add_var(f"T_F[{j}]") for j in range(L)]
     TB = [m.add_var(f"T_B[{j}]") for j in range(L)]
     TX = m.add_var("T_X")
@@ -104,6 +112,10 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
     for j in range(L):
         m += keep[j] + host[j] + nvme[j] + rec[j] == 1, f"one_policy[{j}]"
         m += bg[j] + bh[j] + bn[j] == rec[j], f"boundary_iff_recompute[{j}]"
+        m += spill[j] <= host[j] + nvme[j], f"spill_only_offloads[{j}]"
+        m += late[j] <= host[j] + nvme[j], f"late_only_reloads[{j}]"
+        if j == L - 1:
+            m += spill[j] == 0, "nothing_after_the_last_forward"
     h = L - 1
     m += host[h] + nvme[h] + bh[h] + bn[h] == 0, "head_stays_on_gpu"
     m += bg[0] == 0, "batch_is_on_host"     # boundary 0 is the batch: reloaded from the host
@@ -114,20 +126,24 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
         m += TF[j] >= M * fwd[j], f"gpu_F[{j}]"
         if j + 1 < L:
             m += TF[j] >= load[j + 1], f"h2d_F[{j}]"
-        m += TF[j] >= M * d2h_ms * (S[j] * (host[j] + nvme[j]) + A[j] * (bh[j] + bn[j])), f"d2h_F[{j}]"
+        spilled_in = S[j - 1] * spill[j - 1] if j >= 1 else 0.0
+        m += TF[j] >= M * d2h_ms * (S[j] * (host[j] + nvme[j] - spill[j]) + spilled_in
+                                     + A[j] * (bh[j] + bn[j])), f"d2h_F[{j}]"
         if use_nvme:
             m += TF[j] >= M * nvw_ms * (S[j] * nvme[j] + A[j] * bn[j]), f"nvme_F[{j}]"
         m += TB[j] >= M * bwd[j] + M * fwd[j] * rec[j], f"gpu_B[{j}]"
         if j >= 1:
             k = j - 1
             pre = load[k] if k != L - 1 else 0.0
-            m += TB[j] >= pre + M * h2d_ms * (S[k] * (host[k] + nvme[k]) + A[k] * (bh[k] + bn[k])), f"h2d_B[{j}]"
+            m += TB[j] >= pre + M * h2d_ms * (S[k] * (host[k] + nvme[k] - late[k]) + S[j] * late[j]
+                                              + A[k] * (bh[k] + bn[k])), f"h2d_B[{j}]"
             if use_nvme:
                 m += TB[j] >= M * nvr_ms * (S[k] * nvme[k] + A[k] * bn[k]), f"nvme_B[{j}]"
         if j + 1 < L:
             m += TB[j] >= gout[j + 1], f"d2h_B[{j}]"
     # block 0's reloads happen before its backward (nothing left to hide them under)
     m += TB[0] >= M * bwd[0] + M * fwd[0] * rec[0] + M * h2d_ms * A[0] * bh[0], "h2d_B_first"
+    m += TB[0] >= M * h2d_ms * S[0] * late[0], "h2d_B_0_late"
     m += TX >= gout[0] + U[0] + load[0], "step_boundary_chain"
     if comp.clip:
         for j in range(1, L):
@@ -139,7 +155,8 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
     for j in range(L):
         kept = xs(S[i] * M * keep[i] for i in range(j + 1)) + xs(A[i] * M * bg[i] for i in range(j + 1))
         nxt = P[j + 1] if j + 1 < L else 0.0
-        m += (P[j] + nxt + kept + A[j + 1] * M + A[j] * M + S[j] * (host[j] + nvme[j]) + S[j] * rec[j] * 0
+        spilled = min(2, M) * S[j - 1] * (host[j - 1] + nvme[j - 1]) if j >= 1 else 0.0
+        m += (P[j] + nxt + kept + A[j + 1] * M + A[j] * M + min(2, M) * S[j] * (host[j] + nvme[j]) + spilled
               + W[j] <= budget), f"gpu_memory_F[{j}]"
         prev = j - 1
         pre_p = P[prev] if prev >= 0 else 0.0
@@ -174,7 +191,9 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
     if not ok:
         from ...ir import PlanError
         raise PlanError(f"MILP found no feasible plan at micro-batch {micro_batch} ({status.name.lower()})")
-    val = (lambda v: v.x is not None and v.x > 0.5)
+    def val(v) -> bool:
+        return v.x is not None and v.x > 0.5
+
     saved, boundary = [], []
     for j in range(L):
         saved.append(Saved.KEEP if val(keep[j]) else Saved.HOST if val(host[j]) else

@@ -221,7 +221,8 @@ class Hybrid8bitAdamW(HostOptimizer):
                 self._pool_map(lambda it: self._chunk8_c(st, grad, it, hp), st.items)
             else:
                 c["m_dec"], c["v_dec"] = st.m_absmax * m_ratio, st.v_absmax * v_ratio
-                self._pool_map(lambda it: self._chunk8(st, grad, it, c), st.items)
+                for it in st.items:  # torch's own intra-op threads parallelize each op
+                    self._chunk8(st, grad, it, c)
             for off, n, s32 in st.small:
                 self._small(st, grad, off, n, s32, c)
 

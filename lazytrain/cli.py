@@ -1,0 +1,180 @@
+"""The ``lazytrain`` command: argument parsing only; the work is in compiler/ and runtime/."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .ir import GiB, PlanError
+
+
+def _size(text: str) -> int:
+    from .units import parse_size
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a positive whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
+    return v
+
+
+def _batch(text: str):
+    return "max" if text == "max" else _positive(text)
+
+
+def _add_compile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="preset name (see `lazytrain compile --list`), a Hugging Face config.json, "
+                                 "or package.module:factory")
+    p.add_argument("--batch", type=_batch, default=8, help="global batch size, or 'max' (default 8)")
+    p.add_argument("--seq", type=_positive, default=1024, help="sequence length (default 1024)")
+    p.add_argument("--micro-batch", type=_positive, default=None, help="micro-batch size (default: chosen)")
+    p.add_argument("--gpu-memory", type=_size, default=None, help="GPU budget, e.g. 24GiB (default: the GPU's)")
+    p.add_argument("--host-memory", type=_size, default=None, help="host budget (default: the host's)")
+    p.add_argument("--nvme-dir", default=None, help="folder for the NVMe tier")
+    p.add_argument("--nvme-memory", type=_size, default=None, help="NVMe budget, e.g. 200GiB")
+    p.add_argument("--hardware", default="h200", help="built-in profile name or a file from `lazytrain profile`")
+    p.add_argument("--policy", default="milp", choices=["milp", "megatrain", "recompute-all", "keep-all"])
+    p.add_argument("--optimizer", default="hybrid8bit", choices=["hybrid8bit", "adamw"])
+    p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
+    p.add_argument("--time-limit", type=float, default=None, help="MILP time limit per solve, seconds")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype")
+
+
+def cmd_compile(a) -> int:
+    from .compiler.api import compile_model
+    if a.nvme_memory and not a.nvme_dir:
+        raise PlanError("--nvme-memory needs --nvme-dir (the folder to spill to)")
+    plan = compile_model(a.model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
+                         gpu_memory=a.gpu_memory, host_memory=a.host_memory, nvme_dir=a.nvme_dir,
+                         nvme_memory=a.nvme_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,
+                         solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype)
+    plan.save(a.output)
+    print(plan.summary())
+    print(f"wrote {a.output}")
+    return 0
+
+
+def cmd_show(a) -> int:
+    from .ir import Plan
+    plan = Plan.load(a.plan)
+    if a.ops:
+        print(plan.table(limit=a.limit))
+    elif a.blocks:
+        print(_blocks_table(plan))
+    else:
+        print(plan.summary())
+    return 0
+
+
+def _blocks_table(plan) -> str:
+    from tabulate import tabulate
+    d = plan.decisions
+    rows = []
+    for b in plan.graph.blocks:
+        rows.append([b.index, b.name, b.kind, f"{b.param_numel / 1e6:.1f}",
+                     f"{b.saved_bytes * d.micro_batch / GiB:.3f}", f"{b.fwd_flops * d.micro_batch / 1e12:.3f}",
+                     d.saved[b.index].value, d.boundary[b.index].value])
+    return tabulate(rows, headers=["#", "block", "kind", "M params", "saved GiB/mb", "fwd TFLOP/mb", "saved",
+                                   "boundary"])
+
+
+def cmd_simulate(a) -> int:
+    from tabulate import tabulate
+
+    from .compiler.simulate import simulate
+    from .ir import Plan, verify
+    plan = Plan.load(a.plan)
+    rep = verify(plan)
+    sim = simulate(plan)
+    rows = [["step time", f"{sim.step_time_s:.4f} s"],
+            ["model TFLOPS",
+             f"{6 * plan.graph.total_params * plan.batch_size * plan.seq_len / sim.step_time_s / 1e12:.1f}"],
+            ["GPU idle (exposed transfers/updates)", f"{sim.gpu_idle_s:.4f} s"]]
+    rows += [[f"busy {r}", f"{s:.4f} s ({100 * s / sim.step_time_s:.0f}%)"] for r, s in sim.busy_s.items()]
+    rows += [["peak GPU", f"{max(rep.peak_gpu_bytes, sim.peak_gpu_bytes) / GiB:.2f} GiB"],
+             ["peak host", f"{rep.peak_host_bytes / GiB:.2f} GiB"],
+             ["peak NVMe", f"{rep.peak_nvme_bytes / GiB:.2f} GiB"]]
+    print(tabulate(rows, tablefmt="plain"))
+    return 0
+
+
+def cmd_trace(a) -> int:
+    from .compiler.simulate import simulate
+    from .compiler.timeline import chrome_trace, plot_memory, write_trace
+    from .ir import Plan
+    plan = Plan.load(a.plan)
+    sim = simulate(plan)
+    write_trace(a.output, chrome_trace(plan, sim.start, sim.end, memory=sim.memory))
+    print(f"wrote {a.output} (open in https://ui.perfetto.dev)")
+    if a.plot:
+        plot_memory(a.plot, {"predicted": sim.memory}, budget=plan.budgets.get("gpu_bytes"))
+        print(f"wrote {a.plot}")
+    return 0
+
+
+def cmd_profile(a) -> int:
+    from .compiler.profile import measure
+    hw = measure(quick=a.quick, disk_dir=a.disk_dir)
+    with open(a.output, "w") as f:
+        json.dump(hw.to_json(), f, indent=1)
+    print(hw)
+    print(f"wrote {a.output}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="lazytrain", description="Compile and run training schedules for models "
+                                                                 "larger than the GPU.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("compile", help="trace, cost, solve, lower, verify; write the plan")
+    _add_compile_args(p)
+    p.add_argument("-o", "--output", default="plan.json")
+    p.set_defaults(fn=cmd_compile)
+    p = sub.add_parser("show", help="print a plan as tables")
+    p.add_argument("plan")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--ops", action="store_true", help="the op list")
+    g.add_argument("--summary", action="store_true", help="totals (default)")
+    g.add_argument("--blocks", action="store_true", help="per-block decisions")
+    p.add_argument("--limit", type=_positive, default=None, help="show at most this many ops")
+    p.set_defaults(fn=cmd_show)
+    p = sub.add_parser("simulate", help="predicted step time, busy time per resource, peak memory per tier")
+    p.add_argument("plan")
+    p.set_defaults(fn=cmd_simulate)
+    p = sub.add_parser("trace", help="Chrome/Perfetto trace of the predicted timeline")
+    p.add_argument("plan")
+    p.add_argument("-o", "--output", default="trace.json")
+    p.add_argument("--plot", default=None, help="also write a memory-over-time PNG here (needs matplotlib)")
+    p.set_defaults(fn=cmd_trace)
+    p = sub.add_parser("profile", help="measure this machine into a hardware profile")
+    p.add_argument("-o", "--output", default="hw.json")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--disk-dir", default=None, help="where to time disk I/O (default: a temp folder)")
+    p.set_defaults(fn=cmd_profile)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    try:
+        return a.fn(a)
+    except (PlanError, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"lazytrain {a.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"lazytrain {a.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
