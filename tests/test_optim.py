@@ -187,7 +187,7 @@ class _TinyMLP(torch.nn.Module):
         return self.net(x)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _train_fp32(lr, weight_decay):
     return _train(lambda: TorchAdamW(lr=lr, weight_decay=weight_decay))
 

@@ -123,6 +123,24 @@ int hybrid8_chunk(int64_t nblocks, int64_t bs, const void *grad, int grad_bf16,
     }
     return 0;
 }
+
+/* A run of chunks in one call (so a worker thread releases the GIL once per step): items holds
+   nitems rows of (off, numel, nblocks, qoff, soff) into the block's flat buffers. */
+int hybrid8_run(int64_t nitems, const int64_t *items, const void *grad, int grad_bf16,
+                uint16_t *hi, int16_t *lo, float *p32, uint8_t *mq, uint8_t *vq,
+                float *m_am, float *v_am, const float *hp)
+{
+    const int64_t gsz = grad_bf16 ? 2 : 4;
+    for (int64_t k = 0; k < nitems; k++) {
+        const int64_t *it = items + 5 * k;
+        const int64_t off = it[0], n = it[1], rows = it[2], qoff = it[3], soff = it[4];
+        int rc = hybrid8_chunk(rows, n / rows, (const char *)grad + off * gsz, grad_bf16,
+                               hi ? hi + off : 0, lo ? lo + off : 0, p32 ? p32 + off : 0,
+                               mq + qoff, vq + qoff, m_am + soff, v_am + soff, hp);
+        if (rc) return rc;
+    }
+    return 0;
+}
 """
 
 _lock = threading.Lock()
@@ -175,10 +193,11 @@ def load():
             if not os.path.exists(path):
                 _build(path)
             lib = ctypes.CDLL(path)
-            fn = lib.hybrid8_chunk
             p = ctypes.c_void_p
-            fn.argtypes = [ctypes.c_int64, ctypes.c_int64, p, ctypes.c_int, p, p, p, p, p, p, p, p]
-            fn.restype = ctypes.c_int
+            for fn in (lib.hybrid8_chunk, lib.hybrid8_run):
+                fn.argtypes = [ctypes.c_int64, ctypes.c_int64 if fn is lib.hybrid8_chunk else p, p, ctypes.c_int]
+                fn.argtypes += [p] * 8
+                fn.restype = ctypes.c_int
             _lib = lib
         except (OSError, RuntimeError, subprocess.CalledProcessError):
             _lib = None

@@ -20,11 +20,13 @@ of v at 1/32 relative precision.  Why a per-block absmax: one outlier only affec
 (``lr / (1 - b1^t)`` and ``sqrt(v) / sqrt(1 - b2^t) + eps``), exactly as ``torch.optim.AdamW``;
 weight decay is decoupled (``p *= 1 - lr * wd`` before the Adam step).
 
-Speed: the update walks the block in chunks of ``chunk_numel`` elements (a multiple of
-``block_size``), so every temporary is chunk-sized and stays in cache; each chunk is ~35 vectorized
-torch ops (decode m and sqrt(v) ~10, EMAs 4, update 4, master split/join 7, absmax 3, encode ~13).
-Chunks run on a thread pool of ``num_threads`` workers (torch ops release the GIL; chunks below
-torch's 32768-element grain run single-threaded inside each worker, so threads do not nest).
+Speed: two implementations of the same update.  The default is the one-pass C kernel of
+``ckernel.py`` (built on first use with the system compiler): each of ``num_threads`` pool workers
+makes one GIL-free call for a contiguous run of chunks, and every element is read and written once
+(~14 bytes of memory traffic per parameter, against ~28 for fp32 AdamW).  Where no compiler is
+available (or ``kernel=False``) the torch path runs the same math as ~35 vectorized ops per chunk of
+``chunk_numel`` elements, into per-thread scratch buffers (no per-op allocations), parallelized
+by torch's intra-op threads; it is several times slower.  Measured rates: benchmarks/optim_rate.py.
 ``step`` holds a per-block lock and only touches that block's state, so concurrent calls for
 different blocks are safe.
 """
@@ -153,6 +155,7 @@ class Hybrid8bitAdamW(HostOptimizer):
                 st.items.append((off + full, numel - full, 1, q + full, s + full // bs))
             q += numel
             s += -(-numel // bs)
+        st.items_tensor = torch.tensor(st.items, dtype=torch.int64).reshape(-1, 5)
         st.mq = torch.zeros(q, dtype=torch.uint8)
         st.vq = torch.zeros(q, dtype=torch.uint8)
         st.m_absmax, st.v_absmax = torch.zeros(s), torch.zeros(s)
@@ -186,11 +189,7 @@ class Hybrid8bitAdamW(HostOptimizer):
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="lazytrain-optim")
-        k = -(-len(items) // self.num_threads)  # one contiguous run of chunks per worker
-        futures = [
-            self._pool.submit(lambda run: [fn(it) for it in run], items[i : i + k]) for i in range(0, len(items), k)
-        ]
-        for f in futures:
+        for f in [self._pool.submit(fn, it) for it in items]:
             f.result()
 
     def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0) -> None:
@@ -218,7 +217,11 @@ class Hybrid8bitAdamW(HostOptimizer):
                 keys = ("gm", "gv", "decay", "inv_bc2_sqrt", "step_size", "eps", "m_pre", "v_pre")
                 hp = (ctypes.c_float * 10)(*[c[k] for k in keys], m_ratio, v_ratio)
                 grad = grad.contiguous()
-                self._pool_map(lambda it: self._chunk8_c(st, grad, it, hp), st.items)
+                items = st.items_tensor
+                k = -(-items.shape[0] // self.num_threads)  # one contiguous run per worker
+                self._pool_map(
+                    lambda run: self._run_c(st, grad, run, hp), [items[i : i + k] for i in range(0, len(items), k)]
+                )
             else:
                 c["m_dec"], c["v_dec"] = st.m_absmax * m_ratio, st.v_absmax * v_ratio
                 for it in st.items:  # torch's own intra-op threads parallelize each op
@@ -234,24 +237,25 @@ class Hybrid8bitAdamW(HostOptimizer):
             bufs = self._tls.bufs = [torch.empty(self.chunk_numel, dtype=torch.int32) for _ in range(5)]
         return bufs
 
-    def _chunk8_c(self, st, grad, item, hp) -> None:
-        off, n, rows, qoff, soff = item
-        ptr = lambda t, i: t.data_ptr() + i * t.element_size()  # noqa: E731
+    def _run_c(self, st, grad, items: torch.Tensor, hp) -> None:
+        """One C call for a run of chunks: the GIL is released once, for the whole run."""
         lo = st.lo is not None
-        self._lib.hybrid8_chunk(
-            rows,
-            n // rows,
-            ptr(grad, off),
+        rc = self._lib.hybrid8_run(
+            items.shape[0],
+            items.data_ptr(),
+            grad.data_ptr(),
             int(grad.dtype == torch.bfloat16),
-            ptr(st.load, off) if lo else None,
-            ptr(st.lo, off) if lo else None,
-            None if lo else ptr(st.load, off),
-            ptr(st.mq, qoff),
-            ptr(st.vq, qoff),
-            ptr(st.m_absmax, soff),
-            ptr(st.v_absmax, soff),
+            st.load.data_ptr() if lo else None,
+            st.lo.data_ptr() if lo else None,
+            None if lo else st.load.data_ptr(),
+            st.mq.data_ptr(),
+            st.vq.data_ptr(),
+            st.m_absmax.data_ptr(),
+            st.v_absmax.data_ptr(),
             hp,
         )
+        if rc:
+            raise RuntimeError(f"hybrid8 kernel failed ({rc})")
 
     def _chunk8(self, st, grad, item, c) -> None:
         off, n, rows, qoff, soff = item
