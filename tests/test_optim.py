@@ -349,3 +349,31 @@ def test_grad_norm_tracker():
         else:
             with pytest.raises(NonFiniteGradError):
                 t.finish_step()
+
+
+@pytest.mark.parametrize("cls", [TorchAdamW, Hybrid8bitAdamW])
+def test_concurrent_steps_on_different_blocks(cls):
+    from concurrent.futures import ThreadPoolExecutor
+
+    n, nblocks = 3 * 4096 + 50, 4
+    segs = [("w", 0, n - 50, (n - 50,)), ("b", n - 50, 50, (50,))]
+    g = torch.Generator().manual_seed(11)
+    inits = [torch.randn(n, generator=g) for _ in range(nblocks)]
+    grads = [[torch.randn(n, generator=g).to(torch.bfloat16) for _ in range(3)] for _ in range(nblocks)]
+
+    def run(parallel):
+        opt = cls(**HP, block_size=4096) if cls is Hybrid8bitAdamW else cls(**HP)
+        loads = [torch.empty(n, dtype=torch.bfloat16) for _ in range(nblocks)]
+        for b in range(nblocks):
+            opt.setup(b, inits[b], loads[b], segs)
+        for s in range(3):
+            if parallel:
+                with ThreadPoolExecutor(nblocks) as ex:
+                    list(ex.map(lambda b, s=s: opt.step(b, grads[b][s], 0.9), range(nblocks)))
+            else:
+                for b in range(nblocks):
+                    opt.step(b, grads[b][s], 0.9)
+        return [opt.master(b) for b in range(nblocks)]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)

@@ -218,10 +218,9 @@ class Hybrid8bitAdamW(HostOptimizer):
                 hp = (ctypes.c_float * 10)(*[c[k] for k in keys], m_ratio, v_ratio)
                 grad = grad.contiguous()
                 items = st.items_tensor
-                k = -(-items.shape[0] // self.num_threads)  # one contiguous run per worker
-                self._pool_map(
-                    lambda run: self._run_c(st, grad, run, hp), [items[i : i + k] for i in range(0, len(items), k)]
-                )
+                k = max(1, -(-items.shape[0] // self.num_threads))  # one contiguous run per worker
+                runs = [items[i : i + k] for i in range(0, items.shape[0], k)]
+                self._pool_map(lambda run: self._run_c(st, grad, run, hp), runs)
             else:
                 c["m_dec"], c["v_dec"] = st.m_absmax * m_ratio, st.v_absmax * v_ratio
                 for it in st.items:  # torch's own intra-op threads parallelize each op
