@@ -5,7 +5,6 @@ Each pass's wall time goes into ``plan.history``."""
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 from ..ir import GiB, Plan, PlanError, verify
 from ..ir.graph import ModelGraph
@@ -270,35 +269,38 @@ def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None) -> B
 
 
 def _max_batch(comp: Compiler, policy: str, micro_batch: int | None) -> Plan:
-    """Largest batch with a feasible plan: doubling, then bisection (feasibility is monotone for
-    a fixed micro-batch, which is what bounds memory)."""
-    def feasible(b: int) -> Plan | None:
-        mb = micro_batch if micro_batch and b % micro_batch == 0 else None
-        if micro_batch and mb is None:
-            return None
-        return comp.best(policy if policy != "milp" else "recompute-all", b, mb)
+    """Largest batch with a feasible plan: doubling, then bisection (feasibility is monotone in
+    the batch for a fixed micro-batch).  For the MILP, a batch is feasible when its most frugal
+    plan fits (recompute everything, boundaries on the host): that plan lies in the MILP's space."""
     step = micro_batch or 1
+
+    def feasible(b: int) -> bool:
+        if policy == "milp":
+            try:
+                from ..ir import Decisions, Place, Saved
+                L = comp.graph.n_blocks
+                dec = Decisions(policy="frugal", micro_batch=step, n_micro=b // step, boundary=(Place.HOST,) * L,
+                                saved=(Saved.RECOMPUTE,) * L)
+                comp.build(dec, b)
+                return True
+            except PlanError:
+                return False
+        return comp.best(policy, b, step) is not None
+
     lo, hi = 0, step
-    best = None
-    while True:
-        p = feasible(hi)
-        if p is None:
-            break
-        best, lo, hi = p, hi, hi * 2
+    while feasible(hi):
+        lo, hi = hi, hi * 2
         if hi > 1 << 16:
             break
-    if best is None:
+    if lo == 0:
         raise _budget_error(comp, step, micro_batch)
     while hi - lo > step:
         mid = (lo + hi) // 2 // step * step
         if mid <= lo:
             break
-        p = feasible(mid)
-        if p is None:
-            hi = mid
-        else:
-            best, lo = p, mid
-    if policy == "milp":
-        p = comp.best("milp", lo, micro_batch)
-        best = p or best
-    return replace(best) if best else best
+        lo, hi = (mid, hi) if feasible(mid) else (lo, mid)
+    plan = comp.best(policy, lo, micro_batch)
+    if plan is None:     # cannot happen for the frugal witness, but never return nothing silently
+        raise _budget_error(comp, lo, micro_batch)
+    plan.decisions.notes["batch_search"] = f"largest feasible batch {lo} (next {lo + step} does not fit)"
+    return plan

@@ -144,5 +144,14 @@ class Plan:
                             "was it truncated? compile the plan again") from None
         return Plan.from_json(d)
 
+    def check_model(self, graph: ModelGraph) -> None:
+        """Refuse a model whose structure differs from the one this plan was compiled for."""
+        if graph.fingerprint() != self.fingerprint:
+            raise PlanError(f"this plan was compiled for a different model ({self.graph.name}, fingerprint "
+                            f"{self.fingerprint}); the model given has fingerprint {graph.fingerprint()} "
+                            f"({graph.name}): compile a plan for it")
+        if graph.seq_len != self.seq_len:
+            raise PlanError(f"plan was compiled for seq {self.seq_len}, the model was traced at {graph.seq_len}")
+
     def count(self, kind: OpKind) -> int:
         return sum(op.kind is kind for op in self.ops)

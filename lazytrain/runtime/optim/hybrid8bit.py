@@ -182,14 +182,18 @@ class Hybrid8bitAdamW(HostOptimizer):
 
     # -- the update ----------------------------------------------------------------------------------
     def _pool_map(self, fn, items) -> None:
+        """Run ``fn`` over ``items``: the calling thread takes the last one, ``num_threads - 1``
+        pool workers the others (so ``num_threads`` threads are busy in all)."""
         if self.num_threads <= 1 or len(items) <= 1:
             for it in items:
                 fn(it)
             return
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="lazytrain-optim")
-        for f in [self._pool.submit(fn, it) for it in items]:
+                self._pool = ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="lazytrain-optim")
+        futures = [self._pool.submit(fn, it) for it in items[:-1]]
+        fn(items[-1])
+        for f in futures:
             f.result()
 
     def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0) -> None:

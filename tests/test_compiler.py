@@ -1,0 +1,141 @@
+"""compile(): every policy on real presets, budgets, errors, batch search, NVMe tier, CLI."""
+
+import json
+import subprocess
+import sys
+from functools import lru_cache
+
+import pytest
+
+from lazytrain.cli import main
+from lazytrain.compiler.api import BudgetError, compile_model
+from lazytrain.compiler.presets import build_model
+from lazytrain.compiler.trace import trace
+from lazytrain.ir import GiB, OpKind, Place, Plan, PlanError, Saved, Tier, verify
+
+
+@lru_cache(maxsize=None)
+def graph(name: str, seq: int = 1024):
+    return trace(build_model(name), seq_len=seq)
+
+
+@pytest.mark.parametrize("policy", ["megatrain", "recompute-all", "keep-all", "milp"])
+def test_tiny_compiles_with_every_policy(policy):
+    plan = compile_model("tiny", batch_size=8, seq_len=64, hardware="cpu", policy=policy, gpu_memory="2GiB")
+    verify(plan)
+    assert plan.predicted["step_time_s"] > 0
+    assert plan.batch_size == plan.micro_batch * plan.n_micro == 8
+    assert {k.value for k in OpKind} >= {op.kind.value for op in plan.ops}
+    names = [h["pass"] for h in plan.history]
+    assert names[0] == "trace" and names[-1] == "total"
+
+
+def test_megatrain_keeps_a_boundary_every_four_layers():
+    plan = compile_model(graph("qwen2.5-3b"), batch_size=8, gpu_memory="24GiB", policy="megatrain")
+    kept = [i for i, p in enumerate(plan.decisions.boundary) if p is Place.GPU]
+    layers = [b.index for b in plan.graph.blocks if b.kind == "layer"]
+    assert [i for i in kept if i in layers] == layers[::4]
+    assert all(s is Saved.RECOMPUTE for s in plan.decisions.saved)
+    assert not any(op.kind is OpKind.OFFLOAD for op in plan.ops)
+
+
+def test_budget_below_smallest_plan_says_how_much_is_needed():
+    with pytest.raises(BudgetError, match=r"needs at least [\d.]+ GiB of GPU memory for batch 32, seq 1024"):
+        compile_model(graph("qwen2.5-7b"), batch_size=32, gpu_memory="3GiB", policy="megatrain")
+
+
+def test_host_memory_too_small_is_reported():
+    with pytest.raises(BudgetError, match="GiB of host memory"):
+        compile_model(graph("qwen2.5-72b"), batch_size=8, gpu_memory="80GiB", policy="megatrain")
+
+
+def test_bad_arguments_are_clear():
+    with pytest.raises(ValueError, match="unknown policy"):
+        compile_model("tiny", policy="fastest")
+    with pytest.raises(ValueError, match="does not divide"):
+        compile_model("tiny", batch_size=8, micro_batch=3, seq_len=64, hardware="cpu")
+    with pytest.raises(ValueError, match="Did you mean"):
+        compile_model("qwen2.5-7", batch_size=8)
+
+
+@pytest.mark.parametrize("policy", ["megatrain", "milp"])
+def test_batch_max_is_the_largest_feasible(policy):
+    g = graph("qwen2.5-3b")
+    plan = compile_model(g, batch_size="max", micro_batch=4, gpu_memory="24GiB", policy=policy)
+    b = plan.batch_size
+    assert b >= 4 and b % 4 == 0
+    with pytest.raises(BudgetError):
+        compile_model(g, batch_size=b + 4, micro_batch=4, gpu_memory="24GiB",
+                      policy="recompute-all" if policy == "milp" else policy)
+    if policy == "milp":   # even the most frugal plan of the MILP's space does not fit b + 4
+        mega = compile_model(g, batch_size="max", micro_batch=4, gpu_memory="24GiB", policy="megatrain")
+        assert b > mega.batch_size
+
+
+def test_nvme_tier_is_used_when_host_memory_is_short(tmp_path):
+    g = graph("qwen2.5-0.5b")
+    static = g.total_params * 8.25
+    plan = compile_model(g, batch_size=32, micro_batch=8, gpu_memory="8GiB", host_memory=int(static + 2 * GiB),
+                         nvme_dir=str(tmp_path), nvme_memory="200GiB", policy="milp", hardware="h200")
+    on_nvme = sum(p is Place.NVME for p in plan.decisions.boundary) + sum(s is Saved.NVME for s in plan.decisions.saved)
+    assert on_nvme > 0
+    assert any(op.dst is Tier.NVME for op in plan.ops)
+    assert plan.predicted["busy_s"]["nvme"] > 0
+    assert plan.predicted["peak_nvme_bytes"] > 0
+    assert plan.predicted["peak_host_bytes"] <= static + 2 * GiB
+
+
+def test_cli_compile_show_simulate_trace(tmp_path, capsys):
+    p = tmp_path / "p.json"
+    assert main(["compile", "qwen2.5-7b", "--batch", "32", "--seq", "1024", "--gpu-memory", "24GiB",
+                 "--policy", "megatrain", "-o", str(p)]) == 0
+    d = json.loads(p.read_text())
+    assert {"step_time_s", "peak_gpu_bytes", "peak_host_bytes"} <= set(d["predicted"])
+    assert all("kind" in o for o in d["ops"])
+    for args in (["show", str(p)], ["show", str(p), "--ops", "--limit", "20"], ["show", str(p), "--blocks"],
+                 ["simulate", str(p)]):
+        assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "predicted step" in out and "busy gpu" in out
+    t = tmp_path / "t.json"
+    png = tmp_path / "m.png"
+    assert main(["trace", str(p), "-o", str(t), "--plot", str(png)]) == 0
+    trace_json = json.loads(t.read_text())
+    lanes = {e["args"]["name"] for e in trace_json["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"gpu", "h2d", "d2h", "cpu"} <= lanes
+    assert any(e["ph"] == "X" for e in trace_json["traceEvents"])
+    assert png.stat().st_size > 1000
+
+
+def test_cli_summary_reports_gain_over_megatrain(tmp_path, capsys):
+    p = tmp_path / "p.json"
+    assert main(["compile", "qwen2.5-3b", "--batch", "32", "--gpu-memory", "80GiB", "-o", str(p)]) == 0
+    capsys.readouterr()
+    assert main(["show", str(p), "--summary"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("boundaries kept gpu / host / nvme", "saved kept / host / nvme / recomputed",
+                   "exposed transfer s", "gain over megatrain", "solver"):
+        assert needle in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compile", "tiny", "--gpu-memory", "24XB"], "unknown size unit"),
+    (["compile", "tiny", "--gpu-memory=-1GiB"], "must be positive"),
+    (["compile", "tiny", "--batch", "0"], "must be positive"),
+    (["compile", "tiny", "--seq", "ten"], "positive whole number"),
+    (["compile", "nosuchmodel"], "unknown"),
+    (["show", "/nonexistent/plan.json"], "cannot read plan"),
+])
+def test_cli_bad_input_is_one_line_not_a_traceback(args, message, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "lazytrain.cli", *args], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_plan_for_another_model_is_refused(tmp_path):
+    plan = compile_model("tiny", batch_size=4, seq_len=64, hardware="cpu", policy="megatrain")
+    other = trace(build_model("gpt2"), seq_len=64)
+    with pytest.raises(PlanError, match="different model"):
+        plan.check_model(other)
+    Plan.from_json(plan.to_json()).check_model(plan.graph)
