@@ -49,6 +49,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--nvme-dir", default=None)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("-o", "--out", default=None)
+    ap.add_argument("--runs", default=None,
+                    help="several runs on one model build, e.g. '8:megatrain,32:milp' (batch:policy); "
+                         "results go to OUT as a JSON list")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("run_plan.py needs a CUDA GPU")
@@ -62,7 +65,31 @@ def main(argv=None) -> dict:
             if not torch.isfinite(p).all():
                 p.normal_(0, 0.02)
     build_s = time.perf_counter() - t
+    if a.runs:
+        results = []
+        for spec in a.runs.split(","):
+            b, pol = spec.split(":")
+            a.batch, a.policy = int(b), pol
+            try:
+                results.append(run_one(a, model, build_s))
+            except Exception as e:  # noqa: BLE001 - keep the other runs; report this one
+                import traceback
+                traceback.print_exc()
+                results.append({"batch": a.batch, "policy": pol, "error": f"{type(e).__name__}: {e}"})
+            torch.cuda.empty_cache()
+            if a.out:
+                with open(a.out, "w") as f:
+                    json.dump(results, f, indent=1)
+        return results
+    out = run_one(a, model, build_s)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
 
+
+def run_one(a, model, build_s: float) -> dict:
+    """Compile, cap, train warm-up + measured steps and one profiled step; return the figures."""
     t = time.perf_counter()
     plan = lazytrain.compile(model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
                              gpu_memory=a.gpu_memory, host_memory=a.host_memory, hardware=a.hardware,
@@ -119,9 +146,6 @@ def main(argv=None) -> dict:
         "build_s": build_s, "compile_s": compile_s, "setup_s": setup_s,
     }
     print(json.dumps({k: v for k, v in out.items() if k != "losses"}, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
     return out
 
 

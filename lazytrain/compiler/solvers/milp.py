@@ -85,8 +85,7 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
     nvr_ms = hw.nvme_seconds(GiB, False) * MS
     use_nvme = bool(comp.budgets.get("nvme_dir")) and nvme_cap > 0
 
-    m = mip.Model(name="lazytrain", sense=mip.MINIMIZE,
-                  solver_name=mip.HIGHS if comp.solver == "highs" else mip.CBC)
+    m = _model(mip, comp.solver)
     m.verbose = 0
     m.threads = -1
     B = mip.BINARY
@@ -205,6 +204,25 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
     dec = Decisions(policy="milp", micro_batch=micro_batch, n_micro=n_micro, boundary=tuple(boundary),
                     saved=tuple(saved), notes={"objective_s": stats.objective})
     return dec, stats
+
+
+def _model(mip, solver: str):
+    """A mip.Model on the asked solver; if its library is missing (CBC ships as a separate wheel
+    in python-mip 2, HiGHS needs highspy/highsbox), the other one, with a warning."""
+    order = [mip.HIGHS, mip.CBC] if solver == "highs" else [mip.CBC, mip.HIGHS]
+    errors = []
+    for name in order:
+        try:
+            m = mip.Model(name="lazytrain", sense=mip.MINIMIZE, solver_name=name)
+        except Exception as e:  # noqa: BLE001 - mip raises plain exceptions for a missing library
+            errors.append(f"{name}: {e}")
+            continue
+        if name != order[0]:
+            import warnings
+            warnings.warn(f"MILP solver {order[0]} is not available; using {name}", stacklevel=3)
+        return m
+    raise RuntimeError("no MILP solver library found (" + "; ".join(errors) + "): pip install mip (CBC) or "
+                       "pip install 'lazytrain[highs]'")
 
 
 def _default_limit(L: int) -> float:
