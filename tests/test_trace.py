@@ -131,14 +131,14 @@ def test_config_json_errors(tmp_path):
     assert type(build_model(str(tmp_path))).__name__ == "Qwen2ForCausalLM"
 
 
-def test_factory_spec():
-    model = build_model("tests.test_trace:_tiny_factory")
+def test_factory_spec(tmp_path, monkeypatch):
+    (tmp_path / "lt_factory_mod.py").write_text(
+        "def tiny():\n"
+        "    from lazytrain.models import GPT, GPTConfig\n"
+        "    return GPT(GPTConfig(vocab=64, d_model=32, n_layer=2, n_head=2, d_ff=64, max_seq=32))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = build_model("lt_factory_mod:tiny")
     assert model.config.n_layer == 2
-
-
-def _tiny_factory():
-    from lazytrain.models import GPT, GPTConfig
-    return GPT(GPTConfig(vocab=64, d_model=32, n_layer=2, n_head=2, d_ff=64, max_seq=32))
 
 
 @pytest.mark.slow
