@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=None, help="Hybrid8bitAdamW chunk_numel")
     ap.add_argument("--only", choices=["torch", "8bit"], default=None)
+    ap.add_argument("--no-kernel", action="store_true", help="Hybrid8bitAdamW: the torch-ops path, not the C kernel")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     print(f"block of {a.numel / 1e6:.1f}M params, bf16 load buffer and grads, {a.threads} threads")
@@ -51,8 +52,10 @@ def main() -> None:
         print(f"TorchAdamW       {r:6.3f} G params/s   {b:.3f} B/param")
     if a.only in (None, "8bit"):
         kw = {"chunk_numel": a.chunk} if a.chunk else {}
+        kw["kernel"] = False if a.no_kernel else None
         r, b = rate(Hybrid8bitAdamW(lr=1e-4, weight_decay=0.1, num_threads=a.threads, **kw), a.numel, a.steps)
-        print(f"Hybrid8bitAdamW  {r:6.3f} G params/s   {b:.3f} B/param")
+        path = "torch ops" if a.no_kernel else "C kernel"
+        print(f"Hybrid8bitAdamW  {r:6.3f} G params/s   {b:.3f} B/param   ({path})")
 
 
 if __name__ == "__main__":

@@ -124,6 +124,19 @@ int hybrid8_chunk(int64_t nblocks, int64_t bs, const void *grad, int grad_bf16,
     return 0;
 }
 
+/* max of n non-negative floats (the per-block scales), single-threaded: the step must not start
+   torch's OpenMP team, whose spinning threads would compete with the kernel's workers. */
+float hybrid8_max(const float *x, int64_t n)
+{
+    uint32_t mx = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u; memcpy(&u, x + i, 4);
+        u &= 0x7FFFFFFFu;
+        mx = u > mx ? u : mx;
+    }
+    return u2f(mx);
+}
+
 /* A run of chunks in one call (so a worker thread releases the GIL once per step): items holds
    nitems rows of (off, numel, nblocks, qoff, soff) into the block's flat buffers. */
 int hybrid8_run(int64_t nitems, const int64_t *items, const void *grad, int grad_bf16,
@@ -193,6 +206,8 @@ def load():
             if not os.path.exists(path):
                 _build(path)
             lib = ctypes.CDLL(path)
+            lib.hybrid8_max.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+            lib.hybrid8_max.restype = ctypes.c_float
             p = ctypes.c_void_p
             for fn in (lib.hybrid8_chunk, lib.hybrid8_run):
                 fn.argtypes = [ctypes.c_int64, ctypes.c_int64 if fn is lib.hybrid8_chunk else p, p, ctypes.c_int]

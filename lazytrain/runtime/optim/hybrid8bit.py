@@ -215,9 +215,15 @@ class Hybrid8bitAdamW(HostOptimizer):
                 step_size=-self.lr / (1 - b1**t),
                 eps=self.eps,
             )
-            m_ratio, c["m_pre"] = Q.decode_ratio(st.m_absmax, Q.SIGNED_TOP, b1)
-            v_ratio, c["v_pre"] = Q.decode_ratio(st.v_absmax, Q.UNSIGNED_TOP, math.sqrt(b2))
-            if self._lib is not None and st.own_master is None and grad.dtype in (torch.bfloat16, torch.float32):
+            use_c = self._lib is not None and st.own_master is None and grad.dtype in (torch.bfloat16, torch.float32)
+            if use_c:  # no torch op over the whole block here: it could wake torch's spinning OpenMP team
+                m_max = self._lib.hybrid8_max(st.m_absmax.data_ptr(), st.m_absmax.numel())
+                v_max = self._lib.hybrid8_max(st.v_absmax.data_ptr(), st.v_absmax.numel())
+            else:
+                m_max, v_max = st.m_absmax, st.v_absmax
+            m_ratio, c["m_pre"] = Q.decode_ratio(m_max, Q.SIGNED_TOP, b1)
+            v_ratio, c["v_pre"] = Q.decode_ratio(v_max, Q.UNSIGNED_TOP, math.sqrt(b2))
+            if use_c:
                 keys = ("gm", "gv", "decay", "inv_bc2_sqrt", "step_size", "eps", "m_pre", "v_pre")
                 hp = (ctypes.c_float * 10)(*[c[k] for k in keys], m_ratio, v_ratio)
                 grad = grad.contiguous()

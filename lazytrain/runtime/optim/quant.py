@@ -25,6 +25,8 @@ is decoded in two multiplications instead (``decode_factor`` handles it).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 SIGNED_SHIFT, UNSIGNED_SHIFT = 20, 19
@@ -40,11 +42,12 @@ def encode_factor(absmax: torch.Tensor, top: float) -> torch.Tensor:
     return torch.where(absmax > 0, f, torch.zeros_like(f))
 
 
-def decode_ratio(absmax: torch.Tensor, top: float, extra: float = 1.0) -> tuple[float, float]:
+def decode_ratio(absmax: torch.Tensor | float, top: float, extra: float = 1.0) -> tuple[float, float]:
     """(ratio, pre) with ``value = code_float * pre * (absmax * ratio)``: ``pre`` is 1.0 unless the
-    one-step factor ``absmax * extra / top`` overflows fp32 for some block."""
-    f = absmax * (extra / top)
-    if bool(torch.isfinite(f).all()):
+    one-step factor ``absmax * extra / top`` overflows fp32 for some block.  ``absmax`` may be given
+    as its maximum (a float)."""
+    amax = float(absmax.max()) if isinstance(absmax, torch.Tensor) and absmax.numel() else float(absmax or 0.0)
+    if math.isfinite(float(torch.tensor(amax, dtype=torch.float32) * torch.tensor(extra / top, dtype=torch.float32))):
         return extra / top, 1.0
     return extra / (top * _TWO_112), _TWO_112
 
