@@ -124,6 +124,36 @@ int hybrid8_chunk(int64_t nblocks, int64_t bs, const void *grad, int grad_bf16,
     return 0;
 }
 
+/* Plain fp32 AdamW over n elements (the small tensors, whose m and v stay fp32); hp as above plus
+   hp[10] = b1, hp[11] = b2.  Mirrors Hybrid8bitAdamW._small. */
+int adamw32_range(int64_t n, const void *grad, int grad_bf16, uint16_t *hi, int16_t *lo, float *p32,
+                  float *m32, float *v32, const float *hp)
+{
+    const float gm = hp[0], gv = hp[1], decay = hp[2], inv_bc2 = hp[3], step = hp[4], eps = hp[5];
+    const float b1 = hp[10], b2 = hp[11];
+    for (int64_t i = 0; i < n; i++) {
+        float g = grad_bf16 ? u2f((uint32_t)((const uint16_t *)grad)[i] << 16) : ((const float *)grad)[i];
+        float m = fmaf(g, gm, m32[i] * b1);
+        float v = v32[i] * b2;
+        v = v + (gv * g) * g;
+        m32[i] = m;
+        v32[i] = v;
+        float p = hi ? u2f(((uint32_t)hi[i] << 16) + (uint32_t)(int32_t)lo[i]) : p32[i];
+        p = p * decay;
+        float d = sqrtf(v) * inv_bc2;
+        d = d + eps;
+        p = p + (step * m) / d;
+        if (hi) {
+            uint32_t bits = f2u(p);
+            lo[i] = (int16_t)(uint16_t)bits;
+            hi[i] = (uint16_t)((bits + 0x8000u) >> 16);
+        } else {
+            p32[i] = p;
+        }
+    }
+    return 0;
+}
+
 /* max of n non-negative floats (the per-block scales), single-threaded: the step must not start
    torch's OpenMP team, whose spinning threads would compete with the kernel's workers. */
 float hybrid8_max(const float *x, int64_t n)
@@ -206,9 +236,11 @@ def load():
             if not os.path.exists(path):
                 _build(path)
             lib = ctypes.CDLL(path)
+            p = ctypes.c_void_p
             lib.hybrid8_max.argtypes = [ctypes.c_void_p, ctypes.c_int64]
             lib.hybrid8_max.restype = ctypes.c_float
-            p = ctypes.c_void_p
+            lib.adamw32_range.argtypes = [ctypes.c_int64, p, ctypes.c_int] + [p] * 6
+            lib.adamw32_range.restype = ctypes.c_int
             for fn in (lib.hybrid8_chunk, lib.hybrid8_run):
                 fn.argtypes = [ctypes.c_int64, ctypes.c_int64 if fn is lib.hybrid8_chunk else p, p, ctypes.c_int]
                 fn.argtypes += [p] * 8

@@ -225,7 +225,7 @@ class Hybrid8bitAdamW(HostOptimizer):
             v_ratio, c["v_pre"] = Q.decode_ratio(v_max, Q.UNSIGNED_TOP, math.sqrt(b2))
             if use_c:
                 keys = ("gm", "gv", "decay", "inv_bc2_sqrt", "step_size", "eps", "m_pre", "v_pre")
-                hp = (ctypes.c_float * 10)(*[c[k] for k in keys], m_ratio, v_ratio)
+                hp = (ctypes.c_float * 12)(*[c[k] for k in keys], m_ratio, v_ratio, b1, b2)
                 grad = grad.contiguous()
                 items = st.items_tensor
                 k = max(1, -(-items.shape[0] // self.num_threads))  # one contiguous run per worker
@@ -236,7 +236,10 @@ class Hybrid8bitAdamW(HostOptimizer):
                 for it in st.items:  # torch's own intra-op threads parallelize each op
                     self._chunk8(st, grad, it, c)
             for off, n, s32 in st.small:
-                self._small(st, grad, off, n, s32, c)
+                if use_c:
+                    self._small_c(st, grad, off, n, s32, hp)
+                else:
+                    self._small(st, grad, off, n, s32, c)
 
     def _scratch(self) -> list[torch.Tensor]:
         """Five chunk-sized int32 buffers per thread, reused across steps: fresh multi-hundred-KB
@@ -304,6 +307,21 @@ class Hybrid8bitAdamW(HostOptimizer):
         torch.amax(s, dim=1, out=v_am)
         Q.encode_signed_(m, Q.encode_factor(m_am, Q.SIGNED_TOP)[:, None], mq, tmp=T)
         Q.encode_unsigned_(s, Q.encode_factor(v_am, Q.UNSIGNED_TOP)[:, None], vq)
+
+    def _small_c(self, st, grad, off, n, s32, hp) -> None:
+        lo = st.lo is not None
+        el = grad.element_size()
+        self._lib.adamw32_range(
+            n,
+            grad.data_ptr() + off * el,
+            int(grad.dtype == torch.bfloat16),
+            st.load.data_ptr() + off * 2 if lo else None,
+            st.lo.data_ptr() + off * 2 if lo else None,
+            None if lo else st.load.data_ptr() + off * 4,
+            st.m32.data_ptr() + s32 * 4,
+            st.v32.data_ptr() + s32 * 4,
+            hp,
+        )
 
     def _small(self, st, grad, off, n, s32, c) -> None:
         g = grad[off : off + n].to(torch.float32)
