@@ -46,6 +46,7 @@ import time
 from ...ir import Decisions, GiB, Place, Saved, SolverStats
 
 MS = 1e3
+GAP_TARGET = 0.005
 
 
 def _mip():
@@ -182,6 +183,7 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
         if start:
             m.start = start
     limit = comp.time_limit if comp.time_limit is not None else _default_limit(L)
+    m.max_mip_gap = GAP_TARGET        # stop once proven within 0.5%: identical layers make the last bit slow
     status = m.optimize(max_seconds=limit)
     secs = time.perf_counter() - t0
     ok = status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE)
