@@ -25,8 +25,10 @@ Speed: two implementations of the same update.  The default is the one-pass C ke
 makes one GIL-free call for a contiguous run of chunks, and every element is read and written once
 (~14 bytes of memory traffic per parameter, against ~28 for fp32 AdamW).  Where no compiler is
 available (or ``kernel=False``) the torch path runs the same math as ~35 vectorized ops per chunk of
-``chunk_numel`` elements, into per-thread scratch buffers (no per-op allocations), parallelized
-by torch's intra-op threads; it is several times slower.  Measured rates: benchmarks/optim_rate.py.
+``chunk_numel`` elements, into per-thread scratch buffers (no per-op allocations), on the same
+thread pool; chunks stay below torch's 32768-element grain so no op starts torch's OpenMP team
+inside a worker (nested, spinning OpenMP threads made it 10x slower on a busy machine).  It is
+~10x slower than the kernel.  Measured rates: benchmarks/optim_rate.py.
 ``step`` holds a per-block lock and only touches that block's state, so concurrent calls for
 different blocks are safe.
 """
@@ -79,7 +81,7 @@ class Hybrid8bitAdamW(HostOptimizer):
         max_grad_norm: float | None = None,
         block_size: int = 2048,
         min_8bit_numel: int = 4096,
-        chunk_numel: int = 65536,
+        chunk_numel: int = 16384,
         num_threads: int | None = None,
         kernel: bool | None = None,
     ):
@@ -233,8 +235,9 @@ class Hybrid8bitAdamW(HostOptimizer):
                 self._pool_map(lambda run: self._run_c(st, grad, run, hp), runs)
             else:
                 c["m_dec"], c["v_dec"] = st.m_absmax * m_ratio, st.v_absmax * v_ratio
-                for it in st.items:  # torch's own intra-op threads parallelize each op
-                    self._chunk8(st, grad, it, c)
+                k = max(1, -(-len(st.items) // self.num_threads))  # one contiguous run per worker
+                runs = [st.items[i : i + k] for i in range(0, len(st.items), k)]
+                self._pool_map(lambda run: [self._chunk8(st, grad, it, c) for it in run], runs)
             for off, n, s32 in st.small:
                 if use_c:
                     self._small_c(st, grad, off, n, s32, hp)
