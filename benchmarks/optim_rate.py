@@ -6,6 +6,16 @@ A block of ``--numel`` parameters (default: one Qwen2.5-3B decoder layer, 77.1M)
 buffer and bf16 gradients, as the runtime hands them over.  Reports the median step time of
 ``--steps`` steps after one warm-up, for TorchAdamW (fp32 master and moments) and
 Hybrid8bitAdamW, and each one's host bytes/param.
+
+Measured (77.1M-param block, bf16 buffers, median of 10 steps unless noted), G params/s:
+
+| machine | threads | TorchAdamW (fused) | Hybrid8bitAdamW C kernel | 8-bit torch-ops fallback |
+| --- | --- | --- | --- | --- |
+| lent H200 host, 16 cores, idle | 16 | 2.42 | 5.98 | 0.08 |
+| same | 8 | 1.62 | 4.7 | |
+| same | 1 | 0.43 | 0.82 | |
+| dev box, 2 cores, shared (load ~2-4) | 2 | 0.13 | 0.88 | 0.01-0.03 |
+| same | 1 | 0.43 | 0.66 | |
 """
 
 from __future__ import annotations

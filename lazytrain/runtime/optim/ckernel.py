@@ -3,9 +3,11 @@
 Why C: the torch path runs ~35 vectorized ops per chunk; each is fast but each is a pass over the
 chunk, and small-tensor dispatch overhead adds up.  The kernel reads the gradient, both codes and
 the master once, keeps one quantization block (<= 4096 elements) of new m / sqrt(v) in a stack
-buffer to find its absmax, and writes codes, scales and master once: ~11 bytes of memory traffic
-per parameter, every loop auto-vectorized by gcc (integer max for the absmax, no FMA contraction).
-The codes are bit-for-bit those of ``quant.py`` (same float operations in the same order).
+buffer to find its absmax, and writes codes, scales and master once: ~14 bytes of memory traffic
+per parameter, every loop auto-vectorized by gcc (integer max for the absmax, no FMA contraction
+except where torch's own kernels fuse).  The codes and formats are those of ``quant.py`` and the
+float operations follow the torch path's order, so the two paths agree to fp32 rounding (a value on
+a rounding boundary may get the neighbouring code) and their states are interchangeable.
 
 How it is built: the source below is compiled with the system C compiler (``cc -O3 -march=native
 -fPIC -shared -ffp-contract=off``) into a per-user cache directory keyed by a hash of the source and

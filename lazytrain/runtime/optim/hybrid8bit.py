@@ -1,4 +1,4 @@
-"""Hybrid 8-bit AdamW: block-wise 8-bit moments, fp32 moments for small tensors, a 48-bit-free master.
+"""Hybrid 8-bit AdamW: block-wise 8-bit moments, fp32 moments for small tensors, a bf16+16-bit master.
 
 Memory (DESIGN.md §5): with the runtime's bf16 load buffer (2 B) and bf16 gradient buffer (2 B), the
 optimizer adds per parameter
