@@ -95,6 +95,8 @@ class Ctx:
     norm_first: bool                      # every update waits for the global norm
     requires_grad: set[str]               # value names that carry gradients
     profiler: object | None = None
+    schedule: object | None = None        # interpreter.Schedule of the plan (built on first run)
+    deps: object = None                   # op id -> the deps it waits for (plan deps + hazards)
     # per step
     copies: dict = field(default_factory=dict)
     saved_rec: dict = field(default_factory=dict)
@@ -120,7 +122,7 @@ class Ctx:
     # ---- op bracketing -----------------------------------------------------------------------
     def begin(self, op: Op, res: Resource) -> None:
         """Make ``res`` wait for the op's dependencies, then mark the start (profiling)."""
-        self.streams.wait_on_stream(res, [self.done.get(d) for d in op.deps])
+        self.streams.wait_on_stream(res, self.dep_handles(op))
         if self.profiler is not None:
             self.profiler.start(op, self.streams.stream(res))
 
@@ -131,7 +133,9 @@ class Ctx:
             self.profiler.stop(op, self.streams.stream(res))
 
     def dep_handles(self, op: Op) -> list:
-        return [self.done.get(d) for d in op.deps]
+        deps = self.deps
+        ids = deps[op.id] if deps is not None and 0 <= op.id < len(deps) else op.deps
+        return [self.done.get(d) for d in ids]
 
     def submit(self, pool, op: Op, fn) -> None:
         """Run ``fn`` on a host worker after the op's dependencies (waited for in the worker)."""
@@ -173,9 +177,9 @@ def describe(op: Op) -> str:
 def load(ctx: Ctx, op: Op) -> None:
     j = op.block
     lay = ctx.store.layouts[j]
-    for owner in {o for _, o, _ in lay.links} | {j}:     # an update still writing these host buffers
-        fut = ctx.update_futures.get(owner)
-        if fut is not None:
+    for owner in {o for _, o, _ in lay.links} | {j}:     # the updates writing these host buffers: the
+        fut = ctx.update_futures.get(owner)               # dispatcher issues a load once they are done,
+        if fut is not None:                               # so this only re-raises a failed update
             fut.result()
     ctx.begin(op, Resource.H2D)
     with ctx.streams.on(Resource.H2D):
@@ -424,9 +428,11 @@ def finish_norm(ctx: Ctx) -> float | None:
         return ctx.coef
     Streams.wait_on_host([ctx.done.get(op.id) for op in ctx.plan.ops if op.kind is OpKind.GRAD_OFFLOAD])
     ctx.tracker.begin_step()
-    for j, lay in enumerate(ctx.store.layouts):
-        sq = ctx.grad_sq.get(j)
-        total = 0.0 if sq is None else float(sq)
+    on_device = [j for j in range(len(ctx.store.layouts)) if ctx.grad_sq.get(j) is not None]
+    sqs = dict(zip(on_device, torch.stack([ctx.grad_sq[j] for j in on_device]).tolist())) if on_device else {}
+    for j, lay in enumerate(ctx.store.layouts):      # one device->host read for every block's norm
+        sq = sqs.get(j)
+        total = 0.0 if sq is None else sq
         for seg, readers in lay.shared:
             t = ctx.store.grad[j][seg.offset:seg.offset + seg.numel].to(torch.float32, copy=True)
             for r, off in readers:

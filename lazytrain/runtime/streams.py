@@ -92,9 +92,9 @@ class Streams:
             t.record_stream(s)
 
     def synchronize(self) -> None:
+        """Wait for all work on the device (one host sync, at the end of a step)."""
         if self.cuda:
-            for s in (self.compute, self.h2d, self.d2h):
-                s.synchronize()
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         self.cpu.shutdown(wait=True)

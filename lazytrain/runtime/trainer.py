@@ -24,7 +24,7 @@ import torch
 from ..ir import OpKind, Plan, PlanError
 from . import handlers as h
 from .handlers import Ctx, HostCopy
-from .interpreter import run
+from .interpreter import on_worker, run
 from .nvme import NvmeStore
 from .optim.clipping import GradNormTracker
 from .profiling import Profiler, StepProfile
@@ -195,9 +195,9 @@ class Trainer:
         ctx.inv_tokens, ctx.coef, ctx.norm_done = None, None, False
         try:
             run(ctx, self.plan.ops)
-            ctx.streams.synchronize()
+            ctx.streams.synchronize()     # the step's device work (updates may still run on the host)
             for op in self.plan.ops:      # NVMe work of this step (writes, deletes) must be done
-                if op.resource.value == "nvme":
+                if op.kind is not OpKind.UPDATE and on_worker(op):
                     fut = ctx.done.get(op.id)
                     if fut is not None:
                         fut.result()
@@ -217,8 +217,9 @@ class Trainer:
         skipped = coef is None and ctx.norm_first
         ctx.pending = set() if coef is None else lagged_owners
         ctx.pending_coef = coef
-        loss_sum = sum(float(ls) for ls, _ in ctx.loss_parts.values())
-        n_tok = int(sum(int(n) for _, n in ctx.loss_parts.values()))
+        parts = torch.stack([torch.as_tensor(x, device=self.device).to(torch.float64)
+                             for pair in ctx.loss_parts.values() for x in pair]).tolist()   # one read
+        loss_sum, n_tok = sum(parts[0::2]), int(sum(parts[1::2]))
         step_s = time.perf_counter() - t0
         self.steps += 1
         B, S = self.plan.batch_size, self.plan.seq_len
