@@ -102,24 +102,39 @@ class Compiler:
         stops after ``tries`` feasible ones."""
         if policy == "milp":
             return self.best_milp(batch_size, micro_batch)
-        best: Plan | None = None
-        found = 0
-        for mb in self.micro_batches(batch_size, micro_batch):
-            if found >= tries:
-                break
-            t = time.perf_counter()
-            try:
-                dec, stats = self.decide(policy, mb, batch_size // mb)
-                plan = self.build(dec, batch_size)
-            except PlanError:
-                continue
-            found += 1
-            plan.solver = stats
-            plan.history.append({"pass": f"{policy} micro-batch {mb}: decide+lower+verify+simulate",
-                                 "seconds": round(time.perf_counter() - t, 4)})
-            if best is None or plan.predicted["step_time_s"] < best.predicted["step_time_s"]:
-                best = plan
-        return best
+        cands = self.micro_batches(batch_size, micro_batch)          # largest first
+        built: dict[int, Plan | None] = {}
+
+        def plan_at(i: int) -> Plan | None:
+            mb = cands[i]
+            if mb not in built:
+                t = time.perf_counter()
+                try:
+                    dec, stats = self.decide(policy, mb, batch_size // mb)
+                    plan = self.build(dec, batch_size)
+                    plan.solver = stats
+                    plan.history.append({"pass": f"{policy} micro-batch {mb}: decide+lower+verify+simulate",
+                                         "seconds": round(time.perf_counter() - t, 4)})
+                except PlanError:
+                    plan = None
+                built[mb] = plan
+            return built[mb]
+
+        # memory grows with the micro-batch, so feasibility is monotone: bisect for the largest
+        # feasible one, then compare it with the next ``tries - 1`` smaller ones
+        lo, hi = 0, len(cands) - 1
+        if plan_at(hi) is None:
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if plan_at(mid) is None:
+                lo = mid + 1
+            else:
+                hi = mid
+        for i in range(lo, min(lo + tries, len(cands))):
+            plan_at(i)
+        feasible = [p for p in built.values() if p is not None]
+        return min(feasible, key=lambda p: p.predicted["step_time_s"])
 
     def best_milp(self, batch_size: int, micro_batch: int | None, top: int = 2) -> Plan | None:
         """Heuristics over every candidate micro-batch (cheap), then the MILP at the ``top`` most
