@@ -16,7 +16,8 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
                                                             + M A_{j-1} (bhost+bnvme)[j-1]) / h2d
     d2h       T_{F_j} >= M (S_j ((host+nvme)[j] - spill[j]) + S_{j-1} spill[j-1] + A_j (bhost+bnvme)[j]) / d2h
               spill[j] in [0, min(1, 2/M)] <= (host+nvme)[j]: offloads finishing in F_{j+1}
-              (h2d in B_j likewise: reload_late[k] <= (host+nvme)[k] finishes in B_k, not B_{k+1})
+              (h2d in B_j likewise: reload_late[k] <= (M-1)/M (host+nvme)[k] finishes in B_k, not B_{k+1},
+              and T_{B_k} >= M S_k reload_late[k] / h2d + bwd_k: the last one precedes the last backward)
               T_{B_j} >= G_{j+1}/d2h            (gradients of the block before leave during B_j)
     nvme      T_{F_j} >= M (S_j nvme[j] + A_j bnvme[j]) / nvme_write,  T_{B_j} likewise for block j-1 / nvme_read
     updates   with exact clipping every update waits for the global norm (end of backward) and is
@@ -102,7 +103,7 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
     # finish during F_{j+1} (at most two micro-batches: the lowering throttles compute), and
     # reloads of block k may finish during B_k (each micro-batch's backward waits only for its own)
     spill = [m.add_var(f"offload_spill[{j}]", ub=min(1.0, 2.0 / M)) for j in range(L)]
-    late = [m.add_var(f"reload_late[{j}]", ub=1.0) for j in range(L)]
+    late = [m.add_var(f"reload_late[{j}]", ub=(M - 1) / M) for j in range(L)]   # the first micro-batch is early
     TF = [m.add_var(f"T_F[{j}]") for j in range(L)]
     TB = [m.add_var(f"T_B[{j}]") for j in range(L)]
     TX = m.add_var("T_X")
@@ -142,6 +143,8 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
                 m += TB[j] >= M * nvr_ms * (S[k] * nvme[k] + A[k] * bn[k]), f"nvme_B[{j}]"
         if j + 1 < L:
             m += TB[j] >= gout[j + 1], f"d2h_B[{j}]"
+        # the last late reload must land before the last micro-batch's backward can run
+        m += TB[j] >= M * h2d_ms * S[j] * late[j] + bwd[j], f"late_reload_then_backward[{j}]"
     # block 0's reloads happen before its backward (nothing left to hide them under)
     m += TB[0] >= M * bwd[0] + M * fwd[0] * rec[0] + M * h2d_ms * A[0] * bh[0], "h2d_B_first"
     m += TB[0] >= M * h2d_ms * S[0] * late[0], "h2d_B_0_late"
