@@ -271,3 +271,126 @@ def test_flush_applies_lagged_update_once(gpt_plan):
     tr.step((ids, ids))                                      # its lagged updates find nothing pending
     assert time.perf_counter() - t < 60
     tr.close()
+
+
+# ---- the dispatcher ---------------------------------------------------------------------------------
+class SlowAdamW(TorchAdamW):
+    """TorchAdamW whose host update takes ``delay`` seconds more; records when each block's finished."""
+
+    def __init__(self, delay: float, **kw):
+        super().__init__(**kw)
+        self.delay = delay
+        self.finished: dict[int, float] = {}
+
+    def step(self, block, grad, clip_coef=1.0):
+        time.sleep(self.delay)
+        super().step(block, grad, clip_coef)
+        self.finished[block] = time.perf_counter()
+
+
+def _record_issues(monkeypatch) -> list[tuple[int, float]]:
+    """Wrap every handler: (op id, time) in the order the dispatcher issues ops."""
+    from lazytrain.runtime import interpreter
+    issued: list[tuple[int, float]] = []
+    for kind, fn in list(interpreter.HANDLERS.items()):
+        def rec(ctx, op, fn=fn):
+            issued.append((op.id, time.perf_counter()))
+            fn(ctx, op)
+        monkeypatch.setitem(interpreter.HANDLERS, kind, rec)
+    return issued
+
+
+def test_dispatcher_runs_ahead_of_slow_updates(gpt_plan, monkeypatch):
+    """A slow host update holds back only what depends on it: compute of block j is issued before
+    the (lagged) update of block j+1 has finished, though program order puts the prefetch of block
+    j+1 (which waits for that update) first.  Every op is issued after its dependencies, each
+    resource's ops in list order, and the result is the same as with a fast optimizer."""
+    ops = gpt_plan.ops
+    computes = {op.block: op.id for op in reversed(ops) if op.kind.value == "compute" and op.mb == 0}
+    updates = {op.block: op.id for op in ops if op.kind.value == "update"}
+    loads = {op.block: op.id for op in reversed(ops) if op.kind.value == "load"}
+    late = [j for j in computes if j + 1 in updates and loads[j + 1] < computes[j]]
+    assert late, "the plan prefetches block j+1 (after its update) before computing block j"
+    ids = torch.randint(0, _vocab("gpt"), (B, SEQ))
+    opt = SlowAdamW(0.1, lr=LR, eps=EPS, max_grad_norm=1.0)
+    tr = Trainer(_model("gpt"), gpt_plan, optimizer=opt, device="cpu")
+    tr.step((ids, ids))                              # step 1: lagged updates have nothing to apply
+    issued = _record_issues(monkeypatch)
+    tr.step((ids, ids))                              # step 2: every block's update is slow
+    order = [i for i, _ in issued]
+    when = dict(issued)
+    assert sorted(order) == list(range(len(ops)))
+    pos = {i: k for k, i in enumerate(order)}
+    for op in ops:
+        assert all(pos[d] < pos[op.id] for d in op.deps), f"#{op.id} issued before one of its deps {op.deps}"
+        assert all(pos[d] < pos[op.id] for d in tr.ctx.deps[op.id])
+    for res in {op.resource for op in ops} - {lazytrain.ir.Resource.NONE}:
+        mine = [i for i in order if ops[i].resource is res]
+        assert mine == sorted(mine), f"{res.value} ops issued out of list order"
+    for j in late:
+        assert when[computes[j]] < opt.finished[j + 1], (
+            f"compute block[{j}] was issued only after block {j + 1}'s update finished")
+    tr.step((ids, ids))
+    got = tr.state_dict()
+    tr.close()
+    ref = Trainer(_model("gpt"), gpt_plan, optimizer=TorchAdamW(lr=LR, eps=EPS, max_grad_norm=1.0), device="cpu")
+    for _ in range(3):
+        ref.step((ids, ids))
+    want = ref.state_dict()
+    ref.close()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_dispatcher_order_is_program_order_when_nothing_waits(gpt_plan, monkeypatch):
+    tr = Trainer(_model("gpt"), gpt_plan, optimizer=TorchAdamW(lr=LR), device="cpu")
+    ids = torch.randint(0, _vocab("gpt"), (B, SEQ))
+    issued = _record_issues(monkeypatch)
+    tr.step((ids, ids))                              # first step: no update runs, nothing waits
+    tr.close()
+    assert [i for i, _ in issued] == list(range(len(gpt_plan.ops)))
+
+
+@pytest.fixture(scope="module")
+def mixed_plan(tmp_path_factory):
+    return _build(_model("gpt"), _mixed("host-nvme-a", 2), tmp_path_factory.mktemp("nvme"))
+
+
+@pytest.mark.parametrize("kind", ["load", "compute", "recompute", "backward", "offload", "reload",
+                                  "grad_offload", "update", "free"])
+def test_failure_in_any_handler_names_the_op(mixed_plan, kind, monkeypatch):
+    from lazytrain.ir import OpKind
+    from lazytrain.runtime import interpreter
+    k = OpKind(kind)
+    real = interpreter.HANDLERS[k]
+
+    def broken(ctx, op):
+        if op.mb in (None, 1):
+            raise ValueError("boom")
+        real(ctx, op)
+    monkeypatch.setitem(interpreter.HANDLERS, k, broken)
+    tr = Trainer(_model("gpt"), mixed_plan, optimizer=TorchAdamW(lr=LR, max_grad_norm=1.0), device="cpu")
+    ids = torch.randint(0, _vocab("gpt"), (B, SEQ))
+    with pytest.raises(RuntimeError, match=rf"while executing op #\d+ \({kind} .*boom") as e:
+        tr.step((ids, ids))
+    named = int(str(e.value).split("#")[1].split()[0])
+    assert mixed_plan.ops[named].kind is k
+    assert isinstance(e.value.__cause__, ValueError)
+
+
+@pytest.mark.parametrize("where", ["update", "nvme"])
+def test_failure_on_a_host_worker_names_the_op(mixed_plan, where, monkeypatch):
+    """A worker's exception surfaces from the step, naming the worker's op (update or NVMe write)."""
+    tr = Trainer(_model("gpt"), mixed_plan, optimizer=TorchAdamW(lr=LR, max_grad_norm=1.0), device="cpu")
+    ids = torch.randint(0, _vocab("gpt"), (B, SEQ))
+    tr.step((ids, ids))
+
+    def boom(*a, **kw):
+        raise OSError("boom")
+    if where == "update":
+        monkeypatch.setattr(tr.optimizer, "step", boom)
+        pattern = r"while executing op #\d+ \(update +block\[\d\]\s*[^)]*\): boom"
+    else:
+        monkeypatch.setattr(tr.ctx.nvme, "write", boom)
+        pattern = r"while executing op #\d+ \(offload .*host->nvme[^)]*\): boom"
+    with pytest.raises(RuntimeError, match=pattern):
+        tr.step((ids, ids))

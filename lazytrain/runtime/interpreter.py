@@ -112,6 +112,8 @@ class Schedule:
                 self.next[p] = op.id
             last[op.resource] = op.id
         self.n_deps = [len(ds) for ds in self.deps]
+        #: NVMe writes, reads and deletes: the step waits for them before it returns
+        self.host_io = tuple(op.id for op in ops if on_worker(op) and op.kind is not OpKind.UPDATE)
         self.check = [bool(self.waits[i] or self.owners[i]) for i in range(n)]
 
     def pending(self, ctx: Ctx, i: int):

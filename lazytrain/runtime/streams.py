@@ -11,9 +11,10 @@ Every op leaves a *completion handle* in ``Ctx.done[op.id]``:
   ``free``).
 
 Waiting depends on who waits on what: a stream waits on an event with ``stream.wait_event`` (no
-host stall); a stream op waiting on a host worker blocks the issuing thread on ``future.result()``
-before it enqueues (the data it copies is written by that worker); a host worker waits on an event
-with ``event.synchronize()`` inside the worker, so the issuing thread keeps going.
+host stall); a stream op that needs a host worker's result is issued by the dispatcher
+(``interpreter.dispatch``) only once that future is complete, so ``future.result()`` here returns at
+once (or re-raises the worker's error); a host worker waits on an event with ``event.synchronize()``
+inside the worker, so the issuing thread keeps going.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import torch
 from ..ir import OpKind, Plan, PlanError
 from . import handlers as h
 from .handlers import Ctx, HostCopy
-from .interpreter import on_worker, run
+from .interpreter import run
 from .nvme import NvmeStore
 from .optim.clipping import GradNormTracker
 from .profiling import Profiler, StepProfile
@@ -196,11 +196,10 @@ class Trainer:
         try:
             run(ctx, self.plan.ops)
             ctx.streams.synchronize()     # the step's device work (updates may still run on the host)
-            for op in self.plan.ops:      # NVMe work of this step (writes, deletes) must be done
-                if op.kind is not OpKind.UPDATE and on_worker(op):
-                    fut = ctx.done.get(op.id)
-                    if fut is not None:
-                        fut.result()
+            for i in ctx.schedule.host_io:   # NVMe work of this step (writes, deletes) must be done
+                fut = ctx.done.get(i)
+                if fut is not None:
+                    fut.result()
             coef = h.finish_norm(ctx)
         except Exception as e:
             self._broken = e
