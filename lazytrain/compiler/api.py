@@ -48,6 +48,7 @@ class Compiler:
         self.solver, self.time_limit = solver, time_limit
         self.options = {"host_bytes_per_param": HOST_BYTES_PER_PARAM[optimizer], "optimizer": optimizer,
                         "clip": clip}
+        self._best: dict[tuple, Plan | None] = {}     # memo: (policy, batch, micro-batch, tries) -> plan
 
     def cost(self, micro_batch: int) -> CostModel:
         return CostModel(self.graph, self.hw, micro_batch, self.param_dtype, self.optimizer == "hybrid8bit")
@@ -55,6 +56,8 @@ class Compiler:
     def build(self, decisions, batch_size: int, *, check_budget: bool = True) -> Plan:
         """Lower, verify (against the budgets unless told not to) and simulate one decision."""
         cost = self.cost(decisions.micro_batch)
+        if check_budget:
+            self._quick_reject(decisions, cost)
         ops = lower(decisions, cost, clip=self.clip)
         budgets = self.budgets if check_budget else {k: v for k, v in self.budgets.items() if k == "nvme_dir"}
         plan = Plan(graph=self.graph, hardware=self.hw.to_json(), budgets=dict(budgets), batch_size=batch_size,
@@ -80,6 +83,17 @@ class Compiler:
                             f"exceeds the budget")
         return plan
 
+    def _quick_reject(self, dec, cost: CostModel) -> None:
+        """A lower bound on GPU memory without lowering: at the end of the forward every kept saved
+        activation and every boundary kept on the GPU is resident at once."""
+        from ..ir import Place, Saved
+        M = dec.n_micro
+        kept = sum(cost.saved_bytes(j) for j, s in enumerate(dec.saved) if s is Saved.KEEP)
+        kept += sum(cost.act_bytes(i) for i, p in enumerate(dec.boundary) if p is Place.GPU and i > 0
+                    and dec.saved[i] is Saved.RECOMPUTE)
+        if kept * M > self.budgets["gpu_bytes"]:
+            raise PlanError(f"kept activations alone need {kept * M / GiB:.2f} GiB of GPU memory")
+
     def decide(self, policy: str, micro_batch: int, n_micro: int, warm=None):
         from .solvers.heuristics import HEURISTICS
         if policy in HEURISTICS:
@@ -100,8 +114,13 @@ class Compiler:
         """Best feasible plan over micro-batch sizes (the given one only, if given).  Larger
         micro-batches run the GPU more efficiently, so candidates go largest first and the search
         stops after ``tries`` feasible ones."""
-        if policy == "milp":
-            return self.best_milp(batch_size, micro_batch)
+        key = (policy, batch_size, micro_batch, tries)
+        if key not in self._best:
+            self._best[key] = (self.best_milp(batch_size, micro_batch) if policy == "milp"
+                               else self._best_heuristic_policy(policy, batch_size, micro_batch, tries))
+        return self._best[key]
+
+    def _best_heuristic_policy(self, policy: str, batch_size: int, micro_batch: int | None, tries: int):
         cands = self.micro_batches(batch_size, micro_batch)          # largest first
         built: dict[int, Plan | None] = {}
 
@@ -136,7 +155,16 @@ class Compiler:
         feasible = [p for p in built.values() if p is not None]
         return min(feasible, key=lambda p: p.predicted["step_time_s"])
 
-    def best_milp(self, batch_size: int, micro_batch: int | None, top: int = 2) -> Plan | None:
+    def _within_budgets(self, plan: Plan) -> bool:
+        """Check a plan built without budgets against them, and adopt the budgets if it fits."""
+        pred, b = plan.predicted, self.budgets
+        ok = (pred["peak_gpu_bytes"] <= b["gpu_bytes"] and pred["peak_host_bytes"] <= b["host_bytes"]
+              and pred["peak_nvme_bytes"] <= (b.get("nvme_bytes") or 0))
+        if ok:
+            plan.budgets = dict(b)
+        return ok
+
+    def best_milp(self, batch_size: int, micro_batch: int | None, top: int = 1) -> Plan | None:
         """Heuristics over every candidate micro-batch (cheap), then the MILP at the ``top`` most
         promising ones, warm-started from the best heuristic there.  The result is never worse than
         that heuristic: if the solver's plan simulates slower, the heuristic's plan is returned."""
@@ -154,7 +182,7 @@ class Compiler:
         larger = sorted(mb for mb in cands if mb > top_mb)
         best: Plan | None = None
         extra = 0
-        while tries or (larger and extra < 2):
+        while tries or (larger and extra < 1):
             mb, warm = tries.pop(0) if tries else (larger.pop(0), None)
             t = time.perf_counter()
             plan = None
@@ -168,10 +196,7 @@ class Compiler:
                 trial = self.build(dec, batch_size, check_budget=False)
                 excess = trial.predicted["peak_gpu_bytes"] - self.budgets["gpu_bytes"]
                 if excess <= 0:
-                    try:
-                        plan = self.build(dec, batch_size)
-                    except PlanError:
-                        plan = None
+                    plan = trial if self._within_budgets(trial) else None
                     break
                 budget -= int(excess * 1.05) + 1
             if warm is not None and (plan is None or warm.predicted["step_time_s"] < plan.predicted["step_time_s"]):
@@ -258,7 +283,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
             raise ValueError(f"micro_batch {micro_batch} does not divide batch_size {batch_size}")
         plan = comp.best(policy, batch_size, micro_batch)
         if plan is None:
-            raise _budget_error(comp, batch_size, micro_batch)
+            raise _budget_error(comp, batch_size, micro_batch, policy)
     history = history + plan.history
     if policy != "megatrain":
         base = comp.best("megatrain", plan.batch_size)
@@ -269,9 +294,20 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     return plan
 
 
-def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None) -> BudgetError:
+def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:
     need = comp.smallest_gpu_need(batch_size, micro_batch)
     res = comp.budgets["gpu_reserve_bytes"]
+    from .solvers.heuristics import HEURISTICS
+    if policy in HEURISTICS:       # what this policy itself needs at its leanest micro-batch
+        mb = micro_batch or 1
+        own = comp.build(HEURISTICS[policy](comp.graph, mb, batch_size // mb), batch_size, check_budget=False)
+        own_need = own.predicted["peak_gpu_bytes"]
+        if own_need > need:
+            budget = comp.budgets["gpu_total_bytes"] / GiB
+            return BudgetError(
+                f"policy {policy} needs at least {(own_need + res) / GiB:.2f} GiB of GPU memory for batch "
+                f"{batch_size}, seq {comp.graph.seq_len} (micro-batch {mb}); the budget is {budget:.2f} GiB. "
+                f"The milp policy needs only {(need + res) / GiB:.2f} GiB: use --policy milp, or lower the batch")
     host_need = int(comp.graph.total_params * comp.options["host_bytes_per_param"])
     msg = (f"needs at least {(need + res) / GiB:.2f} GiB of GPU memory for batch {batch_size}, seq "
            f"{comp.graph.seq_len} (plan peak {need / GiB:.2f} GiB + {res / GiB:.2f} GiB reserve); the budget is "

@@ -74,6 +74,11 @@ def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
                 raise _fail(op, f"block {op.block} is updated twice in one step (first at #{updates[op.block].id})")
             updates[op.block] = op
     lagged: set[int] = set()
+    first_fwd_load: dict[int, Op] = {}           # owner -> first forward load reading its params
+    for op in ops:
+        if op.kind is OpKind.LOAD and op.window < L:
+            for p in plan.graph.blocks[op.block].params:
+                first_fwd_load.setdefault(p.owner, op)
     for owner, readers in contrib.items():
         if owner not in updates:
             raise PlanError(f"block {owner} owns parameters but is never updated")
@@ -89,13 +94,10 @@ def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
         elif not any(before):
             lagged.add(owner)
             # a lagged update applies last step's gradients: it must finish before the params load
-            for op in ops:
-                if op.kind is OpKind.LOAD and any(p.owner == owner for p in plan.graph.blocks[op.block].params) \
-                        and op.window < L:
-                    if op.id < u.id or u.id not in op.deps:
-                        raise _fail(op, f"loads parameters of block {owner} before/without waiting for "
-                                        f"its lagged update #{u.id}")
-                    break
+            op = first_fwd_load.get(owner)
+            if op is not None and (op.id < u.id or u.id not in op.deps):
+                raise _fail(op, f"loads parameters of block {owner} before/without waiting for "
+                                f"its lagged update #{u.id}")
         else:
             raise _fail(u, "update runs between the gradients of its contributors (some before, some after)")
 
