@@ -49,6 +49,48 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype")
 
 
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a positive number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return v
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    from .tasks import PRESETS as DIFFICULTIES
+    from .train import TrainConfig
+    d = TrainConfig()
+    p.add_argument("--model", default=d.model, help="'task' (a small GPT sized for the task, default), a preset, or "
+                   "a local Hugging Face folder (config.json, with weights to fine-tune them)")
+    p.add_argument("--difficulty", default=d.difficulty, choices=list(DIFFICULTIES),
+                   help=f"arithmetic task preset (default {d.difficulty})")
+    p.add_argument("--batch", type=_positive, default=d.batch, help=f"global batch size (default {d.batch})")
+    p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the difficulty's)")
+    p.add_argument("--steps", type=_positive, default=d.steps, help=f"total optimizer steps (default {d.steps})")
+    p.add_argument("--lr", type=_positive_float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--warmup", type=int, default=d.warmup, help=f"warm-up steps (default {d.warmup})")
+    p.add_argument("--gpu-memory", type=_size, default=None, help="GPU budget, e.g. 24GiB (default: the GPU's)")
+    p.add_argument("--host-memory", type=_size, default=None, help="host budget (default: the host's)")
+    p.add_argument("--policy", default=d.policy, choices=["milp", "megatrain", "recompute-all", "keep-all"])
+    p.add_argument("--eval-every", type=int, default=d.eval_every, metavar="N",
+                   help="exact match on 200 eval problems every N steps (default: only at the end)")
+    p.add_argument("--eval-size", type=_positive, default=d.eval_size, help=f"eval problems (default {d.eval_size})")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--time-limit-min", type=_positive_float, default=d.time_limit_min,
+                   help=f"stop training after this many minutes; the lr schedule anneals by then "
+                        f"(default {d.time_limit_min:g})")
+    p.add_argument("--output", default=d.output, metavar="DIR", help=f"metrics.json + checkpoint/ (default {d.output})")
+    p.add_argument("--resume", default=None, metavar="DIR", help="continue the run saved in DIR (an --output folder)")
+    p.add_argument("--loss-on-prompt", action="store_true", help="loss on every token, not only the answer")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="CPU threads (default: the cores the load average leaves idle, at least 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def cmd_compile(a) -> int:
     from .compiler.api import compile_model
     if a.nvme_memory and not a.nvme_dir:
@@ -131,6 +173,18 @@ def cmd_profile(a) -> int:
     return 0
 
 
+def cmd_train(a) -> int:
+    from .train import TrainConfig, run
+    cfg = TrainConfig(model=a.model, difficulty=a.difficulty, batch=a.batch, seq=a.seq, steps=a.steps, lr=a.lr,
+                      warmup=a.warmup, gpu_memory=a.gpu_memory, host_memory=a.host_memory, policy=a.policy,
+                      eval_every=a.eval_every, eval_size=a.eval_size, seed=a.seed,
+                      time_limit_min=a.time_limit_min or None, output=a.output, resume=a.resume,
+                      loss_on_prompt=a.loss_on_prompt, device=a.device, threads=a.threads,
+                      progress=not a.no_progress)
+    run(cfg)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lazytrain", description="Compile and run training schedules for models "
                                                                  "larger than the GPU.")
@@ -160,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--disk-dir", default=None, help="where to time disk I/O (default: a temp folder)")
     p.set_defaults(fn=cmd_profile)
+    p = sub.add_parser("train", help="train on the built-in arithmetic task: compile, train, evaluate, save")
+    _add_train_args(p)
+    p.set_defaults(fn=cmd_train)
     return ap
 
 

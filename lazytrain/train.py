@@ -1,0 +1,382 @@
+"""``lazytrain train``: the whole pipeline on the built-in arithmetic task, in one call.
+
+    build model -> compile a plan for this machine -> Trainer + Hybrid 8-bit AdamW (warm-up + cosine)
+    -> train (tqdm: loss, tokens/s, TFLOPS) -> exact match on the eval split -> metrics.json + checkpoint/
+
+Choices, written down so the next person sees them:
+
+- *Machine.* CUDA when there is a GPU (hardware profile matched by the GPU's name, bf16 parameters),
+  else CPU mode (the ``cpu`` profile, fp32 parameters: CPUs have no fast bf16 matmul).
+- *Model.* ``--model task`` (the default) is a small GPT sized for the task (``TASK_GPT``): the
+  vocabulary is the char tokenizer's (98), positions cover ``--seq``.  Any preset, Hugging Face
+  ``config.json`` folder (random init) or Hugging Face folder with weights (fine-tuning) works too,
+  as long as its vocabulary covers the tokenizer's ids.
+- *Loss.* On the answer and its eos only (``--loss-on-prompt`` for every token): the prompt's numbers
+  are random, so predicting them only adds noise to the gradient that exact match depends on.
+- *Schedule.* Linear warm-up, then cosine to ``min_lr_ratio * lr``.  Its progress is the larger of
+  the step fraction and the time fraction of ``--time-limit-min``, so on a slow or busy machine the
+  learning rate still anneals before time runs out instead of stopping at a high rate.  The
+  optimizer's ``lr`` is set before every step (the host optimizer reads it at each update).
+- *Stopping.* Ctrl-C once: the step in flight finishes, then checkpoint and metrics are written as
+  usual (marked ``interrupted``) and the final eval is skipped; twice: stop now, write nothing.
+  Every file is written to a temporary name and renamed, so nothing is ever half-written.
+- *Resume.* ``--resume DIR`` (an output folder) rebuilds the model from its ``metrics.json``
+  settings, loads ``DIR/checkpoint`` and continues to ``--steps`` (a total, not an increment); the
+  data stream is replayed to the same position, so a resumed run sees the batches an uninterrupted
+  one would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+#: the default model: a GPT sized so the "tiny" task reaches >= 90% exact match in minutes on 2 CPU cores
+TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512}
+
+
+@dataclass
+class TrainConfig:
+    model: str = "task"             # "task" (TASK_GPT), a preset, or a Hugging Face folder / config.json
+    difficulty: str = "tiny"
+    batch: int = 32
+    seq: int | None = None           # default: the difficulty's longest example
+    steps: int = 1500
+    lr: float = 3e-3
+    warmup: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    loss_on_prompt: bool = False
+    gpu_memory: str | None = None
+    host_memory: str | None = None
+    policy: str = "milp"
+    eval_every: int = 0              # 0: only at the end
+    eval_size: int = 500
+    seed: int = 0
+    time_limit_min: float | None = 8.0
+    output: str = "runs/train"
+    resume: str | None = None
+    device: str | None = None        # default: cuda if available, else cpu
+    threads: int | None = None       # CPU threads for torch and the optimizer (default: cpu_threads())
+    progress: bool = True
+    extra: dict = field(default_factory=dict)   # model-config overrides for "task" (tests, examples)
+
+
+# ---- pieces ------------------------------------------------------------------------------------------
+
+def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
+    """Warm-up over ``cfg.warmup`` steps, then cosine from ``lr`` to ``min_lr_ratio * lr`` as
+    ``progress`` goes 0 -> 1."""
+    warm = min(1.0, (step + 1) / max(1, cfg.warmup))
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+    return cfg.lr * warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    if cfg.device:
+        dev = torch.device(cfg.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA GPU is visible to torch")
+        return dev
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cpu_threads() -> int:
+    """Threads for this process: the cores the 1-minute load average leaves idle, at least one.
+
+    On a busy machine more OpenMP threads than free cores is far slower, not faster: a thread that
+    waits at a barrier for a descheduled sibling spins.  Measured on the shared 2-core machine at
+    load ~5 with the task model at batch 32: 0.24-0.30 s/step with 1 thread, 0.75 s/step with 2.
+    """
+    from .compiler.hardware import _cpu_cores
+    cores = _cpu_cores()
+    return max(1, min(cores, cores - round(os.getloadavg()[0])))
+
+
+def _hardware(dev: torch.device) -> str:
+    """The built-in profile whose GPU name matches this GPU (H200 when none does), or ``cpu``."""
+    if dev.type != "cuda":
+        return "cpu"
+    from .compiler.hardware import PROFILES
+    name = torch.cuda.get_device_name(dev).lower()
+    for key, prof in PROFILES.items():
+        if key != "cpu" and (key.replace("-", " ").split()[0] in name or prof.gpu_name.lower() in name):
+            return key
+    return "h200"
+
+
+def _is_hf_folder(spec: str) -> bool:
+    p = Path(spec)
+    return p.is_dir() and (p / "config.json").is_file() and (
+        any(p.glob("*.safetensors")) or (p / "pytorch_model.bin").is_file())
+
+
+def build_task_model(cfg: TrainConfig, seq: int, vocab: int) -> tuple[torch.nn.Module, dict]:
+    """The model to train, in fp32 on the CPU (the Trainer copies it into its host store), and a JSON
+    description that rebuilds it (for ``--resume``)."""
+    from .compiler.presets import PRESETS, build_from_config, build_model
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "task":
+        spec = {"model_type": "lazytrain-gpt", "vocab": vocab, "max_seq": seq, "tie_weights": True,
+                **TASK_GPT, **cfg.extra}
+        return build_from_config(spec, device="cpu", dtype=torch.float32, source="task model"), {"config": spec}
+    if _is_hf_folder(cfg.model):
+        from .compiler.presets import _transformers
+        tf = _transformers()
+        model = tf.AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation="sdpa")
+        desc = {"pretrained": str(Path(cfg.model).resolve())}
+    else:
+        model = build_model(cfg.model, device="cpu", dtype=torch.float32)
+        desc = {"config": PRESETS[cfg.model]} if cfg.model in PRESETS else {"spec": cfg.model}
+    _check_fits(model, seq, vocab, cfg.model)
+    return model, desc
+
+
+def _check_fits(model: torch.nn.Module, seq: int, vocab: int, name: str) -> None:
+    c = getattr(model, "config", None)
+    have_vocab = getattr(c, "vocab", None) or getattr(c, "vocab_size", None)
+    if have_vocab is not None and have_vocab < vocab:
+        raise ValueError(f"model {name!r} has a vocabulary of {have_vocab} but the task's tokenizer needs {vocab}")
+    have_pos = getattr(c, "max_seq", None) or getattr(c, "max_position_embeddings", None)
+    if have_pos is not None and have_pos < seq:
+        raise ValueError(f"model {name!r} handles {have_pos} positions but --seq is {seq}")
+
+
+def rebuild_model(desc: dict) -> torch.nn.Module:
+    """The model described by ``build_task_model``'s description (weights come from the checkpoint)."""
+    from .compiler.presets import build_from_config, build_model
+    if "config" in desc:
+        return build_from_config(desc["config"], device="cpu", dtype=torch.float32, source="checkpoint")
+    if "pretrained" in desc:
+        from .compiler.presets import _transformers
+        return _transformers().AutoModelForCausalLM.from_pretrained(desc["pretrained"], dtype=torch.float32,
+                                                                   attn_implementation="sdpa")
+    return build_model(desc["spec"], device="cpu", dtype=torch.float32)
+
+
+def logits_fn(model: torch.nn.Module, device: torch.device):
+    """input_ids [B, T] -> logits [B, T, V] for our GPT and Hugging Face causal LMs alike."""
+    def fn(ids: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=ids.to(device))
+        return (out if isinstance(out, torch.Tensor) else out.logits).float()
+    return fn
+
+
+@torch.no_grad()
+def evaluate(trainer, examples, device: torch.device, batch: int = 100) -> float:
+    """Exact match by greedy decoding with the trained weights (``sync_to_model``, then the model
+    runs eagerly; on the GPU when it fits in a quarter of the free memory, else on the CPU)."""
+    from .tasks import exact_match
+    trainer.sync_to_model()
+    model = trainer.model
+    where = torch.device("cpu")
+    if device.type == "cuda":
+        need = sum(p.numel() * p.element_size() for p in model.parameters())
+        if need < torch.cuda.mem_get_info(device)[0] // 4:
+            where = device
+    was_training = model.training
+    model.eval()
+    moved = model.to(where) if where.type != "cpu" else model
+    try:
+        return exact_match(logits_fn(moved, where), examples, batch)
+    finally:
+        if where.type != "cpu":
+            model.to("cpu")
+        model.train(was_training)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+class _StopFlag:
+    """First SIGINT: ask the loop to stop after the step in flight; second: raise KeyboardInterrupt."""
+
+    def __init__(self):
+        self.set = False
+        self._prev = None
+
+    def __enter__(self):
+        try:
+            self._prev = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:          # not the main thread: Ctrl-C keeps its default behaviour
+            self._prev = None
+        return self
+
+    def _handle(self, signum, frame):
+        if self.set:
+            raise KeyboardInterrupt
+        self.set = True
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
+
+
+# ---- the job -----------------------------------------------------------------------------------------
+
+def _load_resume(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
+    src = Path(cfg.resume)
+    mpath = src / "metrics.json"
+    if not mpath.is_file() or not (src / "checkpoint").is_dir():
+        raise FileNotFoundError(f"--resume {src}: expected an output folder of `lazytrain train` "
+                                f"(metrics.json and checkpoint/)")
+    prev = json.loads(mpath.read_text())
+    s = prev["settings"]
+    # what defines the run comes from the checkpointed run; what is asked now (steps, lr, time,
+    # output, eval) from this command line
+    for k in ("model", "difficulty", "batch", "seq", "loss_on_prompt", "seed", "warmup", "min_lr_ratio",
+              "weight_decay", "max_grad_norm"):
+        setattr(cfg, k, s[k])
+    return cfg, prev
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
+    from . import compile as compile_plan
+    from .runtime.optim import Hybrid8bitAdamW
+    from .runtime.trainer import Trainer
+    from .tasks import CharTokenizer, eval_examples, get_difficulty, train_batches
+
+    prev = None
+    if cfg.resume:
+        cfg, prev = _load_resume(cfg)
+    diff = get_difficulty(cfg.difficulty)
+    seq = cfg.seq or diff.seq_len
+    if seq < diff.seq_len:
+        raise ValueError(f"--seq {seq} is shorter than the longest {diff.name!r} example ({diff.seq_len} tokens)")
+    for name in ("batch", "steps"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name} must be positive, got {getattr(cfg, name)}")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.time_limit_min is not None and cfg.time_limit_min <= 0:
+        raise ValueError(f"--time-limit-min must be positive, got {cfg.time_limit_min}")
+    tok = CharTokenizer()
+    dev = _device(cfg)
+    if dev.type == "cpu":
+        torch.set_num_threads(cfg.threads or cpu_threads())
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    if prev is not None:
+        model = rebuild_model(prev["model"])
+        desc = prev["model"]
+    else:
+        model, desc = build_task_model(cfg, seq, tok.vocab_size)
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    hardware = _hardware(dev)
+    opt = Hybrid8bitAdamW(lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+                          num_threads=torch.get_num_threads() if dev.type == "cpu" else None)
+    t = time.perf_counter()
+    if prev is not None:        # the checkpoint carries its plan: no recompile, the same schedule
+        trainer = Trainer.load_checkpoint(Path(cfg.resume) / "checkpoint", model, optimizer=opt, device=dev)
+        plan, start = trainer.plan, trainer.steps
+        param_dtype = plan.param_dtype
+    else:
+        plan = compile_plan(model, batch_size=cfg.batch, seq_len=seq, hardware=hardware, gpu_memory=cfg.gpu_memory,
+                            host_memory=cfg.host_memory, policy=cfg.policy, optimizer="hybrid8bit",
+                            param_dtype=param_dtype)
+        trainer = Trainer(model, plan, optimizer=opt, device=dev)
+        start = 0
+    compile_s = time.perf_counter() - t
+    where = f"cpu, {torch.get_num_threads()} threads" if dev.type == "cpu" else dev.type
+    print(f"model {cfg.model}: {n_params / 1e6:.2f} M parameters on {where} ({param_dtype}); plan: "
+          f"{plan.decisions.policy}, micro-batch {plan.micro_batch} x {plan.n_micro}, compiled in {compile_s:.1f} s")
+
+    batches = train_batches(cfg.batch, difficulty=diff, seed=cfg.seed, seq_len=seq, tokenizer=tok,
+                            loss_on_prompt=cfg.loss_on_prompt)
+    for _ in range(start):          # replay the stream to where the checkpoint stopped
+        next(batches)
+    evals = eval_examples(cfg.eval_size, diff, seed=cfg.seed)
+    history = list(prev["loss_curve"]) if prev else []
+    em_curve = list(prev["eval_curve"]) if prev else []
+    tokens = int(prev["tokens"]) if prev else 0
+    limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else None
+    step, interrupted, stop_reason = start, False, "steps"
+    t_train = time.perf_counter()
+    bar = _progress(cfg, start)
+    with _StopFlag() as flag:
+        while step < cfg.steps:
+            elapsed = time.perf_counter() - t_train
+            if limit_s is not None and elapsed >= limit_s:
+                stop_reason = "time limit"
+                break
+            progress = step / cfg.steps
+            if limit_s is not None:     # this invocation's share of the remaining schedule, by time
+                progress = max(progress, (start + (cfg.steps - start) * elapsed / limit_s) / cfg.steps)
+            opt.lr = lr_at(cfg, step, progress)
+            b = next(batches)
+            stats = trainer.step({"input_ids": b.input_ids, "labels": b.labels})
+            step += 1
+            tokens += stats.tokens
+            history.append({"step": step, "loss": round(stats.loss, 5), "lr": opt.lr,
+                            "grad_norm": round(stats.grad_norm, 4), "step_s": round(stats.step_s, 4),
+                            "t": round(time.perf_counter() - t_start, 2)})
+            if bar is not None:
+                bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
+                                tflops=f"{stats.model_tflops:.3f}", lr=f"{opt.lr:.1e}", refresh=False)
+                bar.update(1)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                em = evaluate(trainer, evals[:min(len(evals), 200)], dev)
+                em_curve.append({"step": step, "exact_match": em, "n": min(len(evals), 200)})
+                _note(bar, f"step {step}: exact match {em:.1%} on {min(len(evals), 200)} eval problems")
+            if flag.set:
+                interrupted, stop_reason = True, "interrupted"
+                break
+        if bar is not None:
+            bar.close()
+        train_s = time.perf_counter() - t_train
+        final_em = None
+        if not interrupted:
+            t = time.perf_counter()
+            final_em = evaluate(trainer, evals, dev)
+            em_curve.append({"step": step, "exact_match": final_em, "n": len(evals)})
+            print(f"exact match {final_em:.1%} on {len(evals)} eval problems ({time.perf_counter() - t:.1f} s)")
+        ckpt = trainer.save_checkpoint(out / "checkpoint") or out / "checkpoint"
+        recent = history[-min(50, len(history)):] if history else []
+        metrics = {
+            "format": "lazytrain.train-metrics/1",
+            "settings": {k: v for k, v in asdict(cfg).items() if k not in ("progress",)} | {"seq": seq},
+            "model": desc, "params": n_params, "device": dev.type, "threads": torch.get_num_threads(),
+            "hardware": hardware, "param_dtype": param_dtype,
+            "plan": {"policy": plan.decisions.policy, "micro_batch": plan.micro_batch, "n_micro": plan.n_micro,
+                     "n_ops": len(plan.ops), "predicted_step_s": plan.predicted.get("step_time_s"),
+                     "compile_s": round(compile_s, 2)},
+            "steps_done": step, "tokens": tokens, "stop_reason": stop_reason, "interrupted": interrupted,
+            "exact_match": final_em, "eval_size": len(evals), "eval_curve": em_curve, "loss_curve": history,
+            "final_loss": sum(h["loss"] for h in recent) / len(recent) if recent else None,
+            "train_s": round(train_s + (prev["train_s"] if prev else 0.0), 2),
+            "wall_s": round(time.perf_counter() - t_start, 2), "load_average": list(os.getloadavg()),
+            "checkpoint": str(ckpt), "resumed_from": cfg.resume,
+        }
+        _write_json(out / "metrics.json", metrics)
+    trainer.close()
+    print(f"wrote {out / 'metrics.json'} and {ckpt}" + (" (interrupted: no final eval)" if interrupted else ""))
+    return metrics
+
+
+def _progress(cfg: TrainConfig, start: int):
+    if not cfg.progress:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True)
+
+
+def _note(bar, text: str) -> None:
+    if bar is not None:
+        bar.write(text)
+    else:
+        print(text)

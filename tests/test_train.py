@@ -1,0 +1,96 @@
+"""``lazytrain train`` end to end with tiny settings: trains, evaluates, writes metrics and a checkpoint;
+``--resume`` continues from that checkpoint; bad flags give one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lazytrain.cli import main
+from lazytrain.train import TrainConfig, lr_at
+
+TINY = ["--batch", "4", "--eval-size", "8", "--policy", "keep-all", "--no-progress", "--device", "cpu"]
+
+
+def _train(out, *extra) -> dict:
+    assert main(["train", *TINY, "--output", str(out), *extra]) == 0
+    return json.loads((out / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    return out, _train(out, "--steps", "3")
+
+
+def test_train_writes_metrics_and_checkpoint(first_run):
+    out, m = first_run
+    assert m["format"] == "lazytrain.train-metrics/1"
+    assert m["steps_done"] == 3 and len(m["loss_curve"]) == 3 and m["stop_reason"] == "steps"
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in m["loss_curve"])
+    assert 0.0 <= m["exact_match"] <= 1.0 and m["eval_size"] == 8
+    assert m["settings"]["difficulty"] == "tiny" and m["settings"]["batch"] == 4
+    assert m["model"]["config"]["vocab"] == 98 and m["device"] == "cpu" and m["param_dtype"] == "float32"
+    assert (out / "checkpoint" / "checkpoint.json").is_file()
+    assert not list(out.glob("*.tmp*"))
+
+
+def test_resume_continues_from_the_checkpoint(first_run, tmp_path):
+    out, m = first_run
+    out2 = tmp_path / "resumed"
+    r = _train(out2, "--resume", str(out), "--steps", "5")
+    assert r["steps_done"] == 5 and r["resumed_from"] == str(out)
+    assert [h["step"] for h in r["loss_curve"]] == [1, 2, 3, 4, 5]
+    assert r["loss_curve"][:3] == m["loss_curve"]
+    ckpt = json.loads((out2 / "checkpoint" / "checkpoint.json").read_text())
+    assert ckpt["step"] == 5
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    """3 steps + resume to 5 replays the data stream and restores the optimizer, so with a constant
+    learning rate its losses are those of 5 steps in one go."""
+    from lazytrain.train import run
+    common = dict(batch=4, eval_size=4, policy="keep-all", progress=False, device="cpu", warmup=1, min_lr_ratio=1.0,
+                  time_limit_min=None)
+    straight = run(TrainConfig(steps=5, output=str(tmp_path / "straight"), **common))
+    run(TrainConfig(steps=3, output=str(tmp_path / "first"), **common))
+    resumed = run(TrainConfig(steps=5, output=str(tmp_path / "resumed"), resume=str(tmp_path / "first"), **common))
+    assert [h["loss"] for h in resumed["loss_curve"]] == pytest.approx([h["loss"] for h in straight["loss_curve"]],
+                                                                       rel=1e-5)
+    assert resumed["loss_curve"][3]["loss"] != straight["loss_curve"][0]["loss"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr", "-1"], "must be positive"),
+    (["--batch", "zero"], "positive whole number"),
+    (["--difficulty", "impossible"], "invalid choice"),
+    (["--gpu-memory", "lots"], ""),
+])
+def test_bad_flags_are_one_line_errors(args, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--output", str(tmp_path), *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seq", "20"], "shorter than the longest"),
+    (["--model", "no-such-model"], "unknown model"),
+    (["--resume", "/nonexistent/run"], "expected an output folder"),
+])
+def test_bad_settings_are_clear_errors(args, message, capsys, tmp_path):
+    assert main(["train", *TINY, "--output", str(tmp_path / "o"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_lr_schedule_warms_up_then_anneals():
+    cfg = TrainConfig(lr=1.0, warmup=10, min_lr_ratio=0.1)
+    assert lr_at(cfg, 0, 0.0) == pytest.approx(0.1)
+    assert lr_at(cfg, 9, 0.0) == pytest.approx(1.0)
+    assert lr_at(cfg, 50, 0.5) == pytest.approx(0.55)
+    assert lr_at(cfg, 99, 1.0) == pytest.approx(0.1)
+    assert lr_at(cfg, 99, 2.0) == pytest.approx(0.1)
