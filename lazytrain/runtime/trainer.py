@@ -274,6 +274,20 @@ class Trainer:
             for name, v in self.state_dict().items():
                 named[name].copy_(v)
 
+    def save_checkpoint(self, directory) -> None:
+        """Flush pending updates and write the whole training state to ``directory`` atomically
+        (safetensors + JSON, never pickle; see ``runtime/checkpoint.py``)."""
+        from . import checkpoint
+        checkpoint.save(self, directory)
+
+    @classmethod
+    def load_checkpoint(cls, directory, model: torch.nn.Module, *, optimizer=None, device=None,
+                        plan: Plan | None = None) -> Trainer:
+        """A trainer for ``model`` resumed from ``directory`` (parameters, optimizer state, step, RNGs).
+        ``optimizer``: default, rebuilt from the checkpoint; ``plan``: default, the checkpoint's own."""
+        from . import checkpoint
+        return checkpoint.load(cls, directory, model, optimizer=optimizer, device=device, plan=plan)
+
     def close(self) -> None:
         self.flush()
         self.ctx.streams.close()

@@ -1,0 +1,318 @@
+"""Checkpoints: a trainer's whole state in a folder of safetensors and one JSON file, never pickle.
+
+Layout of a checkpoint folder (format ``"lazytrain.checkpoint/1"``)::
+
+    checkpoint.json          step, RNG states, optimizer class / hyper-parameters / per-block steps,
+                             grad-norm tracker counters, the plan (plan.to_json()) and its model
+                             fingerprint, and the name and size of every tensor file
+    block_0000.safetensors   one file per block that owns parameters:
+                               param.<name>  fp32 master weight of each owned parameter, shaped
+                               state.<key>   the rest of HostOptimizer.state_tensors(block)
+
+A checkpoint is a consistent state: ``save`` flushes the pending lagged updates first, so a trainer
+loaded from it and stepped on equals the one that saved it, step for step, bit for bit.
+
+Atomic replacement: everything is written into ``<dir>.tmp-XXXX`` next to the target, every file
+and the folder are fsynced, then ``<dir>`` (if any) is renamed to ``<dir>.old``, the new folder to
+``<dir>``, and ``<dir>.old`` is removed.  A crash at any point leaves a complete checkpoint at
+``<dir>`` or, between the two renames, at ``<dir>.old``, which ``load`` then uses.  One writer per
+target at a time.
+
+Loading reads JSON and safetensors only (no code runs), checks the format version, the plan's and
+the model's fingerprint, and every file's size, and raises :class:`CheckpointError` naming what does
+not match.  It restores the global RNGs (torch CPU and CUDA, Python ``random``, numpy).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..ir import Plan, PlanError
+
+FORMAT = "lazytrain.checkpoint/1"
+META = "checkpoint.json"
+#: constructor arguments saved to rebuild an optimizer; of those, the ones that fix the layout of its
+#: state tensors must match to load them (all of them for a class not listed)
+_CONFIG_ATTRS = ("chunk_numel", "block_size", "min_8bit_numel")
+_LAYOUT_ATTRS = {"TorchAdamW": ("chunk_numel",), "Hybrid8bitAdamW": ("block_size", "min_8bit_numel")}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded (missing, truncated, another format or another model), or a
+    target folder that is not a checkpoint.  The message names the file and what does not match."""
+
+
+# ---- saving -------------------------------------------------------------------------------------------
+def save(trainer, directory) -> Path:
+    """Write ``trainer``'s state to ``directory`` atomically (see the module docstring)."""
+    if trainer._broken is not None:
+        raise RuntimeError("cannot checkpoint a trainer whose last step failed (its state is inconsistent)")
+    target = Path(directory).absolute()
+    if target.exists() and not (target / META).is_file() and any(target.iterdir()):
+        raise CheckpointError(f"{target} exists and is not a LazyTrain checkpoint (no {META}): refusing to "
+                              f"replace it")
+    trainer.flush()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.tmp-"))
+    try:
+        meta = _write(trainer, tmp)
+        _write_json(tmp / META, meta)
+        _fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _commit(tmp, target)
+    return target
+
+
+def _write(trainer, tmp: Path) -> dict:
+    opt = trainer.optimizer
+    files, block_steps = {}, {}
+    for j, lay in enumerate(trainer.store.layouts):
+        if not lay.owned_numel:
+            continue
+        state = dict(opt.state_tensors(j))
+        master = state.pop("master").reshape(-1)
+        tensors = {f"param.{s.name}": master[s.offset:s.offset + s.numel].reshape(s.shape).clone()
+                   for s in lay.segments if s.offset < lay.owned_numel}
+        tensors.update({f"state.{k}": v.contiguous() for k, v in state.items()})
+        if "step" in state:
+            block_steps[str(j)] = int(state["step"].max().item()) if state["step"].numel() else 0
+        name = f"block_{j:04d}.safetensors"
+        save_file(tensors, str(tmp / name), metadata={"format": FORMAT, "block": str(j)})
+        _fsync_file(tmp / name)
+        files[name] = (tmp / name).stat().st_size
+    tr = trainer.ctx.tracker
+    return {
+        "format": FORMAT,
+        "step": trainer.steps,
+        "model": {"name": trainer.plan.graph.name, "fingerprint": trainer.plan.fingerprint},
+        "files": files,
+        "optimizer": {"class": type(opt).__name__, "hyperparameters": opt.hyperparameters(),
+                      "config": {a: getattr(opt, a) for a in _CONFIG_ATTRS if hasattr(opt, a)},
+                      "block_steps": block_steps},
+        "grad_norm": {"consecutive_nonfinite": tr.consecutive_nonfinite, "total_nonfinite": tr.total_nonfinite,
+                      "last_norm": None if tr.last_norm is None else repr(tr.last_norm)},
+        "rng": rng_state(),
+        "plan": trainer.plan.to_json(),
+    }
+
+
+def _commit(tmp: Path, target: Path) -> None:
+    old = target.with_name(target.name + ".old")
+    if target.exists() and old.exists():      # a previous save died after its second rename
+        shutil.rmtree(old)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    _fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    for stale in target.parent.glob(f"{target.name}.tmp-*"):   # left by saves that were killed
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, allow_nan=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- RNG states as JSON -------------------------------------------------------------------------------
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s, validate=True)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict:
+    """The global RNG states as JSON values: torch CPU (and CUDA when initialized), random, numpy."""
+    version, internal, gauss = random.getstate()
+    out = {"torch": _b64(torch.get_rng_state()), "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy as np
+    except ImportError:
+        return out
+    st = np.random.get_state(legacy=False)
+    out["numpy"] = {"bit_generator": st["bit_generator"], "key": [int(k) for k in st["state"]["key"]],
+                    "pos": int(st["state"]["pos"]), "has_gauss": int(st["has_gauss"]), "gauss": float(st["gauss"])}
+    return out
+
+
+def set_rng_state(d: dict) -> None:
+    torch.set_rng_state(_unb64(d["torch"]))
+    version, internal, gauss = d["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    cuda = d.get("cuda")
+    if cuda and torch.cuda.is_available():
+        for i, s in enumerate(cuda[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_unb64(s), i)
+    if d.get("numpy") is not None:
+        import numpy as np
+        n = d["numpy"]
+        np.random.set_state({"bit_generator": n["bit_generator"],
+                             "state": {"key": np.array(n["key"], dtype=np.uint32), "pos": int(n["pos"])},
+                             "has_gauss": int(n["has_gauss"]), "gauss": float(n["gauss"])})
+
+
+# ---- loading ------------------------------------------------------------------------------------------
+def resolve(directory) -> Path:
+    """The folder to load: ``directory``, or ``directory.old`` when a save died between its renames."""
+    target = Path(directory).absolute()
+    if (target / META).is_file():
+        return target
+    old = target.with_name(target.name + ".old")
+    if not target.exists() and (old / META).is_file():
+        return old
+    if target.exists():
+        raise CheckpointError(f"{target} is not a LazyTrain checkpoint (no {META})")
+    raise CheckpointError(f"no checkpoint at {target}")
+
+
+def read_meta(directory) -> tuple[Path, dict]:
+    """``(folder, metadata)`` of the checkpoint at ``directory``, format checked."""
+    folder = resolve(directory)
+    path = folder / META
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): "
+                              f"the checkpoint is truncated or corrupted") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{path}: format {got!r}, expected {FORMAT!r}")
+    missing = [k for k in ("step", "model", "files", "optimizer", "grad_norm", "rng", "plan") if k not in meta]
+    if missing:
+        raise CheckpointError(f"{path}: malformed checkpoint metadata, missing {missing}")
+    return folder, meta
+
+
+def _check_model(plan: Plan, model: torch.nn.Module, where: Path) -> None:
+    """Parameter names and shapes of ``model`` against the checkpoint's plan, before any export."""
+    have = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    bad = []
+    for b in plan.graph.blocks:
+        for p in b.params:
+            if have.get(p.name) != tuple(p.shape):
+                bad.append(f"{p.name}: checkpoint {list(p.shape)}, model "
+                           f"{'missing' if p.name not in have else list(have[p.name])}")
+    if bad:
+        raise CheckpointError(f"checkpoint {where} is of another model ({plan.graph.name}, fingerprint "
+                              f"{plan.fingerprint}): {len(bad)} parameter(s) differ, e.g. {'; '.join(bad[:3])}")
+
+
+def _optimizer(opt, saved: dict, where: Path):
+    from .optim.hybrid8bit import Hybrid8bitAdamW
+    from .optim.torch_adamw import TorchAdamW
+    known = {"TorchAdamW": TorchAdamW, "Hybrid8bitAdamW": Hybrid8bitAdamW}
+    cls_name, hp, config = saved["class"], saved["hyperparameters"], saved.get("config", {})
+    if opt is None:
+        if cls_name not in known:
+            raise CheckpointError(f"checkpoint {where} was saved with optimizer {cls_name}: pass an instance "
+                                  f"as optimizer=")
+        opt = known[cls_name](lr=hp["lr"], **config)
+    elif type(opt).__name__ != cls_name:
+        raise CheckpointError(f"checkpoint {where} holds {cls_name} state, the optimizer given is "
+                              f"{type(opt).__name__}")
+    for a, v in config.items():
+        if a in _LAYOUT_ATTRS.get(cls_name, config) and getattr(opt, a, v) != v:
+            raise CheckpointError(f"checkpoint {where}: the optimizer's {a} is {getattr(opt, a)}, the state was "
+                                  f"saved with {a}={v}")
+    opt.load_hyperparameters(hp)
+    return opt
+
+
+def load(cls, directory, model, *, optimizer=None, device=None, plan=None):
+    """A ``cls`` (Trainer) for ``model`` in the state saved at ``directory``."""
+    folder, meta = read_meta(directory)
+    try:
+        saved_plan = Plan.from_json(meta["plan"])
+    except PlanError as e:
+        raise CheckpointError(f"{folder / META}: {e}") from None
+    fp = meta["model"].get("fingerprint")
+    if fp != saved_plan.fingerprint:
+        raise CheckpointError(f"{folder / META}: model fingerprint {fp} does not match its plan's "
+                              f"({saved_plan.fingerprint}): the file was edited or corrupted")
+    if plan is None:
+        plan = saved_plan
+    elif plan.fingerprint != fp:
+        raise CheckpointError(f"the plan given was compiled for another model: {plan.graph.name} (fingerprint "
+                              f"{plan.fingerprint}); checkpoint {folder} is of {meta['model'].get('name')} "
+                              f"(fingerprint {fp})")
+    _check_model(plan, model, folder)
+    optimizer = _optimizer(optimizer, meta["optimizer"], folder)
+    try:
+        trainer = cls(model, plan, optimizer=optimizer, device=device)
+    except PlanError as e:
+        raise CheckpointError(f"checkpoint {folder} does not fit this model: {e}") from None
+    expected = {f"block_{j:04d}.safetensors" for j, lay in enumerate(trainer.store.layouts) if lay.owned_numel}
+    if set(meta["files"]) != expected:
+        raise CheckpointError(f"{folder / META} lists files {sorted(meta['files'])}, this model needs "
+                              f"{sorted(expected)}")
+    for j, lay in enumerate(trainer.store.layouts):
+        if lay.owned_numel:
+            _load_block(trainer.optimizer, j, lay, folder, meta["files"][f"block_{j:04d}.safetensors"])
+    trainer.steps = int(meta["step"])
+    tr, g = trainer.ctx.tracker, meta["grad_norm"]
+    tr.consecutive_nonfinite, tr.total_nonfinite = int(g["consecutive_nonfinite"]), int(g["total_nonfinite"])
+    tr.last_norm = None if g.get("last_norm") is None else float(g["last_norm"])
+    set_rng_state(meta["rng"])
+    return trainer
+
+
+def _load_block(opt, j: int, lay, folder: Path, size: int) -> None:
+    path = folder / f"block_{j:04d}.safetensors"
+    if not path.is_file() or path.stat().st_size != size:
+        have = path.stat().st_size if path.is_file() else "missing"
+        raise CheckpointError(f"{path}: {have} bytes, the checkpoint recorded {size}: truncated or corrupted")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
+    parts = []
+    for s in lay.segments:
+        if s.offset >= lay.owned_numel:
+            break
+        t = tensors.pop(f"param.{s.name}", None)
+        if t is None or tuple(t.shape) != tuple(s.shape):
+            raise CheckpointError(f"{path}: parameter {s.name} is "
+                                  f"{'missing' if t is None else list(t.shape)}, the model has {list(s.shape)}")
+        parts.append(t.reshape(-1))
+    state = {k.removeprefix("state."): v for k, v in tensors.items() if k.startswith("state.")}
+    state["master"] = torch.cat(parts)
+    try:
+        opt.load_state_tensors(j, state)
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{path}: optimizer state does not fit block {j}: {type(e).__name__}: {e}") from None
