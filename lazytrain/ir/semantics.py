@@ -4,6 +4,7 @@ runtime's memory accounting share.  Sizes come from the graph, the micro-batch a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from .graph import DTYPE_BYTES, ModelGraph
 from .ops import Op, OpKind, TensorId, TensorKind, Tier
@@ -12,7 +13,7 @@ GRAD_ACCUM_BYTES = 4   # gradients accumulate in fp32 on the GPU (exact over mic
 GRAD_WIRE_BYTES = 2    # and cross PCIe / live on the host in bf16 (the clip norm is taken before)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Sizes:
     graph: ModelGraph
     micro_batch: int
@@ -39,8 +40,12 @@ class Sizes:
 
     def contributors(self, owner: int) -> tuple[int, ...]:
         """Blocks whose gradients feed ``owner``'s update: itself and blocks reading its tied params."""
-        return tuple(b.index for b in self.graph.blocks if b.index == owner
-                     or any(p.owner == owner for p in b.params))
+        return self._contributors[owner]
+
+    @cached_property
+    def _contributors(self) -> dict[int, tuple[int, ...]]:
+        return {o: tuple(b.index for b in self.graph.blocks if b.index == o or any(p.owner == o for p in b.params))
+                for o in range(self.graph.n_blocks)}
 
     def workspace(self, block: int) -> int:
         b = self.graph.blocks[block]
