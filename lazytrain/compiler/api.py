@@ -234,6 +234,24 @@ class Compiler:
         return self.build(dec, batch_size, check_budget=False).predicted["peak_gpu_bytes"]
 
 
+def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memory=None, reserve=None) -> dict:
+    """Budgets in bytes from sizes (``"24GiB"``) or byte counts; defaults from the hardware profile.
+    The GPU budget the plan must meet is the given memory less ``reserve`` (CUDA context, cuBLAS
+    workspaces, allocator fragmentation; default 1 GiB + 5%)."""
+    from ..units import parse_size
+
+    def size(v, default):
+        return default if v is None else (parse_size(v) if isinstance(v, str) else int(v))
+    gpu = size(gpu_memory, hw.gpu_memory_bytes)
+    res = size(reserve, int(GiB + 0.05 * gpu))
+    budgets = {"gpu_bytes": gpu - res, "gpu_total_bytes": gpu, "gpu_reserve_bytes": res,
+               "host_bytes": size(host_memory, hw.host_memory_bytes),
+               "nvme_bytes": size(nvme_memory, 0) if nvme_dir else 0, "nvme_dir": nvme_dir}
+    if budgets["gpu_bytes"] <= 0:
+        raise BudgetError(f"GPU memory {gpu / GiB:.2f} GiB is below the reserve of {res / GiB:.2f} GiB")
+    return budgets
+
+
 def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micro_batch: int | None = None,
                   gpu_memory=None, host_memory=None, nvme_dir: str | None = None, nvme_memory=None,
                   hardware: str = "h200", policy: str = "milp", optimizer: str = "hybrid8bit",
@@ -247,7 +265,6 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     feasible plan.  ``reserve`` is GPU memory kept back for the CUDA context, cuBLAS workspaces
     and allocator fragmentation (default: 1 GiB + 5% of the budget).
     """
-    from ..units import parse_size
     from .hardware import get_profile
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -262,15 +279,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
     graph = _as_graph(model, seq_len, param_dtype, history)
 
-    def size(v, default):
-        return default if v is None else (parse_size(v) if isinstance(v, str) else int(v))
-    gpu = size(gpu_memory, hw.gpu_memory_bytes)
-    res = size(reserve, int(GiB + 0.05 * gpu))
-    budgets = {"gpu_bytes": gpu - res, "gpu_total_bytes": gpu, "gpu_reserve_bytes": res,
-               "host_bytes": size(host_memory, hw.host_memory_bytes),
-               "nvme_bytes": size(nvme_memory, 0) if nvme_dir else 0, "nvme_dir": nvme_dir}
-    if budgets["gpu_bytes"] <= 0:
-        raise BudgetError(f"GPU memory {gpu / GiB:.2f} GiB is below the reserve of {res / GiB:.2f} GiB")
+    budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
     comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
                     solver=solver, time_limit=time_limit)
 
