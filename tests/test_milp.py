@@ -116,3 +116,21 @@ def test_72b_compiles_within_20_seconds():
     plan = compile_model("qwen2.5-72b", batch_size=72, seq_len=1024, gpu_memory="80GiB", host_memory="1TiB")
     assert time.perf_counter() - t <= 20
     assert plan.graph.n_blocks == 82 and plan.solver is not None
+
+
+def test_cost_graph_has_boundaries_segments_windows_and_mandatory_traffic():
+    from lazytrain.compiler.cost import CostModel
+    from lazytrain.compiler.costgraph import build_cost_graph, window_of
+    g = chain(5, seed=3)
+    cost = CostModel(g, get_profile("h200"), micro_batch=2)
+    G = build_cost_graph(cost)
+    L = g.n_blocks
+    assert all(G.has_node(("boundary", i)) for i in range(L + 1))
+    assert len([n for n in G if n[0] == "window"]) == 2 * L + 1
+    # a segment's recompute time is the sum of its blocks' forward times
+    seg = G.edges[("boundary", 1), ("boundary", 4)]
+    assert seg["recompute_s"] == pytest.approx(sum(cost.fwd_s(j) for j in (1, 2, 3)))
+    # mandatory traffic: F_j prefetches block j+1's parameters, B_j drains block j+1's gradients
+    assert G.nodes[("window", window_of("F", 2, L))]["h2d_s"] == pytest.approx(cost.load_s(3))
+    assert G.nodes[("window", window_of("B", 2, L))]["d2h_s"] == pytest.approx(cost.grad_offload_s(3))
+    assert G.nodes[("window", 2 * L)]["kind"] == "X"

@@ -34,7 +34,8 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
     head      the last block neither offloads nor stores its boundary off the GPU (it runs its
               forward and backward back to back).
 
-The model is small (7L binaries, 2L+1 continuous), so CBC or HiGHS solve it to a small gap in
+Coefficients come from the cost graph (compiler/costgraph.py).  The model is small (7L binaries,
+4L+1 continuous), so CBC or HiGHS solve it to a small gap in
 seconds even for 80 layers; identical layers are symmetric, so a time limit returns the incumbent
 and its gap.  The lowering's program-order memory is checked by ``ir.verify`` afterwards; if the
 window memory model was optimistic, the budget is tightened by the excess and the MILP re-solved.
@@ -71,16 +72,18 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
     nvme_cap = comp.budgets.get("nvme_bytes") or 0
     host_static = g.total_params * comp.options["host_bytes_per_param"] / GiB
 
-    P = [cost.param_bytes(j) / GiB for j in range(L)]
-    Gacc = [g.blocks[j].param_numel * (4) / GiB for j in range(L)]
-    S = [cost.saved_bytes(j) / GiB for j in range(L)]
-    A = [cost.act_bytes(j) / GiB for j in range(L)] + [0.0]
-    W = [cost.sizes.workspace(j) / GiB for j in range(L)]
-    fwd = [cost.fwd_s(j) * MS for j in range(L)]
-    bwd = [cost.bwd_s(j) * MS for j in range(L)]
-    U = [cost.update_s(j) * MS for j in range(L)]
-    load = [cost.load_s(j) * MS for j in range(L)]
-    gout = [cost.grad_offload_s(j) * MS for j in range(L)]
+    from ..costgraph import block_attr, build_cost_graph
+    cg = build_cost_graph(cost)
+    P = [b / GiB for b in block_attr(cg, "params_bytes")]
+    Gacc = [b / GiB for b in block_attr(cg, "grad_accum_bytes")]
+    S = [b / GiB for b in block_attr(cg, "saved_bytes")]
+    A = [cg.nodes[("boundary", i)]["bytes"] / GiB for i in range(L + 1)]
+    W = [b / GiB for b in block_attr(cg, "workspace_bytes")]
+    fwd = [t * MS for t in block_attr(cg, "fwd_s")]
+    bwd = [t * MS for t in block_attr(cg, "bwd_s")]
+    U = [t * MS for t in block_attr(cg, "update_s")]
+    load = [t * MS for t in block_attr(cg, "load_s")]
+    gout = [t * MS for t in block_attr(cg, "grad_offload_s")]
     h2d_ms = hw.h2d_seconds(GiB) * MS        # ms per GiB
     d2h_ms = hw.d2h_seconds(GiB) * MS
     nvw_ms = hw.nvme_seconds(GiB, True) * MS
