@@ -2,7 +2,7 @@
 a heuristic, and fast enough for 80 layers."""
 
 import itertools
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -69,7 +69,7 @@ def test_milp_equals_brute_force_on_eight_blocks():
     assert milp.predicted["step_time_s"] == pytest.approx(bf.predicted["step_time_s"], rel=1e-9)
 
 
-@lru_cache(maxsize=None)
+@cache
 def graph(name):
     return trace(build_model(name), seq_len=1024)
 
