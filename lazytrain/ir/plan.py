@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -13,6 +14,11 @@ from .graph import ModelGraph
 from .ops import GiB, Op, OpKind
 
 PLAN_FORMAT = "lazytrain.plan/1"
+
+
+def _no_constant(name: str):
+    raise PlanError(f"plan file holds {name}, which is not valid JSON (a NaN or infinite figure): "
+                    "the file was not written by LazyTrain or is corrupted")
 
 
 class PlanError(ValueError):
@@ -96,7 +102,8 @@ class Plan:
                 "seq_len": self.seq_len, "param_dtype": self.param_dtype,
                 "decisions": self.decisions.to_json(), "ops": [op.to_json() for op in self.ops],
                 "predicted": self.predicted,
-                "solver": None if self.solver is None else self.solver.__dict__,
+                "solver": None if self.solver is None else {k: (None if isinstance(v, float) and not math.isfinite(v)
+                                                                else v) for k, v in self.solver.__dict__.items()},
                 "history": self.history, "options": self.options}
 
     def save(self, path: str | os.PathLike) -> None:
@@ -124,25 +131,39 @@ class Plan:
                         history=list(d.get("history") or []), options=dict(d.get("options") or {}))
         except PlanError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError) as e:
             raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
+        from .schema import check_plan
+        check_plan(plan)
         if d["model"].get("fingerprint") != plan.fingerprint:
             raise PlanError("plan's model fingerprint does not match its own graph: the file was edited "
                             "or corrupted; compile it again")
         return plan
 
     @staticmethod
-    def load(path: str | os.PathLike) -> Plan:
+    def load(path: str | os.PathLike, *, check: bool = True) -> Plan:
+        """Read a plan file.  Everything in it is checked before it is returned: JSON only (no code
+        runs, ``NaN`` / ``Infinity`` refused), the shape of the JSON, every field's type and range,
+        every cross-reference, the model fingerprint, and (unless ``check=False``) ``verify``.  Any
+        problem is a ``PlanError`` naming it."""
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
-            raise PlanError(f"cannot read plan {path}: {e.strerror}") from None
+            raise PlanError(f"cannot read plan {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise PlanError(f"{path} is not a text file (not UTF-8): not a LazyTrain plan") from None
         try:
-            d = json.loads(text)
+            d = json.loads(text, parse_constant=_no_constant)
         except json.JSONDecodeError as e:
             raise PlanError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); "
                             "was it truncated? compile the plan again") from None
-        return Plan.from_json(d)
+        except RecursionError:
+            raise PlanError(f"{path} is not a LazyTrain plan: JSON nested too deeply") from None
+        plan = Plan.from_json(d)
+        if check:
+            from .verify import verify
+            verify(plan)
+        return plan
 
     def check_model(self, graph: ModelGraph) -> None:
         """Refuse a model whose structure differs from the one this plan was compiled for."""
