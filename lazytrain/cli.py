@@ -185,6 +185,12 @@ def cmd_train(a) -> int:
     return 0
 
 
+def cmd_bench(a) -> int:
+    from .bench import config_from_args, run
+    run(config_from_args(a))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lazytrain", description="Compile and run training schedules for models "
                                                                  "larger than the GPU.")
@@ -217,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train on the built-in arithmetic task: compile, train, evaluate, save")
     _add_train_args(p)
     p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("bench", help="side-by-side benchmark: lazytrain, FSDP2 + CPU offload, plain PyTorch")
+    from .bench import add_args as _add_bench_args
+    _add_bench_args(p)
+    p.set_defaults(fn=cmd_bench)
     return ap
 
 

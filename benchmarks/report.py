@@ -1,0 +1,106 @@
+"""Bench results (``lazytrain.bench/1`` JSON) -> a markdown table and a PNG bar chart of model TFLOPS.
+
+    python benchmarks/report.py benchmarks/results/bench_qwen2.5-3b_b8_s1024_24GiB.json [-o OUT_STEM]
+
+``lazytrain bench`` calls ``write_report`` itself; this script re-renders a saved result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+COLUMNS = ["system", "batch", "step s", "model TFLOPS", "hardware TFLOPS", "tokens/s", "peak GPU GiB",
+           "host RSS GiB", "predicted step s", "predicted / measured"]
+
+
+def _f(v, fmt: str) -> str:
+    if v is None:
+        return ""
+    return format(v, ".3g") if fmt == ".1f" and abs(v) < 1 else format(v, fmt)   # tiny CPU runs stay readable
+
+
+def table_rows(result: dict) -> list[list[str]]:
+    rows = []
+    for r in result["rows"]:
+        batch = str(r.get("batch", ""))
+        if r.get("max_batch") is not None and "error" not in r:
+            batch += " (max)"
+        if r.get("error"):
+            rows.append([r["system"], batch, r["error"].replace("|", "/")] + [""] * (len(COLUMNS) - 3))
+            continue
+        rows.append([r["system"], batch, _f(r["median_step_s"], ".3f"), _f(r["model_tflops"], ".1f"),
+                     _f(r["hardware_tflops"], ".1f"), _f(r["tokens_per_s"], ",.0f"), _f(r["peak_gpu_gib"], ".2f"),
+                     _f(r["host_rss_gib"], ".2f"), _f(r.get("predicted_step_s"), ".3f"),
+                     _f(r.get("predicted_over_measured"), ".2f")])
+    return rows
+
+
+def markdown(result: dict) -> str:
+    c, m = result["config"], result["machine"]
+    lines = [f"# Benchmark: {c['model']}, batch {c['batch']}, seq {c['seq']}, GPU cap {c['gpu_memory']}", "",
+             f"- command: `{result['command']}`", f"- date: {result['date']}",
+             f"- machine: {m['gpu']}; {m['cpu']}, {m['cpu_cores']} CPU cores, {m['host_ram_gib']} GiB host RAM",
+             f"- {c['warmup']} warm-up + {c['steps']} measured steps (median), same seeded random tokens for every "
+             f"system; model TFLOPS = 6 · params · batch · seq / step s; hardware TFLOPS counts recompute "
+             f"(lazytrain: the plan's op FLOPs; checkpointing baselines 8 · params · tokens, "
+             f"plain 6 · params · tokens)",
+             "", "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in table_rows(result)]
+    tries = [(r["system"], r["max_batch_tries"]) for r in result["rows"] if r.get("max_batch_tries")]
+    if tries:
+        lines += ["", "Largest batch by doubling (baselines): " + "; ".join(
+            f"{s}: " + ", ".join(f"{t['batch']} {'fits' if not t['error'] else 'no'}" for t in ts) for s, ts in tries)]
+    return "\n".join(lines) + "\n"
+
+
+def bar_chart(result: dict, path) -> Path | None:
+    """Model TFLOPS per system; a failed system is a labelled empty bar.  None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no PNG: the bar chart needs matplotlib (pip install matplotlib)")
+        return None
+    rows = result["rows"]
+    names = [f"{r['system']}\nbatch {r.get('batch')}" for r in rows]
+    vals = [0.0 if r.get("error") else r["model_tflops"] for r in rows]
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(rows), 4))
+    bars = ax.bar(names, vals, color=["#4c72b0" if r["system"].startswith("lazytrain") else "#999999" for r in rows])
+    top = max(vals + [1e-9])
+    for b, r, v in zip(bars, rows, vals):
+        label = ("OOM" if "out of memory" in r["error"] else "failed") if r.get("error") else _f(v, ".1f")
+        ax.text(b.get_x() + b.get_width() / 2, v + 0.01 * top, label, ha="center", va="bottom", fontsize=9)
+    c = result["config"]
+    ax.set_ylabel("model TFLOPS")
+    ax.set_title(f"{c['model']}, batch {c['batch']}, seq {c['seq']}, GPU cap {c['gpu_memory']}\n"
+                 f"{result['machine']['gpu']}", fontsize=10)
+    ax.set_ylim(0, top * 1.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def write_report(result: dict, md_path, png_path) -> tuple[str, Path | None]:
+    md = markdown(result)
+    Path(md_path).write_text(md)
+    return md, bar_chart(result, png_path)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("result")
+    ap.add_argument("-o", "--out", default=None, help="output stem (default: the JSON's, next to it)")
+    a = ap.parse_args(argv)
+    result = json.loads(Path(a.result).read_text())
+    stem = Path(a.out) if a.out else Path(a.result).with_suffix("")
+    md, png = write_report(result, stem.with_suffix(".md"), stem.with_suffix(".png"))
+    print(md)
+    print(f"wrote {stem.with_suffix('.md')}" + (f", {png}" if png else ""))
+
+
+if __name__ == "__main__":
+    main()

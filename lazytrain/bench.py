@@ -1,0 +1,414 @@
+"""``lazytrain bench``: one command, one subprocess per system, the same model, batch, seq and GPU cap.
+
+    lazytrain bench --model qwen2.5-3b --batch 8 --seq 1024 --gpu-memory 24GiB      # or benchmarks/bench.py
+
+Systems (``--systems``, comma-separated; the modules are ``benchmarks/systems/*.py``):
+
+    lazytrain-milp       lazytrain, MILP plan (reuses benchmarks/run_plan.py's run_one on CUDA)
+    lazytrain-megatrain  lazytrain, megatrain policy
+    fsdp2                FSDP2 fully_shard + CPUOffloadPolicy + per-layer activation checkpointing, fused CPU AdamW
+    plain                plain PyTorch on the GPU: fp32 master + bf16 autocast, fused AdamW
+    plain-ckpt           the same with per-layer activation checkpointing (not in the default set)
+
+Each system runs in its own process (``python -m lazytrain.bench worker ...``), so peak GPU memory
+and host RSS are per system and an out-of-memory (GPU or host) in one is a row with an error, not a
+crash.  Every process builds the model the same way (``torch.manual_seed(0)`` then ``build_model`` on
+the CPU, bf16 on CUDA / fp32 with ``--device cpu``), trains on the same seeded random tokens
+(``torch.Generator().manual_seed(1)``, one ``randint`` batch per step, as ``run_plan.py`` does), runs
+``--warmup`` then ``--steps`` measured steps, and is accounted the same way (``finish_row``):
+
+- step s: median of the measured steps (wall clock, device synchronised);
+- model TFLOPS: ``6 * params * batch * seq / step s`` (params counted once, tied weights once);
+- hardware TFLOPS, counting recompute: lazytrain from the plan's op FLOPs (forward + recompute +
+  backward of every block, attention included); checkpointing baselines ``8 * params * tokens``,
+  ``plain`` ``6 * params * tokens``;
+- peak GPU GiB: ``torch.cuda.max_memory_allocated`` over the measured steps (reset after warm-up);
+- host RSS GiB: the process's peak (``VmHWM`` in ``/proc/self/status``), model build included.
+
+Time budget: ``--budget-s`` (default 540 s, to fit in 9 minutes) is shared out as the run goes:
+each system may take the budget left divided by the systems left (or ``--timeout-s``), so time a
+fast system leaves over goes to the next ones.  ``--find-max-batch``: lazytrain compiles with
+``batch_size="max"`` (the predicted largest batch) and verifies it with a run; baselines double the
+batch from ``--batch`` (one process per try) until one runs out of memory, halving first when
+``--batch`` already does.  ``--device cpu`` is a debug mode (fp32 everywhere, no cap) for tests.
+
+Results: ``<out-dir>/<name>.json`` (format ``lazytrain.bench/1``), ``.md`` (table with the exact
+command, date and machine) and ``.png`` (model TFLOPS per system), rendered by
+``benchmarks/report.py``; per-system logs in ``<out-dir>/<name>.logs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FORMAT = "lazytrain.bench/1"
+BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+#: system name -> (module in benchmarks/systems/, options passed to its ``run``)
+SYSTEMS: dict[str, tuple[str, dict]] = {
+    "lazytrain-milp": ("lazytrain_system", {"policy": "milp"}),
+    "lazytrain-megatrain": ("lazytrain_system", {"policy": "megatrain"}),
+    "fsdp2": ("fsdp2", {}),
+    "plain": ("plain", {"checkpointing": False}),
+    "plain-ckpt": ("plain", {"checkpointing": True}),
+}
+DEFAULT_SYSTEMS = ("lazytrain-milp", "lazytrain-megatrain", "fsdp2", "plain")
+GiB = 1 << 30
+
+
+# ---- arguments -------------------------------------------------------------------------------------
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2.5-3b", help="preset, HF config.json or pkg.module:factory "
+                                                         "(default qwen2.5-3b)")
+    p.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
+    p.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
+    p.add_argument("--gpu-memory", default="24GiB", help="GPU cap for every system (default 24GiB)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"comma-separated, from {', '.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)})")
+    p.add_argument("--steps", type=int, default=3, help="measured steps after warm-up (default 3, at least 3)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--optimizer", default="hybrid8bit", choices=["hybrid8bit", "adamw"],
+                   help="lazytrain's host optimizer (baselines use torch's fused AdamW)")
+    p.add_argument("--hardware", default="h200",
+                   help="lazytrain hardware profile (default h200; cpu with --device cpu)")
+    p.add_argument("--micro-batch", type=int, default=None, help="lazytrain micro-batch (default: chosen)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: debug mode (fp32, no cap)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="time for the whole run (default 540)")
+    p.add_argument("--timeout-s", type=float, default=None, help="fixed per-system (per-try) timeout instead")
+    p.add_argument("--find-max-batch", action="store_true", help="also find the largest batch that fits the cap")
+    p.add_argument("--out-dir", default=str(BENCH_DIR / "results"), help="default benchmarks/results")
+    p.add_argument("--name", default=None, help="file stem (default bench_<model>_b<batch>_s<seq>_<gpu cap>)")
+
+
+def config_from_args(a) -> dict:
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if a.steps < 3:
+        raise ValueError(f"--steps must be at least 3 (the median of 3 steps or more), got {a.steps}")
+    hardware = "cpu" if a.device == "cpu" and a.hardware == "h200" else a.hardware
+    return {"model": a.model, "batch": a.batch, "seq": a.seq, "gpu_memory": a.gpu_memory, "systems": systems,
+            "steps": a.steps, "warmup": a.warmup, "lr": a.lr, "optimizer": a.optimizer, "hardware": hardware,
+            "micro_batch": a.micro_batch, "device": a.device, "budget_s": a.budget_s, "timeout_s": a.timeout_s,
+            "find_max_batch": a.find_max_batch, "out_dir": a.out_dir, "name": a.name}
+
+
+def command_line(cfg: dict) -> str:
+    """The ``lazytrain bench`` command that repeats this run, every setting spelled out."""
+    args = ["lazytrain", "bench", "--model", cfg["model"], "--batch", cfg["batch"], "--seq", cfg["seq"],
+            "--gpu-memory", cfg["gpu_memory"], "--systems", ",".join(cfg["systems"]), "--steps", cfg["steps"],
+            "--warmup", cfg["warmup"], "--lr", cfg["lr"], "--optimizer", cfg["optimizer"], "--hardware",
+            cfg["hardware"], "--device", cfg["device"], "--budget-s", cfg["budget_s"]]
+    for flag, key in (("--micro-batch", "micro_batch"), ("--timeout-s", "timeout_s")):
+        if cfg[key] is not None:
+            args += [flag, cfg[key]]
+    if cfg["find_max_batch"]:
+        args.append("--find-max-batch")
+    return shlex.join(map(str, args))
+
+
+def main(argv: list[str] | None = None, prog: str = "lazytrain bench") -> dict:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    return run(config_from_args(ap.parse_args(argv)))
+
+
+# ---- the driver --------------------------------------------------------------------------------------
+def run(cfg: dict) -> dict:
+    """Run every system in its own process; write JSON, markdown and PNG; return the result dict."""
+    out_dir = Path(cfg["out_dir"])
+    name = cfg["name"] or f"bench_{Path(cfg['model']).stem}_b{cfg['batch']}_s{cfg['seq']}_{cfg['gpu_memory']}"
+    logs = out_dir / f"{name}.logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    systems = cfg["systems"]
+    deadline = time.monotonic() + cfg["budget_s"]
+    print(f"bench: {', '.join(systems)} on {cfg['model']} batch {cfg['batch']} seq {cfg['seq']} cap "
+          f"{cfg['gpu_memory']} ({cfg['device']}); budget {cfg['budget_s']:.0f} s"
+          + (f", {cfg['timeout_s']:.0f} s per system" if cfg["timeout_s"] else
+             f", about {cfg['budget_s'] / len(systems):.0f} s per system (unused time carries over)"), flush=True)
+    rows = []
+    for i, system in enumerate(systems):
+        left = deadline - time.monotonic()
+        timeout = cfg["timeout_s"] or max(1.0, left / (len(systems) - i))
+        print(f"[{i + 1}/{len(systems)}] {system}: up to {timeout:.0f} s", flush=True)
+        t = time.monotonic()
+        if cfg["find_max_batch"] and not system.startswith("lazytrain"):
+            row = _max_batch_by_doubling(system, cfg, timeout, logs)
+        else:
+            row = run_system(system, cfg, timeout, logs / f"{system}.log")
+        row["wall_s"] = round(time.monotonic() - t, 1)
+        rows.append(row)
+        print(f"    {_brief(row)}", flush=True)
+    result = {"format": FORMAT, "command": command_line(cfg), "date": datetime.datetime.now().astimezone().isoformat(
+        timespec="seconds"), "machine": machine(rows), "config": {k: v for k, v in cfg.items() if k != "name"},
+        "rows": rows}
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    report = load_bench_module("report")
+    md, png = report.write_report(result, out_dir / f"{name}.md", out_dir / f"{name}.png")
+    print(md)
+    print(f"wrote {path}, {out_dir / f'{name}.md'}" + (f", {png}" if png else ""))
+    return result
+
+
+def _brief(row: dict) -> str:
+    if row.get("error"):
+        return f"error: {row['error']}"
+    return (f"batch {row['batch']}: {row['median_step_s']:.3f} s/step, {row['model_tflops']:.1f} model TFLOPS, "
+            f"peak GPU {row['peak_gpu_gib']:.2f} GiB, host RSS {row['host_rss_gib']:.2f} GiB")
+
+
+def run_system(system: str, cfg: dict, timeout: float, log: Path, batch: int | None = None) -> dict:
+    """One worker process; a timeout, a crash or a missing result becomes a row with an error."""
+    cfg = dict(cfg, batch=batch or cfg["batch"])
+    base = {"system": system, "batch": cfg["batch"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_path, out_path = Path(tmp) / "cfg.json", Path(tmp) / "row.json"
+        cfg_path.write_text(json.dumps(cfg))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                         os.environ.get("PYTHONPATH")])))
+        cmd = [sys.executable, "-m", "lazytrain.bench", "worker", system, str(cfg_path), str(out_path)]
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)        # the worker and anything it started (its own session)
+                proc.wait()
+                return {**base, "error": f"timed out after {timeout:.0f} s"}
+        if out_path.exists():
+            return json.loads(out_path.read_text())
+    tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or ["no output"]
+    why = "killed (host out of memory?)" if rc in (-9, 137) else f"exit code {rc}"
+    return {**base, "error": f"{why}: {tail[0][:300]}"}
+
+
+def _max_batch_by_doubling(system: str, cfg: dict, timeout: float, logs: Path) -> dict:
+    """Double from ``--batch`` while it fits (halve first if it does not); the row of the largest fit."""
+    deadline = time.monotonic() + timeout
+    b, best, tries = cfg["batch"], None, []
+    while b >= 1 and time.monotonic() < deadline:
+        row = run_system(system, cfg, deadline - time.monotonic(), logs / f"{system}_b{b}.log", batch=b)
+        tries.append({"batch": b, "error": row.get("error")})
+        if row.get("error"):
+            if best is not None or "out of memory" not in row["error"]:
+                break
+            b //= 2
+        else:
+            best, b = row, b * 2
+    row = best or {"system": system, "batch": cfg["batch"], "error": tries[-1]["error"] if tries else "no time"}
+    return {**row, "max_batch": best["batch"] if best else None, "max_batch_tries": tries}
+
+
+def machine(rows: list[dict]) -> dict:
+    gpu = next((r["gpu_name"] for r in rows if r.get("gpu_name")), None)
+    if gpu is None:
+        try:
+            gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=20).stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            gpu = "none"
+    ram = 0
+    try:
+        with open("/proc/meminfo") as f:
+            ram = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        pass
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"gpu": gpu, "cpu": cpu, "cpu_cores": os.cpu_count(), "host_ram_gib": round(ram / GiB, 1),
+            "hostname": platform.node(), "python": platform.python_version()}
+
+
+def load_bench_module(name: str):
+    """A module of ``benchmarks/`` (not installed with lazytrain) by its path, e.g. "report" or "systems/plain"."""
+    path = BENCH_DIR / f"{name}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: lazytrain bench runs from a clone of the repository "
+                                f"(pip install -e .), where benchmarks/ sits next to lazytrain/")
+    spec = importlib.util.spec_from_file_location(f"lazytrain_bench_{name.replace('/', '_')}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---- helpers the systems share (run inside the worker) ------------------------------------------------
+def build(cfg: dict):
+    """The model every system starts from: seeded, on the CPU, bf16 (fp32 with --device cpu)."""
+    import torch
+
+    from .compiler.presets import build_model
+    torch.manual_seed(0)
+    model = build_model(cfg["model"], device="cpu", dtype=torch.float32 if cfg["device"] == "cpu" else torch.bfloat16)
+    cfg_obj = getattr(model, "config", None)
+    if hasattr(cfg_obj, "use_cache"):
+        cfg_obj.use_cache = False          # HF: no KV cache while training
+    return model
+
+
+def vocab_size(model) -> int:
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "vocab_size", None) or getattr(cfg, "vocab", None) or 1000)
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())      # parameters() counts a tied weight once
+
+
+def batches(cfg: dict, vocab: int):
+    """The same seeded random tokens for every system (as run_plan.py makes them): (ids, labels) pairs."""
+    import torch
+    g = torch.Generator().manual_seed(1)
+    while True:
+        ids = torch.randint(0, vocab, (cfg["batch"], cfg["seq"]), generator=g)
+        yield ids, ids.clone()
+
+
+def cap_gpu(cfg: dict) -> None:
+    """``set_per_process_memory_fraction`` to the ``--gpu-memory`` cap, as run_plan.py does."""
+    import torch
+
+    from .units import parse_size
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(cfg["gpu_memory"]) / total))
+
+
+def loss_of(model, ids, labels):
+    out = model(ids, labels=labels)
+    return out if hasattr(out, "backward") else out.loss
+
+
+def decoder_layers(model):
+    """The model's decoder layers: its ``nn.ModuleList`` holding the most parameters."""
+    from torch import nn
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of decoder layers")
+    return max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
+
+
+def checkpoint_layers(model):
+    """Activation checkpointing on each decoder layer (``torch.utils.checkpoint``, non-reentrant): the
+    layer's entry in its ModuleList is replaced by a wrapper; returns the wrappers."""
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+        def __getattr__(self, name: str):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:             # what the model reads off its layers (HF: attention_type)
+                return getattr(self.inner, name)
+
+    layers = decoder_layers(model)
+    for i in range(len(layers)):
+        layers[i] = Checkpointed(layers[i])
+    return list(layers)
+
+
+def measure(cfg: dict, step, data) -> dict:
+    """``step(ids, labels) -> loss`` for warm-up + measured steps; timing and peak GPU memory."""
+    import torch
+    cuda = cfg["device"] == "cuda"
+    times, losses = [], []
+    for i in range(cfg["warmup"] + cfg["steps"]):
+        if cuda and i == cfg["warmup"]:
+            torch.cuda.reset_peak_memory_stats()
+        ids, labels = next(data)
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = float(step(ids, labels))
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        print(f"step {i}{' (warm-up)' if i < cfg['warmup'] else ''}: loss {loss:.4f} {dt:.3f} s", flush=True)
+        if i >= cfg["warmup"]:
+            times.append(dt)
+            losses.append(loss)
+    return {"step_s": times, "median_step_s": statistics.median(times), "losses": losses,
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else 0}
+
+
+def host_peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def finish_row(system: str, cfg: dict, raw: dict) -> dict:
+    """The figures every row has, computed the same way for every system from what it measured."""
+    tokens = raw["batch"] * cfg["seq"]
+    step_s = raw["median_step_s"]
+    row = {"system": system, "model": cfg["model"], "batch": raw["batch"], "seq": cfg["seq"],
+           "gpu_memory": cfg["gpu_memory"], "device": cfg["device"], "steps": cfg["steps"], "warmup": cfg["warmup"],
+           "params": raw["params"], "median_step_s": step_s, "step_s": raw["step_s"],
+           "model_tflops": 6 * raw["params"] * tokens / step_s / 1e12,
+           "hardware_tflops": raw["hardware_flops"] / step_s / 1e12, "tokens_per_s": tokens / step_s,
+           "peak_gpu_gib": raw["peak_gpu_bytes"] / GiB, "host_rss_gib": host_peak_rss_bytes() / GiB,
+           "predicted_step_s": raw.get("predicted_step_s"), "losses": raw["losses"]}
+    if row["predicted_step_s"]:
+        row["predicted_over_measured"] = row["predicted_step_s"] / step_s
+    return {**row, **{k: v for k, v in raw.items() if k not in row and k not in ("hardware_flops", "peak_gpu_bytes")}}
+
+
+def worker_main(argv: list[str]) -> int:
+    """``python -m lazytrain.bench worker SYSTEM CFG.json OUT.json``: run one system, write its row."""
+    system, cfg_path, out_path = argv
+    cfg = json.loads(Path(cfg_path).read_text())
+    module, opts = SYSTEMS[system]
+    base = {"system": system, "batch": cfg["batch"]}
+    try:
+        import torch
+        if cfg["device"] == "cuda":
+            base["gpu_name"] = torch.cuda.get_device_name(0)
+        mod = load_bench_module(f"systems/{module}")
+        row = {**base, **finish_row(system, cfg, mod.run(cfg, dict(opts)))}
+    except Exception as e:  # noqa: BLE001 - any failure of the system is its row, not a crash of the run
+        import traceback
+        traceback.print_exc()
+        oom = type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
+        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        row = {**base, "error": f"out of memory: {msg}" if oom else f"{type(e).__name__}: {msg}",
+               "host_rss_gib": host_peak_rss_bytes() / GiB}
+        try:
+            import torch
+            if cfg["device"] == "cuda":
+                row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GiB
+        except Exception:  # noqa: BLE001 - best effort only
+            pass
+    Path(out_path).write_text(json.dumps(row, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:
+        from lazytrain.bench import worker_main as _worker  # the package's module, not a second __main__ copy
+        sys.exit(_worker(sys.argv[2:]))
+    main(prog="python -m lazytrain.bench")
