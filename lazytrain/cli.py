@@ -45,7 +45,7 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="milp", choices=["milp", "megatrain", "recompute-all", "keep-all"])
     p.add_argument("--optimizer", default="hybrid8bit", choices=["hybrid8bit", "adamw"])
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
-    p.add_argument("--time-limit", type=float, default=None, help="MILP time limit per solve, seconds")
+    p.add_argument("--time-limit", type=_positive_float, default=None, help="MILP time limit per solve, seconds")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype")
 
 
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         return a.fn(a)
-    except (PlanError, ValueError, FileNotFoundError, RuntimeError) as e:
+    except (PlanError, ValueError, OSError, RuntimeError) as e:
         print(f"lazytrain {a.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -78,10 +78,17 @@ def _unknown_preset(spec: str) -> ValueError:
 
 def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source: str = "config") -> nn.Module:
     """Build a model from a config dict (a preset's or a Hugging Face ``config.json``'s)."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{source}: a model config must be a JSON object, got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
     if model_type == "lazytrain-gpt":
         from ..models.gpt import GPT, GPTConfig
-        gcfg = GPTConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+        try:
+            gcfg = GPTConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+        except TypeError as e:
+            raise ValueError(f"{source}: bad lazytrain-gpt config: {e}") from None
+        _check_ints(gcfg.__dict__, [k for k, v in gcfg.__dict__.items() if type(v) is int or k in
+                                    ("vocab", "d_model", "n_layer", "n_head", "d_ff", "max_seq")], source)
         with torch.device(device):
             return GPT(gcfg).to(dtype)
     if model_type not in HF_ARCHS:
@@ -91,6 +98,14 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
     missing = [k for k in HF_REQUIRED if k not in cfg]
     if missing:
         raise ValueError(f"{source}: {model_type} config is missing {', '.join(missing)}")
+    _check_ints(cfg, [*HF_REQUIRED, *(k for k in ("num_key_value_heads", "head_dim") if cfg.get(k) is not None)],
+                source)
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if heads % kv:
+        raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    if cfg.get("head_dim") is None and cfg["hidden_size"] % heads:
+        raise ValueError(f"{source}: hidden_size {cfg['hidden_size']} is not a multiple of num_attention_heads "
+                         f"{heads} (and no head_dim is given)")
     tf = _transformers()
     fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")}
     hf_cfg = tf.AutoConfig.for_model(model_type, **fields)
@@ -98,6 +113,13 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
     with torch.device(device):
         model = tf.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
     return model.to(dtype)
+
+
+def _check_ints(cfg: dict, keys, source: str) -> None:
+    for k in keys:
+        v = cfg.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{source}: {k} must be a positive whole number, got {v!r}")
 
 
 def build_model(spec: str, device="meta", dtype=torch.bfloat16) -> nn.Module:

@@ -179,5 +179,7 @@ def _check_budgets(b: dict) -> None:
             _need(v is None or isinstance(v, str), f"plan budget nvme_dir must be a path or null, got {v!r}")
             if isinstance(v, str):
                 _need("\x00" not in v, "plan budget nvme_dir contains a NUL byte")
+                _need(".." not in v.replace("\\", "/").split("/"),
+                      f"plan budget nvme_dir {v!r} climbs out with '..': the NVMe folder must be a plain path")
         elif v is not None:
             check_value(v, int, f"budgets.{key}")

@@ -4,6 +4,13 @@ A file holds the raw bytes of one contiguous host tensor (no header: dtype and s
 ``NvmeFile`` record the runtime keeps).  Reads go straight into a pinned host buffer
 (``readinto``), so the following H2D copy needs no staging.  Files are named by what they hold
 (``act3_mb2_<value>.bin``), so a step overwrites the previous step's file of the same tensor.
+
+Safety: file names are made from tags with every character outside ``[A-Za-z0-9_.-]`` replaced, so
+no name holds a separator; each path is checked to lie directly in the folder, and files are
+opened with ``O_NOFOLLOW``, so a symlink planted in the folder cannot redirect a write elsewhere.
+A folder given as a relative path with ``..`` is refused.  The folder is probed at construction:
+not writable, or less free space than ``need_bytes`` (the plan's NVMe peak), is an
+:class:`NvmeError` before any training starts.
 """
 
 from __future__ import annotations
@@ -24,22 +31,49 @@ class NvmeFile:
     nbytes: int
 
 
+class NvmeError(OSError):
+    """The NVMe folder cannot be used: not writable, too small, or a path that escapes it."""
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
 class NvmeStore:
-    def __init__(self, root: str | os.PathLike | None):
+    def __init__(self, root: str | os.PathLike | None, need_bytes: int = 0):
         self._own = root is None
-        self.root = Path(tempfile.mkdtemp(prefix="lazytrain-nvme-")) if root is None else Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if root is not None and not Path(root).is_absolute() and ".." in Path(root).parts:
+            raise NvmeError(f"NVMe folder {str(root)!r} climbs out with '..': give an absolute path")
+        try:
+            self.root = Path(tempfile.mkdtemp(prefix="lazytrain-nvme-")) if root is None else Path(root)
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.root = self.root.resolve()
+            probe = self.root / f".lazytrain-probe-{os.getpid()}"
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o600)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise NvmeError(f"NVMe folder {root} is not writable ({e.strerror or e}): choose another --nvme-dir "
+                            f"or fix its permissions") from None
+        free = shutil.disk_usage(self.root).free
+        if need_bytes > free:
+            raise NvmeError(f"NVMe folder {self.root} has {free / 2**30:.2f} GiB free but the plan spills up to "
+                            f"{need_bytes / 2**30:.2f} GiB there: free space, or compile with a smaller "
+                            f"--nvme-memory")
         self.bytes_written = 0
         self.bytes_read = 0
 
     def path(self, tag: str) -> str:
-        return str(self.root / (re.sub(r"[^A-Za-z0-9_.-]+", "_", tag) + ".bin"))
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", tag) + ".bin"
+        path = self.root / name
+        if path.parent != self.root:
+            raise NvmeError(f"NVMe file name {name!r} would leave {self.root}")
+        return str(path)
 
     def write(self, tag: str, host: torch.Tensor) -> NvmeFile:
         """Write a contiguous host byte tensor (runs on the NVMe thread)."""
         path = self.path(tag)
         view = memoryview(host.numpy())
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o600)
         try:
             done = 0
             while done < len(view):
@@ -54,7 +88,7 @@ class NvmeStore:
         view = memoryview(into.numpy())
         if len(view) != f.nbytes:
             raise ValueError(f"{f.path}: expected {f.nbytes} bytes, the buffer holds {len(view)}")
-        with open(f.path, "rb", buffering=0) as fh:
+        with os.fdopen(os.open(f.path, os.O_RDONLY | _NOFOLLOW), "rb", buffering=0) as fh:
             done = 0
             while done < f.nbytes:
                 n = fh.readinto(view[done:])
