@@ -48,7 +48,7 @@ class TrainConfig:
     difficulty: str = "tiny"
     batch: int = 32
     seq: int | None = None           # default: the difficulty's longest example
-    steps: int = 1500
+    steps: int = 3000
     lr: float = 3e-3
     warmup: int = 50
     min_lr_ratio: float = 0.1
@@ -258,6 +258,8 @@ def run(cfg: TrainConfig) -> dict:
     for name in ("batch", "steps"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.eval_every < 0 or cfg.warmup < 0:
+        raise ValueError("--eval-every and --warmup must be >= 0")
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be positive, got {cfg.lr}")
     if cfg.time_limit_min is not None and cfg.time_limit_min <= 0:

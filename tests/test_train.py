@@ -94,3 +94,29 @@ def test_lr_schedule_warms_up_then_anneals():
     assert lr_at(cfg, 50, 0.5) == pytest.approx(0.55)
     assert lr_at(cfg, 99, 1.0) == pytest.approx(0.1)
     assert lr_at(cfg, 99, 2.0) == pytest.approx(0.1)
+
+
+def test_ctrl_c_stops_after_the_step_and_saves(tmp_path):
+    """SIGINT once: the step in flight finishes, checkpoint and metrics are written (marked
+    interrupted), nothing half-written is left behind, and the exit status is 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "lazytrain.cli", "train", *TINY, "--steps", "100000",
+                          "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    first = p.stdout.readline()
+    assert first.startswith("model task"), first + p.stdout.read()
+    time.sleep(2)
+    p.send_signal(signal.SIGINT)
+    rest = p.communicate(timeout=120)[0]
+    assert p.returncode == 0, rest
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["interrupted"] and m["stop_reason"] == "interrupted" and m["exact_match"] is None
+    assert 1 <= m["steps_done"] < 100000
+    ckpt = json.loads((out / "checkpoint" / "checkpoint.json").read_text())
+    assert ckpt["step"] == m["steps_done"]
+    assert not list(out.glob("*.tmp*"))
