@@ -51,6 +51,18 @@ class Sizes:
         b = self.graph.blocks[block]
         return b.workspace_bytes * self.micro_batch + b.workspace_fixed_bytes
 
+    def param_grad_transient(self, block: int) -> int:
+        """Backward returns all of a block's parameter gradients at once (``autograd.grad``), in the
+        parameter dtype, before they are added into the fp32 accumulator: one params-sized transient
+        (measured: 0.58 GiB for qwen2.5-3b's embedding, 0.14 GiB per layer)."""
+        return self.graph.blocks[block].param_numel * self.param_bytes
+
+    def grad_cast_transient(self, block: int) -> int:
+        """``grad_offload`` casts the fp32 accumulator to the host gradient dtype on the GPU first."""
+        gpu, host = self.of(TensorId(kind=TensorKind.GRADS, index=block)), \
+            self.of(TensorId(kind=TensorKind.GRADS, index=block), Tier.HOST)
+        return host if host != gpu else 0
+
 
 @dataclass(frozen=True, slots=True)
 class Effects:
@@ -88,12 +100,12 @@ def effects(op: Op, sizes: Sizes) -> Effects:
         writes = [(TensorId(kind=TensorKind.GRADS, index=j), G)]
         if j > 0:
             writes.append((TensorId(kind=TensorKind.GRAD_ACT, index=j, mb=m), G))
-        return Effects(tuple(reads), tuple(writes), tuple(drops), sizes.workspace(j))
+        return Effects(tuple(reads), tuple(writes), tuple(drops), sizes.workspace(j) + sizes.param_grad_transient(j))
     if k in (OpKind.OFFLOAD, OpKind.RELOAD):
         return Effects(((op.tensor, op.src),), ((op.tensor, op.dst),), ())
     if k is OpKind.GRAD_OFFLOAD:
         g = TensorId(kind=TensorKind.GRADS, index=j)
-        return Effects(((g, G),), ((g, Tier.HOST),), ((g, G),))
+        return Effects(((g, G),), ((g, Tier.HOST),), ((g, G),), sizes.grad_cast_transient(j))
     if k is OpKind.UPDATE:   # consumes the host gradients of every block that reads j's parameters
         gs = tuple((TensorId(kind=TensorKind.GRADS, index=c), Tier.HOST) for c in sizes.contributors(j))
         return Effects(gs, (), gs)

@@ -113,6 +113,19 @@ def track(trainer):
         mem.mark_host(buf)
         return buf
 
+    cuda = trainer.device.type == "cuda"
+
+    def wrap_cuda(fn):       # on a GPU: the allocator's figures, one op at a time (synchronised)
+        def run(c, op):
+            torch.cuda.synchronize(trainer.device)
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+            before = torch.cuda.memory_allocated(trainer.device)
+            fn(c, op)
+            torch.cuda.synchronize(trainer.device)
+            mem.records.append(OpMemory(op=op, before=before, peak=torch.cuda.max_memory_allocated(trainer.device),
+                                        after=torch.cuda.memory_allocated(trainer.device)))
+        return run
+
     def wrap(fn):
         def run(c, op):
             mem.op_id = op.id
@@ -125,10 +138,11 @@ def track(trainer):
         return run
 
     for k, fn in saved_handlers.items():
-        interpreter.HANDLERS[k] = wrap(fn)
-    pool.acquire = host_acquire
+        interpreter.HANDLERS[k] = wrap_cuda(fn) if cuda else wrap(fn)
+    if not cuda:
+        pool.acquire = host_acquire
     try:
-        with _Mode(mem, trainer.device):
+        with contextlib.nullcontext() if cuda else _Mode(mem, trainer.device):
             yield mem
     finally:
         interpreter.HANDLERS.update(saved_handlers)
