@@ -188,10 +188,13 @@ class Compiler:
             plan = None
             budget = self.budgets["gpu_bytes"]
             stats = None
+            why = "the heuristic warm start simulated faster"
             for _ in range(3):
                 try:
                     dec, stats = solve(self, mb, batch_size // mb, warm=warm, gpu_bytes=budget)
-                except PlanError:
+                except PlanError as e:
+                    why = f"the MILP gave no plan ({e})"
+                    stats = getattr(e, "stats", stats)
                     break
                 trial = self.build(dec, batch_size, check_budget=False)
                 excess = trial.predicted["peak_gpu_bytes"] - self.budgets["gpu_bytes"]
@@ -200,8 +203,12 @@ class Compiler:
                     break
                 budget -= int(excess * 1.05) + 1
             if warm is not None and (plan is None or warm.predicted["step_time_s"] < plan.predicted["step_time_s"]):
+                if plan is None:
+                    import warnings
+                    warnings.warn(f"micro-batch {mb}: {why}; using the {warm.decisions.policy} plan instead",
+                                  stacklevel=2)
                 plan = warm
-                plan.decisions.notes["milp_fallback"] = "the heuristic warm start simulated faster"
+                plan.decisions.notes["milp_fallback"] = f"{why}: {warm.decisions.policy} plan used"
             if plan is None:
                 if warm is None:
                     larger = []          # feasibility is monotone in the micro-batch: stop growing
@@ -304,6 +311,12 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
 
 
 def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:
+    host_need = int(comp.graph.total_params * comp.options["host_bytes_per_param"])
+    if host_need > comp.budgets["host_bytes"]:    # the host store alone does not fit: say that first
+        return BudgetError(
+            f"needs at least {host_need / GiB:.2f} GiB of host memory for the parameters and optimizer state of "
+            f"{comp.graph.total_params / 1e9:.2f} B parameters ({comp.options['host_bytes_per_param']} bytes "
+            f"each); the budget is {comp.budgets['host_bytes'] / GiB:.2f} GiB")
     need = comp.smallest_gpu_need(batch_size, micro_batch)
     res = comp.budgets["gpu_reserve_bytes"]
     from .solvers.heuristics import HEURISTICS
@@ -317,14 +330,9 @@ def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, poli
                 f"policy {policy} needs at least {(own_need + res) / GiB:.2f} GiB of GPU memory for batch "
                 f"{batch_size}, seq {comp.graph.seq_len} (micro-batch {mb}); the budget is {budget:.2f} GiB. "
                 f"The milp policy needs only {(need + res) / GiB:.2f} GiB: use --policy milp, or lower the batch")
-    host_need = int(comp.graph.total_params * comp.options["host_bytes_per_param"])
     msg = (f"needs at least {(need + res) / GiB:.2f} GiB of GPU memory for batch {batch_size}, seq "
            f"{comp.graph.seq_len} (plan peak {need / GiB:.2f} GiB + {res / GiB:.2f} GiB reserve); the budget is "
            f"{comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB: lower the batch or the sequence, or raise --gpu-memory")
-    if host_need > comp.budgets["host_bytes"]:
-        msg = (f"needs at least {host_need / GiB:.2f} GiB of host memory for the parameters and optimizer "
-               f"state of {comp.graph.total_params / 1e9:.2f} B parameters ({comp.options['host_bytes_per_param']} "
-               f"bytes each); the budget is {comp.budgets['host_bytes'] / GiB:.2f} GiB")
     return BudgetError(msg)
 
 

@@ -28,6 +28,7 @@ resources issue independently.  A failure names the op, as ``torch.fx.Interprete
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
@@ -49,12 +50,27 @@ HANDLERS: dict[OpKind, Callable[[Ctx, Op], None]] = {
 }
 
 
+#: GPU-stream ops the host may issue ahead of the GPU.  Memory is allocated when an op is issued and
+#: a freed block is reusable only once the stream has passed it, so an issuing thread that runs far
+#: ahead (a first step, with no lagged update to wait for) holds the outputs of many blocks at once:
+#: seen as an out-of-memory on a 36-layer model whose plan peaked at 13 GiB.  Two in flight keep
+#: the stream fed (each op is a block's work for a micro-batch) and memory as ``verify`` counted it.
+MAX_AHEAD = 2
+
+
 def run(ctx: Ctx, ops: Sequence[Op]) -> None:
+    inflight: deque = deque()
     for op in dispatch(ctx, ops):
         try:
             HANDLERS[op.kind](ctx, op)
         except Exception as e:
             raise RuntimeError(f"while executing op #{op.id} ({h.describe(op)}): {e}") from e
+        if op.resource is Resource.GPU:
+            ev = ctx.done.get(op.id)
+            if ev is not None and not isinstance(ev, Future):
+                inflight.append(ev)
+                while len(inflight) > MAX_AHEAD:
+                    inflight.popleft().synchronize()
 
 
 def on_worker(op: Op) -> bool:

@@ -72,8 +72,14 @@ class Trainer:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        from ..ir import verify
+        verify(plan)                  # a plan read back from a file or checkpoint is checked like a fresh one
         self.plan = plan
         self.model = model
+        uses_nvme = any("nvme" in (op.src and op.src.value, op.dst and op.dst.value) for op in plan.ops)
+        # the NVMe folder is checked (writable, room for the plan's NVMe peak) before anything is allocated
+        nvme = NvmeStore(nvme_dir or plan.budgets.get("nvme_dir"),
+                         need_bytes=int(plan.predicted.get("peak_nvme_bytes", 0))) if uses_nvme else None
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("the model's parameters are on the meta device: build it with real weights to train")
         param_dtype = _torch_dtype(plan.param_dtype)
@@ -127,9 +133,6 @@ class Trainer:
                 init[s.offset:s.offset + s.numel].copy_(src.detach().reshape(-1))
             self.store.load[j].copy_(init)
             optimizer.setup(j, init, self.store.load[j], lay.opt_segments())
-        nvme = NvmeStore(nvme_dir or plan.budgets.get("nvme_dir")) if any(
-            (op.src is not None and op.src.value == "nvme") or (op.dst is not None and op.dst.value == "nvme")
-            for op in plan.ops) else None
         from .streams import Streams
         rg = {t.name for b in self.program.graph.blocks for t in (*b.inputs, *b.outputs) if t.requires_grad}
         self.ctx = Ctx(plan=plan, program=self.program, device=self.device, streams=Streams(self.device),

@@ -198,7 +198,10 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
                         seconds=round(secs, 3))
     if not ok:
         from ...ir import PlanError
-        raise PlanError(f"MILP found no feasible plan at micro-batch {micro_batch} ({status.name.lower()})")
+        err = PlanError(f"no feasible plan found at micro-batch {micro_batch} ({status.name.lower()}"
+                        f"{f' within the time limit of {limit:.1f} s' if status.name != 'INFEASIBLE' else ''})")
+        err.stats = stats
+        raise err
     def val(v) -> bool:
         return v.x is not None and v.x > 0.5
 
