@@ -82,7 +82,6 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("run_plan.py needs a CUDA GPU")
 
-    from lazytrain.compiler.presets import build_model
     torch.manual_seed(0)
     t = time.perf_counter()
     model = random_model(a.model)

@@ -3,7 +3,7 @@
 import json
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -14,7 +14,7 @@ from lazytrain.compiler.trace import trace
 from lazytrain.ir import GiB, OpKind, Place, Plan, PlanError, Saved, Tier, verify
 
 
-@lru_cache(maxsize=None)
+@cache
 def graph(name: str, seq: int = 1024):
     return trace(build_model(name), seq_len=seq)
 
