@@ -84,7 +84,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                         f"(default {d.time_limit_min:g})")
     p.add_argument("--output", default=d.output, metavar="DIR", help=f"metrics.json + checkpoint/ (default {d.output})")
     p.add_argument("--resume", default=None, metavar="DIR", help="continue the run saved in DIR (an --output folder)")
-    p.add_argument("--loss-on-prompt", action="store_true", help="loss on every token, not only the answer")
+    p.add_argument("--answer-only-loss", action="store_true",
+                   help="loss on the answer only (default: on every token; see lazytrain/train.py)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU")
     p.add_argument("--threads", type=_positive, default=None,
                    help="CPU threads (default: the cores the load average leaves idle, at least 1)")
@@ -179,7 +180,7 @@ def cmd_train(a) -> int:
                       warmup=a.warmup, gpu_memory=a.gpu_memory, host_memory=a.host_memory, policy=a.policy,
                       eval_every=a.eval_every, eval_size=a.eval_size, seed=a.seed,
                       time_limit_min=a.time_limit_min or None, output=a.output, resume=a.resume,
-                      loss_on_prompt=a.loss_on_prompt, device=a.device, threads=a.threads,
+                      loss_on_prompt=not a.answer_only_loss, device=a.device, threads=a.threads,
                       progress=not a.no_progress)
     run(cfg)
     return 0

@@ -11,8 +11,12 @@ Choices, written down so the next person sees them:
   vocabulary is the char tokenizer's (98), positions cover ``--seq``.  Any preset, Hugging Face
   ``config.json`` folder (random init) or Hugging Face folder with weights (fine-tuning) works too,
   as long as its vocabulary covers the tokenizer's ids.
-- *Loss.* On the answer and its eos only (``--loss-on-prompt`` for every token): the prompt's numbers
-  are random, so predicting them only adds noise to the gradient that exact match depends on.
+- *Loss.* On every token of the sequence by default (``--answer-only-loss`` for the answer and its
+  eos only).  Measured on the task GPT at batch 32, lr 3e-3: answer-only was still at ~1% exact
+  match after 1,000 steps (it answers "1", "11", "101" whatever the question: nothing reads the
+  numbers yet), whole-sequence reached 13% at 2,000 steps and rising.  The prompt repeats its name
+  and item ("Mia has 23 pens ... How many pens now?"), and predicting the repeats trains the
+  look-back attention that reading the numbers needs; the answer alone is ~4 labels per example.
 - *Schedule.* Linear warm-up, then cosine to ``min_lr_ratio * lr``.  Its progress is the larger of
   the step fraction and the time fraction of ``--time-limit-min``, so on a slow or busy machine the
   learning rate still anneals before time runs out instead of stopping at a high rate.  The
@@ -54,14 +58,14 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    loss_on_prompt: bool = False
+    loss_on_prompt: bool = True
     gpu_memory: str | None = None
     host_memory: str | None = None
     policy: str = "milp"
     eval_every: int = 0              # 0: only at the end
     eval_size: int = 500
     seed: int = 0
-    time_limit_min: float | None = 8.0
+    time_limit_min: float | None = 8.5
     output: str = "runs/train"
     resume: str | None = None
     device: str | None = None        # default: cuda if available, else cpu
