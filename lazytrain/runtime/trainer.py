@@ -72,6 +72,8 @@ class Trainer:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda":
+            _expandable_segments()
         from ..ir import verify
         verify(plan)                  # a plan read back from a file or checkpoint is checked like a fresh one
         self.plan = plan
@@ -302,3 +304,17 @@ class Trainer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _expandable_segments() -> None:
+    """Ask the CUDA caching allocator for expandable segments unless the user configured it: blocks
+    of many sizes (parameters, activations, loss chunks) otherwise fragment it, and a plan near its
+    budget met 1.6 GiB of reserved-but-unusable memory on the H200.  Only effective before the
+    process's first CUDA allocation; harmless after."""
+    import os
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+        return
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except Exception:  # noqa: BLE001 - an allocator without the option: keep the default
+        pass
