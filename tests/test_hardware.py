@@ -4,7 +4,14 @@ import time
 
 import pytest
 
-from lazytrain.compiler.hardware import PROFILES, HardwareProfile, get_profile, layer_flops
+from lazytrain.compiler.hardware import (
+    EAGER_LAYER_EFFICIENCY,
+    EXPORTED_BLOCK_SLOWDOWN,
+    PROFILES,
+    HardwareProfile,
+    get_profile,
+    layer_flops,
+)
 
 GiB = 2**30
 QWEN3B_LAYER_PARAMS = 77_076_992  # Qwen2.5-3B decoder layer: hidden 2048, 16 q heads, 2 kv heads, MLP 11008
@@ -33,13 +40,18 @@ def test_h200_is_the_design_measurement():
 )
 def test_h200_calibration_reproduces_one_qwen_layer(micro_batch, forward_ms, forward_backward_ms):
     """DESIGN §6: one eager Qwen2.5-3B layer at micro-batch 8 x 1024, forward 2.77 ms, fwd+bwd 8.48 ms."""
-    p = PROFILES["h200"]
+    p = dataclasses.replace(PROFILES["h200"], compute_efficiency=EAGER_LAYER_EFFICIENCY)
     flops = layer_flops(QWEN3B_LAYER_PARAMS, micro_batch, 1024, 2048)
     forward = p.block_seconds(flops)
     backward = p.block_seconds(2 * flops)
     if forward_ms is not None:
         assert forward * 1e3 == pytest.approx(forward_ms, rel=0.10)
     assert (forward + backward) * 1e3 == pytest.approx(forward_backward_ms, rel=0.10)
+
+
+def test_h200_efficiency_is_the_eager_fit_scaled_by_the_measured_block_slowdown():
+    assert PROFILES["h200"].compute_efficiency == pytest.approx(EAGER_LAYER_EFFICIENCY / EXPORTED_BLOCK_SLOWDOWN)
+    assert 1.1 < EXPORTED_BLOCK_SLOWDOWN < 1.2
 
 
 def test_layer_flops_counts_causal_attention_as_half():
