@@ -155,6 +155,12 @@ class Compiler:
         feasible = [p for p in built.values() if p is not None]
         return min(feasible, key=lambda p: p.predicted["step_time_s"])
 
+    def _heuristic_at(self, batch_size: int, mb: int) -> Plan | None:
+        """The best heuristic plan at exactly this micro-batch (a warm start), or None."""
+        plans = [p for pol in ("megatrain", "recompute-all", "keep-all")
+                 if (p := self.best(pol, batch_size, mb)) is not None]
+        return min(plans, key=lambda p: p.predicted["step_time_s"]) if plans else None
+
     def _within_budgets(self, plan: Plan) -> bool:
         """Check a plan built without budgets against them, and adopt the budgets if it fits."""
         pred, b = plan.predicted, self.budgets
@@ -164,7 +170,7 @@ class Compiler:
             plan.budgets = dict(b)
         return ok
 
-    def best_milp(self, batch_size: int, micro_batch: int | None, top: int = 1) -> Plan | None:
+    def best_milp(self, batch_size: int, micro_batch: int | None, top: int = 2) -> Plan | None:
         """Heuristics over every candidate micro-batch (cheap), then the MILP at the ``top`` most
         promising ones, warm-started from the best heuristic there.  The result is never worse than
         that heuristic: if the solver's plan simulates slower, the heuristic's plan is returned."""
@@ -179,6 +185,12 @@ class Compiler:
         cands = self.micro_batches(batch_size, micro_batch)
         top_mb = max(by_mb) if by_mb else 0
         tries = [(mb, by_mb[mb]) for mb in list(by_mb)[:top]]
+        if by_mb and len(tries) < top:
+            # the heuristics agree on one micro-batch: also try the next smaller one, where the MILP
+            # may keep more activations and so beat the larger micro-batch
+            best_mb = next(iter(by_mb))
+            smaller = [mb for mb in cands if mb < best_mb][:top - len(tries)]
+            tries += [(mb, self._heuristic_at(batch_size, mb)) for mb in smaller]
         larger = sorted(mb for mb in cands if mb > top_mb)
         best: Plan | None = None
         extra = 0

@@ -260,7 +260,7 @@ def _model(mip, solver: str):
 
 
 def _default_limit(L: int) -> float:
-    return 10.0 if L <= 40 else 8.0
+    return 10.0
 
 
 def _warm_start(dec: Decisions, keep, host, nvme, rec, bg, bh, bn):
