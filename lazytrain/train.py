@@ -8,9 +8,11 @@ Choices, written down so the next person sees them:
 - *Machine.* CUDA when there is a GPU (hardware profile matched by the GPU's name, bf16 parameters),
   else CPU mode (the ``cpu`` profile, fp32 parameters: CPUs have no fast bf16 matmul).
 - *Model.* ``--model task`` (the default) is a small GPT sized for the task (``TASK_GPT``): the
-  vocabulary is the char tokenizer's (98), positions cover ``--seq``.  Any preset, Hugging Face
-  ``config.json`` folder (random init) or Hugging Face folder with weights (fine-tuning) works too,
-  as long as its vocabulary covers the tokenizer's ids.
+  vocabulary is the char tokenizer's (98), positions cover ``--seq``.  Rotary positions
+  (``TrainConfig(extra={"rope": True})``) were not better: 9.0% exact match after
+  2,259 steps in 9 min (1 thread, load ~2) against 14.4% after 2,721 steps with learned positions.
+  Any preset, Hugging Face ``config.json`` folder (random init) or Hugging Face folder with weights
+  (fine-tuning) works too, as long as its vocabulary covers the tokenizer's ids.
 - *Loss.* On every token of the sequence by default (``--answer-only-loss`` for the answer and its
   eos only).  Measured on the task GPT at batch 32, lr 3e-3: answer-only was still at ~1% exact
   match after 1,000 steps (it answers "1", "11", "101" whatever the question: nothing reads the
@@ -42,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-#: the default model: a GPT sized so the "tiny" task reaches >= 90% exact match in minutes on 2 CPU cores
+#: the default model for the "tiny" task (the aim, >= 90% exact match in 10 min on 2 CPU cores, is not met yet)
 TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512}
 
 
@@ -52,7 +54,7 @@ class TrainConfig:
     difficulty: str = "tiny"
     batch: int = 32
     seq: int | None = None           # default: the difficulty's longest example
-    steps: int = 3000
+    steps: int = 6000                # more than 9 min allow on 2 CPU cores: the time limit ends the run
     lr: float = 3e-3
     warmup: int = 50
     min_lr_ratio: float = 0.1
@@ -65,7 +67,7 @@ class TrainConfig:
     eval_every: int = 0              # 0: only at the end
     eval_size: int = 500
     seed: int = 0
-    time_limit_min: float | None = 8.5
+    time_limit_min: float | None = 9.0
     output: str = "runs/train"
     resume: str | None = None
     device: str | None = None        # default: cuda if available, else cpu

@@ -22,6 +22,8 @@ def _hf(model_type: str, tied: bool, **extra) -> dict:
 CONFIGS = {
     "gpt": {"model_type": "lazytrain-gpt", "vocab": 257, "d_model": 64, "n_layer": 6, "n_head": 4, "d_ff": 128,
             "max_seq": 64, "tie_weights": True},
+    "gpt-rope": {"model_type": "lazytrain-gpt", "vocab": 257, "d_model": 64, "n_layer": 6, "n_head": 4, "d_ff": 128,
+                 "max_seq": 64, "tie_weights": True, "rope": True},
     "qwen2": _hf("qwen2", True),
     "llama": _hf("llama", False),
     "qwen3": _hf("qwen3", False, head_dim=32),

@@ -66,11 +66,12 @@ def test_flops_scale_linearly_with_micro_batch():
     assert 2 * layer.param_numel * 64 < layer.fwd_flops < 2 * layer.param_numel * 64 * 1.5
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "gpt"])
+@pytest.mark.parametrize("kind", ["qwen2", "gpt", "gpt-rope"])
 def test_saved_estimate_matches_real_cpu_run(kind):
     """The meta estimate vs what saved_tensors_hooks see running the layer on CPU, fp32, micro-batch 2."""
     cfg = TINY_QWEN2 if kind == "qwen2" else {"model_type": "lazytrain-gpt", "vocab": 257, "d_model": 64,
-                                              "n_layer": 6, "n_head": 4, "d_ff": 256, "max_seq": 256}
+                                              "n_layer": 6, "n_head": 4, "d_ff": 256, "max_seq": 256,
+                                              "rope": kind == "gpt-rope"}
     torch.manual_seed(0)
     model = build_from_config(cfg, device="cpu", dtype=torch.float32)
     seq, mb, j = 128, 2, 3

@@ -120,3 +120,13 @@ def test_ctrl_c_stops_after_the_step_and_saves(tmp_path):
     ckpt = json.loads((out / "checkpoint" / "checkpoint.json").read_text())
     assert ckpt["step"] == m["steps_done"]
     assert not list(out.glob("*.tmp*"))
+
+
+def test_rope_scores_depend_only_on_the_offset():
+    """Rotary positions: q_i . k_j is a function of i - j, and the rotation keeps norms."""
+    from lazytrain.models.gpt import rotate
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16, generator=g), torch.randn(1, 1, 1, 16, generator=g)
+    qs, ks = rotate(q.expand(1, 1, 12, 16), 10000.0), rotate(k.expand(1, 1, 12, 16), 10000.0)
+    assert torch.allclose(qs.norm(dim=-1), q.norm(dim=-1).expand(1, 1, 12), atol=1e-5)
+    assert torch.allclose((qs[0, 0, 7] * ks[0, 0, 4]).sum(), (qs[0, 0, 3] * ks[0, 0, 0]).sum(), atol=1e-4)
