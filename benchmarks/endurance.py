@@ -25,16 +25,9 @@ import time
 import torch
 
 import lazytrain
+from lazytrain.bench import host_rss_bytes
 from lazytrain.compiler.presets import build_model
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
-
-
-def host_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _plan(model, args, nvme_dir: str) -> lazytrain.Plan:

@@ -21,16 +21,9 @@ import time
 import torch
 
 import lazytrain
+from lazytrain.bench import host_rss_bytes
 from lazytrain.ir import GiB
 from lazytrain.units import parse_size
-
-
-def host_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def random_model(name: str, dtype=torch.bfloat16) -> torch.nn.Module:

@@ -355,10 +355,22 @@ def measure(cfg: dict, step, data) -> dict:
 
 
 def host_peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+    return proc_status_bytes("VmHWM")
+
+
+def host_rss_bytes() -> int:
+    return proc_status_bytes("VmRSS")
+
+
+def proc_status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (0 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
 
 
