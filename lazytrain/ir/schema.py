@@ -144,7 +144,8 @@ def check_plan(plan: Plan) -> None:
           f"plan batch_size {plan.batch_size} is not micro_batch {dec.micro_batch} x n_micro {dec.n_micro}")
     _check_budgets(plan.budgets)
     for key, v in plan.predicted.items():
-        if isinstance(v, dict):
+        if key == "busy_s":               # the only table among the predicted figures
+            _need(isinstance(v, dict), f"plan field predicted.busy_s must be an object, got {type(v).__name__}")
             for k2, x in v.items():
                 check_value(x, float, f"predicted.{key}.{k2}")
         else:
