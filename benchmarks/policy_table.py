@@ -1,0 +1,43 @@
+"""Each policy's predicted step time and peak GPU memory (issue 2's table), and the 72B compile time.
+
+    python benchmarks/policy_table.py
+
+h200 profile, seq 1024, 24 GiB; no GPU needed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from lazytrain.compiler.api import compile_model
+from lazytrain.compiler.presets import build_model
+from lazytrain.compiler.trace import trace
+from lazytrain.ir import GiB, PlanError
+
+COMPILE_72B = ("import time, resource; t = time.time(); from lazytrain.compiler.api import compile_model; "
+               "compile_model('qwen2.5-72b', batch_size=72, gpu_memory='80GiB', host_memory='1TiB'); "
+               "print(f'qwen2.5-72b batch 72 at 80 GiB: compiled in {time.time() - t:.1f} s, max RSS '"
+               "f'{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB')")
+
+
+def main() -> None:
+    print("| model | batch | policy | predicted step s | micro-batch | peak GPU GiB | model TFLOPS |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for model in ("qwen2.5-3b", "qwen2.5-7b"):
+        g = trace(build_model(model), seq_len=1024)
+        for batch in (8, 32):
+            for policy in ("megatrain", "recompute-all", "keep-all", "milp"):
+                try:
+                    p = compile_model(g, batch_size=batch, gpu_memory="24GiB", policy=policy)
+                    print(f"| {model} | {batch} | {policy} | {p.predicted['step_time_s']:.3f} | {p.micro_batch} | "
+                          f"{p.predicted['peak_gpu_bytes'] / GiB:.1f} | {p.predicted['model_tflops']:.0f} |")
+                except PlanError as e:
+                    print(f"| {model} | {batch} | {policy} | does not fit: {str(e)[:70]} | | | |")
+    r = subprocess.run([sys.executable, "-c", COMPILE_72B], capture_output=True, text=True)
+    print(r.stdout.strip() or r.stderr.strip()[-300:])
+
+
+
+if __name__ == "__main__":
+    main()
