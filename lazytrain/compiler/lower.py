@@ -196,9 +196,7 @@ def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
                 pass                                  # stays until its segment's backward
             elif bplace[j] in (Place.HOST, Place.NVME) and j > 0:
                 offload_chain(a_in, cost.act_bytes(j), _T[bplace[j]], j, mb)
-            elif bplace[j] is Place.HOST and j == 0:
-                em(OpKind.FREE, j, mb=mb, tensor=a_in, src=G)     # the host still holds the batch
-            else:
+            else:                                     # not kept (boundary 0: the host still holds the batch)
                 em(OpKind.FREE, j, mb=mb, tensor=a_in, src=G)
             if dec.saved[j] in (Saved.HOST, Saved.NVME):
                 st = _tid(TensorKind.SAVED, j, mb)

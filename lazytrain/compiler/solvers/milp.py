@@ -25,9 +25,9 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
               T_X >= G_0/d2h + U_0 + P_0/h2d;  for j >= 1:
               T_X + sum_{k<j} T_{F_k} >= G_0/d2h + sum_{i<=j} U_i + P_j/h2d
               (without clipping: T_X >= G_0/d2h + U_0 + P_0/h2d and sum U <= T_X + sum_B T_w)
-    memory    per window, GPU bytes of: parameters (current + prefetched), the gradient accumulators
-              (B_j: block j's, and block j+1's still draining with its cast), saved activations kept so far, offloaded ones in flight (two micro-batches: the
-              lowering throttles compute to that) or
+    memory    per window, GPU bytes of: parameters (current + prefetched), block j's gradient
+              accumulator and backward temporaries (B_j), saved activations kept so far, offloaded ones
+              in flight (two micro-batches: the lowering throttles compute to that) or
               reloaded, kept boundaries, reloaded boundaries, boundary gradients, and the block's
               workspace  <=  budget;  host: static store + M sum_j (S_j host[j] + A_j bhost[j]) <= budget;
               NVMe likewise.
@@ -37,8 +37,9 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
 Coefficients come from the cost graph (compiler/costgraph.py).  The model is small (7L binaries,
 4L+1 continuous), so CBC or HiGHS solve it to a small gap in
 seconds even for 80 layers; identical layers are symmetric, so a time limit returns the incumbent
-and its gap.  The lowering's program-order memory is checked by ``ir.verify`` afterwards; if the
-window memory model was optimistic, the budget is tightened by the excess and the MILP re-solved.
+and its gap.  The lowered plan's memory is checked afterwards (``ir.verify`` in program order, the
+simulator in time order); a solution over budget is excluded by a no-good cut and the MILP re-solved,
+and after a few such cuts the window model's budget is tightened by the excess instead.
 """
 
 from __future__ import annotations
@@ -83,8 +84,6 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
     A = [cg.nodes[("boundary", i)]["bytes"] / GiB for i in range(L + 1)]
     W = [b / GiB for b in block_attr(cg, "workspace_bytes")]
     WB = [b / GiB for b in block_attr(cg, "backward_transient_bytes")]
-    CAST = [b / GiB for b in block_attr(cg, "grad_cast_bytes")] + [0.0]
-    Gnext = Gacc[1:] + [0.0]
     fwd = [t * MS for t in block_attr(cg, "fwd_s")]
     bwd = [t * MS for t in block_attr(cg, "bwd_s")]
     U = [t * MS for t in block_attr(cg, "update_s")]
