@@ -295,6 +295,24 @@ def loss_of(model, ids, labels):
     return out if hasattr(out, "backward") else out.loss
 
 
+def eager_step(model, opt, device, autocast=None):
+    """The baselines' training step: forward (under ``autocast`` if given), backward, clip at 1.0
+    (the same clipping LazyTrain's rows use), optimizer step; returns the loss."""
+    import contextlib
+
+    import torch
+
+    def step(ids, labels):
+        with autocast if autocast is not None else contextlib.nullcontext():
+            loss = loss_of(model, ids.to(device), labels.to(device))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
 def decoder_layers(model):
     """The model's decoder layers: its ``nn.ModuleList`` holding the most parameters."""
     from torch import nn

@@ -42,15 +42,7 @@ def run(cfg: dict, opts: dict) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], fused=True)   # on the CPU: fused CPU AdamW
         device = torch.device("cuda" if cuda else "cpu")
 
-        def step(ids, labels):
-            loss = bench.loss_of(model, ids.to(device), labels.to(device))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        m = bench.measure(cfg, step, bench.batches(cfg, vocab))
+        m = bench.measure(cfg, bench.eager_step(model, opt, device), bench.batches(cfg, vocab))
     finally:
         dist.destroy_process_group()
     return {**m, "batch": cfg["batch"], "params": params, "hardware_flops": 8 * params * cfg["batch"] * cfg["seq"],

@@ -24,16 +24,7 @@ def run(cfg: dict, opts: dict) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], fused=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
-    def step(ids, labels):
-        with autocast:
-            loss = bench.loss_of(model, ids.to(device), labels.to(device))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    m = bench.measure(cfg, step, bench.batches(cfg, vocab))
+    m = bench.measure(cfg, bench.eager_step(model, opt, device, autocast), bench.batches(cfg, vocab))
     factor = 8 if opts["checkpointing"] else 6          # checkpointing runs each forward twice
     return {**m, "batch": cfg["batch"], "params": params,
             "hardware_flops": factor * params * cfg["batch"] * cfg["seq"],
