@@ -145,6 +145,46 @@ def reduce_layers(clone: nn.Module, keep: int = 3) -> nn.Module:
 
 # ---------------------------------------------------------------------------------------- export
 
+CAUSAL_ATTENTION = "lazytrain_causal"
+
+
+def _every_layer_full_causal(cfg, seq_len: int) -> bool:
+    """Would a plain causal mask equal the mask this config builds for an unpadded sequence of ``seq_len``?
+    A sliding window or an attention chunk at least ``seq_len`` long changes nothing."""
+    window = getattr(cfg, "sliding_window", None)
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    short_window = window is not None and window < seq_len
+    short_chunk = chunk is not None and chunk < seq_len
+    types = getattr(cfg, "layer_types", None)
+    if not types:
+        return not (short_window and getattr(cfg, "use_sliding_window", True)) and not short_chunk
+    plain = {"full_attention": True, "sliding_attention": not short_window, "chunked_attention": not short_chunk}
+    return all(plain.get(t, False) for t in types)
+
+
+def use_causal_flag(clone: nn.Module, seq_len: int) -> bool:
+    """Make a Hugging Face meta clone call SDPA with ``is_causal=True`` and no mask tensor.
+
+    Exported as is, the model builds its mask from the position ids (packed-sequence detection cannot
+    be decided at trace time) and passes a boolean ``(b, 1, s, s)`` tensor to SDPA, which rules out the
+    flash kernel on the GPU and makes the mask a value that crosses block boundaries.  We train on
+    unpadded (right-padded, ``-100``-labelled) sequences without an attention mask, so the mask is the
+    causal one; an attention implementation that Hugging Face has no mask function for gets
+    ``attention_mask=None`` and its SDPA path sets ``is_causal``.  Only for SDPA models whose every
+    layer is plainly causal at this length (no sliding window or chunk shorter than ``seq_len``)."""
+    cfg = getattr(clone, "config", None)
+    if getattr(cfg, "_attn_implementation", None) != "sdpa" or not _every_layer_full_causal(cfg, seq_len):
+        return False
+    try:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    except ImportError:   # an older transformers: keep the mask
+        return False
+    AttentionInterface.register(CAUSAL_ATTENTION, sdpa_attention_forward)
+    cfg._attn_implementation = CAUSAL_ATTENTION
+    return True
+
+
 def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None, loss_fn=None):
     """``torch.export`` of the meta clone at (micro_batch, seq_len); returns (program, root module)."""
     if isinstance(clone, nn.Sequential):
@@ -161,6 +201,7 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
         kwargs = {"input_ids": ids, "labels": torch.zeros_like(ids)}   # distinct, or export aliases them
         if is_hf(clone):
             kwargs["use_cache"] = False
+            use_causal_flag(clone, seq_len)
     try:
         ep = torch.export.export(root, (), kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - re-raised with the failing module named
