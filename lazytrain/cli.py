@@ -151,16 +151,19 @@ def cmd_simulate(a) -> int:
 
 
 def cmd_trace(a) -> int:
-    from .compiler.simulate import simulate
-    from .compiler.timeline import chrome_trace, plot_memory, write_trace
+    from .compiler.timeline import write_step
     from .ir import Plan
     plan = Plan.load(a.plan)
-    sim = simulate(plan)
-    write_trace(a.output, chrome_trace(plan, sim.start, sim.end, memory=sim.memory))
-    print(f"wrote {a.output} (open in https://ui.perfetto.dev)")
-    if a.plot:
-        plot_memory(a.plot, {"predicted": sim.memory}, budget=plan.budgets.get("gpu_bytes"))
-        print(f"wrote {a.plot}")
+    profile = None
+    if a.measured:
+        from .runtime.profiling import StepProfile
+        profile = StepProfile.load(a.measured)
+        try:
+            profile.check(plan)
+        except ValueError as e:
+            raise ValueError(f"{a.measured} does not belong to {a.plan}: {e}") from None
+    for line in write_step(plan, a.output, plot=a.plot, profile=profile):
+        print(line)
     return 0
 
 
@@ -211,10 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="predicted step time, busy time per resource, peak memory per tier")
     p.add_argument("plan")
     p.set_defaults(fn=cmd_simulate)
-    p = sub.add_parser("trace", help="Chrome/Perfetto trace of the predicted timeline")
+    p = sub.add_parser("trace", help="Chrome/Perfetto trace of the predicted timeline, or of a measured step")
     p.add_argument("plan")
     p.add_argument("-o", "--output", default="trace.json")
-    p.add_argument("--plot", default=None, help="also write a memory-over-time PNG here (needs matplotlib)")
+    p.add_argument("--measured", default=None, metavar="PROFILE",
+                   help="trace this measured step instead (a profile JSON from StepProfile.save, of this plan)")
+    p.add_argument("--plot", default=None, help="also write a memory-over-time PNG here, predicted and (with "
+                                                "--measured) measured (needs matplotlib)")
     p.set_defaults(fn=cmd_trace)
     p = sub.add_parser("profile", help="measure this machine into a hardware profile")
     p.add_argument("-o", "--output", default="hw.json")

@@ -8,9 +8,10 @@ memory and are excluded; work on the host workers (the optimizer, NVMe I/O) runs
 which the mode (thread-local) does not see.
 
 Per op it records the live device bytes before, the peak inside (transients), and after, so the
-run compares with ``ir.verify(plan).gpu_curve`` op by op (``compare``).  On a GPU the same numbers
-are what ``torch.cuda.max_memory_allocated`` would show, less allocator rounding and the deferred
-reuse of blocks read on another stream (``record_stream``), which compile's reserve covers.
+run compares with ``ir.verify(plan).gpu_curve`` op by op (``compare``); a profiled step also gets the
+"after" figures as its memory curve (``StepProfile.memory``).  On a GPU the same numbers are what
+``torch.cuda.max_memory_allocated`` would show, less allocator rounding and the deferred reuse of blocks
+read on another stream (``record_stream``), which compile's reserve covers.
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ def track(trainer):
             fn(c, op)
             mem.records.append(OpMemory(op=op, before=before, peak=mem.op_peak, after=mem.current))
             mem.op_id = -1
+            if c.profiler is not None:      # a profiled step's memory curve (profiling.StepProfile.memory)
+                c.profiler.sample(op, mem.current)
         return run
 
     for k, fn in saved_handlers.items():
