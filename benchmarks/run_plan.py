@@ -1,14 +1,18 @@
 """Run a compiled plan on the GPU and compare it with the compiler's prediction.
 
     python benchmarks/run_plan.py --model qwen2.5-3b --batch 8 --seq 1024 --gpu-memory 24GiB \\
-        --policy milp --steps 3 --warmup 2 [--micro-batch 4] [--optimizer hybrid8bit] [-o run.json]
+        --policy milp --steps 3 --warmup 2 [--micro-batch 4] [--optimizer hybrid8bit] [-o run.json] \\
+        [--artifacts DIR]
 
 Builds a random-init model from a preset on the CPU in bf16, compiles a plan for the H200 profile
 (``--hardware``), caps the GPU at ``--gpu-memory`` with ``torch.cuda.set_per_process_memory_fraction``,
 runs warm-up + measured steps on random tokens, then one profiled step.  Prints and writes JSON:
 median step seconds, model TFLOPS, predicted step time, predicted vs measured peak GPU GiB
 (``torch.cuda.max_memory_allocated``), host RSS GiB, and how much of each transfer kind was hidden
-under compute (plus the exposed update time) in the profiled step.
+under compute (plus the exposed update time) in the profiled step.  With ``--artifacts DIR``, each run
+also leaves ``DIR/<batch>_<policy>/``: ``plan.json``, the profiled step's ``profile.json``, its
+measured Perfetto ``trace.json`` and ``memory.png`` (predicted and measured GPU memory, the budget),
+as ``lazytrain trace plan.json --measured profile.json --plot memory.png`` would write them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -68,6 +73,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--nvme-dir", default=None)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("-o", "--out", default=None)
+    ap.add_argument("--artifacts", default=None, metavar="DIR",
+                    help="per run, write plan.json, profile.json, trace.json (measured) and memory.png "
+                         "into DIR/<batch>_<policy>/")
     ap.add_argument("--runs", default=None,
                     help="several runs on one model build, e.g. '8:megatrain,32:milp' (batch:policy); "
                          "results go to OUT as a JSON list")
@@ -160,7 +168,20 @@ def run_one(a, model, build_s: float) -> dict:
         "build_s": build_s, "compile_s": compile_s, "setup_s": setup_s,
     }
     print(json.dumps({k: v for k, v in out.items() if k != "losses"}, indent=1))
+    if a.artifacts:
+        out["artifacts"] = str(save_artifacts(Path(a.artifacts) / f"{a.batch}_{a.policy}", plan, prof))
     return out
+
+
+def save_artifacts(folder: Path, plan, prof) -> Path:
+    """The plan, the profiled step and what ``lazytrain trace --measured`` draws from them."""
+    from lazytrain.compiler.timeline import write_step
+    folder.mkdir(parents=True, exist_ok=True)
+    plan.save(folder / "plan.json")
+    prof.save(folder / "profile.json", plan)
+    for line in write_step(plan, folder / "trace.json", plot=folder / "memory.png", profile=prof):
+        print(line)
+    return folder
 
 
 if __name__ == "__main__":
