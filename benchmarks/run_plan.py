@@ -72,13 +72,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--nvme-dir", default=None)
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--optim-threads", type=int, default=None,
+                    help="host threads of the 8-bit optimizer (default: torch.get_num_threads())")
     ap.add_argument("-o", "--out", default=None)
     ap.add_argument("--artifacts", default=None, metavar="DIR",
                     help="per run, write plan.json, profile.json, trace.json (measured) and memory.png "
                          "into DIR/<batch>_<policy>/")
     ap.add_argument("--runs", default=None,
-                    help="several runs on one model build, e.g. '8:megatrain,32:milp' (batch:policy); "
-                         "results go to OUT as a JSON list")
+                    help="several runs on one model build, e.g. '8:megatrain,32:milp,8:milp:12' "
+                         "(batch:policy[:optimizer threads]); results go to OUT as a JSON list")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("run_plan.py needs a CUDA GPU")
@@ -90,8 +92,10 @@ def main(argv=None) -> dict:
     if a.runs:
         results = []
         for spec in a.runs.split(","):
-            b, pol = spec.split(":")
+            b, pol, *threads = spec.split(":")
             a.batch, a.policy = int(b), pol
+            if threads:
+                a.optim_threads = int(threads[0])
             try:
                 results.append(run_one(a, model, build_s))
             except Exception as e:  # noqa: BLE001 - keep the other runs; report this one
@@ -124,7 +128,7 @@ def run_one(a, model, build_s: float) -> dict:
     torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_bytes / total))
 
     from lazytrain.runtime.optim import Hybrid8bitAdamW, TorchAdamW
-    opt = (Hybrid8bitAdamW(lr=a.lr, max_grad_norm=1.0) if a.optimizer == "hybrid8bit"
+    opt = (Hybrid8bitAdamW(lr=a.lr, max_grad_norm=1.0, num_threads=a.optim_threads) if a.optimizer == "hybrid8bit"
            else TorchAdamW(lr=a.lr, max_grad_norm=1.0))
     t = time.perf_counter()
     trainer = lazytrain.Trainer(model, plan, optimizer=opt, device="cuda", nvme_dir=a.nvme_dir)
@@ -156,7 +160,9 @@ def run_one(a, model, build_s: float) -> dict:
     pred = plan.predicted
     out = {
         "model": a.model, "batch": a.batch, "seq": a.seq, "micro_batch": plan.micro_batch, "policy": a.policy,
-        "optimizer": a.optimizer, "gpu_memory": a.gpu_memory, "device": torch.cuda.get_device_name(0),
+        "optimizer": a.optimizer,
+        "optim_threads": getattr(opt, "num_threads", None), "gpu_memory": a.gpu_memory,
+        "device": torch.cuda.get_device_name(0),
         "total_params": plan.graph.total_params, "steps": a.steps, "warmup": a.warmup,
         "median_step_s": med, "model_tflops": 6 * plan.graph.total_params * a.batch * a.seq / med / 1e12,
         "predicted_step_s": pred.get("step_time_s"),
