@@ -14,10 +14,9 @@ short table.  What is held equal, and how:
 - *Optimizer.* AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), global gradient norm clipped to 1.0:
   lazytrain's ``TorchAdamW`` on the host, ``torch.optim.AdamW`` + ``clip_grad_norm_`` for plain PyTorch.
 - *Schedule.* ``lazytrain.train.lr_at``: linear warm-up over ``--warmup`` steps, then cosine to 0.1x,
-  progress = step / ``--steps``.  With clipping every lazytrain update is lagged: the gradient of step t is
-  applied at the start of step t + 1, so setting ``opt.lr`` before each ``trainer.step`` (what
-  ``lazytrain train`` does) would apply step t's gradient with step t + 1's rate.  ``_ScheduledAdamW``
-  instead gives a block's k-th update the rate of step k, wherever the plan places it.
+  progress = step / ``--steps``, set as ``opt.lr`` before each ``trainer.step`` (as ``lazytrain train``
+  does).  With clipping lazytrain's updates are lagged (step t's gradient is applied during step t + 1);
+  the runtime applies it at the rate that was set when step t began, so the two schedules are the same.
 - *Precision.* On CUDA lazytrain keeps bf16 parameters on the GPU and fp32 masters on the host; plain
   PyTorch keeps fp32 weights and runs under ``torch.autocast(bfloat16)``: the curves agree closely, not
   bit for bit.  On the CPU both are fp32 and agree to rounding.
@@ -38,7 +37,6 @@ import platform
 import shlex
 import sys
 import time
-from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -52,24 +50,6 @@ from lazytrain.units import parse_size
 
 FORMAT = "lazytrain.loss-overlay/1"
 BETAS, EPS, MAX_GRAD_NORM = (0.9, 0.999), 1e-8, 1.0
-
-
-class _ScheduledAdamW(TorchAdamW):
-    """``TorchAdamW`` whose k-th update of each block uses ``schedule(k)`` as its learning rate.
-
-    Updates run one at a time on the runtime's single host-update worker, so setting ``self.lr`` just
-    before the inherited step is race-free.  (A skipped step, on a non-finite gradient norm, would shift
-    the count; plain PyTorch would not skip it either way.)"""
-
-    def __init__(self, schedule, **kw):
-        super().__init__(lr=schedule(0), **kw)
-        self.schedule = schedule
-        self.applied: dict[int, int] = defaultdict(int)
-
-    def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0) -> None:
-        self.lr = self.schedule(self.applied[block])
-        super().step(block, grad, clip_coef)
-        self.applied[block] += 1
 
 
 def _gib(n: int | None) -> float | None:
@@ -100,7 +80,7 @@ def run_lazytrain(a, model, batches, schedule, seq: int, dev: torch.device) -> d
                              param_dtype=param_dtype)
     compile_s = time.perf_counter() - t
     _cap_gpu(dev, a.gpu_memory)
-    opt = _ScheduledAdamW(schedule, betas=BETAS, eps=EPS, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM)
+    opt = TorchAdamW(lr=schedule(0), betas=BETAS, eps=EPS, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM)
     trainer = lazytrain.Trainer(model, plan, optimizer=opt, device=dev)
     curve, stop = [], "steps"
     t0 = time.perf_counter()
@@ -109,6 +89,7 @@ def run_lazytrain(a, model, batches, schedule, seq: int, dev: torch.device) -> d
             if a.time_limit_s is not None and time.perf_counter() - t0 >= a.time_limit_s:
                 stop = "time limit"
                 break
+            opt.lr = schedule(i)
             s = trainer.step({"input_ids": ids, "labels": labels})
             curve.append({"step": i + 1, "loss": s.loss, "step_s": round(s.step_s, 4), "lr": schedule(i)})
     finally:

@@ -282,9 +282,9 @@ class SlowAdamW(TorchAdamW):
         self.delay = delay
         self.finished: dict[int, float] = {}
 
-    def step(self, block, grad, clip_coef=1.0):
+    def step(self, block, grad, clip_coef=1.0, lr=None):
         time.sleep(self.delay)
-        super().step(block, grad, clip_coef)
+        super().step(block, grad, clip_coef, lr)
         self.finished[block] = time.perf_counter()
 
 

@@ -109,6 +109,8 @@ class Ctx:
     # across steps
     pending: set = field(default_factory=set)      # blocks whose last-step gradients await a lagged update
     pending_coef: float | None = None
+    step_lr: float | None = None                   # the optimizer's lr when this step began
+    pending_lr: float | None = None                # ... when the step of the pending gradients began
     update_futures: dict = field(default_factory=dict)
 
     @property
@@ -405,18 +407,18 @@ def update(ctx: Ctx, op: Op) -> None:
             ctx.done[op.id] = None
             return
         ctx.pending.discard(o)
-        coef = ctx.pending_coef
+        coef, lr = ctx.pending_coef, ctx.pending_lr
     else:
-        coef = finish_norm(ctx) if ctx.norm_first else 1.0
+        coef, lr = (finish_norm(ctx) if ctx.norm_first else 1.0), ctx.step_lr
     if coef is None:                      # non-finite gradient norm: the step is skipped
         ctx.done[op.id] = None
         return
-    run_update(ctx, op, o, coef)
+    run_update(ctx, op, o, coef, lr)
 
 
-def run_update(ctx: Ctx, op: Op, o: int, coef: float) -> None:
+def run_update(ctx: Ctx, op: Op, o: int, coef: float, lr: float | None) -> None:
     def work():
-        ctx.optimizer.step(o, assemble_grad(ctx, o), coef)
+        ctx.optimizer.step(o, assemble_grad(ctx, o), coef, lr)
     ctx.submit(ctx.streams.cpu, op, work)
     ctx.update_futures[o] = ctx.done[op.id]
 

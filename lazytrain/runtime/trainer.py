@@ -186,6 +186,7 @@ class Trainer:
         ids, labels = self._batch(batch)
         ctx = self.ctx
         t0 = time.perf_counter()
+        ctx.step_lr = getattr(self.optimizer, "lr", None)   # this step's gradients are applied at this rate
         if ctx.profiler is not None:
             ctx.profiler.begin_step()
             t0 = time.perf_counter()
@@ -220,7 +221,7 @@ class Trainer:
         lagged_owners = {b for b, lag in ctx.lagged.items() if lag}
         skipped = coef is None and ctx.norm_first
         ctx.pending = set() if coef is None else lagged_owners
-        ctx.pending_coef = coef
+        ctx.pending_coef, ctx.pending_lr = coef, ctx.step_lr
         parts = torch.stack([torch.as_tensor(x, device=self.device).to(torch.float64)
                              for pair in ctx.loss_parts.values() for x in pair]).tolist()   # one read
         loss_sum, n_tok = sum(parts[0::2]), int(sum(parts[1::2]))
@@ -253,7 +254,7 @@ class Trainer:
             from ..ir import Op, Resource
             for o in sorted(ctx.pending):
                 op = Op(id=-1 - o, kind=OpKind.UPDATE, block=o, resource=Resource.CPU)
-                h.run_update(ctx, op, o, ctx.pending_coef)
+                h.run_update(ctx, op, o, ctx.pending_coef, ctx.pending_lr)
         ctx.pending = set()
         for fut in list(ctx.update_futures.values()):
             fut.result()

@@ -36,8 +36,11 @@ class HostOptimizer(ABC):
         updated parameters into."""
 
     @abstractmethod
-    def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0) -> None:
-        """One update of block ``block`` from its flat gradient (bf16 or fp32, same layout)."""
+    def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0, lr: float | None = None) -> None:
+        """One update of block ``block`` from its flat gradient (bf16 or fp32, same layout), at
+        learning rate ``lr`` (None: ``self.lr`` now).  The runtime passes the rate that was set when
+        the gradient's step ran: a lagged update runs during the next step, after a schedule may
+        already have moved ``self.lr`` on."""
 
     @abstractmethod
     def master(self, block: int) -> torch.Tensor:

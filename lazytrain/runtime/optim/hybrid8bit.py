@@ -198,7 +198,8 @@ class Hybrid8bitAdamW(HostOptimizer):
         for f in futures:
             f.result()
 
-    def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0) -> None:
+    def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0, lr: float | None = None) -> None:
+        lr = self.lr if lr is None else lr
         st = self._blocks[block]
         grad = grad.reshape(-1)
         self._grad_bytes = grad.element_size()
@@ -212,9 +213,9 @@ class Hybrid8bitAdamW(HostOptimizer):
                 sqrt_b2=math.sqrt(b2),
                 gm=(1 - b1) * clip_coef,
                 gv=(1 - b2) * clip_coef * clip_coef,
-                decay=1 - self.lr * self.weight_decay,
+                decay=1 - lr * self.weight_decay,
                 inv_bc2_sqrt=1 / math.sqrt(1 - b2**t),
-                step_size=-self.lr / (1 - b1**t),
+                step_size=-lr / (1 - b1**t),
                 eps=self.eps,
             )
             use_c = self._lib is not None and st.own_master is None and grad.dtype in (torch.bfloat16, torch.float32)

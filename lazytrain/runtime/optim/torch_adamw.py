@@ -110,12 +110,13 @@ class TorchAdamW(HostOptimizer):
         self._flat_state[block] = (exp_avg, exp_avg_sq)
         self._step_count[block] = 0
 
-    def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0) -> None:
+    def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0, lr: float | None = None) -> None:
         b = self._blocks[block]
         grad = grad.reshape(-1)
         with b.lock:
             for group in b.opt.param_groups:  # follow lr schedules set on this object
-                group.update(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+                group.update(lr=self.lr if lr is None else lr, betas=self.betas, eps=self.eps,
+                             weight_decay=self.weight_decay)
             scratch = torch.empty(min(self.chunk_numel, b.master.numel()), dtype=torch.float32)
             for i, c in enumerate(b.chunks):
                 off = i * self.chunk_numel
