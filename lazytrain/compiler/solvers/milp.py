@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from ...ir import Decisions, GiB, Place, Saved, SolverStats
 
 MS = 1e3
@@ -210,7 +212,7 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
             m.start = start
     limit = comp.time_limit if comp.time_limit is not None else _default_limit(L)
     m.max_mip_gap = GAP_TARGET        # stop once proven within 0.5%: identical layers make the last bit slow
-    status = m.optimize(max_seconds=limit)
+    status = _optimize_keeping_threads(m, limit)
     secs = time.perf_counter() - t0
     ok = status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE)
     stats = SolverStats(status=status.name.lower(),
@@ -256,6 +258,17 @@ def _model(mip, solver: str):
         return m
     raise RuntimeError("no MILP solver library found (" + "; ".join(errors) + "): pip install mip (CBC) or "
                        "pip install 'lazytrain[highs]'")
+
+
+def _optimize_keeping_threads(m, limit: float):
+    """``m.optimize`` without side effects on torch: CBC's OpenMP runtime is the one torch uses, and a
+    solve left it at 1 thread (``lazytrain train`` then trained on 1 of 2 cores)."""
+    threads = torch.get_num_threads()
+    try:
+        return m.optimize(max_seconds=limit)
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def _default_limit(L: int) -> float:
