@@ -21,7 +21,7 @@ from lazytrain.tasks import (
     shifted_cross_entropy,
     train_batches,
 )
-from lazytrain.tasks.arith import n_tokens, take_train
+from lazytrain.tasks.arith import final_answer, n_tokens, take_train
 
 TOK = CharTokenizer()
 OPS = {  # an evaluator of its own, so the test does not trust Step.apply
@@ -64,15 +64,34 @@ def test_answers_recomputed_and_numbers_match_the_english(name):
             count = OPS[step.kind](count, step.a, step.b)
             assert count == int(count) and 0 <= count <= d.max_answer, ex.text
             numbers += [step.a, step.b] if step.kind is StepKind.ADD_GROUPS else [step.a]
-        assert ex.answer == str(int(count))
+        assert ex.answer == str(int(count)) == final_answer(ex.solution)
+        assert_solution_is_worked(ex)
         assert [int(x) for x in re.findall(r"\d+", ex.question.replace("1/", "/"))] == numbers, ex.text
         assert d.n_steps[0] <= len(ex.problem.steps) <= d.n_steps[1]
         assert n_tokens(ex) == len(encode_example(ex, TOK)[0]) <= d.seq_len
 
 
+def assert_solution_is_worked(ex):
+    """One true equation per operation (a product, then a sum, for "packs of"), the running count on
+    the left of each, the last result the answer."""
+    sign = {StepKind.ADD: "+", StepKind.SUB: "-", StepKind.MUL: "*", StepKind.DIV: "/"}
+    equations, count = iter(ex.solution.split(", ")), ex.problem.start
+    for step in ex.problem.steps:
+        if step.kind is StepKind.ADD_GROUPS:
+            assert next(equations) == f"{step.a}*{step.b}={step.a * step.b}", ex.solution
+        after = int(OPS[step.kind](count, step.a, step.b))
+        if step.kind is StepKind.ADD_GROUPS:
+            want = f"{count}+{step.a * step.b}={after}"
+        else:
+            want = f"{count}{sign[step.kind]}{step.a}={after}"
+        assert next(equations) == want, ex.solution
+        count = after
+    assert next(equations, None) is None and str(count) == ex.answer
+
+
 def test_presets_scale_up():
     easy, hard = PRESETS["easy"], PRESETS["hard"]
-    assert easy.seq_len <= 96 and max(len(e.answer) for e in take_train(2000, "easy")) <= 3
+    assert easy.seq_len <= 144 and max(len(e.answer) for e in take_train(2000, "easy")) <= 3
     assert hard.n_steps[0] > easy.n_steps[1] - 1 and hard.max_digits > easy.max_digits
     kinds = {s.kind for e in take_train(2000, "hard") for s in e.problem.steps}
     assert kinds == set(StepKind)
@@ -95,39 +114,39 @@ def test_tokenizer_round_trip():
 @pytest.mark.parametrize("loss_on_prompt", [False, True])
 def test_labels_mask(loss_on_prompt):
     examples = take_train(16)
-    batch = collate(examples, 96, loss_on_prompt=loss_on_prompt)
-    assert batch.input_ids.shape == batch.labels.shape == (16, 96)
+    batch = collate(examples, 144, loss_on_prompt=loss_on_prompt)
+    assert batch.input_ids.shape == batch.labels.shape == (16, 144)
     assert batch.input_ids.dtype == batch.labels.dtype == torch.int64
     for row, ex in enumerate(examples):
         ids, n_prompt = encode_example(ex, TOK)
         assert batch.input_ids[row, :len(ids)].tolist() == ids
         assert (batch.input_ids[row, len(ids):] == TOK.pad_id).all()
         labels = batch.labels[row].tolist()
-        assert labels[len(ids):] == [IGNORE] * (96 - len(ids))
+        assert labels[len(ids):] == [IGNORE] * (144 - len(ids))
         if loss_on_prompt:
             assert labels[:len(ids)] == ids
         else:
             assert labels[:n_prompt] == [IGNORE] * n_prompt
-            assert TOK.decode(labels[n_prompt:len(ids)], skip_special=False) == ex.answer + "<eos>"
+            assert TOK.decode(labels[n_prompt:len(ids)], skip_special=False) == ex.solution + "<eos>"
     with pytest.raises(ValueError, match="does not fit"):
         collate(examples, 40)
 
 
 def test_shifted_loss_is_zero_only_on_the_answer():
-    batch = collate(take_train(4), 96)
-    sure = torch.full((4, 96, TOK.vocab_size), -30.0)
+    batch = collate(take_train(4), 144)
+    sure = torch.full((4, 144, TOK.vocab_size), -30.0)
     sure[:, :-1].scatter_(2, batch.input_ids[:, 1:, None], 30.0)  # predicts every next token perfectly
     assert shifted_cross_entropy(sure, batch.labels) < 1e-6
     wrong = sure.clone()
     answer_start = (batch.labels[0] != IGNORE).nonzero()[0, 0]
     wrong[0, answer_start - 1] = 0.0  # unsure of the answer's first digit only
-    assert shifted_cross_entropy(wrong, batch.labels) > 0.1
+    assert shifted_cross_entropy(wrong, batch.labels) > 0.05   # ln(98) over ~40 labelled tokens
     prompt_unsure = sure.clone()
     prompt_unsure[:, 5] = 0.0  # unsure inside the prompt: no loss there
     assert shifted_cross_entropy(prompt_unsure, batch.labels) < 1e-6
 
 
-def oracle(examples, answer_of=lambda ex: ex.answer):
+def oracle(examples, answer_of=lambda ex: ex.solution):
     """generate_fn that is sure of the next token of ``prompt + answer_of(ex) + eos`` and puts garbage on
     padding, so reading any row at a wrong position gives a wrong token."""
     targets = {ex.prompt: TOK.encode(ex.prompt + answer_of(ex), bos=True, eos=True) for ex in examples}
@@ -150,12 +169,14 @@ def oracle(examples, answer_of=lambda ex: ex.answer):
 def test_exact_match_oracle_and_wrong(batch_size):
     examples = eval_examples(40, "medium")  # prompts of many lengths in one batch
     assert exact_match(oracle(examples), examples, batch_size) == 1.0
-    assert predict(oracle(examples), examples, batch_size) == [ex.answer for ex in examples]
-    off_by_one = oracle(examples, lambda ex: str(int(ex.answer) + 1))
+    assert predict(oracle(examples), examples, batch_size) == [ex.solution for ex in examples]
+    off_by_one = oracle(examples, lambda ex: ex.solution.rsplit("=", 1)[0] + f"={int(ex.answer) + 1}")
     assert exact_match(off_by_one, examples, batch_size) == 0.0
-    no_eos = oracle(examples, lambda ex: ex.answer + "0" * 10)  # right digits, never stops in time
+    no_eos = oracle(examples, lambda ex: ex.solution + "0" * 30)  # right digits, never stops in time
     assert exact_match(no_eos, examples, batch_size) == 0.0
-    half = oracle(examples, lambda ex: ex.answer if ex.problem.start % 2 else ex.answer + "1")
+    bare = oracle(examples, lambda ex: ex.answer)                  # the answer alone still counts
+    assert exact_match(bare, examples, batch_size) == 1.0
+    half = oracle(examples, lambda ex: ex.solution if ex.problem.start % 2 else ex.solution + "1")
     assert exact_match(half, examples, batch_size) == sum(ex.problem.start % 2 for ex in examples) / 40
 
 
@@ -179,6 +200,6 @@ def test_greedy_generate_batched_equals_one_by_one():
 def test_example_sequence_format():
     ex = take_train(1)[0]
     assert isinstance(ex, Example)
-    assert ex.prompt.startswith("Q: ") and ex.prompt.endswith("? A: ") and ex.text == ex.prompt + ex.answer
+    assert ex.prompt.startswith("Q: ") and ex.prompt.endswith("? A: ") and ex.text == ex.prompt + ex.solution
     ids, _ = encode_example(ex, TOK)
-    assert TOK.decode(ids, skip_special=False) == f"<bos>Q: {ex.question} A: {ex.answer}<eos>"
+    assert TOK.decode(ids, skip_special=False) == f"<bos>Q: {ex.question} A: {ex.solution}<eos>"

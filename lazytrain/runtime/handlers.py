@@ -112,6 +112,8 @@ class Ctx:
     step_lr: float | None = None                   # the optimizer's lr when this step began
     pending_lr: float | None = None                # ... when the step of the pending gradients began
     update_futures: dict = field(default_factory=dict)
+    tied_grad: dict = field(default_factory=dict)  # owner block -> fp32 buffer for its assembled gradient
+    tied_ready: set = field(default_factory=set)   # owners whose buffer holds the gradient their update needs
 
     @property
     def L(self) -> int:
@@ -390,10 +392,26 @@ def grad_offload(ctx: Ctx, op: Op) -> None:
 def assemble_grad(ctx: Ctx, o: int) -> torch.Tensor:
     """Owner ``o``'s flat gradient over its owned parameters, tied readers' shares added (fp32)."""
     lay = ctx.store.layouts[o]
-    g = ctx.store.grad[o][:lay.owned_numel]
     if not lay.shared:
-        return g
-    g = g.to(torch.float32, copy=True)
+        return ctx.store.grad[o][:lay.owned_numel]
+    if o in ctx.tied_ready:                  # finish_norm assembled this step's already
+        ctx.tied_ready.discard(o)
+        return ctx.tied_grad[o]
+    return _assemble_tied(ctx, o)
+
+
+def _assemble_tied(ctx: Ctx, o: int, reuse: bool = True) -> torch.Tensor:
+    """Sum a tied owner's gradient and its readers' into one fp32 buffer, allocated once.
+
+    A fresh 1.2 GB buffer per step (Qwen2.5-3B's tied 151,936 x 2,048 embedding) cost ~0.3 s of page
+    faults, twice a step (norm and update), with the GPU waiting on both.  The buffer is rewritten
+    only after the update that reads it: the next step's gradient offload of ``o`` waits for that
+    update, and ``finish_norm`` waits for every gradient offload."""
+    lay = ctx.store.layouts[o]
+    g = ctx.tied_grad.get(o) if reuse else torch.empty(lay.owned_numel, dtype=torch.float32)
+    if g is None:
+        g = ctx.tied_grad[o] = torch.empty(lay.owned_numel, dtype=torch.float32)
+    g.copy_(ctx.store.grad[o][:lay.owned_numel])
     for seg, readers in lay.shared:
         for r, off in readers:
             g[seg.offset:seg.offset + seg.numel] += ctx.store.grad[r][off:off + seg.numel]
@@ -435,11 +453,15 @@ def finish_norm(ctx: Ctx) -> float | None:
     for j, lay in enumerate(ctx.store.layouts):      # one device->host read for every block's norm
         sq = sqs.get(j)
         total = 0.0 if sq is None else sq
-        for seg, readers in lay.shared:
-            t = ctx.store.grad[j][seg.offset:seg.offset + seg.numel].to(torch.float32, copy=True)
-            for r, off in readers:
-                t += ctx.store.grad[r][off:off + seg.numel]
-            total += float(torch.linalg.vector_norm(t).square())
+        if lay.shared:
+            # with a global norm the owner's update comes after this and reuses the sum; without
+            # one it may be running now on the update worker, reading the buffer: use a temporary
+            reuse = ctx.norm_first
+            g = _assemble_tied(ctx, j, reuse=reuse)
+            if reuse:
+                ctx.tied_ready.add(j)
+            for seg, _ in lay.shared:
+                total += float(torch.linalg.vector_norm(g[seg.offset:seg.offset + seg.numel]).square())
         if sq is not None or lay.shared:
             ctx.tracker.add(j, total)
     ctx.coef = ctx.tracker.finish_step()

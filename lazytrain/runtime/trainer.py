@@ -187,6 +187,8 @@ class Trainer:
         ctx = self.ctx
         t0 = time.perf_counter()
         ctx.step_lr = getattr(self.optimizer, "lr", None)   # this step's gradients are applied at this rate
+        # an assembled tied gradient is last step's: only a lagged update (of last step's) may use it
+        ctx.tied_ready = {o for o in ctx.tied_ready if ctx.lagged[o]}
         if ctx.profiler is not None:
             ctx.profiler.begin_step()
             t0 = time.perf_counter()

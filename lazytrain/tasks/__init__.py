@@ -6,7 +6,18 @@ and exact-match scoring.
     >>> exact_match(model_fn, eval_examples(500), 64)   # model_fn: input_ids [B, T] -> logits [B, T, V]
 """
 
-from .arith import PRESETS, Difficulty, Example, Problem, Step, StepKind, eval_examples, get_difficulty, train_examples
+from .arith import (
+    PRESETS,
+    Difficulty,
+    Example,
+    Problem,
+    Step,
+    StepKind,
+    eval_examples,
+    final_answer,
+    get_difficulty,
+    train_examples,
+)
 from .data import (
     IGNORE,
     Batch,
@@ -21,5 +32,5 @@ from .data import (
 from .tokenizer import CharTokenizer
 
 __all__ = ["IGNORE", "PRESETS", "Batch", "CharTokenizer", "Difficulty", "Example", "Problem", "Step", "StepKind",
-           "collate", "encode_example", "eval_examples", "exact_match", "get_difficulty", "greedy_generate",
-           "predict", "shifted_cross_entropy", "train_batches", "train_examples"]
+           "collate", "encode_example", "eval_examples", "exact_match", "final_answer", "get_difficulty",
+           "greedy_generate", "predict", "shifted_cross_entropy", "train_batches", "train_examples"]

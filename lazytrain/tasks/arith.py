@@ -13,8 +13,22 @@ Train and eval never share a problem: a stable hash of the arithmetic alone (sta
 the names, items or wording) puts every problem in one split, whatever the seed or difficulty. So an
 eval problem's arithmetic never appears in train under any wording.
 
+The model writes a worked answer, one equation per operation, as MetaMathQA's answers show their
+working before the result; exact match compares the number after the last ``=`` with the answer::
+
+    Q: Mia has 23 pens. She buys 4 packs of 6. She sells 9. How many pens now? A: 4*6=24, 23+24=47, 47-9=38
+
+Why worked: measured with the task GPT (4 layers, d 128) on the "tiny" preset, 2 CPU threads, exact
+match on 200 eval problems.  The bare answer (``A: 37``) reached 14.4% after 9 minutes with learned
+positions and 9.0% with rotary ones; the worked answer 13.5% after 4 minutes with learned positions
+and 84.5% after 5 minutes with rotary ones (plain PyTorch loop, same model and data), every miss
+an arithmetic slip, not a misread number.  The equation makes the model first copy the two numbers
+and the operation next to each other, each a supervised step, and then do the arithmetic on
+neighbours at fixed relative offsets, which rotary positions make the same wherever the sentence
+puts them; neither change helps much alone.
+
     >>> ex = eval_examples(1)[0]
-    >>> ex.text      # e.g. 'Q: Mia has 23 pens. She buys 4 packs of 6. She sells 9. How many pens now? A: 38'
+    >>> ex.text      # e.g. 'Q: Max has 19 pens. He finds 18 more. How many pens does Max have? A: 19+18=37'
 """
 
 from __future__ import annotations
@@ -73,6 +87,19 @@ class Problem:
         return count
 
     @property
+    def solution(self) -> str:
+        """The worked answer, one equation per operation: ``23+4*6`` is ``4*6=24, 23+24=47``."""
+        parts, count = [], self.start
+        for step in self.steps:
+            if step.kind is StepKind.ADD_GROUPS:
+                parts.append(f"{step.a}*{step.b}={step.a * step.b}")
+                parts.append(f"{count}+{step.a * step.b}={step.apply(count)}")
+            else:
+                parts.append(f"{count}{SIGN[step.kind]}{step.a}={step.apply(count)}")
+            count = step.apply(count)
+        return ", ".join(parts)
+
+    @property
     def key(self) -> str:
         """The arithmetic alone, one line: ``37 ; add_groups 4 12 ; sub 19``."""
         return " ; ".join([str(self.start), *map(str, self.steps)])
@@ -85,23 +112,36 @@ class Problem:
 
 
 EVAL_PERCENT = 10  # share of the problem space reserved for eval
+SIGN = {StepKind.ADD: "+", StepKind.SUB: "-", StepKind.MUL: "*", StepKind.DIV: "/"}
+
+
+def final_answer(solution: str | None) -> str | None:
+    """The number a worked answer ends with (after its last ``=``; a bare number is its own answer),
+    or None if it ends with something else."""
+    last = (solution or "").rsplit("=", 1)[-1]
+    return last if last.isascii() and last.isdigit() else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Example:
     problem: Problem
     question: str  # the English
-    answer: str    # str(problem.answer)
+    answer: str    # str(problem.answer): what exact match compares with
 
     @property
     def prompt(self) -> str:
-        """What the model is given; the answer follows it directly."""
+        """What the model is given; the worked answer follows it directly."""
         return f"Q: {self.question} A: "
 
     @property
+    def solution(self) -> str:
+        """What the model learns to write after the prompt: ``23+15=38`` (``Problem.solution``)."""
+        return self.problem.solution
+
+    @property
     def text(self) -> str:
-        """The training sequence without bos/eos: ``Q: ... A: 38`` (the tokenizer adds the eos)."""
-        return self.prompt + self.answer
+        """The training sequence without bos/eos: ``Q: ... A: 23+15=38`` (the tokenizer adds the eos)."""
+        return self.prompt + self.solution
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,15 +158,15 @@ class Difficulty:
 PRESETS = {
     d.name: d for d in (
         Difficulty(name="tiny", n_steps=(1, 1), max_digits=2, factor_max=9,
-                   kinds=(StepKind.ADD, StepKind.SUB), max_answer=198, seq_len=80),
+                   kinds=(StepKind.ADD, StepKind.SUB), max_answer=198, seq_len=88),
         Difficulty(name="easy", n_steps=(1, 2), max_digits=2, factor_max=9,
-                   kinds=(StepKind.ADD, StepKind.SUB, StepKind.ADD_GROUPS), max_answer=999, seq_len=96),
+                   kinds=(StepKind.ADD, StepKind.SUB, StepKind.ADD_GROUPS), max_answer=999, seq_len=144),
         Difficulty(name="medium", n_steps=(2, 3), max_digits=2, factor_max=9,
                    kinds=(StepKind.ADD, StepKind.SUB, StepKind.ADD_GROUPS, StepKind.MUL, StepKind.DIV),
-                   max_answer=999, seq_len=128),
+                   max_answer=999, seq_len=184),
         Difficulty(name="hard", n_steps=(3, 4), max_digits=3, factor_max=12,
                    kinds=(StepKind.ADD, StepKind.SUB, StepKind.ADD_GROUPS, StepKind.MUL, StepKind.DIV),
-                   max_answer=9999, seq_len=160),
+                   max_answer=9999, seq_len=244),
     )
 }
 

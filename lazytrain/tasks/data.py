@@ -1,9 +1,10 @@
 """Batches for training, and exact-match scoring by batched greedy decoding.
 
-A sequence is ``<bos> Q: ... A: <answer> <eos>``, right-padded with ``<pad>`` to ``seq_len``.
+A sequence is ``<bos> Q: ... A: <worked answer> <eos>``, right-padded with ``<pad>`` to ``seq_len``.
 ``labels`` sit at the same positions as ``input_ids`` (the Hugging Face convention): the loss
 compares ``logits[:, t]`` with ``labels[:, t + 1]``, as ``shifted_cross_entropy`` does. By default
-only the answer and its eos carry a label; the prompt and the padding are ``IGNORE``.
+only the worked answer and its eos carry a label; the prompt and the padding are ``IGNORE``.
+Exact match decodes the worked answer greedily and compares the number it ends with.
 
 Decoding keeps the training layout (right padding, causal model) and tracks one position per row:
 each step runs the model on the batch and reads each row's logits at its own last token. This is exact
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .arith import Difficulty, Example, get_difficulty, train_examples
+from .arith import Difficulty, Example, final_answer, get_difficulty, train_examples
 from .tokenizer import CharTokenizer
 
 IGNORE = -100  # label of a position without loss (torch's cross_entropy ignore_index)
@@ -35,7 +36,7 @@ class Batch:
 def encode_example(ex: Example, tokenizer: CharTokenizer) -> tuple[list[int], int]:
     """Token ids of the whole sequence, and how many of them (bos + prompt) come before the answer."""
     prompt = tokenizer.encode(ex.prompt, bos=True)
-    return prompt + tokenizer.encode(ex.answer, eos=True), len(prompt)
+    return prompt + tokenizer.encode(ex.solution, eos=True), len(prompt)
 
 
 def collate(examples: Sequence[Example], seq_len: int, *, tokenizer: CharTokenizer | None = None,
@@ -106,10 +107,10 @@ def greedy_generate(model_fn: GenerateFn, prompt_ids: Sequence[Sequence[int]] | 
 
 def predict(generate_fn: GenerateFn, examples: Sequence[Example], batch_size: int = 64, *,
             tokenizer: CharTokenizer | None = None, max_new_tokens: int | None = None) -> list[str | None]:
-    """The decoded answer per example, or None where the model did not end with eos in time.
-    ``max_new_tokens`` defaults to the longest reference answer plus its eos."""
+    """The decoded worked answer per example, or None where the model did not end with eos in time.
+    ``max_new_tokens`` defaults to the longest reference worked answer plus its eos."""
     tok = tokenizer or CharTokenizer()
-    budget = max_new_tokens or max(len(ex.answer) for ex in examples) + 1
+    budget = max_new_tokens or max(len(ex.solution) for ex in examples) + 1
     answers: list[str | None] = []
     for lo in range(0, len(examples), batch_size):
         chunk = examples[lo:lo + batch_size]
@@ -121,8 +122,9 @@ def predict(generate_fn: GenerateFn, examples: Sequence[Example], batch_size: in
 
 def exact_match(generate_fn: GenerateFn, examples: Sequence[Example], batch_size: int = 64, *,
                 tokenizer: CharTokenizer | None = None, max_new_tokens: int | None = None) -> float:
-    """Share of examples whose greedy answer, up to eos, equals the reference string exactly."""
+    """Share of examples whose greedy worked answer, ended by eos in time, ends with exactly the
+    reference answer (the digits after its last ``=``)."""
     if not examples:
         raise ValueError("exact_match needs at least one example")
     got = predict(generate_fn, examples, batch_size, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
-    return sum(g == ex.answer for g, ex in zip(got, examples)) / len(examples)
+    return sum(final_answer(g) == ex.answer for g, ex in zip(got, examples)) / len(examples)
