@@ -62,7 +62,8 @@ def _cap_gpu(dev: torch.device, size: str | None) -> None:
         return
     total = torch.cuda.get_device_properties(dev).total_memory
     frac = 1.0 if size is None else min(1.0, parse_size(size) / total)
-    torch.cuda.set_per_process_memory_fraction(frac, dev)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()   # it wants an index
+    torch.cuda.set_per_process_memory_fraction(frac, index)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(dev)
 

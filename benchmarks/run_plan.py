@@ -27,48 +27,9 @@ import torch
 
 import lazytrain
 from lazytrain.bench import host_rss_bytes
+from lazytrain.compiler.presets import random_model
 from lazytrain.ir import GiB
 from lazytrain.units import parse_size
-
-POOL_NUMEL = 1 << 24
-
-
-def _fill_random(flat: torch.Tensor, pool: torch.Tensor, offset: int) -> None:
-    """``flat`` from the random ``pool``, starting at ``offset`` and wrapping around: a memcpy."""
-    pos, n = 0, flat.numel()
-    while pos < n:
-        k = min(n - pos, pool.numel() - offset)
-        flat[pos:pos + k].copy_(pool[offset:offset + k])
-        pos, offset = pos + k, 0
-
-
-def random_model(name: str, dtype=torch.bfloat16) -> torch.nn.Module:
-    """A preset with random weights, fast: built on meta, then each distinct parameter (tied ones
-    once) materialised on the CPU from one pool of 16 M N(0, 0.02) draws, each tensor from its own
-    offset (norm weights 1, biases 0).  Buffers stay on meta: the block program recomputes them
-    (rotary tables).  Hugging Face's per-module init of a 3B model took 164 s on the GPU machine's
-    host and a fresh ``normal_`` per tensor 90 s; the pool makes it memory copies.  Step times do
-    not depend on the values, and the losses stay those of a random model (~ln(vocab))."""
-    from lazytrain.compiler.presets import build_model
-    model = build_model(name, device="meta", dtype=dtype)
-    owners: dict[int, list[tuple[torch.nn.Module, str, str]]] = {}
-    for mod_name, mod in model.named_modules():
-        for pname, p in mod.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append((mod, pname, f"{mod_name}.{pname}"))
-    pool = torch.empty(POOL_NUMEL, dtype=dtype).normal_(0, 0.02)
-    with torch.no_grad():
-        for i, places in enumerate(owners.values()):
-            mod, pname, full = places[0]
-            old = getattr(mod, pname)
-            new = torch.empty(old.shape, dtype=old.dtype, device="cpu")
-            if old.dim() == 1:
-                new.fill_(1.0 if "norm" in full else 0.0)
-            else:
-                _fill_random(new.view(-1), pool, (i * 7_919_993) % POOL_NUMEL)
-            param = torch.nn.Parameter(new, requires_grad=old.requires_grad)
-            for m, n, _ in places:
-                setattr(m, n, param)
-    return model
 
 
 def main(argv=None) -> dict:

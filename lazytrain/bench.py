@@ -12,7 +12,7 @@ Systems (``--systems``, comma-separated; the modules are ``benchmarks/systems/*.
 
 Each system runs in its own process (``python -m lazytrain.bench worker ...``), so peak GPU memory
 and host RSS are per system and an out-of-memory (GPU or host) in one is a row with an error, not a
-crash.  Every process builds the model the same way (``torch.manual_seed(0)`` then ``build_model`` on
+crash.  Every process builds the model the same way (``torch.manual_seed(0)`` then ``random_model`` on
 the CPU, bf16 on CUDA / fp32 with ``--device cpu``), trains on the same seeded random tokens
 (``torch.Generator().manual_seed(1)``, one ``randint`` batch per step, as ``run_plan.py`` does), runs
 ``--warmup`` then ``--steps`` measured steps, and is accounted the same way (``finish_row``):
@@ -251,12 +251,13 @@ def load_bench_module(name: str):
 
 # ---- helpers the systems share (run inside the worker) ------------------------------------------------
 def build(cfg: dict):
-    """The model every system starts from: seeded, on the CPU, bf16 (fp32 with --device cpu)."""
+    """The model every system starts from: seeded random weights (``random_model``: seconds, where
+    Hugging Face's init of a 3B model took 164 s), on the CPU, bf16 (fp32 with --device cpu)."""
     import torch
 
-    from .compiler.presets import build_model
+    from .compiler.presets import random_model
     torch.manual_seed(0)
-    model = build_model(cfg["model"], device="cpu", dtype=torch.float32 if cfg["device"] == "cpu" else torch.bfloat16)
+    model = random_model(cfg["model"], dtype=torch.float32 if cfg["device"] == "cpu" else torch.bfloat16)
     cfg_obj = getattr(model, "config", None)
     if hasattr(cfg_obj, "use_cache"):
         cfg_obj.use_cache = False          # HF: no KV cache while training
