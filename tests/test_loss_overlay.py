@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lazytrain.tasks import PRESETS
+
 pytest.importorskip("matplotlib")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "loss_overlay.py"
@@ -50,7 +52,7 @@ def test_json_and_png_written(overlay):
     out, res = overlay
     data = json.loads((out / "loss_overlay.json").read_text())
     assert data["format"] == "lazytrain.loss-overlay/1" and data["model"] == "task" and data["params"] > 0
-    assert data["settings"]["batch"] == 4 and data["settings"]["seq"] == 80
+    assert data["settings"]["batch"] == 4 and data["settings"]["seq"] == PRESETS["tiny"].seq_len
     assert data["lazytrain"]["plan"]["policy"] == "keep-all" and data["lazytrain"]["param_dtype"] == "float32"
     assert "--steps 6" in data["command"] and data["comparison"] == res["comparison"]
     assert (out / "loss_overlay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
