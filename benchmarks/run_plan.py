@@ -103,7 +103,8 @@ def run_one(a, model, build_s: float) -> dict:
     torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_bytes / total))
 
     from lazytrain.runtime.optim import Hybrid8bitAdamW, TorchAdamW
-    opt = (Hybrid8bitAdamW(lr=a.lr, max_grad_norm=1.0, num_threads=a.optim_threads) if a.optimizer == "hybrid8bit"
+    threads = getattr(a, "optim_threads", None)
+    opt = (Hybrid8bitAdamW(lr=a.lr, max_grad_norm=1.0, num_threads=threads) if a.optimizer == "hybrid8bit"
            else TorchAdamW(lr=a.lr, max_grad_norm=1.0))
     t = time.perf_counter()
     trainer = lazytrain.Trainer(model, plan, optimizer=opt, device="cuda", nvme_dir=a.nvme_dir)
@@ -149,7 +150,7 @@ def run_one(a, model, build_s: float) -> dict:
         "build_s": build_s, "compile_s": compile_s, "setup_s": setup_s,
     }
     print(json.dumps({k: v for k, v in out.items() if k != "losses"}, indent=1))
-    if a.artifacts:
+    if getattr(a, "artifacts", None):
         out["artifacts"] = str(save_artifacts(Path(a.artifacts) / f"{a.batch}_{a.policy}", plan, prof))
     return out
 

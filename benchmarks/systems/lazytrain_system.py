@@ -66,7 +66,7 @@ def _run_cuda(cfg: dict, opts: dict, model, batch: int) -> dict:
     args = SimpleNamespace(model=cfg["model"], batch=batch, seq=cfg["seq"], micro_batch=cfg["micro_batch"],
                            gpu_memory=cfg["gpu_memory"], host_memory=None, hardware=cfg["hardware"],
                            policy=opts["policy"], optimizer=cfg["optimizer"], nvme_dir=None, lr=cfg["lr"],
-                           steps=cfg["steps"], warmup=cfg["warmup"])
+                           steps=cfg["steps"], warmup=cfg["warmup"], optim_threads=None, artifacts=None)
     plans = []
     real_compile = lazytrain.compile
 
