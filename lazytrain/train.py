@@ -395,9 +395,22 @@ def run(cfg: TrainConfig) -> dict:
             "checkpoint": str(ckpt), "resumed_from": cfg.resume,
         }
         _write_json(out / "metrics.json", metrics)
+        _plot_loss(out / "loss.png", history, em_curve, cfg)
     trainer.close()
     print(f"wrote {out / 'metrics.json'} and {ckpt}" + (" (interrupted: no final eval)" if interrupted else ""))
     return metrics
+
+
+def _plot_loss(path: Path, history: list[dict], em_curve: list[dict], cfg: TrainConfig) -> None:
+    """``loss.png`` next to metrics.json when matplotlib is installed (the ``plot`` extra)."""
+    try:
+        from .compiler.timeline import plot_loss
+        last = em_curve[-1] if em_curve else None
+        title = f"model {cfg.model}, task {cfg.difficulty}, batch {cfg.batch}" + (
+            f": exact match {last['exact_match']:.1%} at step {last['step']}" if last else "")
+        plot_loss(path, {"train loss": [(h["step"], h["loss"]) for h in history]}, title=title)
+    except ImportError:
+        return
 
 
 def _progress(cfg: TrainConfig, start: int):
