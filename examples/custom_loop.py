@@ -15,7 +15,7 @@ import torch
 import lazytrain
 from lazytrain.compiler.presets import build_from_config
 from lazytrain.runtime.optim import Hybrid8bitAdamW
-from lazytrain.tasks import CharTokenizer, eval_examples, exact_match, train_batches
+from lazytrain.tasks import PRESETS, CharTokenizer, eval_examples, exact_match, train_batches
 
 
 def main() -> None:
@@ -25,10 +25,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     a = ap.parse_args()
 
-    tok, seq = CharTokenizer(), 80
+    tok, seq = CharTokenizer(), PRESETS["tiny"].seq_len
     torch.manual_seed(0)
     model = build_from_config({"model_type": "lazytrain-gpt", "vocab": tok.vocab_size, "d_model": 128,
-                               "n_layer": 4, "n_head": 4, "d_ff": 512, "max_seq": seq}, device="cpu",
+                               "n_layer": 4, "n_head": 4, "d_ff": 512, "max_seq": seq, "rope": True}, device="cpu",
                               dtype=torch.float32)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plan = lazytrain.compile(model, batch_size=a.batch, seq_len=seq, hardware="cpu" if device == "cpu" else "h200",
