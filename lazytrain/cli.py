@@ -90,6 +90,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive, default=None,
                    help="CPU threads (default: the cores the load average leaves idle, at least 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--profile", type=int, nargs="?", const=5, default=None, metavar="STEP",
+                   help="time every op of step STEP (default 5): print how much of each transfer kind and of the "
+                        "host update was hidden under compute; write profile.json, trace.json and memory.png")
 
 
 def cmd_compile(a) -> int:
@@ -183,7 +186,7 @@ def cmd_train(a) -> int:
                       warmup=a.warmup, gpu_memory=a.gpu_memory, host_memory=a.host_memory, policy=a.policy,
                       eval_every=a.eval_every, eval_size=a.eval_size, seed=a.seed,
                       time_limit_min=a.time_limit_min or None, output=a.output, resume=a.resume,
-                      loss_on_prompt=not a.answer_only_loss, device=a.device, threads=a.threads,
+                      loss_on_prompt=not a.answer_only_loss, device=a.device, threads=a.threads, profile=a.profile,
                       progress=not a.no_progress)
     run(cfg)
     return 0

@@ -78,6 +78,7 @@ class TrainConfig:
     device: str | None = None        # default: cuda if available, else cpu
     threads: int | None = None       # CPU threads for torch and the optimizer (default: cpu_threads())
     progress: bool = True
+    profile: int | None = None       # time every op of this step (1-based): overlap table, trace, memory plot
     extra: dict = field(default_factory=dict)   # model-config overrides for "task" (tests, examples)
 
 
@@ -288,6 +289,8 @@ def run(cfg: TrainConfig) -> dict:
     for name in ("batch", "steps"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.profile is not None and cfg.profile < 1:
+        raise ValueError(f"--profile STEP counts from 1, got {cfg.profile}")
     if cfg.eval_every < 0 or cfg.warmup < 0:
         raise ValueError("--eval-every and --warmup must be >= 0")
     if not cfg.lr > 0:
@@ -351,8 +354,13 @@ def run(cfg: TrainConfig) -> dict:
                 progress = max(progress, (start + (cfg.steps - start) * elapsed / limit_s) / cfg.steps)
             opt.lr = lr_at(cfg, step, progress)
             b = next(batches)
+            profiled = cfg.profile is not None and step + 1 == max(cfg.profile, start + 1)
+            trainer.profile = profiled
             stats = trainer.step({"input_ids": b.input_ids, "labels": b.labels})
             step += 1
+            if profiled:
+                trainer.profile = False
+                _report_profile(trainer, out, bar)
             tokens += stats.tokens
             history.append({"step": step, "loss": round(stats.loss, 5), "lr": opt.lr,
                             "grad_norm": round(stats.grad_norm, 4), "step_s": round(stats.step_s, 4),
@@ -399,6 +407,26 @@ def run(cfg: TrainConfig) -> dict:
     trainer.close()
     print(f"wrote {out / 'metrics.json'} and {ckpt}" + (" (interrupted: no final eval)" if interrupted else ""))
     return metrics
+
+
+def _report_profile(trainer, out: Path, bar) -> None:
+    """The ``--profile`` step: hidden fractions on the console; profile, measured trace and memory plot."""
+    from tabulate import tabulate
+
+    from .compiler.timeline import write_step
+    prof = trainer.last_profile
+    rows = [[kind, f"{prof.transfer_s.get(kind, 0.0) * 1e3:.1f}", f"{100 * frac:.0f}%"]
+            for kind, frac in prof.hidden.items()]
+    rows.append(["update (host)", f"{prof.update_s * 1e3:.1f}",
+                 f"{100 * (1 - prof.exposed_update_s / prof.update_s):.0f}%" if prof.update_s else "-"])
+    text = tabulate(rows, headers=["work", "busy ms", "hidden under compute"], tablefmt="plain")
+    prof.save(out / "profile.json", trainer.plan)
+    notes = [f"profiled step: {prof.step_s * 1e3:.1f} ms", text, f"wrote {out / 'profile.json'}"]
+    try:
+        notes += write_step(trainer.plan, out / "trace.json", plot=out / "memory.png", profile=prof)
+    except ImportError:            # matplotlib (the plot extra) missing: the trace alone
+        notes += write_step(trainer.plan, out / "trace.json", profile=prof)
+    _note(bar, "\n".join(notes))
 
 
 def _plot_loss(path: Path, history: list[dict], em_curve: list[dict], cfg: TrainConfig) -> None:

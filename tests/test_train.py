@@ -37,6 +37,16 @@ def test_train_writes_metrics_and_checkpoint(first_run):
     assert not list(out.glob("*.tmp*"))
 
 
+def test_profile_prints_overlap_and_writes_the_measured_step(tmp_path, capsys):
+    from lazytrain.runtime.profiling import StepProfile
+    _train(tmp_path, "--steps", "3", "--profile", "2")
+    out = capsys.readouterr().out
+    assert "hidden under compute" in out and "grad_offload" in out and "update (host)" in out
+    prof = StepProfile.load(tmp_path / "profile.json")
+    assert prof.trace and json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert (tmp_path / "memory.png").stat().st_size > 0 and (tmp_path / "loss.png").stat().st_size > 0
+
+
 def test_resume_continues_from_the_checkpoint(first_run, tmp_path):
     out, m = first_run
     out2 = tmp_path / "resumed"
@@ -80,6 +90,7 @@ def test_bad_flags_are_one_line_errors(args, message, capsys, tmp_path):
     (["--seq", "20"], "shorter than the longest"),
     (["--model", "no-such-model"], "unknown model"),
     (["--resume", "/nonexistent/run"], "expected an output folder"),
+    (["--profile", "0"], "counts from 1"),
 ])
 def test_bad_settings_are_clear_errors(args, message, capsys, tmp_path):
     assert main(["train", *TINY, "--output", str(tmp_path / "o"), *args]) == 2
