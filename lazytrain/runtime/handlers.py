@@ -280,7 +280,11 @@ def _forward(ctx: Ctx, op: Op, save: bool) -> None:
         if save:       # after detaching: an output may be an input leaf passed through unchanged
             for t in (*rec.params.values(), *rec.leaves.values()):
                 _release(t)
-            ctx.put(_tid(TensorKind.SAVED, j, mb), G, entries)
+            # autograd keeps the pack hook (and so its closure) with every saved tensor until the
+            # backward: the copy goes to the residency table, the hook's own dict is emptied, else an
+            # offloaded saved[j] would stay on the GPU, pinned by the graph (7B OOM, 10 GiB over plan)
+            ctx.put(_tid(TensorKind.SAVED, j, mb), G, dict(entries))
+            entries.clear()
             ctx.saved_rec[(j, mb)] = rec
     if j == L - 1 and op.kind is OpKind.COMPUTE:
         ctx.loss_parts[mb] = (out["loss_sum"], out["n_tokens"])
