@@ -27,6 +27,10 @@ CONFIGS = {
     "qwen2": _hf("qwen2", True),
     "llama": _hf("llama", False),
     "qwen3": _hf("qwen3", False, head_dim=32),
+    "mistral-window-8": _hf("mistral", False, sliding_window=8),     # shorter than SEQ: the mask stays
+    "mistral-window-64": _hf("mistral", False, sliding_window=64),   # covers SEQ: is_causal, no mask
+    "gemma2": _hf("gemma2", True, head_dim=16, sliding_window=8),     # eager attention, softcapping, windows
+    "phi3": _hf("phi3", False, pad_token_id=0),
 }
 
 
@@ -133,3 +137,12 @@ def test_untraceable_model_raises_trace_error():
 
     with pytest.raises(TraceError, match="Bad"):
         trace(Bad(), seq_len=4)
+
+
+@pytest.mark.parametrize("kind, causal_flag", [("qwen2", True), ("mistral-window-8", False),
+                                               ("mistral-window-64", True)])
+def test_attention_uses_is_causal_only_where_the_mask_is_plainly_causal(kind, causal_flag):
+    from lazytrain.compiler.trace_export import CAUSAL_ATTENTION, meta_clone, use_causal_flag
+    clone = meta_clone(_model(kind), torch.float32)
+    assert use_causal_flag(clone, SEQ) is causal_flag
+    assert (clone.config._attn_implementation == CAUSAL_ATTENTION) is causal_flag

@@ -91,10 +91,11 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
                                     ("vocab", "d_model", "n_layer", "n_head", "d_ff", "max_seq")], source)
         with torch.device(device):
             return GPT(gcfg).to(dtype)
-    if model_type not in HF_ARCHS:
+    if model_type not in HF_ARCHS and not _hf_decoder_transformer(model_type):
         archs = cfg.get("architectures") or []
         raise ValueError(f"{source}: unsupported architecture (model_type={model_type!r}, architectures={archs}); "
-                         f"supported: {', '.join(HF_ARCHS)} and lazytrain-gpt")
+                         f"supported: Hugging Face decoder-only transformer causal LMs (tested: "
+                         f"{', '.join(HF_ARCHS)}, mistral, gemma, gemma2, phi3, olmo2) and lazytrain-gpt")
     missing = [k for k in HF_REQUIRED if k not in cfg]
     if missing:
         raise ValueError(f"{source}: {model_type} config is missing {', '.join(missing)}")
@@ -109,10 +110,27 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
     tf = _transformers()
     fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")}
     hf_cfg = tf.AutoConfig.for_model(model_type, **fields)
-    hf_cfg._attn_implementation = "sdpa"
     with torch.device(device):
-        model = tf.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
+        try:
+            model = tf.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
+        except ValueError as e:        # an architecture without SDPA support (e.g. softcapped attention)
+            if "attention implementation" not in str(e) and "sdpa" not in str(e).lower():
+                raise
+            model = tf.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager", dtype=dtype)
     return model.to(dtype)
+
+
+def _hf_decoder_transformer(model_type) -> bool:
+    """Is ``model_type`` a Hugging Face causal LM built of attention layers (what the tracer splits)?
+    Its config class must define attention heads itself (Mamba's, say, does not)."""
+    if not isinstance(model_type, str):
+        return False
+    tf = _transformers()
+    try:
+        cfg_cls = type(tf.AutoConfig.for_model(model_type))
+    except (ValueError, KeyError):
+        return False
+    return cfg_cls in tf.MODEL_FOR_CAUSAL_LM_MAPPING and hasattr(cfg_cls(), "num_attention_heads")
 
 
 def _check_ints(cfg: dict, keys, source: str) -> None:

@@ -228,7 +228,8 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
         if b.loss is not None:
             lh = b.loss
             loss, _ = chunked_next_token_loss(outs[0], params[lh.weight],
-                                              None if lh.bias is None else params[lh.bias], inputs[lh.labels])
+                                              None if lh.bias is None else params[lh.bias], inputs[lh.labels],
+                                              softcap=lh.softcap)
             outs = (loss,)
     fwd = fc.get_total_flops()
     keep = dict(saved)

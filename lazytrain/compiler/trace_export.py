@@ -41,6 +41,7 @@ class LossHead:
     weight: str
     bias: str | None
     labels: str
+    softcap: float | None = None    # Gemma-2's final_logit_softcapping: logits = c * tanh(logits / c)
 
 
 @dataclass
@@ -326,8 +327,10 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
             raise TraceError("the model's cross_entropy uses class weights, label smoothing or an ignore_index "
                              "other than -100; the chunked loss does not reproduce that")
         bias = lm.args[2] if len(lm.args) > 2 else None
+        softcap = getattr(getattr(root, "config", None), "final_logit_softcapping", None)
+        _check_logits_path(lm, c, softcap, type(root).__name__)
         loss = LossHead(weight=ph_param[lm.args[1].name], bias=None if bias is None else ph_param[bias.name],
-                        labels="labels")
+                        labels="labels", softcap=float(softcap) if softcap else None)
         head_roots = [lm.args[0]]
         if "labels" not in user_inputs:
             raise TraceError("the model takes no 'labels' input")
@@ -404,6 +407,39 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
                                 input_names=[vname[a] for a in ext], output_names=[vname[n] for n in outs],
                                 loss=loss if b == tail else None, user_loss=sequential and b == tail))
     return Split(blocks=blocks, values=values, user_inputs=list(user_inputs), layers_prefix=prefix)
+
+
+#: what may happen to the logits between the LM head and the cross-entropy: casts and reshapes
+_LOGIT_PLUMBING = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.view.default, aten.reshape.default,
+                   aten._unsafe_view.default, aten.slice.Tensor, aten.contiguous.default, aten.clone.default,
+                   aten.alias.default, aten.expand.default, aten.squeeze.dim, aten.unsqueeze.default,
+                   aten.flatten.using_ints, aten._assert_tensor_metadata.default}
+_SOFTCAP_OPS = {aten.div.Tensor, aten.tanh.default, aten.mul.Tensor}
+
+
+def _check_logits_path(lm: fx.Node, ce: fx.Node, softcap, model: str) -> None:
+    """The chunked loss recomputes ``features @ W.T (+ b)`` and feeds it to the cross-entropy: refuse a
+    head that does anything else to the logits on the way (a scale, a bias of its own), except the
+    tanh soft-capping the config announces, which the chunked loss applies itself."""
+    down, stack = set(), [lm]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u not in down:
+                down.add(u)
+                stack.append(u)
+    up, stack = set(), [ce]
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a not in up:
+                up.add(a)
+                stack.append(a)
+    allowed = _LOGIT_PLUMBING | (_SOFTCAP_OPS if softcap else set())
+    odd = sorted({str(n.target) for n in down & up if n.target not in allowed})
+    if odd:
+        raise TraceError(f"{model}: the head transforms the logits before the cross-entropy ({', '.join(odd)}); "
+                         "the chunked loss does not reproduce that")
 
 
 def _where(n: fx.Node) -> str:
