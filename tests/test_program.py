@@ -31,6 +31,8 @@ CONFIGS = {
     "mistral-window-64": _hf("mistral", False, sliding_window=64),   # covers SEQ: is_causal, no mask
     "gemma2": _hf("gemma2", True, head_dim=16, sliding_window=8),     # eager attention, softcapping, windows
     "phi3": _hf("phi3", False, pad_token_id=0),
+    "granite": _hf("granite", False, logits_scaling=4.0),               # logits / 4 before the loss
+    "cohere": _hf("cohere", True, logit_scale=0.5),                    # logits * 0.5 before the loss
 }
 
 

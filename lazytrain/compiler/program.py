@@ -32,12 +32,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """sum over tokens of CE(features @ W.T + b, labels), one chunk of logits at a time (fwd and bwd)."""
 
     @staticmethod
-    def forward(ctx, feats, weight, bias, labels, chunk, softcap=None):
+    def forward(ctx, feats, weight, bias, labels, chunk, softcap=None, scale=1.0):
         ctx.save_for_backward(feats, weight, bias, labels)
-        ctx.chunk, ctx.softcap = chunk, softcap
+        ctx.chunk, ctx.softcap, ctx.scale = chunk, softcap, scale
         total = feats.new_zeros((), dtype=torch.float32)
         for s in range(0, feats.shape[0], chunk):
-            total = total + _chunk_loss(feats[s:s + chunk], weight, bias, labels[s:s + chunk], softcap)
+            total = total + _chunk_loss(feats[s:s + chunk], weight, bias, labels[s:s + chunk], softcap, scale)
         return total
 
     @staticmethod
@@ -52,7 +52,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             with torch.enable_grad():
                 w = weight.detach().requires_grad_(need_w)
                 b = None if bias is None else bias.detach().requires_grad_(need_b)
-                loss = _chunk_loss(f, w, b, labels[s:s + ctx.chunk], ctx.softcap)
+                loss = _chunk_loss(f, w, b, labels[s:s + ctx.chunk], ctx.softcap, ctx.scale)
                 wrt = [t for t, need in ((f, need_f), (w, need_w), (b, need_b)) if need]
                 grads = iter(torch.autograd.grad(loss, wrt, grad))
             if need_f:
@@ -62,23 +62,27 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             if need_b:
                 gb += next(grads)
         return (gf, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype), None,
-                None, None)
+                None, None, None)
 
 
-def _chunk_loss(f, w, b, lab, softcap=None):
+def _chunk_loss(f, w, b, lab, softcap=None, scale=1.0):
     logits = f @ w.t() if b is None else torch.addmm(b, f, w.t())
+    if scale != 1.0:
+        logits = logits * scale
     logits = logits if logits.dtype == torch.float64 else logits.float()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     return torch.nn.functional.cross_entropy(logits, lab, ignore_index=IGNORE, reduction="sum")
 
 
-def chunked_next_token_loss(feats, weight, bias, labels, chunk: int = DEFAULT_CHUNK, softcap: float | None = None):
+def chunked_next_token_loss(feats, weight, bias, labels, chunk: int = DEFAULT_CHUNK, softcap: float | None = None,
+                            scale: float = 1.0):
     """(summed next-token CE, number of counted tokens) of features (b, s, d) against labels (b, s);
-    ``softcap``: logits = softcap * tanh(logits / softcap) first (Gemma-2)."""
+    ``scale``: logits multiplied by it first (Cohere, Granite); ``softcap``: logits = softcap *
+    tanh(logits / softcap) (Gemma-2)."""
     shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1).reshape(-1)
     flat = feats.reshape(-1, feats.shape[-1])
-    loss = _ChunkedCrossEntropy.apply(flat, weight, bias, shifted, chunk, softcap)
+    loss = _ChunkedCrossEntropy.apply(flat, weight, bias, shifted, chunk, softcap, scale)
     return loss, (shifted != IGNORE).sum()
 
 
@@ -103,7 +107,7 @@ class BlockProgram:
         if bc.loss is not None:
             lh = bc.loss
             loss, n = chunked_next_token_loss(outs[0], params[lh.weight], None if lh.bias is None else params[lh.bias],
-                                              inputs[lh.labels], self.loss_chunk_tokens, lh.softcap)
+                                              inputs[lh.labels], self.loss_chunk_tokens, lh.softcap, lh.scale)
             return {"loss_sum": loss, "n_tokens": n}
         if bc.user_loss:
             return {"loss_sum": outs[0], "n_tokens": torch.ones((), dtype=torch.int64, device=outs[0].device)}

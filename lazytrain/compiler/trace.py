@@ -229,7 +229,7 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
             lh = b.loss
             loss, _ = chunked_next_token_loss(outs[0], params[lh.weight],
                                               None if lh.bias is None else params[lh.bias], inputs[lh.labels],
-                                              softcap=lh.softcap)
+                                              softcap=lh.softcap, scale=lh.scale)
             outs = (loss,)
     fwd = fc.get_total_flops()
     keep = dict(saved)

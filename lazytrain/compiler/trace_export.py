@@ -42,6 +42,7 @@ class LossHead:
     bias: str | None
     labels: str
     softcap: float | None = None    # Gemma-2's final_logit_softcapping: logits = c * tanh(logits / c)
+    scale: float = 1.0              # a constant the head multiplies the logits by (Cohere, Granite)
 
 
 @dataclass
@@ -328,9 +329,9 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
                              "other than -100; the chunked loss does not reproduce that")
         bias = lm.args[2] if len(lm.args) > 2 else None
         softcap = getattr(getattr(root, "config", None), "final_logit_softcapping", None)
-        _check_logits_path(lm, c, softcap, type(root).__name__)
+        scale = _check_logits_path(lm, c, softcap, type(root).__name__)
         loss = LossHead(weight=ph_param[lm.args[1].name], bias=None if bias is None else ph_param[bias.name],
-                        labels="labels", softcap=float(softcap) if softcap else None)
+                        labels="labels", softcap=float(softcap) if softcap else None, scale=scale)
         head_roots = [lm.args[0]]
         if "labels" not in user_inputs:
             raise TraceError("the model takes no 'labels' input")
@@ -415,12 +416,14 @@ _LOGIT_PLUMBING = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, a
                    aten.alias.default, aten.expand.default, aten.squeeze.dim, aten.unsqueeze.default,
                    aten.flatten.using_ints, aten._assert_tensor_metadata.default}
 _SOFTCAP_OPS = {aten.div.Tensor, aten.tanh.default, aten.mul.Tensor}
+_SCALE_OPS = {aten.mul.Tensor: 1, aten.mul.Scalar: 1, aten.div.Tensor: -1, aten.div.Scalar: -1}
 
 
-def _check_logits_path(lm: fx.Node, ce: fx.Node, softcap, model: str) -> None:
+def _check_logits_path(lm: fx.Node, ce: fx.Node, softcap, model: str) -> float:
     """The chunked loss recomputes ``features @ W.T (+ b)`` and feeds it to the cross-entropy: refuse a
-    head that does anything else to the logits on the way (a scale, a bias of its own), except the
-    tanh soft-capping the config announces, which the chunked loss applies itself."""
+    head that does anything else to the logits on the way, except the tanh soft-capping the config
+    announces and multiplications or divisions by constants, which the chunked loss applies itself.
+    Returns the constant scale."""
     down, stack = set(), [lm]
     while stack:
         n = stack.pop()
@@ -436,10 +439,19 @@ def _check_logits_path(lm: fx.Node, ce: fx.Node, softcap, model: str) -> None:
                 up.add(a)
                 stack.append(a)
     allowed = _LOGIT_PLUMBING | (_SOFTCAP_OPS if softcap else set())
-    odd = sorted({str(n.target) for n in down & up if n.target not in allowed})
+    scale, odd = 1.0, set()
+    for n in down & up:
+        if n.target in allowed:
+            continue
+        if n.target in _SCALE_OPS and isinstance(n.args[1], (int, float)) and not isinstance(n.args[1], bool) \
+                and (n.args[0] in down or n.args[0] is lm) and n.args[1] != 0:
+            scale *= float(n.args[1]) ** _SCALE_OPS[n.target]
+            continue
+        odd.add(str(n.target))
     if odd:
-        raise TraceError(f"{model}: the head transforms the logits before the cross-entropy ({', '.join(odd)}); "
-                         "the chunked loss does not reproduce that")
+        raise TraceError(f"{model}: the head transforms the logits before the cross-entropy "
+                         f"({', '.join(sorted(odd))}); the chunked loss does not reproduce that")
+    return scale
 
 
 def _where(n: fx.Node) -> str:
