@@ -39,6 +39,7 @@ Choices, written down so the next person sees them:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -422,10 +423,8 @@ def _report_profile(trainer, out: Path, bar) -> None:
     text = tabulate(rows, headers=["work", "busy ms", "hidden under compute"], tablefmt="plain")
     prof.save(out / "profile.json", trainer.plan)
     notes = [f"profiled step: {prof.step_s * 1e3:.1f} ms", text, f"wrote {out / 'profile.json'}"]
-    try:
-        notes += write_step(trainer.plan, out / "trace.json", plot=out / "memory.png", profile=prof)
-    except ImportError:            # matplotlib (the plot extra) missing: the trace alone
-        notes += write_step(trainer.plan, out / "trace.json", profile=prof)
+    plot = out / "memory.png" if importlib.util.find_spec("matplotlib") else None   # the plot extra
+    notes += write_step(trainer.plan, out / "trace.json", plot=plot, profile=prof)
     _note(bar, "\n".join(notes))
 
 

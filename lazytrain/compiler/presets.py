@@ -127,10 +127,10 @@ def _hf_decoder_transformer(model_type) -> bool:
         return False
     tf = _transformers()
     try:
-        cfg_cls = type(tf.AutoConfig.for_model(model_type))
+        default = tf.AutoConfig.for_model(model_type)     # the architecture's default config
     except (ValueError, KeyError):
         return False
-    return cfg_cls in tf.MODEL_FOR_CAUSAL_LM_MAPPING and hasattr(cfg_cls(), "num_attention_heads")
+    return type(default) in tf.MODEL_FOR_CAUSAL_LM_MAPPING and hasattr(default, "num_attention_heads")
 
 
 def _check_ints(cfg: dict, keys, source: str) -> None:

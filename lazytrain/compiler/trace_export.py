@@ -419,25 +419,24 @@ _SOFTCAP_OPS = {aten.div.Tensor, aten.tanh.default, aten.mul.Tensor}
 _SCALE_OPS = {aten.mul.Tensor: 1, aten.mul.Scalar: 1, aten.div.Tensor: -1, aten.div.Scalar: -1}
 
 
+def _reachable(start: fx.Node, step) -> set[fx.Node]:
+    """Every node reached from ``start`` by repeatedly following ``step`` (users, or inputs), not ``start``."""
+    seen, stack = set(), [start]
+    while stack:
+        for m in step(stack.pop()):
+            if m not in seen:
+                seen.add(m)
+                stack.append(m)
+    return seen
+
+
 def _check_logits_path(lm: fx.Node, ce: fx.Node, softcap, model: str) -> float:
     """The chunked loss recomputes ``features @ W.T (+ b)`` and feeds it to the cross-entropy: refuse a
     head that does anything else to the logits on the way, except the tanh soft-capping the config
     announces and multiplications or divisions by constants, which the chunked loss applies itself.
     Returns the constant scale."""
-    down, stack = set(), [lm]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u not in down:
-                down.add(u)
-                stack.append(u)
-    up, stack = set(), [ce]
-    while stack:
-        n = stack.pop()
-        for a in n.all_input_nodes:
-            if a not in up:
-                up.add(a)
-                stack.append(a)
+    down = _reachable(lm, lambda n: n.users)
+    up = _reachable(ce, lambda n: n.all_input_nodes)
     allowed = _LOGIT_PLUMBING | (_SOFTCAP_OPS if softcap else set())
     scale, odd = 1.0, set()
     for n in down & up:
