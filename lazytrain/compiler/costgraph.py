@@ -5,7 +5,8 @@ Nodes
 - ``("boundary", i)`` for i = 0..L: ``bytes`` (per micro-batch) live at boundary i;
 - ``("block", j)``: ``params_bytes``, ``grad_accum_bytes`` (fp32 on the GPU), ``saved_bytes`` and
   ``workspace_bytes`` per micro-batch, ``backward_transient_bytes`` (backward's workspace + its
-  parameter-gradient temporary), ``fwd_s`` / ``bwd_s`` per micro-batch, ``load_s``,
+  parameter-gradient temporary), ``grad_drain_bytes`` (the accumulator plus its cast copy, alive
+  while ``grad_offload`` drains it under the next block's backward), ``fwd_s`` / ``bwd_s`` per micro-batch, ``load_s``,
   ``grad_offload_s`` and ``update_s`` (the mandatory traffic and host work of the block);
 - ``("window", w)`` for w = 0..2L: ``kind`` ("F", "B" or "X"), ``block`` it belongs to, and the
   mandatory traffic placed there by the lowering: ``h2d_s`` (the prefetched parameter load),
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import networkx as nx
 
+from ..ir import TensorId, TensorKind
 from .cost import CostModel
 
 MAX_SEGMENT = 8
@@ -42,6 +44,8 @@ def build_cost_graph(cost: CostModel, max_segment: int = MAX_SEGMENT) -> nx.DiGr
         G.add_node(("block", j), params_bytes=cost.param_bytes(j), grad_accum_bytes=g.blocks[j].param_numel * 4,
                    saved_bytes=cost.saved_bytes(j), workspace_bytes=cost.sizes.workspace(j),
                    backward_transient_bytes=cost.sizes.workspace(j) + cost.sizes.param_grad_transient(j),
+                   grad_drain_bytes=cost.sizes.of(TensorId(kind=TensorKind.GRADS, index=j))
+                   + cost.sizes.grad_cast_transient(j),
                    fwd_s=cost.fwd_s(j), bwd_s=cost.bwd_s(j), load_s=cost.load_s(j),
                    grad_offload_s=cost.grad_offload_s(j), update_s=cost.update_s(j), kind=g.blocks[j].kind)
     for w in range(2 * L + 1):
