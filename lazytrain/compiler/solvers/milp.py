@@ -29,9 +29,9 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
               accumulator and backward temporaries (B_j), saved activations kept so far, offloaded ones
               in flight (two micro-batches: the lowering throttles compute to that) or
               reloaded, kept boundaries, reloaded boundaries, boundary gradients, and the block's
-              workspace  <=  budget.  B_j is checked at three moments: late (block j-1's reloads that
-              are not late have landed:  S_{j-1} M ((host+nvme)[j-1] - reload_late[j-1]));  at the
-              start, without them but with block j+1's gradients still draining (accumulator + cast
+              workspace  <=  budget.  B_j is checked at three moments: in program order (when the
+              runtime allocates; block j-1's reloads, issued before B_j's backward, all held);  at the
+              start in time order, without them but with block j+1's gradients still draining (accumulator + cast
               copy D_{j+1}, from the end of B_{j+1} for G_{j+1}/d2h) where B_j starts at once: under
               the first backward of a kept block (D_{j+1} keep[j]), under a recompute from a GPU
               boundary ((S_j + workspace_j) rec[j] + D_{j+1} bgpu[j]), and under its backward when
@@ -194,23 +194,21 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
               + W[j] <= budget), f"gpu_memory_F[{j}]"
         prev = j - 1
         pre_p = P[prev] if prev >= 0 else 0.0
-        kept_b = xs(S[i] * M * keep[i] for i in range(j + 1)) + xs(A[i] * M * bg[i] for i in range(j + 1))
-        common = P[j] + pre_p + kept_b + flowing + A[j] * M * (bh[j] + bn[j])
-        start = common + S[j] * M * (host[j] + nvme[j])     # block j's reloads
+        # block j's reloads (saved activations, or the boundary its recompute starts from) are in
+        start = P[j] + pre_p + kept + flowing + S[j] * M * (host[j] + nvme[j]) + A[j] * M * (bh[j] + bn[j])
         # in program order (when the runtime allocates) block j-1's reloads are issued before B_j's
         # backward: the allocator holds them all
         reloaded = S[prev] * M * (host[prev] + nvme[prev]) + A[prev] * M * (bh[prev] + bn[prev]) if prev >= 0 else 0
         # a backward follows its micro-batch's recompute, which freed that micro-batch's boundary
-        bwd_start = start - A[j] * rec[j]
-        m += bwd_start + reloaded + Gacc[j] + S[j] * rec[j] + WB[j] <= budget, f"gpu_memory_B[{j}]"
+        backward = start - A[j] * rec[j] + Gacc[j] + S[j] * rec[j] + WB[j]
+        m += backward + reloaded <= budget, f"gpu_memory_B[{j}]"
         if j + 1 < L:
             # early in B_j, before block j-1's reloads, block j+1's gradients are still draining
             # (cast, then D2H, from the end of B_{j+1}).  Certain only where B_j starts at once: a
             # kept block's first backward; a recompute from a GPU boundary (and its backward when
             # the drain outlasts that recompute).  A reload may hold B_j back past the drain.
             overlap = keep[j] + (bg[j] if gout[j + 1] > fwd[j] else 0)
-            m += (bwd_start + Gacc[j] + S[j] * rec[j] + WB[j] + D[j + 1] * overlap <= budget,
-                  f"gpu_memory_B_start[{j}]")
+            m += backward + D[j + 1] * overlap <= budget, f"gpu_memory_B_start[{j}]"
             m += start + (S[j] + W[j]) * rec[j] + D[j + 1] * bg[j] <= budget, f"gpu_memory_recompute[{j}]"
 
     if host_cap:
