@@ -423,21 +423,25 @@ def _report_profile(trainer, out: Path, bar) -> None:
     text = tabulate(rows, headers=["work", "busy ms", "hidden under compute"], tablefmt="plain")
     prof.save(out / "profile.json", trainer.plan)
     notes = [f"profiled step: {prof.step_s * 1e3:.1f} ms", text, f"wrote {out / 'profile.json'}"]
-    plot = out / "memory.png" if importlib.util.find_spec("matplotlib") else None   # the plot extra
+    plot = out / "memory.png" if can_plot() else None
     notes += write_step(trainer.plan, out / "trace.json", plot=plot, profile=prof)
     _note(bar, "\n".join(notes))
 
 
+def can_plot() -> bool:
+    """Is matplotlib installed (the ``plot`` extra)?  Without it the run writes no PNGs."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def _plot_loss(path: Path, history: list[dict], em_curve: list[dict], cfg: TrainConfig) -> None:
-    """``loss.png`` next to metrics.json when matplotlib is installed (the ``plot`` extra)."""
-    try:
-        from .compiler.timeline import plot_loss
-        last = em_curve[-1] if em_curve else None
-        title = f"model {cfg.model}, task {cfg.difficulty}, batch {cfg.batch}" + (
-            f": exact match {last['exact_match']:.1%} at step {last['step']}" if last else "")
-        plot_loss(path, {"train loss": [(h["step"], h["loss"]) for h in history]}, title=title)
-    except ImportError:
+    """``loss.png`` next to metrics.json when matplotlib is installed."""
+    if not can_plot():
         return
+    from .compiler.timeline import plot_loss
+    last = em_curve[-1] if em_curve else None
+    title = f"model {cfg.model}, task {cfg.difficulty}, batch {cfg.batch}" + (
+        f": exact match {last['exact_match']:.1%} at step {last['step']}" if last else "")
+    plot_loss(path, {"train loss": [(h["step"], h["loss"]) for h in history]}, title=title)
 
 
 def _progress(cfg: TrainConfig, start: int):

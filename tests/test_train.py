@@ -47,6 +47,19 @@ def test_profile_prints_overlap_and_writes_the_measured_step(tmp_path, capsys):
     assert (tmp_path / "memory.png").stat().st_size > 0 and (tmp_path / "loss.png").stat().st_size > 0
 
 
+def test_without_matplotlib_training_finishes_without_pictures(tmp_path, monkeypatch):
+    import lazytrain.compiler.timeline as timeline
+    import lazytrain.train as train
+
+    def no_pyplot():       # what timeline._pyplot raises when matplotlib is not installed
+        raise RuntimeError("plotting needs matplotlib: pip install 'lazytrain[plot]'")
+    monkeypatch.setattr(timeline, "_pyplot", no_pyplot)
+    monkeypatch.setattr(train, "can_plot", lambda: False)
+    m = _train(tmp_path, "--steps", "2", "--profile", "2")
+    assert m["steps_done"] == 2 and (tmp_path / "profile.json").exists() and (tmp_path / "trace.json").exists()
+    assert not list(tmp_path.glob("*.png"))
+
+
 def test_resume_continues_from_the_checkpoint(first_run, tmp_path):
     out, m = first_run
     out2 = tmp_path / "resumed"
