@@ -91,12 +91,13 @@ class Problem:
         """The worked answer, one equation per operation: ``23+4*6`` is ``4*6=24, 23+24=47``."""
         parts, count = [], self.start
         for step in self.steps:
+            after = step.apply(count)
             if step.kind is StepKind.ADD_GROUPS:
                 parts.append(f"{step.a}*{step.b}={step.a * step.b}")
-                parts.append(f"{count}+{step.a * step.b}={step.apply(count)}")
+                parts.append(f"{count}+{step.a * step.b}={after}")
             else:
-                parts.append(f"{count}{SIGN[step.kind]}{step.a}={step.apply(count)}")
-            count = step.apply(count)
+                parts.append(f"{count}{SIGN[step.kind]}{step.a}={after}")
+            count = after
         return ", ".join(parts)
 
     @property
