@@ -12,6 +12,8 @@ The head stops at the input of the LM head's matmul; the cross-entropy that foll
 (verified to be a plain ``cross_entropy`` with ignore_index -100) is replaced by a chunked loss in
 ``program.py`` so the logits of a micro-batch never exist at once.
 
+Hugging Face models get ``is_causal`` attention and a check of their logits path (``hf_export``).
+
 Large models are exported with only three layers (first, one middle, last) when all layers are
 structurally identical; the middle layer's code then serves every middle layer of the full model.
 """
@@ -26,6 +28,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
+
+from .hf_export import logits_path, use_causal_flag
 
 aten = torch.ops.aten
 
@@ -146,46 +150,6 @@ def reduce_layers(clone: nn.Module, keep: int = 3) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------------- export
-
-CAUSAL_ATTENTION = "lazytrain_causal"
-
-
-def _every_layer_full_causal(cfg, seq_len: int) -> bool:
-    """Would a plain causal mask equal the mask this config builds for an unpadded sequence of ``seq_len``?
-    A sliding window or an attention chunk at least ``seq_len`` long changes nothing."""
-    window = getattr(cfg, "sliding_window", None)
-    chunk = getattr(cfg, "attention_chunk_size", None)
-    short_window = window is not None and window < seq_len
-    short_chunk = chunk is not None and chunk < seq_len
-    types = getattr(cfg, "layer_types", None)
-    if not types:
-        return not (short_window and getattr(cfg, "use_sliding_window", True)) and not short_chunk
-    plain = {"full_attention": True, "sliding_attention": not short_window, "chunked_attention": not short_chunk}
-    return all(plain.get(t, False) for t in types)
-
-
-def use_causal_flag(clone: nn.Module, seq_len: int) -> bool:
-    """Make a Hugging Face meta clone call SDPA with ``is_causal=True`` and no mask tensor.
-
-    Exported as is, the model builds its mask from the position ids (packed-sequence detection cannot
-    be decided at trace time) and passes a boolean ``(b, 1, s, s)`` tensor to SDPA, which rules out the
-    flash kernel on the GPU and makes the mask a value that crosses block boundaries.  We train on
-    unpadded (right-padded, ``-100``-labelled) sequences without an attention mask, so the mask is the
-    causal one; an attention implementation that Hugging Face has no mask function for gets
-    ``attention_mask=None`` and its SDPA path sets ``is_causal``.  Only for SDPA models whose every
-    layer is plainly causal at this length (no sliding window or chunk shorter than ``seq_len``)."""
-    cfg = getattr(clone, "config", None)
-    if getattr(cfg, "_attn_implementation", None) != "sdpa" or not _every_layer_full_causal(cfg, seq_len):
-        return False
-    try:
-        from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    except ImportError:   # an older transformers: keep the mask
-        return False
-    AttentionInterface.register(CAUSAL_ATTENTION, sdpa_attention_forward)
-    cfg._attn_implementation = CAUSAL_ATTENTION
-    return True
-
 
 def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None, loss_fn=None):
     """``torch.export`` of the meta clone at (micro_batch, seq_len); returns (program, root module)."""
@@ -329,7 +293,10 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
                              "other than -100; the chunked loss does not reproduce that")
         bias = lm.args[2] if len(lm.args) > 2 else None
         softcap = getattr(getattr(root, "config", None), "final_logit_softcapping", None)
-        scale = _check_logits_path(lm, c, softcap, type(root).__name__)
+        scale, odd = logits_path(lm, c, softcap)
+        if odd:
+            raise TraceError(f"{type(root).__name__}: the head transforms the logits before the cross-entropy "
+                             f"({', '.join(sorted(odd))}); the chunked loss does not reproduce that")
         loss = LossHead(weight=ph_param[lm.args[1].name], bias=None if bias is None else ph_param[bias.name],
                         labels="labels", softcap=float(softcap) if softcap else None, scale=scale)
         head_roots = [lm.args[0]]
@@ -408,49 +375,6 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
                                 input_names=[vname[a] for a in ext], output_names=[vname[n] for n in outs],
                                 loss=loss if b == tail else None, user_loss=sequential and b == tail))
     return Split(blocks=blocks, values=values, user_inputs=list(user_inputs), layers_prefix=prefix)
-
-
-#: what may happen to the logits between the LM head and the cross-entropy: casts and reshapes
-_LOGIT_PLUMBING = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.view.default, aten.reshape.default,
-                   aten._unsafe_view.default, aten.slice.Tensor, aten.contiguous.default, aten.clone.default,
-                   aten.alias.default, aten.expand.default, aten.squeeze.dim, aten.unsqueeze.default,
-                   aten.flatten.using_ints, aten._assert_tensor_metadata.default}
-_SOFTCAP_OPS = {aten.div.Tensor, aten.tanh.default, aten.mul.Tensor}
-_SCALE_OPS = {aten.mul.Tensor: 1, aten.mul.Scalar: 1, aten.div.Tensor: -1, aten.div.Scalar: -1}
-
-
-def _reachable(start: fx.Node, step) -> set[fx.Node]:
-    """Every node reached from ``start`` by repeatedly following ``step`` (users, or inputs), not ``start``."""
-    seen, stack = set(), [start]
-    while stack:
-        for m in step(stack.pop()):
-            if m not in seen:
-                seen.add(m)
-                stack.append(m)
-    return seen
-
-
-def _check_logits_path(lm: fx.Node, ce: fx.Node, softcap, model: str) -> float:
-    """The chunked loss recomputes ``features @ W.T (+ b)`` and feeds it to the cross-entropy: refuse a
-    head that does anything else to the logits on the way, except the tanh soft-capping the config
-    announces and multiplications or divisions by constants, which the chunked loss applies itself.
-    Returns the constant scale."""
-    down = _reachable(lm, lambda n: n.users)
-    up = _reachable(ce, lambda n: n.all_input_nodes)
-    allowed = _LOGIT_PLUMBING | (_SOFTCAP_OPS if softcap else set())
-    scale, odd = 1.0, set()
-    for n in down & up:
-        if n.target in allowed:
-            continue
-        if n.target in _SCALE_OPS and isinstance(n.args[1], (int, float)) and not isinstance(n.args[1], bool) \
-                and (n.args[0] in down or n.args[0] is lm) and n.args[1] != 0:
-            scale *= float(n.args[1]) ** _SCALE_OPS[n.target]
-            continue
-        odd.add(str(n.target))
-    if odd:
-        raise TraceError(f"{model}: the head transforms the logits before the cross-entropy "
-                         f"({', '.join(sorted(odd))}); the chunked loss does not reproduce that")
-    return scale
 
 
 def _where(n: fx.Node) -> str:
