@@ -1,7 +1,7 @@
 """Runtime: executes a ``Plan`` with parameters and optimizer state on the host (DESIGN §5).
 
 ``Trainer`` (trainer.py) owns a host store (store.py), streams (streams.py), an NVMe tier
-(nvme.py) and the interpreter (interpreter.py: one handler per op kind, handlers.py).
+(nvme.py) and the interpreter (interpreter.py: one handler per op kind, handlers.py and gradients.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The interpreter: one handler per op kind (``handlers.py``), issued by a dependency-driven dispatcher.
+"""The interpreter: one handler per op kind (``handlers.py``, ``gradients.py``), issued by a
+dependency-driven dispatcher.
 
 The plan's contract (and the simulator's model): each resource (GPU, H2D, D2H, CPU, NVME) runs its
 ops in list order, and an op starts when its resource is free and its dependencies are done.  The
@@ -34,6 +35,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from ..ir import Op, OpKind, Resource, Tier
 from ..ir.semantics import Sizes, effects
+from . import gradients as gr
 from . import handlers as h
 from .handlers import Ctx
 
@@ -44,8 +46,8 @@ HANDLERS: dict[OpKind, Callable[[Ctx, Op], None]] = {
     OpKind.BACKWARD: h.backward,
     OpKind.OFFLOAD: h.offload,
     OpKind.RELOAD: h.reload,
-    OpKind.GRAD_OFFLOAD: h.grad_offload,
-    OpKind.UPDATE: h.update,
+    OpKind.GRAD_OFFLOAD: gr.grad_offload,
+    OpKind.UPDATE: gr.update,
     OpKind.FREE: h.free,
 }
 

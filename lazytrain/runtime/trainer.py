@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ir import OpKind, Plan, PlanError
+from . import gradients as gr
 from . import handlers as h
 from .handlers import Ctx, HostCopy
 from .interpreter import run
@@ -208,7 +209,7 @@ class Trainer:
                 fut = ctx.done.get(i)
                 if fut is not None:
                     fut.result()
-            coef = h.finish_norm(ctx)
+            coef = gr.finish_norm(ctx)
         except Exception as e:
             self._broken = e
             raise
@@ -256,7 +257,7 @@ class Trainer:
             from ..ir import Op, Resource
             for o in sorted(ctx.pending):
                 op = Op(id=-1 - o, kind=OpKind.UPDATE, block=o, resource=Resource.CPU)
-                h.run_update(ctx, op, o, ctx.pending_coef, ctx.pending_lr)
+                gr.run_update(ctx, op, o, ctx.pending_coef, ctx.pending_lr)
         ctx.pending = set()
         for fut in list(ctx.update_futures.values()):
             fut.result()
