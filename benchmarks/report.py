@@ -21,19 +21,33 @@ def _f(v, fmt: str) -> str:
     return format(v, ".3g") if fmt == ".1f" and abs(v) < 1 else format(v, fmt)   # tiny CPU runs stay readable
 
 
+def max_batch_cell(r: dict) -> str:
+    """The batch search's answer for one row: the batch, and whether it was run or only predicted."""
+    if "max_batch" not in r and "max_batch_error" not in r:
+        return ""
+    if r.get("max_batch") is None:
+        return r.get("max_batch_note") or (r.get("max_batch_error") or "none").replace("|", "/")
+    b = r["max_batch"]
+    if r.get("max_batch_verified") is False:
+        return f"{b} (predicted; not run)"
+    if r.get("max_batch_verified"):
+        return f"{b} (ran: {r['max_batch_step_s']:.1f} s/step, mb {r.get('max_batch_micro_batch')})"
+    return f">= {b} ({r['max_batch_note']})" if r.get("max_batch_note") else str(b)
+
+
 def table_rows(result: dict) -> list[list[str]]:
+    search = result["config"].get("find_max_batch")
     rows = []
     for r in result["rows"]:
-        batch = str(r.get("batch", ""))
-        if r.get("max_batch") is not None and "error" not in r:
-            batch += " (max)"
+        tail = [max_batch_cell(r)] if search else []
         if r.get("error"):
-            rows.append([r["system"], batch, r["error"].replace("|", "/")] + [""] * (len(COLUMNS) - 3))
+            rows.append([r["system"], str(r.get("batch", "")), r["error"].replace("|", "/")]
+                        + [""] * (len(COLUMNS) - 3) + tail)
             continue
-        rows.append([r["system"], batch, _f(r["median_step_s"], ".3f"), _f(r["model_tflops"], ".1f"),
+        rows.append([r["system"], str(r["batch"]), _f(r["median_step_s"], ".3f"), _f(r["model_tflops"], ".1f"),
                      _f(r["hardware_tflops"], ".1f"), _f(r["tokens_per_s"], ",.0f"), _f(r["peak_gpu_gib"], ".2f"),
                      _f(r["host_rss_gib"], ".2f"), _f(r.get("predicted_step_s"), ".3f"),
-                     _f(r.get("predicted_over_measured"), ".2f")])
+                     _f(r.get("predicted_over_measured"), ".2f")] + tail)
     return rows
 
 
@@ -46,11 +60,13 @@ def markdown(result: dict) -> str:
              f"system; model TFLOPS = 6 · params · batch · seq / step s; hardware TFLOPS counts recompute "
              f"(lazytrain: the plan's op FLOPs; checkpointing baselines 8 · params · tokens, "
              f"plain 6 · params · tokens)",
-             "", "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+             ""]
+    cols = COLUMNS + (["largest batch under the cap"] if c.get("find_max_batch") else [])
+    lines += ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     lines += ["| " + " | ".join(r) + " |" for r in table_rows(result)]
     tries = [(r["system"], r["max_batch_tries"]) for r in result["rows"] if r.get("max_batch_tries")]
     if tries:
-        lines += ["", "Largest batch by doubling (baselines): " + "; ".join(
+        lines += ["", "Largest-batch tries, one step each (baselines): " + "; ".join(
             f"{s}: " + ", ".join(f"{t['batch']} {'fits' if not t['error'] else 'no'}" for t in ts) for s, ts in tries)]
     return "\n".join(lines) + "\n"
 

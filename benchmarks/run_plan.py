@@ -89,12 +89,14 @@ def main(argv=None) -> dict:
     return out
 
 
-def run_one(a, model, build_s: float) -> dict:
-    """Compile, cap, train warm-up + measured steps and one profiled step; return the figures."""
+def run_one(a, model, build_s: float, plan=None) -> dict:
+    """Compile (unless ``plan`` is given), cap, train warm-up + measured steps and, unless
+    ``a.profile`` is False, one profiled step; return the figures."""
     t = time.perf_counter()
-    plan = lazytrain.compile(model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
-                             gpu_memory=a.gpu_memory, host_memory=a.host_memory, hardware=a.hardware,
-                             policy=a.policy, optimizer=a.optimizer, nvme_dir=a.nvme_dir)
+    if plan is None:
+        plan = lazytrain.compile(model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
+                                 gpu_memory=a.gpu_memory, host_memory=a.host_memory, hardware=a.hardware,
+                                 policy=a.policy, optimizer=a.optimizer, nvme_dir=a.nvme_dir)
     compile_s = time.perf_counter() - t
     print(plan.summary())
 
@@ -127,9 +129,11 @@ def run_one(a, model, build_s: float) -> dict:
         if i >= a.warmup:
             stats.append(s)
     peak = torch.cuda.max_memory_allocated()
-    trainer.profile = True
-    trainer.step(batch())
-    prof = trainer.last_profile
+    prof = None
+    if getattr(a, "profile", True):
+        trainer.profile = True
+        trainer.step(batch())
+        prof = trainer.last_profile
     trainer.close()
 
     med = statistics.median(s.step_s for s in stats)
@@ -145,12 +149,12 @@ def run_one(a, model, build_s: float) -> dict:
         "predicted_over_measured": (pred.get("step_time_s") or 0) / med,
         "predicted_peak_gpu_gib": pred.get("peak_gpu_bytes", 0) / GiB, "measured_peak_gpu_gib": peak / GiB,
         "host_rss_gib": host_rss_bytes() / GiB, "losses": [s.loss for s in stats],
-        "hidden": prof.hidden, "transfer_s": prof.transfer_s, "exposed_update_s": prof.exposed_update_s,
-        "update_s": prof.update_s, "profiled_step_s": prof.step_s, "busy_s": prof.busy_s,
+        **({"hidden": prof.hidden, "transfer_s": prof.transfer_s, "exposed_update_s": prof.exposed_update_s,
+            "update_s": prof.update_s, "profiled_step_s": prof.step_s, "busy_s": prof.busy_s} if prof else {}),
         "build_s": build_s, "compile_s": compile_s, "setup_s": setup_s,
     }
     print(json.dumps({k: v for k, v in out.items() if k != "losses"}, indent=1))
-    if getattr(a, "artifacts", None):
+    if getattr(a, "artifacts", None) and prof is not None:
         out["artifacts"] = str(save_artifacts(Path(a.artifacts) / f"{a.batch}_{a.policy}", plan, prof))
     return out
 

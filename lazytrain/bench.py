@@ -27,10 +27,17 @@ the CPU, bf16 on CUDA / fp32 with ``--device cpu``), trains on the same seeded r
 
 Time budget: ``--budget-s`` (default 540 s, to fit in 9 minutes) is shared out as the run goes:
 each system may take the budget left divided by the systems left (or ``--timeout-s``), so time a
-fast system leaves over goes to the next ones.  ``--find-max-batch``: lazytrain compiles with
-``batch_size="max"`` (the predicted largest batch) and verifies it with a run; baselines double the
-batch from ``--batch`` (one process per try) until one runs out of memory, halving first when
-``--batch`` already does.  ``--device cpu`` is a debug mode (fp32 everywhere, no cap) for tests.
+fast system leaves over goes to the next ones.  ``--device cpu`` is a debug mode (fp32 everywhere,
+no cap) for tests.
+
+``--find-max-batch`` adds a second phase after every system's row at ``--batch`` (which keeps the
+whole budget's first ``MAIN_SHARE``): the largest batch that fits the cap, per system, each try one
+step without warm-up (fitting is the question, not speed).  lazytrain compiles with
+``batch_size="max"`` under the host memory this machine has free (the predicted largest batch) and
+verifies it with one step when the predicted step time fits the time left, else reports it as
+predicted only; baselines double from the largest batch that fitted in the first phase (halving
+from ``--batch`` when it did not) until a try runs out of memory, never retrying a batch known not
+to fit.  The result is the row's ``max_batch`` (with ``max_batch_tries``).
 
 Results: ``<out-dir>/<name>.json`` (format ``lazytrain.bench/1``), ``.md`` (table with the exact
 command, date and machine) and ``.png`` (model TFLOPS per system), rendered by
@@ -64,6 +71,8 @@ SYSTEMS: dict[str, tuple[str, dict]] = {
     "plain-ckpt": ("plain", {"checkpointing": True}),
 }
 DEFAULT_SYSTEMS = ("lazytrain-milp", "lazytrain-megatrain", "fsdp2", "plain")
+#: with --find-max-batch, the share of the budget the rows at --batch may use (the rest: batch search)
+MAIN_SHARE = 0.5
 GiB = 1 << 30
 
 
@@ -88,6 +97,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-s", type=float, default=540.0, help="time for the whole run (default 540)")
     p.add_argument("--timeout-s", type=float, default=None, help="fixed per-system (per-try) timeout instead")
     p.add_argument("--find-max-batch", action="store_true", help="also find the largest batch that fits the cap")
+    p.add_argument("--max-batch-limit", type=int, default=4096,
+                   help="the batch search stops here (default 4096; on the CPU, without a cap, only this stops it)")
     p.add_argument("--out-dir", default=str(BENCH_DIR / "results"), help="default benchmarks/results")
     p.add_argument("--name", default=None, help="file stem (default bench_<model>_b<batch>_s<seq>_<gpu cap>)")
 
@@ -97,13 +108,16 @@ def config_from_args(a) -> dict:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if a.max_batch_limit < 1:
+        raise ValueError(f"--max-batch-limit must be positive, got {a.max_batch_limit}")
     if a.steps < 3:
         raise ValueError(f"--steps must be at least 3 (the median of 3 steps or more), got {a.steps}")
     hardware = "cpu" if a.device == "cpu" and a.hardware == "h200" else a.hardware
     return {"model": a.model, "batch": a.batch, "seq": a.seq, "gpu_memory": a.gpu_memory, "systems": systems,
             "steps": a.steps, "warmup": a.warmup, "lr": a.lr, "optimizer": a.optimizer, "hardware": hardware,
             "micro_batch": a.micro_batch, "device": a.device, "budget_s": a.budget_s, "timeout_s": a.timeout_s,
-            "find_max_batch": a.find_max_batch, "out_dir": a.out_dir, "name": a.name}
+            "find_max_batch": a.find_max_batch, "max_batch_limit": a.max_batch_limit, "out_dir": a.out_dir,
+            "name": a.name}
 
 
 def command_line(cfg: dict) -> str:
@@ -116,7 +130,7 @@ def command_line(cfg: dict) -> str:
         if cfg[key] is not None:
             args += [flag, cfg[key]]
     if cfg["find_max_batch"]:
-        args.append("--find-max-batch")
+        args += ["--find-max-batch", "--max-batch-limit", cfg.get("max_batch_limit", 4096)]
     return shlex.join(map(str, args))
 
 
@@ -134,24 +148,32 @@ def run(cfg: dict) -> dict:
     logs = out_dir / f"{name}.logs"
     logs.mkdir(parents=True, exist_ok=True)
     systems = cfg["systems"]
-    deadline = time.monotonic() + cfg["budget_s"]
+    start = time.monotonic()
+    deadline = start + cfg["budget_s"] * (MAIN_SHARE if cfg["find_max_batch"] else 1.0)
     print(f"bench: {', '.join(systems)} on {cfg['model']} batch {cfg['batch']} seq {cfg['seq']} cap "
           f"{cfg['gpu_memory']} ({cfg['device']}); budget {cfg['budget_s']:.0f} s"
           + (f", {cfg['timeout_s']:.0f} s per system" if cfg["timeout_s"] else
-             f", about {cfg['budget_s'] / len(systems):.0f} s per system (unused time carries over)"), flush=True)
+             f", about {(deadline - start) / len(systems):.0f} s per system (unused time carries over)")
+          + (", then the largest batch per system in the time left" if cfg["find_max_batch"] else ""), flush=True)
     rows = []
     for i, system in enumerate(systems):
-        left = deadline - time.monotonic()
-        timeout = cfg["timeout_s"] or max(1.0, left / (len(systems) - i))
+        timeout = cfg["timeout_s"] or max(1.0, (deadline - time.monotonic()) / (len(systems) - i))
         print(f"[{i + 1}/{len(systems)}] {system}: up to {timeout:.0f} s", flush=True)
         t = time.monotonic()
-        if cfg["find_max_batch"] and not system.startswith("lazytrain"):
-            row = _max_batch_by_doubling(system, cfg, timeout, logs)
-        else:
-            row = run_system(system, cfg, timeout, logs / f"{system}.log")
+        row = run_system(system, cfg, timeout, logs / f"{system}.log")
         row["wall_s"] = round(time.monotonic() - t, 1)
         rows.append(row)
         print(f"    {_brief(row)}", flush=True)
+    if cfg["find_max_batch"]:
+        deadline = start + cfg["budget_s"]
+        for i, (system, row) in enumerate(zip(systems, rows)):
+            timeout = cfg["timeout_s"] or max(1.0, (deadline - time.monotonic()) / (len(systems) - i))
+            print(f"[max batch {i + 1}/{len(systems)}] {system}: up to {timeout:.0f} s", flush=True)
+            t = time.monotonic()
+            row.update(_max_batch(system, cfg, row, timeout, logs))
+            row["max_batch_wall_s"] = round(time.monotonic() - t, 1)
+            print(f"    largest batch: {row.get('max_batch')}"
+                  + (" (predicted, not run)" if row.get("max_batch_verified") is False else ""), flush=True)
     result = {"format": FORMAT, "command": command_line(cfg), "date": datetime.datetime.now().astimezone().isoformat(
         timespec="seconds"), "machine": machine(rows), "config": {k: v for k, v in cfg.items() if k != "name"},
         "rows": rows}
@@ -171,9 +193,10 @@ def _brief(row: dict) -> str:
             f"peak GPU {row['peak_gpu_gib']:.2f} GiB, host RSS {row['host_rss_gib']:.2f} GiB")
 
 
-def run_system(system: str, cfg: dict, timeout: float, log: Path, batch: int | None = None) -> dict:
-    """One worker process; a timeout, a crash or a missing result becomes a row with an error."""
-    cfg = dict(cfg, batch=batch or cfg["batch"])
+def run_system(system: str, cfg: dict, timeout: float, log: Path, batch: int | None = None, **overrides) -> dict:
+    """One worker process; a timeout, a crash or a missing result becomes a row with an error.
+    ``overrides`` change the worker's config (the batch search's one-step tries)."""
+    cfg = dict(cfg, batch=batch or cfg["batch"], **overrides)
     base = {"system": system, "batch": cfg["batch"]}
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path, out_path = Path(tmp) / "cfg.json", Path(tmp) / "row.json"
@@ -196,21 +219,50 @@ def run_system(system: str, cfg: dict, timeout: float, log: Path, batch: int | N
     return {**base, "error": f"{why}: {tail[0][:300]}"}
 
 
-def _max_batch_by_doubling(system: str, cfg: dict, timeout: float, logs: Path) -> dict:
-    """Double from ``--batch`` while it fits (halve first if it does not); the row of the largest fit."""
+#: a batch-search try: one step, no warm-up, no profiled step
+PROBE = {"steps": 1, "warmup": 0, "profile": False}
+
+
+def _max_batch(system: str, cfg: dict, row: dict, timeout: float, logs: Path) -> dict:
+    """The largest batch that fits ``system`` under the cap: fields to add to its row."""
+    if system.startswith("lazytrain"):
+        probe = run_system(system, cfg, timeout, logs / f"{system}_max.log", max_batch_probe=True,
+                           probe_deadline_s=timeout, **PROBE)
+        if probe.get("error"):
+            return {"max_batch": None, "max_batch_error": probe["error"]}
+        keys = ("max_batch", "max_batch_micro_batch", "max_batch_compile_s", "max_batch_verified",
+                "max_batch_predicted_step_s", "max_batch_step_s", "max_batch_peak_gpu_gib")
+        return {k: probe[k] for k in keys if k in probe}
+    fitted = not row.get("error")
+    return _max_batch_by_doubling(system, cfg, row["batch"] if fitted else None, timeout, logs)
+
+
+def _max_batch_by_doubling(system: str, cfg: dict, fits: int | None, timeout: float, logs: Path) -> dict:
+    """Double from ``fits`` (a batch known to fit) until a try runs out of memory, or halve from
+    ``--batch`` (known not to fit) until one fits; then bisect between the two while time is left.
+    A batch at or above one that ran out of memory, or at or below one that fitted, is never tried."""
     deadline = time.monotonic() + timeout
-    b, best, tries = cfg["batch"], None, []
-    while b >= 1 and time.monotonic() < deadline:
-        row = run_system(system, cfg, deadline - time.monotonic(), logs / f"{system}_b{b}.log", batch=b)
+    limit = cfg.get("max_batch_limit", 4096)
+    best, too_big, tries = fits, None if fits else cfg["batch"], []
+    b = min(fits * 2, limit) if fits else cfg["batch"] // 2
+    while time.monotonic() < deadline and b >= 1 and (too_big is None or b < too_big) and (best is None or b > best):
+        row = run_system(system, cfg, deadline - time.monotonic(), logs / f"{system}_b{b}.log", batch=b, **PROBE)
         tries.append({"batch": b, "error": row.get("error")})
-        if row.get("error"):
-            if best is not None or "out of memory" not in row["error"]:
-                break
-            b //= 2
+        if not row.get("error"):
+            best = b
+            b = min(b * 2, limit) if too_big is None else (b + too_big) // 2
+        elif "out of memory" in row["error"]:
+            too_big = b
+            b = b // 2 if best is None else (best + b) // 2
         else:
-            best, b = row, b * 2
-    row = best or {"system": system, "batch": cfg["batch"], "error": tries[-1]["error"] if tries else "no time"}
-    return {**row, "max_batch": best["batch"] if best else None, "max_batch_tries": tries}
+            break                              # a timeout or a crash: no answer from this try
+    out = {"max_batch": best, "max_batch_tries": tries, "max_batch_too_big": too_big}
+    if best is None:
+        out["max_batch_note"] = "no batch fitted"
+    elif too_big is None:
+        out["max_batch_note"] = ("the search's limit (--max-batch-limit)" if best >= limit else
+                                 "a lower bound: time ran out before a try ran out of memory")
+    return out
 
 
 def machine(rows: list[dict]) -> dict:
@@ -221,12 +273,7 @@ def machine(rows: list[dict]) -> dict:
                                  text=True, timeout=20).stdout.strip().splitlines()[0]
         except (OSError, subprocess.SubprocessError, IndexError):
             gpu = "none"
-    ram = 0
-    try:
-        with open("/proc/meminfo") as f:
-            ram = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal:"))
-    except (OSError, StopIteration):
-        pass
+    ram = proc_meminfo_bytes("MemTotal")
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -381,6 +428,15 @@ def host_rss_bytes() -> int:
     return proc_status_bytes("VmRSS")
 
 
+def proc_meminfo_bytes(field: str) -> int:
+    """A figure of /proc/meminfo in bytes (0 where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":")), 0)
+    except OSError:
+        return 0
+
+
 def proc_status_bytes(field: str) -> int:
     """A memory figure of this process from /proc/self/status (0 where there is none)."""
     try:
@@ -420,7 +476,9 @@ def worker_main(argv: list[str]) -> int:
         if cfg["device"] == "cuda":
             base["gpu_name"] = torch.cuda.get_device_name(0)
         mod = load_bench_module(f"systems/{module}")
-        row = {**base, **finish_row(system, cfg, mod.run(cfg, dict(opts)))}
+        raw = mod.run(cfg, dict(opts))
+        # a batch-search answer that was not run (predicted only) has no measurement to finish
+        row = {**base, **(finish_row(system, cfg, raw) if "median_step_s" in raw else raw)}
     except Exception as e:  # noqa: BLE001 - any failure of the system is its row, not a crash of the run
         import traceback
         traceback.print_exc()

@@ -26,7 +26,8 @@ def tiny_model(tmp_path):
 def _cfg(model: str, out_dir, **kw) -> dict:
     cfg = {"model": model, "batch": 2, "seq": 16, "gpu_memory": "2GiB", "systems": ["plain"], "steps": 3,
            "warmup": 1, "lr": 1e-3, "optimizer": "adamw", "hardware": "cpu", "micro_batch": None, "device": "cpu",
-           "budget_s": 120.0, "timeout_s": None, "find_max_batch": False, "out_dir": str(out_dir), "name": "t"}
+           "budget_s": 120.0, "timeout_s": None, "find_max_batch": False, "max_batch_limit": 4096,
+           "out_dir": str(out_dir), "name": "t"}
     return {**cfg, **kw}
 
 
@@ -95,3 +96,35 @@ def test_out_of_memory_is_a_result(tiny_model, tmp_path, monkeypatch):
 def test_bad_arguments(tiny_model):
     assert cli_main(["bench", "--model", tiny_model, "--systems", "plain,deepspeed"]) == 2
     assert cli_main(["bench", "--model", tiny_model, "--steps", "2"]) == 2
+
+
+def test_find_max_batch_keeps_the_main_rows(tiny_model, tmp_path):
+    """--find-max-batch: every system's row at --batch (3 measured steps) first, then its largest batch;
+    lazytrain's is the compiler's (run for one step), a baseline's comes from one-step tries."""
+    result = bench.run(_cfg(tiny_model, tmp_path, systems=["lazytrain-megatrain", "plain"], find_max_batch=True,
+                            max_batch_limit=12, budget_s=300.0))
+    lt, plain = result["rows"]
+    for r in (lt, plain):
+        assert not r.get("error") and r["batch"] == 2 and len(r["losses"]) == 3, r
+    assert lt["max_batch"] == 12 and lt["max_batch_verified"] is True and lt["max_batch_step_s"] > 0
+    # on the CPU nothing runs out of memory: the tries double up to the limit, each one step
+    assert [t["batch"] for t in plain["max_batch_tries"]] == [4, 8, 12] and plain["max_batch"] == 12
+    assert (tmp_path / "t.logs" / "plain_b4.log").read_text().count("step ") == 1
+    md = (tmp_path / "t.md").read_text()
+    assert "largest batch under the cap" in md and "12 (ran:" in md and "limit" in md
+
+
+def test_batch_search_bisects_between_fit_and_out_of_memory(tmp_path, monkeypatch):
+    """Doubling from a batch that fits, then bisection; a batch known not to fit is never tried."""
+    tried = []
+
+    def fake(system, cfg, timeout, log, batch=None, **kw):
+        tried.append(batch)
+        assert kw["steps"] == 1 and kw["warmup"] == 0
+        return {"error": "out of memory: CUDA"} if batch > 52 else {"batch": batch}
+    monkeypatch.setattr(bench, "run_system", fake)
+    out = bench._max_batch_by_doubling("plain", {"batch": 8, "max_batch_limit": 4096}, 8, 60, tmp_path)
+    assert tried == [16, 32, 64, 48, 56, 52, 54, 53] and out["max_batch"] == 52 and out["max_batch_too_big"] == 53
+    tried.clear()
+    out = bench._max_batch_by_doubling("plain", {"batch": 100}, None, 60, tmp_path)    # --batch did not fit
+    assert tried[:2] == [50, 75] and out["max_batch"] == 52

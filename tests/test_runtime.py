@@ -394,3 +394,35 @@ def test_failure_on_a_host_worker_names_the_op(mixed_plan, where, monkeypatch):
         pattern = r"while executing op #\d+ \(offload .*host->nvme[^)]*\): boom"
     with pytest.raises(RuntimeError, match=pattern):
         tr.step((ids, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_gradient_sum_fused_equals_torch_path(dtype, monkeypatch):
+    """The tied embedding's gradient (owner + head's share) and its squared norm: the C kernel's one
+    threaded pass equals the torch path's copy, add and norm."""
+    from types import SimpleNamespace
+
+    from lazytrain.runtime import gradients as gr
+    from lazytrain.runtime.optim import ckernel
+    if ckernel.load() is None:
+        pytest.skip("no C compiler here")
+    n, tail = 3 << 20, 1000                      # > 2^20 per slice: several threads; a plain tail
+    seg = SimpleNamespace(offset=0, numel=n)
+    gen = torch.Generator().manual_seed(0)
+    own, head = (torch.randn(n + tail, generator=gen).to(dtype) for _ in range(2))
+    lay = SimpleNamespace(owned_numel=n + tail, shared=[(seg, [(1, 0)])])
+
+    def assemble():
+        ctx = SimpleNamespace(store=SimpleNamespace(layouts=[lay], grad=[own, head]), tied_grad={}, host_pool=None)
+        g, sq = gr._assemble_tied(ctx, 0)
+        if ctx.host_pool is not None:
+            ctx.host_pool.shutdown()
+        return g.clone(), sq
+    g_fast, sq_fast = assemble()
+    monkeypatch.setattr(gr, "_kernels", lambda: None)
+    g_ref, sq_ref = assemble()
+    assert torch.equal(g_fast, g_ref)
+    assert torch.equal(g_fast[n:], own[n:].float())
+    exact = float(g_ref[:n].double().square().sum())
+    assert sq_fast[0] == pytest.approx(exact, rel=1e-6)       # double accumulation of fp32 partial sums
+    assert sq_ref[0] == pytest.approx(exact, rel=1e-3)        # torch's fp32 norm is less exact

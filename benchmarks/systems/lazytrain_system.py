@@ -24,6 +24,7 @@ def _hardware_flops(plan) -> float:
 
 
 def run(cfg: dict, opts: dict) -> dict:
+    t0 = time.monotonic()
     cpu = cfg["device"] == "cpu"
     compile_kw = {"seq_len": cfg["seq"], "micro_batch": cfg["micro_batch"], "gpu_memory": cfg["gpu_memory"],
                   "hardware": cfg["hardware"], "policy": opts["policy"],
@@ -31,22 +32,39 @@ def run(cfg: dict, opts: dict) -> dict:
     if cpu:
         compile_kw["param_dtype"] = "float32"
     model = bench.build(cfg)
-    extra = {}
-    batch = cfg["batch"]
-    if cfg["find_max_batch"]:
-        t = time.perf_counter()
-        plan = lazytrain.compile(model, batch_size="max", **compile_kw)
-        batch = plan.batch_size
-        extra = {"max_batch": batch, "max_batch_predicted": True, "max_batch_compile_s": time.perf_counter() - t,
-                 "max_batch_micro_batch": plan.micro_batch}
-        print(f"predicted largest batch: {batch} (micro-batch {plan.micro_batch}); verifying with a run", flush=True)
-    if cpu:
-        return {**_run_cpu(cfg, model, batch, compile_kw), **extra}
-    return {**_run_cuda(cfg, opts, model, batch), **extra}
+    if not cfg.get("max_batch_probe"):
+        return _run_cpu(cfg, model, cfg["batch"], compile_kw) if cpu else _run_cuda(cfg, opts, model, cfg["batch"])
+    # the batch search: the compiler's largest feasible batch under the host memory free here
+    # (the process's model copy already counted), then one step of it if that fits the time left
+    host = _host_free_bytes()
+    t = time.perf_counter()
+    plan = lazytrain.compile(model, batch_size="max", max_batch_limit=cfg.get("max_batch_limit", 4096), **compile_kw,
+                             **({"host_memory": host} if host and not cpu else {}))
+    info = {"batch": plan.batch_size, "max_batch": plan.batch_size, "max_batch_micro_batch": plan.micro_batch,
+            "max_batch_compile_s": time.perf_counter() - t,
+            "max_batch_predicted_step_s": plan.predicted["step_time_s"],
+            "max_batch_host_budget_gib": host / bench.GiB if host else None}
+    print(f"predicted largest batch: {plan.batch_size} (micro-batch {plan.micro_batch}, predicted step "
+          f"{plan.predicted['step_time_s']:.1f} s)", flush=True)
+    left = cfg.get("probe_deadline_s", float("inf")) - (time.monotonic() - t0)
+    # setup (pinned host store) and the first step's allocations: about two predicted steps + a minute
+    if 2 * plan.predicted["step_time_s"] + 60 > left:
+        print(f"not verified: one step would not fit the {left:.0f} s left", flush=True)
+        return {**info, "max_batch_verified": False}
+    row = (_run_cpu(cfg, model, plan.batch_size, compile_kw, plan=plan) if cpu
+           else _run_cuda(cfg, opts, model, plan.batch_size, plan=plan))
+    return {**row, **info, "max_batch_verified": True, "max_batch_step_s": row["median_step_s"],
+            "max_batch_peak_gpu_gib": row["peak_gpu_bytes"] / bench.GiB}
 
 
-def _run_cpu(cfg: dict, model, batch: int, compile_kw: dict) -> dict:
-    plan = lazytrain.compile(model, batch_size=batch, **compile_kw)
+def _host_free_bytes() -> int | None:
+    """``MemAvailable`` less a 10% margin (page cache, the allocator, the kernel), or None off Linux."""
+    avail = bench.proc_meminfo_bytes("MemAvailable")
+    return int(avail * 0.9) if avail else None
+
+
+def _run_cpu(cfg: dict, model, batch: int, compile_kw: dict, plan=None) -> dict:
+    plan = plan or lazytrain.compile(model, batch_size=batch, **compile_kw)
     trainer = lazytrain.Trainer(model, plan, optimizer=lazytrain.optim.TorchAdamW(lr=cfg["lr"], max_grad_norm=1.0),
                                 device="cpu")
     try:
@@ -59,15 +77,16 @@ def _run_cpu(cfg: dict, model, batch: int, compile_kw: dict) -> dict:
             "plan_params": plan.graph.total_params, "optimizer": "lazytrain TorchAdamW (CPU)"}
 
 
-def _run_cuda(cfg: dict, opts: dict, model, batch: int) -> dict:
+def _run_cuda(cfg: dict, opts: dict, model, batch: int, plan=None) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from run_plan import run_one
 
     args = SimpleNamespace(model=cfg["model"], batch=batch, seq=cfg["seq"], micro_batch=cfg["micro_batch"],
                            gpu_memory=cfg["gpu_memory"], host_memory=None, hardware=cfg["hardware"],
                            policy=opts["policy"], optimizer=cfg["optimizer"], nvme_dir=None, lr=cfg["lr"],
-                           steps=cfg["steps"], warmup=cfg["warmup"], optim_threads=None, artifacts=None)
-    plans = []
+                           steps=cfg["steps"], warmup=cfg["warmup"], optim_threads=None, artifacts=None,
+                           profile=cfg.get("profile", True))
+    plans = [plan] if plan is not None else []
     real_compile = lazytrain.compile
 
     def keep(*a, **kw):
@@ -76,7 +95,7 @@ def _run_cuda(cfg: dict, opts: dict, model, batch: int) -> dict:
 
     lazytrain.compile = keep                 # run_one calls lazytrain.compile(...): keep its plan
     try:
-        out = run_one(args, model, 0.0)
+        out = run_one(args, model, 0.0, plan=plan)
     finally:
         lazytrain.compile = real_compile
     params = bench.n_params(model)
@@ -85,5 +104,6 @@ def _run_cuda(cfg: dict, opts: dict, model, batch: int) -> dict:
             "hardware_flops": _hardware_flops(plans[-1]), "predicted_step_s": out["predicted_step_s"],
             "predicted_peak_gpu_gib": out["predicted_peak_gpu_gib"], "micro_batch": out["micro_batch"],
             "plan_params": out["total_params"], "optimizer": f"lazytrain {cfg['optimizer']} (CPU)",
-            "hidden": out["hidden"], "exposed_update_s": out["exposed_update_s"], "compile_s": out["compile_s"],
+            "hidden": out.get("hidden"), "exposed_update_s": out.get("exposed_update_s"),
+            "update_s": out.get("update_s"), "busy_s": out.get("busy_s"), "compile_s": out["compile_s"],
             "setup_s": out["setup_s"]}

@@ -286,14 +286,14 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                   gpu_memory=None, host_memory=None, nvme_dir: str | None = None, nvme_memory=None,
                   hardware: str = "h200", policy: str = "milp", optimizer: str = "hybrid8bit",
                   param_dtype: str = "bfloat16", clip: bool = True, solver: str = "cbc",
-                  time_limit: float | None = None, reserve=None) -> Plan:
+                  time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16) -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
     to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
 
     ``gpu_memory`` / ``host_memory`` / ``nvme_memory`` accept bytes or sizes like ``"24GiB"``;
     they default to the hardware profile's.  ``batch_size="max"`` finds the largest batch with a
-    feasible plan.  ``reserve`` is GPU memory kept back for the CUDA context, cuBLAS workspaces
-    and allocator fragmentation (default: 1.5 GiB + 5% of the budget).
+    feasible plan, up to ``max_batch_limit``.  ``reserve`` is GPU memory kept back for the CUDA
+    context, cuBLAS workspaces and allocator fragmentation (default: 1.5 GiB + 5% of the budget).
     """
     from .hardware import get_profile
     if policy not in POLICIES:
@@ -314,7 +314,9 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                     solver=solver, time_limit=time_limit)
 
     if batch_size == "max":
-        plan = _max_batch(comp, policy, micro_batch)
+        if not isinstance(max_batch_limit, int) or max_batch_limit < 1:
+            raise ValueError(f"max_batch_limit must be a positive integer, got {max_batch_limit!r}")
+        plan = _max_batch(comp, policy, micro_batch, max_batch_limit)
     else:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer or 'max', got {batch_size!r}")
@@ -359,11 +361,13 @@ def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, poli
     return BudgetError(msg)
 
 
-def _max_batch(comp: Compiler, policy: str, micro_batch: int | None) -> Plan:
-    """Largest batch with a feasible plan: doubling, then bisection (feasibility is monotone in
-    the batch for a fixed micro-batch).  For the MILP, a batch is feasible when its most frugal
-    plan fits (recompute everything, boundaries on the host): that plan lies in the MILP's space."""
+def _max_batch(comp: Compiler, policy: str, micro_batch: int | None, limit: int = 1 << 16) -> Plan:
+    """Largest batch (at most ``limit``) with a feasible plan: doubling, then bisection (feasibility
+    is monotone in the batch for a fixed micro-batch).  For the MILP, a batch is feasible when its
+    most frugal plan fits (recompute everything, boundaries on the host): that plan lies in the
+    MILP's space."""
     step = micro_batch or 1
+    limit = max(step, limit // step * step)
 
     def feasible(b: int) -> bool:
         if policy == "milp":
@@ -380,9 +384,10 @@ def _max_batch(comp: Compiler, policy: str, micro_batch: int | None) -> Plan:
 
     lo, hi = 0, step
     while feasible(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1 << 16:
+        lo = hi
+        if lo >= limit:
             break
+        hi = min(hi * 2, limit)
     if lo == 0:
         raise _budget_error(comp, step, micro_batch)
     while hi - lo > step:
@@ -393,5 +398,6 @@ def _max_batch(comp: Compiler, policy: str, micro_batch: int | None) -> Plan:
     plan = comp.best(policy, lo, micro_batch)
     if plan is None:     # cannot happen for the frugal witness, but never return nothing silently
         raise _budget_error(comp, lo, micro_batch)
-    plan.decisions.notes["batch_search"] = f"largest feasible batch {lo} (next {lo + step} does not fit)"
+    plan.decisions.notes["batch_search"] = (f"largest feasible batch {lo} (next {lo + step} does not fit)"
+                                            if lo < limit else f"batch {lo}: the search's limit; larger may fit")
     return plan

@@ -43,7 +43,19 @@ class CostModel:
         return self.hw.h2d_seconds(self.param_bytes(j))
 
     def grad_offload_s(self, j: int) -> float:
-        return self.hw.d2h_seconds(self.grad_bytes(j))
+        """The block's gradient to the host; for the owner of a tied parameter, plus the host sum of
+        its readers' shares (``tied_sum_s``), which the step waits for before its clip coefficient."""
+        return self.hw.d2h_seconds(self.grad_bytes(j)) + self.tied_sum_s(j)
+
+    def tied_sum_s(self, j: int) -> float:
+        """Host time to add the readers' gradients of block j's tied parameters to its own (one fused
+        pass reading both in the wire dtype and writing fp32), at the memory rate of the host update,
+        which moves ~14 bytes per parameter (``runtime/optim/ckernel.py``)."""
+        shared = {p.name: p.numel for b in self.graph.blocks if b.index != j for p in b.params if p.owner == j}
+        if not shared:
+            return 0.0
+        wire = 4 if self.sizes.param_bytes == 4 else GRAD_WIRE_BYTES
+        return self.hw.update_seconds(sum(shared.values()), self.eight_bit) * (2 * wire + 4) / 14
 
     def update_s(self, j: int) -> float:
         n = self.graph.blocks[j].owned_numel

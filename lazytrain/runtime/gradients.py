@@ -36,25 +36,69 @@ def assemble_grad(ctx: Ctx, o: int) -> torch.Tensor:
     if o in ctx.tied_ready:                  # finish_norm assembled this step's already
         ctx.tied_ready.discard(o)
         return ctx.tied_grad[o]
-    return _assemble_tied(ctx, o)
+    return _assemble_tied(ctx, o)[0]
 
 
-def _assemble_tied(ctx: Ctx, o: int, reuse: bool = True) -> torch.Tensor:
-    """Sum a tied owner's gradient and its readers' into one fp32 buffer, allocated once.
+def _assemble_tied(ctx: Ctx, o: int, reuse: bool = True) -> tuple[torch.Tensor, list[float]]:
+    """Sum a tied owner's gradient and its readers' into one fp32 buffer, allocated once; also the
+    squared norm of each shared segment (what ``finish_norm`` adds to the device norms).
 
     A fresh 1.2 GB buffer per step (Qwen2.5-3B's tied 151,936 x 2,048 embedding) cost ~0.3 s of page
     faults, twice a step (norm and update), with the GPU waiting on both.  The buffer is rewritten
     only after the update that reads it: the next step's gradient offload of ``o`` waits for that
-    update, and ``finish_norm`` waits for every gradient offload."""
+    update, and ``finish_norm`` waits for every gradient offload.  A segment with one reader (the
+    tied embedding) is summed and squared in one multi-threaded pass of the C kernel (``sum2_sq``):
+    the torch path's copy, add and norm are three passes over 1.2 GB at the end of the step, while
+    the GPU waits for the clip coefficient."""
     lay = ctx.store.layouts[o]
     g = ctx.tied_grad.get(o) if reuse else torch.empty(lay.owned_numel, dtype=torch.float32)
     if g is None:
         g = ctx.tied_grad[o] = torch.empty(lay.owned_numel, dtype=torch.float32)
-    g.copy_(ctx.store.grad[o][:lay.owned_numel])
-    for seg, readers in lay.shared:
+    own = ctx.store.grad[o]
+    lib = _kernels()
+    fused = [lib is not None and len(readers) == 1 and _fusable(own, ctx.store.grad[readers[0][0]])
+             for _seg, readers in lay.shared]
+    covered = sum(seg.numel for (seg, _), f in zip(lay.shared, fused) if f)
+    if covered < lay.owned_numel:            # what the fused segments do not overwrite
+        g.copy_(own[:lay.owned_numel])
+    sq = []
+    for (seg, readers), f in zip(lay.shared, fused):
+        lo, hi = seg.offset, seg.offset + seg.numel
+        if f:
+            r, off = readers[0]
+            sq.append(_sum2_sq(ctx, lib, own[lo:hi], ctx.store.grad[r][off:off + seg.numel], g[lo:hi]))
+            continue
         for r, off in readers:
-            g[seg.offset:seg.offset + seg.numel] += ctx.store.grad[r][off:off + seg.numel]
-    return g
+            g[lo:hi] += ctx.store.grad[r][off:off + seg.numel]
+        sq.append(float(torch.linalg.vector_norm(g[lo:hi]).square()))
+    return g, sq
+
+
+def _kernels():
+    from .optim import ckernel
+    return ckernel.load()
+
+
+def _fusable(*ts: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16) for t in ts)
+
+
+def _sum2_sq(ctx: Ctx, lib, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
+    """``out = a + b`` and ``sum(out**2)``, in slices on ``ctx``'s host pool (ctypes drops the GIL)."""
+    n = out.numel()
+    threads = max(1, min(torch.get_num_threads(), n // (1 << 20)))
+    bounds = [n * k // threads for k in range(threads + 1)]
+
+    def part(k: int) -> float:
+        lo, hi = bounds[k], bounds[k + 1]
+        return lib.sum2_sq(hi - lo, a[lo:].data_ptr(), int(a.dtype == torch.bfloat16), b[lo:].data_ptr(),
+                           int(b.dtype == torch.bfloat16), out[lo:].data_ptr())
+    if threads == 1:
+        return part(0)
+    if ctx.host_pool is None or ctx.host_pool._max_workers < threads:
+        from concurrent.futures import ThreadPoolExecutor
+        ctx.host_pool = ThreadPoolExecutor(threads, thread_name_prefix="lazytrain-tied")
+    return sum(ctx.host_pool.map(part, range(threads)))
 
 
 def update(ctx: Ctx, op: Op) -> None:
@@ -96,11 +140,10 @@ def finish_norm(ctx: Ctx) -> float | None:
             # with a global norm the owner's update comes after this and reuses the sum; without
             # one it may be running now on the update worker, reading the buffer: use a temporary
             reuse = ctx.norm_first
-            g = _assemble_tied(ctx, j, reuse=reuse)
+            _, seg_sq = _assemble_tied(ctx, j, reuse=reuse)
             if reuse:
                 ctx.tied_ready.add(j)
-            for seg, _ in lay.shared:
-                total += float(torch.linalg.vector_norm(g[seg.offset:seg.offset + seg.numel]).square())
+            total += sum(seg_sq)
         if sq is not None or lay.shared:
             ctx.tracker.add(j, total)
     ctx.coef = ctx.tracker.finish_step()

@@ -114,6 +114,7 @@ class Ctx:
     update_futures: dict = field(default_factory=dict)
     tied_grad: dict = field(default_factory=dict)  # owner block -> fp32 buffer for its assembled gradient
     tied_ready: set = field(default_factory=set)   # owners whose buffer holds the gradient their update needs
+    host_pool: object | None = None                # threads of the tied-gradient sum (made on first use)
 
     @property
     def L(self) -> int:

@@ -300,6 +300,9 @@ class Trainer:
     def close(self) -> None:
         self.flush()
         self.ctx.streams.close()
+        if self.ctx.host_pool is not None:
+            self.ctx.host_pool.shutdown()
+            self.ctx.host_pool = None
         if self.ctx.nvme is not None:
             self.ctx.nvme.close()
 

@@ -169,6 +169,27 @@ float hybrid8_max(const float *x, int64_t n)
     return u2f(mx);
 }
 
+/* out[i] = a[i] + b[i] in fp32 (a, b: fp32, or bf16 bits when *_bf16); returns the sum of out[i]^2
+   (double accumulation).  One pass for a tied parameter's gradient: the owner's and a reader's
+   shares summed and their squared norm taken while the values are in registers. */
+double sum2_sq(int64_t n, const void *a, int a_bf16, const void *b, int b_bf16, float *out)
+{
+    double acc = 0.0;
+    for (int64_t i0 = 0; i0 < n; i0 += 4096) {
+        const int64_t i1 = i0 + 4096 < n ? i0 + 4096 : n;
+        float part = 0.0f;
+        for (int64_t i = i0; i < i1; i++) {
+            float x = a_bf16 ? u2f((uint32_t)((const uint16_t *)a)[i] << 16) : ((const float *)a)[i];
+            float y = b_bf16 ? u2f((uint32_t)((const uint16_t *)b)[i] << 16) : ((const float *)b)[i];
+            float z = x + y;
+            out[i] = z;
+            part += z * z;
+        }
+        acc += part;
+    }
+    return acc;
+}
+
 /* A run of chunks in one call (so a worker thread releases the GIL once per step): items holds
    nitems rows of (off, numel, nblocks, qoff, soff) into the block's flat buffers. */
 int hybrid8_run(int64_t nitems, const int64_t *items, const void *grad, int grad_bf16,
@@ -243,6 +264,8 @@ def load():
             lib.hybrid8_max.restype = ctypes.c_float
             lib.adamw32_range.argtypes = [ctypes.c_int64, p, ctypes.c_int] + [p] * 6
             lib.adamw32_range.restype = ctypes.c_int
+            lib.sum2_sq.argtypes = [ctypes.c_int64, p, ctypes.c_int, p, ctypes.c_int, p]
+            lib.sum2_sq.restype = ctypes.c_double
             for fn in (lib.hybrid8_chunk, lib.hybrid8_run):
                 fn.argtypes = [ctypes.c_int64, ctypes.c_int64 if fn is lib.hybrid8_chunk else p, p, ctypes.c_int]
                 fn.argtypes += [p] * 8
