@@ -149,6 +149,7 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
         "predicted_over_measured": (pred.get("step_time_s") or 0) / med,
         "predicted_peak_gpu_gib": pred.get("peak_gpu_bytes", 0) / GiB, "measured_peak_gpu_gib": peak / GiB,
         "host_rss_gib": host_rss_bytes() / GiB, "losses": [s.loss for s in stats],
+        "step_s": [s.step_s for s in stats],
         **({"hidden": prof.hidden, "transfer_s": prof.transfer_s, "exposed_update_s": prof.exposed_update_s,
             "update_s": prof.update_s, "profiled_step_s": prof.step_s, "busy_s": prof.busy_s} if prof else {}),
         "build_s": build_s, "compile_s": compile_s, "setup_s": setup_s,

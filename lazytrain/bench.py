@@ -28,17 +28,17 @@ the CPU, bf16 on CUDA / fp32 with ``--device cpu``), trains on the same seeded r
 Time budget: ``--budget-s`` (default 540 s, to fit in 9 minutes) is shared out as the run goes:
 each system may take its share of the budget left among the systems left (``WEIGHT``: lazytrain's
 rows also compile and pin memory), or ``--timeout-s``, so time a fast system leaves over goes to
-the next ones.  ``--device cpu`` is a debug mode (fp32 everywhere,
-no cap) for tests.
+the next ones.  ``--device cpu`` is a debug mode (fp32 everywhere, no cap) for tests.
 
 ``--find-max-batch`` adds a second phase after every system's row at ``--batch`` (which keeps the
 whole budget's first ``MAIN_SHARE``): the largest batch that fits the cap, per system, each try one
 step without warm-up (fitting is the question, not speed).  lazytrain compiles with
-``batch_size="max"`` under the host memory this machine has free (the predicted largest batch) and
-verifies it with one step when the predicted step time fits the time left, else reports it as
-predicted only; baselines double from the largest batch that fitted in the first phase (halving
-from ``--batch`` when it did not) until a try runs out of memory, never retrying a batch known not
-to fit.  The result is the row's ``max_batch`` (with ``max_batch_tries``).
+``batch_size="max"`` under the host memory this machine has free, at the micro-batch its row at
+``--batch`` ran (unless ``--micro-batch``), and verifies the predicted largest batch with one step
+when that fits the time left, else reports it as predicted only.  Baselines double from the batch
+that fitted in the first phase (halving from ``--batch`` when it did not) until a try runs out of
+memory, then bisect; a batch known not to fit is never retried.  The result is the row's
+``max_batch`` (with ``max_batch_tries``).
 
 Results: ``<out-dir>/<name>.json`` (format ``lazytrain.bench/1``), ``.md`` (table with the exact
 command, date and machine) and ``.png`` (model TFLOPS per system), rendered by
@@ -77,6 +77,8 @@ MAIN_SHARE = 0.5
 #: a system's share of the time left, relative to the others still to run: lazytrain also traces,
 #: solves and pins its host store, where a baseline only builds the model
 WEIGHT = {"lazytrain-milp": 2.0, "lazytrain-megatrain": 1.5}
+#: the same in the batch search, where lazytrain compiles a plan of hundreds of sequences and runs it
+MAX_WEIGHT = {"lazytrain-milp": 4.0, "lazytrain-megatrain": 4.0}
 GiB = 1 << 30
 
 
@@ -171,7 +173,7 @@ def run(cfg: dict) -> dict:
     if cfg["find_max_batch"]:
         deadline = start + cfg["budget_s"]
         for i, (system, row) in enumerate(zip(systems, rows)):
-            timeout = cfg["timeout_s"] or _share(systems[i:], deadline)
+            timeout = cfg["timeout_s"] or _share(systems[i:], deadline, MAX_WEIGHT)
             print(f"[max batch {i + 1}/{len(systems)}] {system}: up to {timeout:.0f} s", flush=True)
             t = time.monotonic()
             row.update(_max_batch(system, cfg, row, timeout, logs))
@@ -190,10 +192,10 @@ def run(cfg: dict) -> dict:
     return result
 
 
-def _share(left: list[str], deadline: float) -> float:
+def _share(left: list[str], deadline: float, weight: dict = WEIGHT) -> float:
     """Seconds for ``left[0]``: its weighted share of the time to ``deadline`` (what an earlier system
     did not use carries over)."""
-    w = [WEIGHT.get(s, 1.0) for s in left]
+    w = [weight.get(s, 1.0) for s in left]
     return max(1.0, (deadline - time.monotonic()) * w[0] / sum(w))
 
 
@@ -237,8 +239,11 @@ PROBE = {"steps": 1, "warmup": 0, "profile": False}
 def _max_batch(system: str, cfg: dict, row: dict, timeout: float, logs: Path) -> dict:
     """The largest batch that fits ``system`` under the cap: fields to add to its row."""
     if system.startswith("lazytrain"):
+        # multiples of the micro-batch its row ran (unless --micro-batch): a batch search at micro-batch
+        # 1 builds plans of hundreds of micro-batches, too slow for the bench's time, and runs slowly
+        mb = cfg["micro_batch"] or row.get("micro_batch")
         probe = run_system(system, cfg, timeout, logs / f"{system}_max.log", max_batch_probe=True,
-                           probe_deadline_s=timeout, **PROBE)
+                           probe_deadline_s=timeout, micro_batch=mb, **PROBE)
         if probe.get("error"):
             return {"max_batch": None, "max_batch_error": probe["error"]}
         keys = ("max_batch", "max_batch_micro_batch", "max_batch_compile_s", "max_batch_verified",
