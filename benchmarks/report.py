@@ -26,6 +26,9 @@ def max_batch_cell(r: dict) -> str:
     if "max_batch" not in r and "max_batch_error" not in r:
         return ""
     if r.get("max_batch") is None:
+        tries = r.get("max_batch_tries") or []
+        if tries and _try_outcome(tries[-1]["error"]) != "out of memory":     # the search had no answer
+            return f"none found: batch {tries[-1]['batch']} {_try_outcome(tries[-1]['error'])}"
         return r.get("max_batch_note") or (r.get("max_batch_error") or "none").replace("|", "/")
     b = r["max_batch"]
     if r.get("max_batch_verified") is False:
@@ -67,8 +70,16 @@ def markdown(result: dict) -> str:
     tries = [(r["system"], r["max_batch_tries"]) for r in result["rows"] if r.get("max_batch_tries")]
     if tries:
         lines += ["", "Largest-batch tries, one step each (baselines): " + "; ".join(
-            f"{s}: " + ", ".join(f"{t['batch']} {'fits' if not t['error'] else 'no'}" for t in ts) for s, ts in tries)]
+            f"{s}: " + ", ".join(f"{t['batch']} {_try_outcome(t['error'])}" for t in ts) for s, ts in tries)]
     return "\n".join(lines) + "\n"
+
+
+def _try_outcome(error: str | None) -> str:
+    if not error:
+        return "fits"
+    if "out of memory" in error:
+        return "out of memory"
+    return "timed out" if error.startswith("timed out") else "failed"
 
 
 def bar_chart(result: dict, path) -> Path | None:
@@ -112,10 +123,11 @@ def main(argv=None) -> None:
     ap.add_argument("-o", "--out", default=None, help="output stem (default: the JSON's, next to it)")
     a = ap.parse_args(argv)
     result = json.loads(Path(a.result).read_text())
-    stem = Path(a.out) if a.out else Path(a.result).with_suffix("")
-    md, png = write_report(result, stem.with_suffix(".md"), stem.with_suffix(".png"))
+    # not with_suffix: a stem such as "bench_qwen2.5-3b_b8" has a dot of its own
+    stem = a.out or (a.result[:-len(".json")] if a.result.endswith(".json") else a.result)
+    md, png = write_report(result, f"{stem}.md", f"{stem}.png")
     print(md)
-    print(f"wrote {stem.with_suffix('.md')}" + (f", {png}" if png else ""))
+    print(f"wrote {stem}.md" + (f", {png}" if png else ""))
 
 
 if __name__ == "__main__":

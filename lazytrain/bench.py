@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None, prog: str = "lazytrain bench") -> dict:
 def run(cfg: dict) -> dict:
     """Run every system in its own process; write JSON, markdown and PNG; return the result dict."""
     out_dir = Path(cfg["out_dir"])
-    name = cfg["name"] or f"bench_{Path(cfg['model']).stem}_b{cfg['batch']}_s{cfg['seq']}_{cfg['gpu_memory']}"
+    name = cfg["name"] or f"bench_{_model_tag(cfg['model'])}_b{cfg['batch']}_s{cfg['seq']}_{cfg['gpu_memory']}"
     logs = out_dir / f"{name}.logs"
     logs.mkdir(parents=True, exist_ok=True)
     systems = cfg["systems"]
@@ -190,6 +190,16 @@ def run(cfg: dict) -> dict:
     print(md)
     print(f"wrote {path}, {out_dir / f'{name}.md'}" + (f", {png}" if png else ""))
     return result
+
+
+def _model_tag(model: str) -> str:
+    """The model's part of a result's file name: a preset as it is ("qwen2.5-3b"), a config file by
+    its folder or name ("Qwen2-7B" for ``.../Qwen2-7B/config.json``), a factory by its function."""
+    p = Path(model)
+    if p.suffix == ".json":
+        p = p.parent if p.stem == "config" and p.parent.name else p.with_suffix("")
+    tag = p.name or model
+    return "".join(c if c.isalnum() or c in ".-_" else "_" for c in tag.rsplit(":", 1)[-1])
 
 
 def _share(left: list[str], deadline: float, weight: dict = WEIGHT) -> float:
@@ -273,8 +283,10 @@ def _max_batch_by_doubling(system: str, cfg: dict, fits: int | None, timeout: fl
         else:
             break                              # a timeout or a crash: no answer from this try
     out = {"max_batch": best, "max_batch_tries": tries, "max_batch_too_big": too_big}
+    last = tries[-1]["error"] if tries else "no time for a try"
     if best is None:
-        out["max_batch_note"] = "no batch fitted"
+        out["max_batch_note"] = ("no batch fitted" if last and "out of memory" in last else
+                                 f"no answer: {last}" + (f" at batch {tries[-1]['batch']}" if tries else ""))
     elif too_big is None:
         out["max_batch_note"] = ("the search's limit (--max-batch-limit)" if best >= limit else
                                  "a lower bound: time ran out before a try ran out of memory")
