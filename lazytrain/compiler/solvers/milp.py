@@ -14,6 +14,9 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
     compute   T_{F_j} >= M fwd_j                T_{B_j} >= M (bwd_j + fwd_j recompute[j])
     h2d       T_{F_j} >= P_{j+1}/h2d            T_{B_j} >= (P_{j-1} + M S_{j-1} (host+nvme)[j-1]
                                                             + M A_{j-1} (bhost+bnvme)[j-1]) / h2d
+              except the head (h = L-1, forward and backward back to back): block h-1's parameters
+              load under its forward, the reloads R_{h-1} in its backward:
+              T_{B_h} >= R_{h-1}/h2d,  T_{F_h} + T_{B_h} >= (P_{h-1} + R_{h-1}) / h2d
     d2h       T_{F_j} >= M (S_j ((host+nvme)[j] - spill[j]) + S_{j-1} spill[j-1] + A_j (bhost+bnvme)[j]) / d2h
               spill[j] in [0, min(1, 2/M)] <= (host+nvme)[j]: offloads finishing in F_{j+1}
               (h2d in B_j likewise: reload_late[k] <= (M-1)/M (host+nvme)[k] finishes in B_k, not B_{k+1},
@@ -166,8 +169,15 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
         if j >= 1:
             k = j - 1
             pre = load[k] if k != L - 1 else 0.0
-            m += TB[j] >= pre + M * h2d_ms * (S[k] * (host[k] + nvme[k] - late[k]) + S[j] * late[j]
-                                              + A[k] * (bh[k] + bn[k])), f"h2d_B[{j}]"
+            reloads = M * h2d_ms * (S[k] * (host[k] + nvme[k] - late[k]) + S[j] * late[j] + A[k] * (bh[k] + bn[k]))
+            if j == L - 1:
+                # the head runs forward and backward back to back: block L-2's parameters load
+                # while the head's forward runs (nothing else uses H2D then); its reloads wait
+                # for the head's backward window (their offloads may still be draining)
+                m += TB[j] >= reloads, f"h2d_B[{j}]"
+                m += TF[j] + TB[j] >= pre + reloads, f"h2d_head[{j}]"
+            else:
+                m += TB[j] >= pre + reloads, f"h2d_B[{j}]"
             if use_nvme:
                 m += TB[j] >= M * nvr_ms * (S[k] * nvme[k] + A[k] * bn[k]), f"nvme_B[{j}]"
         if j + 1 < L:
