@@ -47,7 +47,7 @@ def _brute_force(comp: Compiler, mb: int, M: int):
 
 
 CASES = [(3, 1, 0.5), (3, 2, 0.5), (3, 8, 0.6), (4, 4, 0.4), (4, 4, 0.6), (4, 6, 0.8), (4, 5, 0.7), (4, 3, 0.6),
-         (4, 1, 0.4)]
+         (4, 1, 0.4), (4, 10, 0.8)]      # 4-10-0.8: the head's forward window carrying block L-2's load
 
 
 @pytest.mark.parametrize("n_layers, seed, frac", CASES)
