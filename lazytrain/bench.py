@@ -234,7 +234,11 @@ def run_system(system: str, cfg: dict, timeout: float, log: Path, batch: int | N
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)        # the worker and anything it started (its own session)
                 proc.wait()
-                return {**base, "error": f"timed out after {timeout:.0f} s"}
+                if not out_path.exists():        # the worker writes it whole (rename) or not at all
+                    return {**base, "error": f"timed out after {timeout:.0f} s"}
+                # the result was written, only the process's exit (freeing ~100 GiB of pinned memory
+                # after a large batch) overran: keep the result
+                return {**json.loads(out_path.read_text()), "note": f"killed while exiting after {timeout:.0f} s"}
         if out_path.exists():
             return json.loads(out_path.read_text())
     tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or ["no output"]
@@ -520,7 +524,9 @@ def worker_main(argv: list[str]) -> int:
                 row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GiB
         except Exception:  # noqa: BLE001 - best effort only
             pass
-    Path(out_path).write_text(json.dumps(row, indent=1))
+    tmp = Path(f"{out_path}.part")
+    tmp.write_text(json.dumps(row, indent=1))
+    os.replace(tmp, out_path)                  # whole or absent, even if the driver kills this process
     return 0
 
 

@@ -128,3 +128,30 @@ def test_batch_search_bisects_between_fit_and_out_of_memory(tmp_path, monkeypatc
     tried.clear()
     out = bench._max_batch_by_doubling("plain", {"batch": 100}, None, 60, tmp_path)    # --batch did not fit
     assert tried[:2] == [50, 75] and out["max_batch"] == 52
+
+
+def test_result_written_before_a_slow_exit_is_kept(tmp_path, monkeypatch):
+    """A worker that wrote its row but overran its time while exiting (freeing a large pinned store)
+    keeps its row, with a note; one that wrote nothing is a timeout."""
+    import subprocess
+
+    class Worker:
+        pid = 12345
+
+        def __init__(self, cmd, **kw):
+            if write:
+                from pathlib import Path
+                Path(cmd[-1]).write_text(json.dumps({"system": "plain", "batch": 2, "median_step_s": 1.0}))
+
+        def wait(self, timeout=None):
+            if timeout is not None:
+                raise subprocess.TimeoutExpired("worker", timeout)
+            return -9
+    monkeypatch.setattr(bench.subprocess, "Popen", Worker)
+    monkeypatch.setattr(bench.os, "killpg", lambda pid, sig: None)
+    write = True
+    row = bench.run_system("plain", _cfg("m", tmp_path), 5, tmp_path / "w.log")
+    assert row["median_step_s"] == 1.0 and row["note"].startswith("killed while exiting")
+    write = False
+    row = bench.run_system("plain", _cfg("m", tmp_path), 5, tmp_path / "w.log")
+    assert row["error"] == "timed out after 5 s"
