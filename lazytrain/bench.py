@@ -74,6 +74,8 @@ SYSTEMS: dict[str, tuple[str, dict]] = {
 DEFAULT_SYSTEMS = ("lazytrain-milp", "lazytrain-megatrain", "fsdp2", "plain")
 #: with --find-max-batch, the share of the budget the rows at --batch may use (the rest: batch search)
 MAIN_SHARE = 0.5
+#: the batch search stops here unless --max-batch-limit says otherwise
+MAX_BATCH_LIMIT = 4096
 #: a system's share of the time left, relative to the others still to run: lazytrain also traces,
 #: solves and pins its host store, where a baseline only builds the model
 WEIGHT = {"lazytrain-milp": 2.0, "lazytrain-megatrain": 1.5}
@@ -103,8 +105,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-s", type=float, default=540.0, help="time for the whole run (default 540)")
     p.add_argument("--timeout-s", type=float, default=None, help="fixed per-system (per-try) timeout instead")
     p.add_argument("--find-max-batch", action="store_true", help="also find the largest batch that fits the cap")
-    p.add_argument("--max-batch-limit", type=int, default=4096,
-                   help="the batch search stops here (default 4096; on the CPU, without a cap, only this stops it)")
+    p.add_argument("--max-batch-limit", type=int, default=MAX_BATCH_LIMIT,
+                   help=f"the batch search stops here (default {MAX_BATCH_LIMIT}; on the CPU, without a cap, "
+                        "only this stops it)")
     p.add_argument("--out-dir", default=str(BENCH_DIR / "results"), help="default benchmarks/results")
     p.add_argument("--name", default=None, help="file stem (default bench_<model>_b<batch>_s<seq>_<gpu cap>)")
 
@@ -136,7 +139,7 @@ def command_line(cfg: dict) -> str:
         if cfg[key] is not None:
             args += [flag, cfg[key]]
     if cfg["find_max_batch"]:
-        args += ["--find-max-batch", "--max-batch-limit", cfg.get("max_batch_limit", 4096)]
+        args += ["--find-max-batch", "--max-batch-limit", cfg.get("max_batch_limit", MAX_BATCH_LIMIT)]
     return shlex.join(map(str, args))
 
 
@@ -238,9 +241,9 @@ def run_system(system: str, cfg: dict, timeout: float, log: Path, batch: int | N
                     return {**base, "error": f"timed out after {timeout:.0f} s"}
                 # the result was written, only the process's exit (freeing ~100 GiB of pinned memory
                 # after a large batch) overran: keep the result
-                return {**json.loads(out_path.read_text()), "note": f"killed while exiting after {timeout:.0f} s"}
+                base["note"] = f"killed while exiting after {timeout:.0f} s"
         if out_path.exists():
-            return json.loads(out_path.read_text())
+            return {**json.loads(out_path.read_text()), **({"note": base["note"]} if "note" in base else {})}
     tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or ["no output"]
     why = "killed (host out of memory?)" if rc in (-9, 137) else f"exit code {rc}"
     return {**base, "error": f"{why}: {tail[0][:300]}"}
@@ -272,7 +275,7 @@ def _max_batch_by_doubling(system: str, cfg: dict, fits: int | None, timeout: fl
     ``--batch`` (known not to fit) until one fits; then bisect between the two while time is left.
     A batch at or above one that ran out of memory, or at or below one that fitted, is never tried."""
     deadline = time.monotonic() + timeout
-    limit = cfg.get("max_batch_limit", 4096)
+    limit = cfg.get("max_batch_limit", MAX_BATCH_LIMIT)
     best, too_big, tries = fits, None if fits else cfg["batch"], []
     b = min(fits * 2, limit) if fits else cfg["batch"] // 2
     while time.monotonic() < deadline and b >= 1 and (too_big is None or b < too_big) and (best is None or b > best):
@@ -462,23 +465,21 @@ def host_rss_bytes() -> int:
 
 def proc_meminfo_bytes(field: str) -> int:
     """A figure of /proc/meminfo in bytes (0 where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":")), 0)
-    except OSError:
-        return 0
+    return _proc_kib_field("/proc/meminfo", field)
 
 
 def proc_status_bytes(field: str) -> int:
     """A memory figure of this process from /proc/self/status (0 where there is none)."""
+    return _proc_kib_field("/proc/self/status", field)
+
+
+def _proc_kib_field(path: str, field: str) -> int:
+    """``field:  <n> kB`` of a /proc file, in bytes; 0 where the file or the field is missing."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
+        with open(path) as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":")), 0)
     except OSError:
-        pass
-    return 0
+        return 0
 
 
 def finish_row(system: str, cfg: dict, raw: dict) -> dict:

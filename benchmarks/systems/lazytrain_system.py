@@ -38,7 +38,8 @@ def run(cfg: dict, opts: dict) -> dict:
     # (the process's model copy already counted), then one step of it if that fits the time left
     host = _host_free_bytes()
     t = time.perf_counter()
-    plan = lazytrain.compile(model, batch_size="max", max_batch_limit=cfg.get("max_batch_limit", 4096), **compile_kw,
+    limit = cfg.get("max_batch_limit", bench.MAX_BATCH_LIMIT)
+    plan = lazytrain.compile(model, batch_size="max", max_batch_limit=limit, **compile_kw,
                              **({"host_memory": host} if host and not cpu else {}))
     info = {"batch": plan.batch_size, "max_batch": plan.batch_size, "max_batch_micro_batch": plan.micro_batch,
             "max_batch_compile_s": time.perf_counter() - t,

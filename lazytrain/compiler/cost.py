@@ -35,9 +35,13 @@ class CostModel:
     def param_bytes(self, j: int) -> int:
         return self.graph.blocks[j].param_numel * self.sizes.param_bytes
 
+    @cached_property
+    def grad_wire_bytes(self) -> int:
+        """Bytes per gradient element on the way to the host: fp32 for fp32 parameters, else the wire dtype."""
+        return 4 if self.sizes.param_bytes == 4 else GRAD_WIRE_BYTES
+
     def grad_bytes(self, j: int) -> int:
-        per = 4 if self.sizes.param_bytes == 4 else GRAD_WIRE_BYTES
-        return self.graph.blocks[j].param_numel * per
+        return self.graph.blocks[j].param_numel * self.grad_wire_bytes
 
     def load_s(self, j: int) -> float:
         return self.hw.h2d_seconds(self.param_bytes(j))
@@ -51,11 +55,20 @@ class CostModel:
         """Host time to add the readers' gradients of block j's tied parameters to its own (one fused
         pass reading both in the wire dtype and writing fp32), at the memory rate of the host update,
         which moves ~14 bytes per parameter (``runtime/optim/ckernel.py``)."""
-        shared = {p.name: p.numel for b in self.graph.blocks if b.index != j for p in b.params if p.owner == j}
-        if not shared:
+        n = self._tied_numel.get(j, 0)
+        if not n:
             return 0.0
-        wire = 4 if self.sizes.param_bytes == 4 else GRAD_WIRE_BYTES
-        return self.hw.update_seconds(sum(shared.values()), self.eight_bit) * (2 * wire + 4) / 14
+        return self.hw.update_seconds(n, self.eight_bit) * (2 * self.grad_wire_bytes + 4) / 14
+
+    @cached_property
+    def _tied_numel(self) -> dict[int, int]:
+        """Owner block -> elements of its parameters that other blocks read (each parameter once)."""
+        shared: dict[int, dict[str, int]] = {}
+        for b in self.graph.blocks:
+            for p in b.params:
+                if p.owner != b.index:
+                    shared.setdefault(p.owner, {})[p.name] = p.numel
+        return {o: sum(ps.values()) for o, ps in shared.items()}
 
     def update_s(self, j: int) -> float:
         n = self.graph.blocks[j].owned_numel

@@ -95,9 +95,9 @@ def _sum2_sq(ctx: Ctx, lib, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor)
                            int(b.dtype == torch.bfloat16), out[lo:].data_ptr())
     if threads == 1:
         return part(0)
-    if ctx.host_pool is None or ctx.host_pool._max_workers < threads:
+    if ctx.host_pool is None:                # one pool for the trainer's life (close() shuts it down)
         from concurrent.futures import ThreadPoolExecutor
-        ctx.host_pool = ThreadPoolExecutor(threads, thread_name_prefix="lazytrain-tied")
+        ctx.host_pool = ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="lazytrain-tied")
     return sum(ctx.host_pool.map(part, range(threads)))
 
 
