@@ -54,8 +54,10 @@ def main(argv=None) -> dict:
                     help="per run, write plan.json, profile.json, trace.json (measured) and memory.png "
                          "into DIR/<batch>_<policy>/")
     ap.add_argument("--runs", default=None,
-                    help="several runs on one model build, e.g. '8:megatrain,32:milp,8:milp:12' "
-                         "(batch:policy[:optimizer threads]); results go to OUT as a JSON list")
+                    help="several runs on one model build, e.g. '8:megatrain,32:milp,8:milp:12,32:milp@auto' "
+                         "(batch:policy[@resident][:optimizer threads]); results go to OUT as a JSON list")
+    ap.add_argument("--resident", default="none", type=lambda t: t if t in ("none", "auto") else int(t),
+                    help="none, auto or a number of leading blocks kept on the GPU")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("run_plan.py needs a CUDA GPU")
@@ -66,9 +68,12 @@ def main(argv=None) -> dict:
     build_s = time.perf_counter() - t
     if a.runs:
         results = []
+        default_resident = a.resident
         for spec in a.runs.split(","):
             b, pol, *threads = spec.split(":")
+            pol, _, res = pol.partition("@")
             a.batch, a.policy = int(b), pol
+            a.resident = (res if res in ("none", "auto") else int(res)) if res else default_resident
             if threads:
                 a.optim_threads = int(threads[0])
             try:
@@ -96,7 +101,8 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
     if plan is None:
         plan = lazytrain.compile(model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
                                  gpu_memory=a.gpu_memory, host_memory=a.host_memory, hardware=a.hardware,
-                                 policy=a.policy, optimizer=a.optimizer, nvme_dir=a.nvme_dir)
+                                 policy=a.policy, optimizer=a.optimizer, nvme_dir=a.nvme_dir,
+                                 resident=getattr(a, "resident", "none"))
     compile_s = time.perf_counter() - t
     print(plan.summary())
 
@@ -140,6 +146,7 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
     pred = plan.predicted
     out = {
         "model": a.model, "batch": a.batch, "seq": a.seq, "micro_batch": plan.micro_batch, "policy": a.policy,
+        "resident": sorted(plan.decisions.resident_blocks),
         "optimizer": a.optimizer,
         "optim_threads": getattr(opt, "num_threads", None), "gpu_memory": a.gpu_memory,
         "device": torch.cuda.get_device_name(0),
@@ -151,12 +158,16 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
         "host_rss_gib": host_rss_bytes() / GiB, "losses": [s.loss for s in stats],
         "step_s": [s.step_s for s in stats],
         **({"hidden": prof.hidden, "transfer_s": prof.transfer_s, "exposed_update_s": prof.exposed_update_s,
-            "update_s": prof.update_s, "profiled_step_s": prof.step_s, "busy_s": prof.busy_s} if prof else {}),
+            "update_s": prof.update_s, "device_update_s": prof.device_update_s,
+            "update_exposed_fraction": prof.update_exposed_fraction, "profiled_step_s": prof.step_s,
+            "busy_s": prof.busy_s} if prof else {}),
         "build_s": build_s, "compile_s": compile_s, "setup_s": setup_s,
     }
     print(json.dumps({k: v for k, v in out.items() if k != "losses"}, indent=1))
     if getattr(a, "artifacts", None) and prof is not None:
-        out["artifacts"] = str(save_artifacts(Path(a.artifacts) / f"{a.batch}_{a.policy}", plan, prof))
+        tag = f"{a.batch}_{a.policy}" + (f"_res{len(plan.decisions.resident_blocks)}"
+                                         if plan.decisions.resident_blocks else "")
+        out["artifacts"] = str(save_artifacts(Path(a.artifacts) / tag, plan, prof))
     return out
 
 

@@ -47,6 +47,30 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     p.add_argument("--time-limit", type=_positive_float, default=None, help="MILP time limit per solve, seconds")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype")
+    _add_resident_arg(p)
+
+
+def _resident(text: str):
+    """'none', 'auto', a number of leading blocks, or block indices separated by commas."""
+    if text in ("none", "auto"):
+        return text
+    try:
+        if "," in text:
+            return [int(x) for x in text.split(",") if x.strip()]
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs none, auto, a number of blocks or a list like 0,1,2; got {text!r}") \
+            from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _add_resident_arg(p: argparse.ArgumentParser, default: str = "none") -> None:
+    p.add_argument("--resident", type=_resident, default=default, metavar="none|auto|N|i,j,..",
+                   help="keep blocks on the GPU for the whole run (parameters, optimizer state, gradients; their "
+                        "update runs on the GPU): auto lets the compiler choose how many of the first blocks, N keeps "
+                        f"the first N (tied groups whole) (default {default})")
 
 
 def _positive_float(text: str) -> float:
@@ -102,7 +126,7 @@ def cmd_compile(a) -> int:
     plan = compile_model(a.model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
                          gpu_memory=a.gpu_memory, host_memory=a.host_memory, nvme_dir=a.nvme_dir,
                          nvme_memory=a.nvme_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,
-                         solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype)
+                         solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype, resident=a.resident)
     plan.save(a.output)
     print(plan.summary())
     print(f"wrote {a.output}")

@@ -158,6 +158,37 @@ def test_host_and_nvme_placements_match_eager(kind, name, mb, tmp_path):
     assert not list(tmp_path.glob("*.bin")), "NVMe files must be deleted once reloaded"
 
 
+@pytest.mark.parametrize("kind,policy,mb,resident", [
+    ("gpt", "megatrain", 2, 1),          # the tied embedding + head group (tied: resident together)
+    ("gpt", "keep-all", 1, 3),           # the group and two layers
+    ("qwen2", "recompute-all", 2, [2]),  # one layer in the middle, the tied group streams
+    ("llama", "megatrain", 1, 5),        # every block (untied head)
+])
+def test_resident_blocks_match_eager(kind, policy, mb, resident, tmp_path):
+    """Resident blocks: parameters, optimizer state and gradients stay on the device, updates run
+    there (lagged, after the clip coefficient), nothing of them is loaded or offloaded."""
+    def plan_fn(m):
+        plan = lazytrain.compile(m, batch_size=B, seq_len=SEQ, micro_batch=mb, hardware="cpu",
+                                 param_dtype="float32", optimizer="adamw", policy=policy, resident=resident,
+                                 nvme_dir=str(tmp_path), **BUDGETS)
+        res = plan.decisions.resident_blocks
+        assert res and all(op.block not in res for op in plan.ops
+                           if op.kind.value in ("load", "grad_offload"))
+        assert all(op.resource.value == "gpu" for op in plan.ops if op.kind.value == "update" and op.block in res)
+        return plan
+    _check_equivalent(kind, plan_fn)
+
+
+def test_resident_group_is_tie_closed(tmp_path):
+    model = _model("gpt")
+    plan = lazytrain.compile(model, batch_size=B, seq_len=SEQ, micro_batch=2, hardware="cpu", param_dtype="float32",
+                             optimizer="adamw", policy="megatrain", resident=[0], **BUDGETS)
+    L = plan.graph.n_blocks
+    assert plan.decisions.resident_blocks == {0, L - 1}      # the head reads the tied embedding
+    with pytest.raises(ValueError, match="out of range"):
+        lazytrain.compile(model, batch_size=B, seq_len=SEQ, hardware="cpu", resident=[L], **BUDGETS)
+
+
 def test_no_clipping_same_step_updates(tmp_path):
     """clip=False lowers updates into the backward (not lagged): no flush needed, same result."""
     def plan_fn(m):

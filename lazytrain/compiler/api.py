@@ -42,20 +42,30 @@ class Compiler:
     """Everything fixed for one compile: graph, hardware, budgets, options."""
 
     def __init__(self, graph: ModelGraph, hw, budgets: dict, *, param_dtype: str, optimizer: str, clip: bool,
-                 solver: str = "cbc", time_limit: float | None = None):
+                 solver: str = "cbc", time_limit: float | None = None, resident: frozenset = frozenset()):
         self.graph, self.hw, self.budgets = graph, hw, budgets
+        #: blocks every plan of this compiler keeps on the GPU (``Decisions.resident``)
+        self.resident = frozenset(resident)
         self.param_dtype, self.optimizer, self.clip = param_dtype, optimizer, clip
         self.solver, self.time_limit = solver, time_limit
         self.options = {"host_bytes_per_param": HOST_BYTES_PER_PARAM[optimizer], "optimizer": optimizer,
                         "clip": clip}
         self._best: dict[tuple, Plan | None] = {}     # memo: (policy, batch, micro-batch, tries) -> plan
 
-    def cost(self, micro_batch: int) -> CostModel:
-        return CostModel(self.graph, self.hw, micro_batch, self.param_dtype, self.optimizer == "hybrid8bit")
+    def cost(self, micro_batch: int, resident: frozenset | None = None) -> CostModel:
+        return CostModel(self.graph, self.hw, micro_batch, self.param_dtype, self.optimizer == "hybrid8bit",
+                         resident=self.resident if resident is None else resident)
+
+    def with_resident(self, decisions):
+        """``decisions`` with this compiler's resident blocks (policies decide the rest)."""
+        import dataclasses
+        L = self.graph.n_blocks
+        res = tuple(j in self.resident for j in range(L)) if self.resident else ()
+        return decisions if decisions.resident == res else dataclasses.replace(decisions, resident=res)
 
     def build(self, decisions, batch_size: int, *, check_budget: bool = True) -> Plan:
         """Lower, verify (against the budgets unless told not to) and simulate one decision."""
-        cost = self.cost(decisions.micro_batch)
+        cost = self.cost(decisions.micro_batch, decisions.resident_blocks)
         if check_budget:
             self._quick_reject(decisions, cost)
         ops = lower(decisions, cost, clip=self.clip)
@@ -91,16 +101,18 @@ class Compiler:
         kept = sum(cost.saved_bytes(j) for j, s in enumerate(dec.saved) if s is Saved.KEEP)
         kept += sum(cost.act_bytes(i) for i, p in enumerate(dec.boundary) if p is Place.GPU and i > 0
                     and dec.saved[i] is Saved.RECOMPUTE)
+        kept += cost.sizes.resident_bytes() / M
         if kept * M > self.budgets["gpu_bytes"]:
             raise PlanError(f"kept activations alone need {kept * M / GiB:.2f} GiB of GPU memory")
 
     def decide(self, policy: str, micro_batch: int, n_micro: int, warm=None):
         from .solvers.heuristics import HEURISTICS
         if policy in HEURISTICS:
-            return HEURISTICS[policy](self.graph, micro_batch, n_micro), None
+            return self.with_resident(HEURISTICS[policy](self.graph, micro_batch, n_micro)), None
         if policy == "milp":
             from .solvers.milp import solve
-            return solve(self, micro_batch, n_micro, warm=warm)
+            dec, stats = solve(self, micro_batch, n_micro, warm=warm)
+            return self.with_resident(dec), stats
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
     def micro_batches(self, batch_size: int, micro_batch: int | None) -> list[int]:
@@ -209,6 +221,7 @@ class Compiler:
                 try:
                     dec, stats = solve(self, mb, batch_size // mb, warm=warm, gpu_bytes=budget,
                                        exclude=tuple(excluded))
+                    dec = self.with_resident(dec)
                 except PlanError as e:
                     why = f"the MILP gave no plan ({e})"
                     stats = getattr(e, "stats", stats)
@@ -286,7 +299,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                   gpu_memory=None, host_memory=None, nvme_dir: str | None = None, nvme_memory=None,
                   hardware: str = "h200", policy: str = "milp", optimizer: str = "hybrid8bit",
                   param_dtype: str = "bfloat16", clip: bool = True, solver: str = "cbc",
-                  time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16) -> Plan:
+                  time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16,
+                  resident="none") -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
     to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
 
@@ -294,6 +308,11 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     they default to the hardware profile's.  ``batch_size="max"`` finds the largest batch with a
     feasible plan, up to ``max_batch_limit``.  ``reserve`` is GPU memory kept back for the CUDA
     context, cuBLAS workspaces and allocator fragmentation (default: 1.5 GiB + 5% of the budget).
+
+    ``resident`` keeps blocks on the GPU for the whole run (parameters, optimizer state, gradients;
+    their update runs on the GPU, off the host): ``"none"``, ``"auto"`` (the compiler tries the first
+    1, 2, 4, 8, ... blocks, tied groups whole, and keeps the fastest predicted plan), a number of
+    leading blocks, or a list of block indices.
     """
     from .hardware import get_profile
     if policy not in POLICIES:
@@ -310,8 +329,9 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     graph = _as_graph(model, seq_len, param_dtype, history)
 
     budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
+    fixed, auto = _resident_request(graph, resident)
     comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
-                    solver=solver, time_limit=time_limit)
+                    solver=solver, time_limit=time_limit, resident=fixed)
 
     if batch_size == "max":
         if not isinstance(max_batch_limit, int) or max_batch_limit < 1:
@@ -325,6 +345,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         plan = comp.best(policy, batch_size, micro_batch)
         if plan is None:
             raise _budget_error(comp, batch_size, micro_batch, policy)
+        if auto:
+            plan = _best_resident(comp, policy, batch_size, micro_batch, plan)
     history = history + plan.history
     if policy != "megatrain":
         base = comp.best("megatrain", plan.batch_size)
@@ -333,6 +355,75 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     history.append({"pass": "total", "seconds": round(time.perf_counter() - t0, 4)})
     plan.history = history
     return plan
+
+
+def _resident_request(graph: ModelGraph, resident) -> tuple[frozenset, bool]:
+    """(fixed resident blocks, search?) from ``compile_model``'s ``resident`` argument."""
+    from ..ir.semantics import tie_closure
+    L = graph.n_blocks
+    if resident is None or resident == "none":
+        return frozenset(), False
+    if resident == "auto":
+        return frozenset(), True
+    if isinstance(resident, bool):
+        raise ValueError("resident must be 'none', 'auto', a number of leading blocks or a list of block indices")
+    if isinstance(resident, int):
+        if not 0 <= resident <= L:
+            raise ValueError(f"resident={resident}: the model has {L} blocks")
+        return tie_closure(graph, range(resident)), False
+    try:
+        blocks = {int(j) for j in resident}
+    except (TypeError, ValueError):
+        raise ValueError(f"resident must be 'none', 'auto', a number of leading blocks or a list of block indices, "
+                         f"got {resident!r}") from None
+    bad = sorted(j for j in blocks if not 0 <= j < L)
+    if bad:
+        raise ValueError(f"resident blocks {bad} out of range 0..{L - 1}")
+    return tie_closure(graph, blocks), False
+
+
+def _best_resident(comp: Compiler, policy: str, batch_size: int, micro_batch: int | None, base: Plan,
+                   refine: int = 3) -> Plan:
+    """Search how many leading blocks to keep resident (tied groups whole).  More resident blocks take
+    host update work off the step's critical path (the forward waits for each block's update when a
+    layer's update outlasts its compute) and cost GPU memory the activations could use, so the
+    predicted step time falls, then rises.  Doubling 1, 2, 4, ... until a count is not better,
+    then ``refine`` bisections of the bracket around the best count."""
+    from ..ir.semantics import tie_closure
+    L = comp.graph.n_blocks
+    t = time.perf_counter()
+    plans: dict[frozenset, Plan | None] = {frozenset(): base}
+
+    def step_of(k: int) -> float:
+        cand = tie_closure(comp.graph, range(k)) if k else frozenset()
+        if cand not in plans:
+            c = Compiler(comp.graph, comp.hw, comp.budgets, param_dtype=comp.param_dtype, optimizer=comp.optimizer,
+                         clip=comp.clip, solver=comp.solver, time_limit=comp.time_limit, resident=cand)
+            plans[cand] = c.best(policy, batch_size, micro_batch)
+        p = plans[cand]
+        return float("inf") if p is None else p.predicted["step_time_s"]
+
+    best_k, lo, k = 0, 0, 1
+    while k <= L and step_of(k) < step_of(best_k):
+        lo, best_k, k = best_k, k, k * 2
+    hi = min(k, L + 1)              # first count found worse (or past the end)
+    for _ in range(refine):
+        moved = False
+        for c in ((best_k + hi) // 2, (lo + best_k) // 2):
+            if c in (lo, best_k, hi) or c > L:
+                continue
+            if step_of(c) < step_of(best_k):
+                lo, hi = (best_k, hi) if c > best_k else (lo, best_k)
+                best_k, moved = c, True
+                break
+            lo, hi = (lo, c) if c > best_k else (c, hi)
+        if not moved and hi - lo <= 2:
+            break
+    best = min((p for p in plans.values() if p is not None), key=lambda p: p.predicted["step_time_s"])
+    best.history.append({"pass": f"resident search ({len(plans) - 1} candidates, "
+                                 f"{len(best.decisions.resident_blocks)} blocks kept)",
+                         "seconds": round(time.perf_counter() - t, 4)})
+    return best
 
 
 def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from ..ir import ModelGraph
-from ..ir.semantics import GRAD_WIRE_BYTES, Sizes
+from ..ir.semantics import DEVICE_STATE_BYTES, GRAD_WIRE_BYTES, Sizes
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,17 @@ class CostModel:
     micro_batch: int
     param_dtype: str = "bfloat16"
     eight_bit: bool = True
+    #: blocks kept on the GPU (``Decisions.resident``): no loads, no gradient offload, update on the GPU
+    resident: frozenset = frozenset()
 
     @cached_property
     def sizes(self) -> Sizes:
-        return Sizes(self.graph, self.micro_batch, self.param_dtype)
+        return Sizes(self.graph, self.micro_batch, self.param_dtype, resident=self.resident,
+                     device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit" if self.eight_bit else "adamw"])
+
+    def moving_param_bytes(self, j: int) -> int:
+        """Parameter bytes that stream for block j (0 for a resident block: they stay on the GPU)."""
+        return 0 if j in self.resident else self.param_bytes(j)
 
     def fwd_s(self, j: int) -> float:
         return self.hw.block_seconds(self.graph.blocks[j].fwd_flops * self.micro_batch)
@@ -44,11 +51,13 @@ class CostModel:
         return self.graph.blocks[j].param_numel * self.grad_wire_bytes
 
     def load_s(self, j: int) -> float:
-        return self.hw.h2d_seconds(self.param_bytes(j))
+        return self.hw.h2d_seconds(self.moving_param_bytes(j))
 
     def grad_offload_s(self, j: int) -> float:
         """The block's gradient to the host; for the owner of a tied parameter, plus the host sum of
         its readers' shares (``tied_sum_s``), which the step waits for before its clip coefficient."""
+        if j in self.resident:
+            return 0.0
         return self.hw.d2h_seconds(self.grad_bytes(j)) + self.tied_sum_s(j)
 
     def tied_sum_s(self, j: int) -> float:
@@ -71,8 +80,19 @@ class CostModel:
         return {o: sum(ps.values()) for o, ps in shared.items()}
 
     def update_s(self, j: int) -> float:
+        """The block's optimizer step where it runs: on the host, or on the GPU for a resident block."""
         n = self.graph.blocks[j].owned_numel
-        return self.hw.update_seconds(n, self.eight_bit) if n else 0.0
+        if not n:
+            return 0.0
+        if j in self.resident:
+            return self.hw.gpu_update_seconds(n, self.eight_bit)
+        return self.hw.update_seconds(n, self.eight_bit)
+
+    def host_update_s(self, j: int) -> float:
+        return 0.0 if j in self.resident else self.update_s(j)
+
+    def gpu_update_s(self, j: int) -> float:
+        return self.update_s(j) if j in self.resident else 0.0
 
     def act_bytes(self, i: int) -> int:
         return self.graph.boundary_bytes[i] * self.micro_batch

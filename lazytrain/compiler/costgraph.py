@@ -7,7 +7,9 @@ Nodes
   ``workspace_bytes`` per micro-batch, ``backward_transient_bytes`` (backward's workspace + its
   parameter-gradient temporary), ``grad_drain_bytes`` (the accumulator plus its cast copy, alive
   while ``grad_offload`` drains it under the next block's backward), ``fwd_s`` / ``bwd_s`` per micro-batch, ``load_s``,
-  ``grad_offload_s`` and ``update_s`` (the mandatory traffic and host work of the block);
+  ``grad_offload_s`` and ``update_s`` (the mandatory traffic and host work of the block),
+  ``gpu_update_s`` (a resident block's update on the GPU; its parameter and gradient bytes are 0 here:
+  they are in the static ``Sizes.resident_bytes``);
 - ``("window", w)`` for w = 0..2L: ``kind`` ("F", "B" or "X"), ``block`` it belongs to, and the
   mandatory traffic placed there by the lowering: ``h2d_s`` (the prefetched parameter load),
   ``d2h_s`` (the previous backward block's gradients).
@@ -41,13 +43,16 @@ def build_cost_graph(cost: CostModel, max_segment: int = MAX_SEGMENT) -> nx.DiGr
     for i in range(L + 1):
         G.add_node(("boundary", i), bytes=cost.act_bytes(i) if i < L else 0)
     for j in range(L):
-        G.add_node(("block", j), params_bytes=cost.param_bytes(j), grad_accum_bytes=g.blocks[j].param_numel * 4,
+        moving = j not in cost.resident      # a resident block's parameters and gradients are static
+        G.add_node(("block", j), params_bytes=cost.moving_param_bytes(j),
+                   grad_accum_bytes=g.blocks[j].param_numel * 4 if moving else 0,
                    saved_bytes=cost.saved_bytes(j), workspace_bytes=cost.sizes.workspace(j),
                    backward_transient_bytes=cost.sizes.workspace(j) + cost.sizes.param_grad_transient(j),
-                   grad_drain_bytes=cost.sizes.of(TensorId(kind=TensorKind.GRADS, index=j))
-                   + cost.sizes.grad_cast_transient(j),
+                   grad_drain_bytes=(cost.sizes.of(TensorId(kind=TensorKind.GRADS, index=j))
+                                     + cost.sizes.grad_cast_transient(j)) if moving else 0,
                    fwd_s=cost.fwd_s(j), bwd_s=cost.bwd_s(j), load_s=cost.load_s(j),
-                   grad_offload_s=cost.grad_offload_s(j), update_s=cost.update_s(j), kind=g.blocks[j].kind)
+                   grad_offload_s=cost.grad_offload_s(j), update_s=cost.host_update_s(j),
+                   gpu_update_s=cost.gpu_update_s(j), kind=g.blocks[j].kind)
     for w in range(2 * L + 1):
         if w < L:
             kind, j = "F", w

@@ -109,11 +109,14 @@ def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
         for p in b.params:
             contributors[p.owner].add(b.index)
 
+    resident = cost.resident
+
     def emit_update(j: int) -> None:
         if not owns[j] or j in update_op:
             return
         deps = tuple(grad_off[c] for c in contributors[j] if c in grad_off)
-        update_op[j] = em(OpKind.UPDATE, j, resource=Resource.CPU, seconds=cost.update_s(j), deps=deps)
+        update_op[j] = em(OpKind.UPDATE, j, resource=Resource.GPU if j in resident else Resource.CPU,
+                          seconds=cost.update_s(j), deps=deps)
 
     def emit_updates_in(window: int) -> None:
         for j in range(L):
@@ -123,9 +126,12 @@ def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
 
     param_frees: list[int] = []
 
-    def load(j: int) -> int:
+    def load(j: int) -> int | None:
         """Parameter load; it waits for the latest parameter free issued before it, so parameter
-        slots are bounded in time as they are in program order (prefetch distance 1)."""
+        slots are bounded in time as they are in program order (prefetch distance 1).  A resident
+        block's parameters never move."""
+        if j in resident:
+            return None
         deps = tuple(update_op[o] for o in owners_loaded_by[j] if o in update_op and E.window < L)
         deps += tuple(param_frees[-1:])
         return em(OpKind.LOAD, j, tensor=_tid(TensorKind.PARAMS, j), src=H, dst=G, nbytes=cost.param_bytes(j),
@@ -164,6 +170,8 @@ def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
     pending_off: dict[int, list] = defaultdict(list)  # window -> offloads deferred there
 
     E.window = 0
+    for j in sorted(resident):   # on the GPU stream, ahead of the forward that reads them
+        emit_update(j)
     emit_updates_in(0)
     load(0)
     for mb in range(M):
@@ -207,7 +215,7 @@ def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
                 else:
                     pending_off[w].append(lambda st=st, to=to, j=j, mb=mb:
                                           offload_chain(st, cost.saved_bytes(j), to, j, mb))
-        if j < L - 1:
+        if j < L - 1 and j not in resident:
             param_frees.append(em(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G))
     # offloads deferred past the forward run at the start of the backward
     late = [fn for w in sorted(pending_off) for fn in pending_off[w]]
@@ -250,6 +258,8 @@ def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
                    resource=Resource.GPU, seconds=cost.bwd_s(j))
         for j in range(e - 1, s - 1, -1):
             E.window = 2 * L - 1 - j
+            if j in resident:
+                continue
             grad_off[j] = em(OpKind.GRAD_OFFLOAD, j, tensor=_tid(TensorKind.GRADS, j), src=G, dst=H,
                              nbytes=cost.grad_bytes(j), resource=Resource.D2H, seconds=cost.grad_offload_s(j))
             param_frees.append(em(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G))

@@ -3,7 +3,8 @@
 Each resource (GPU stream, H2D, D2H, host CPU, NVMe) runs its ops in list order; an op starts
 when its resource is free and its dependencies have finished.  The plan is one period of a
 steady state, so the simulation runs several periods back to back, adding the dependencies that
-cross a period boundary (a lagged update waits for last period's gradients; a parameter load
+cross a period boundary (a lagged update waits for last period's gradients -- with exact clipping
+for all of them and the end of the backward, since it needs the global norm; a parameter load
 waits for its block's update of the period before), and reports the last period: its duration
 is the step time.
 """
@@ -40,10 +41,18 @@ def _cross_period_deps(plan: Plan) -> dict[int, list[int]]:
             if b.index not in readers[p.owner]:
                 readers[p.owner].append(b.index)
     extra: dict[int, list[int]] = {}
+    resident = plan.decisions.resident_blocks
+    # with exact clipping a lagged update needs the global norm: the whole of last step's backward
+    # and gradient offloads (the runtime takes it once the step's device work is done)
+    step_end = [op.id for op in ops if op.kind in (OpKind.GRAD_OFFLOAD, OpKind.BACKWARD)]
+    clip = bool(plan.options.get("clip", True))
     for owner, u in update.items():
+        if owner in resident:          # on the GPU stream, after last step's clip coefficient
+            extra[u] = step_end if clip else list(grad_off.values())
+            continue
         gs = [grad_off[r] for r in readers.get(owner, [owner]) if r in grad_off]
         if gs and all(g > u for g in gs):          # lagged: needs last period's gradients
-            extra.setdefault(u, []).extend(gs)
+            extra.setdefault(u, []).extend(step_end if clip else gs)
         elif gs:                                   # same step: next period's loads wait for it
             for op in ops:
                 if op.kind is OpKind.LOAD and any(p.owner == owner for p in plan.graph.blocks[op.block].params):
@@ -92,7 +101,7 @@ def simulate(plan: Plan, periods: int = 3) -> SimResult:
 def _memory_curve(plan: Plan, start: list[float], end: list[float], t0: float) -> list[tuple[float, int]]:
     """GPU bytes over time: an op's GPU outputs are allocated when it starts, drops released when
     it ends (what a stream-ordered allocator sees)."""
-    sizes = Sizes(plan.graph, plan.micro_batch, plan.param_dtype)
+    sizes = Sizes.of_plan(plan)
     events: list[tuple[float, int]] = []
     seen_grads: set[int] = set()
     for op in plan.ops:
@@ -111,7 +120,7 @@ def _memory_curve(plan: Plan, start: list[float], end: list[float], t0: float) -
             if tier is Tier.GPU:
                 events.append((end[op.id], -sizes.of(t, tier)))
     events.sort(key=lambda e: (e[0], e[1]))
-    cur = 0
+    cur = sizes.resident_bytes()
     curve = []
     for t, d in events:
         cur += d

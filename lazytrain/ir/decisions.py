@@ -15,6 +15,12 @@ Transfers and updates carry the window they are issued in: ``offload_window[j]``
 spread over windows), ``update_window[j]`` for the host update of block j.  An update window in
 ``F_*`` means the update runs lazily during the next step's forward (it must precede the load of
 block j there); ``None`` lets the lowering pick the earliest legal window.
+
+``resident[j]`` keeps block j on the GPU for the whole run: its parameters, its optimizer state
+and its gradient accumulator live there, nothing of it crosses PCIe, and its update runs on the GPU
+at the start of the next step (after the clip coefficient is known).  It trades GPU memory
+(``Sizes.resident_bytes``) for host update time, which at small per-block compute is what the
+forward waits for.  Blocks that share a tied parameter are resident together (``tie_closure``).
 """
 
 from __future__ import annotations
@@ -51,7 +57,15 @@ class Decisions:
     offload_window: tuple[Spread | None, ...] = ()
     reload_window: tuple[Spread | None, ...] = ()
     prefetch: int = 1
+    resident: tuple[bool, ...] = ()
     notes: dict = field(default_factory=dict)
+
+    def is_resident(self, j: int) -> bool:
+        return bool(self.resident) and self.resident[j]
+
+    @property
+    def resident_blocks(self) -> frozenset[int]:
+        return frozenset(j for j, r in enumerate(self.resident) if r)
 
     @property
     def n_blocks(self) -> int:
@@ -87,7 +101,7 @@ class Decisions:
                     and self.saved[j - 1] is not Saved.RECOMPUTE:
                 raise ValueError(f"block {j} is recomputed from boundary {j}, which is not kept, "
                                  f"and block {j - 1} is not recomputed")
-        for name in ("update_window", "offload_window", "reload_window"):
+        for name in ("update_window", "offload_window", "reload_window", "resident"):
             v = getattr(self, name)
             if v and len(v) != L:
                 raise ValueError(f"{name} has {len(v)} entries, expected {L}")
@@ -98,7 +112,7 @@ class Decisions:
                 "update_window": list(self.update_window),
                 "offload_window": [None if s is None else [list(x) for x in s] for s in self.offload_window],
                 "reload_window": [None if s is None else [list(x) for x in s] for s in self.reload_window],
-                "prefetch": self.prefetch, "notes": self.notes}
+                "prefetch": self.prefetch, "resident": [bool(r) for r in self.resident], "notes": self.notes}
 
     @staticmethod
     def from_json(d: dict) -> Decisions:
@@ -110,4 +124,5 @@ class Decisions:
                          update_window=tuple(None if x is None else int(x) for x in d.get("update_window", ())),
                          offload_window=tuple(spread(x) for x in d.get("offload_window", ())),
                          reload_window=tuple(spread(x) for x in d.get("reload_window", ())),
-                         prefetch=int(d.get("prefetch", 1)), notes=dict(d.get("notes", {})))
+                         prefetch=int(d.get("prefetch", 1)),
+                         resident=tuple(bool(x) for x in d.get("resident", ())), notes=dict(d.get("notes", {})))

@@ -13,11 +13,52 @@ GRAD_ACCUM_BYTES = 4   # gradients accumulate in fp32 on the GPU (exact over mic
 GRAD_WIRE_BYTES = 2    # and cross PCIe / live on the host in bf16 (the clip norm is taken before)
 
 
+#: GPU bytes per parameter the optimizer keeps for a resident block beyond the parameters: the 8-bit
+#: optimizer's low master half (2), two 1-byte moment codes, block scales and kernel table; fp32 AdamW's fp32
+#: master (0 when the parameters are fp32) and two fp32 moments
+DEVICE_STATE_BYTES = {"hybrid8bit": 4.02, "adamw": 12.0}
+
+
+def tie_closure(graph: ModelGraph, blocks) -> frozenset[int]:
+    """``blocks`` plus every block that shares a tied parameter with one of them (transitively):
+    a resident block's tied links point into its owner's GPU buffer and their gradients add into
+    the owner's GPU accumulator, so a tie group is resident as a whole or not at all."""
+    out = set(blocks)
+    todo = list(out)
+    while todo:
+        j = todo.pop()
+        linked = {p.owner for p in graph.blocks[j].params} | {
+            b.index for b in graph.blocks if any(p.owner == j for p in b.params)}
+        for k in linked - out:
+            out.add(k)
+            todo.append(k)
+    return frozenset(out)
+
+
 @dataclass(frozen=True)
 class Sizes:
     graph: ModelGraph
     micro_batch: int
     param_dtype: str = "bfloat16"
+    #: blocks kept on the GPU for the whole run (``Decisions.resident``)
+    resident: frozenset = frozenset()
+    #: the optimizer's GPU bytes per parameter for a resident block (``DEVICE_STATE_BYTES``)
+    device_state_bytes: float = DEVICE_STATE_BYTES["hybrid8bit"]
+
+    @classmethod
+    def of_plan(cls, plan) -> Sizes:
+        """The sizes a plan's ops imply (its graph, micro-batch, dtype, resident blocks, optimizer)."""
+        return cls(plan.graph, plan.micro_batch, plan.param_dtype, resident=plan.decisions.resident_blocks,
+                   device_state_bytes=DEVICE_STATE_BYTES.get(plan.options.get("optimizer"),
+                                                             DEVICE_STATE_BYTES["hybrid8bit"]))
+
+    def resident_bytes(self) -> int:
+        """GPU bytes held for the whole run by resident blocks: parameters, optimizer state and
+        the fp32 gradient accumulator of every owned parameter (tied links are views of the owner's)."""
+        per = self.param_bytes + self.device_state_bytes + GRAD_ACCUM_BYTES
+        if self.param_bytes == 4:
+            per -= 4            # fp32 parameters are their own master
+        return int(sum(self.graph.blocks[j].owned_numel * per for j in self.resident))
 
     @property
     def param_bytes(self) -> int:
@@ -78,10 +119,12 @@ def effects(op: Op, sizes: Sizes) -> Effects:
     j, m, k = op.block, op.mb, op.kind
     G = Tier.GPU
     params = TensorId(kind=TensorKind.PARAMS, index=j)
+    resident = j in sizes.resident          # its parameters and gradients are not plan tensors
+    pread = () if resident else ((params, G),)
     if k is OpKind.LOAD:
         return Effects((), ((params, G),), ())
     if k in (OpKind.COMPUTE, OpKind.RECOMPUTE):
-        reads = ((params, G), (TensorId(kind=TensorKind.ACT, index=j, mb=m), G))
+        reads = (*pread, (TensorId(kind=TensorKind.ACT, index=j, mb=m), G))
         writes = []
         if k is OpKind.COMPUTE or op.tensor is None or op.tensor.kind is TensorKind.ACT:
             if j + 1 < L:
@@ -91,13 +134,13 @@ def effects(op: Op, sizes: Sizes) -> Effects:
         return Effects(reads, tuple(writes), (), sizes.workspace(j))
     if k is OpKind.BACKWARD:
         saved = TensorId(kind=TensorKind.SAVED, index=j, mb=m)
-        reads = [(params, G), (saved, G)]
+        reads = [*pread, (saved, G)]
         drops = [(saved, G)]
         if j + 1 < L:
             dout = TensorId(kind=TensorKind.GRAD_ACT, index=j + 1, mb=m)
             reads.append((dout, G))
             drops.append((dout, G))
-        writes = [(TensorId(kind=TensorKind.GRADS, index=j), G)]
+        writes = [] if resident else [(TensorId(kind=TensorKind.GRADS, index=j), G)]
         if j > 0:
             writes.append((TensorId(kind=TensorKind.GRAD_ACT, index=j, mb=m), G))
         return Effects(tuple(reads), tuple(writes), tuple(drops), sizes.workspace(j) + sizes.param_grad_transient(j))
@@ -107,6 +150,8 @@ def effects(op: Op, sizes: Sizes) -> Effects:
         g = TensorId(kind=TensorKind.GRADS, index=j)
         return Effects(((g, G),), ((g, Tier.HOST),), ((g, G),), sizes.grad_cast_transient(j))
     if k is OpKind.UPDATE:   # consumes the host gradients of every block that reads j's parameters
+        if resident:         # ... or, on the GPU, the accumulator it owns for the whole run
+            return Effects((), (), ())
         gs = tuple((TensorId(kind=TensorKind.GRADS, index=c), Tier.HOST) for c in sizes.contributors(j))
         return Effects(gs, (), gs)
     if k is OpKind.FREE:

@@ -8,6 +8,15 @@ from .decisions import Place, Saved
 from .ops import GiB, OpKind
 
 
+def _resident_text(plan) -> str:
+    res = sorted(plan.decisions.resident_blocks)
+    if not res:
+        return "none"
+    from .semantics import Sizes
+    names = ", ".join(str(j) for j in res) if len(res) <= 8 else f"{res[0]}..{res[-1]} ({len(res)})"
+    return f"blocks {names}: {Sizes.of_plan(plan).resident_bytes() / GiB:.2f} GiB, updated on the GPU"
+
+
 def summary_rows(plan) -> list[list]:
     d = plan.decisions
     pred = plan.predicted
@@ -20,6 +29,7 @@ def summary_rows(plan) -> list[list]:
         ["boundaries kept gpu / host / nvme", f"{b[Place.GPU]} / {b[Place.HOST]} / {b[Place.NVME]}"],
         ["saved kept / host / nvme / recomputed",
          f"{s[Saved.KEEP]} / {s[Saved.HOST]} / {s[Saved.NVME]} / {s[Saved.RECOMPUTE]}"],
+        ["resident on the GPU", _resident_text(plan)],
         ["ops", f"{len(plan.ops)} ({', '.join(f'{k.value} {plan.count(k)}' for k in OpKind if plan.count(k))})"],
     ]
     if pred:

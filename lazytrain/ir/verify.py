@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .ops import GiB, Op, OpKind, Resource, TensorId, TensorKind, Tier
 from .plan import PLAN_FORMAT, Plan, PlanError
-from .semantics import Effects, Sizes, effects
+from .semantics import Effects, Sizes, effects, tie_closure
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,24 @@ def _contributors(plan: Plan) -> dict[int, set[int]]:
     return out
 
 
+def _check_resident_update(plan: Plan, u: Op, readers) -> None:
+    """A resident block's update runs on the GPU stream, lagged: at the start of the step, after the
+    previous step's backward (the clip coefficient is known then) and before any forward reads it."""
+    if u.resource is not Resource.GPU:
+        raise _fail(u, f"block {u.block} is resident: its update must run on the GPU")
+    first = next((op for op in plan.ops if op.kind in (OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD)
+                  and op.block in readers), None)
+    if first is not None and first.id < u.id:
+        raise _fail(first, f"reads resident block {u.block}'s parameters before its update #{u.id}")
+
+
 def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
     """Check ``plan``; returns its memory report or raises PlanError.  With ``early_exit`` the
     walk stops at the first point over the GPU budget (used when screening candidates)."""
     ops = plan.ops
     L = plan.graph.n_blocks
     M = plan.n_micro
-    sizes = Sizes(plan.graph, plan.micro_batch, plan.param_dtype)
+    sizes = Sizes.of_plan(plan)
     by_id = ops
     for i, op in enumerate(ops):
         if op.id != i:
@@ -79,10 +90,17 @@ def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
         if op.kind is OpKind.LOAD and op.window < L:
             for p in plan.graph.blocks[op.block].params:
                 first_fwd_load.setdefault(p.owner, op)
+    resident = sizes.resident
+    if resident and tie_closure(plan.graph, resident) != resident:
+        raise PlanError(f"blocks {sorted(tie_closure(plan.graph, resident) - resident)} share tied parameters with "
+                        f"resident blocks but are not resident (a tie group is resident as a whole)")
     for owner, readers in contrib.items():
         if owner not in updates:
             raise PlanError(f"block {owner} owns parameters but is never updated")
         u = updates[owner]
+        if owner in resident:
+            _check_resident_update(plan, u, readers)
+            continue
         for r in readers:
             if r not in grad_off:
                 raise PlanError(f"block {r}'s gradients never leave the GPU (no grad_offload)")
@@ -101,6 +119,12 @@ def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
         else:
             raise _fail(u, "update runs between the gradients of its contributors (some before, some after)")
 
+    for op in ops:
+        if op.block in resident and op.kind in (OpKind.LOAD, OpKind.GRAD_OFFLOAD) or (
+                op.kind is OpKind.FREE and op.block in resident and op.tensor is not None
+                and op.tensor.kind in (TensorKind.PARAMS, TensorKind.GRADS)):
+            raise _fail(op, f"block {op.block} is resident: its parameters and gradients never move")
+
     # ---- residency walk --------------------------------------------------------------------
     where: dict[TensorId, dict[Tier, int]] = defaultdict(dict)   # tensor -> tier -> producer op id
     readers: dict[tuple[TensorId, Tier], list[int]] = defaultdict(list)
@@ -110,7 +134,7 @@ def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
     batch = {TensorId(kind=TensorKind.ACT, index=0, mb=m) for m in range(M)}
     for t in batch:                      # the batch arrives on the host before the step
         where[t][Tier.HOST] = -1
-    use = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
+    use = {Tier.GPU: sizes.resident_bytes(), Tier.HOST: 0, Tier.NVME: 0}
     peak = dict(use)
     curve = []
     static_host = host_static_bytes(plan)

@@ -103,6 +103,13 @@ def _sum2_sq(ctx: Ctx, lib, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor)
 
 def update(ctx: Ctx, op: Op) -> None:
     o = op.block
+    if o in ctx.resident_grad:
+        apply = o in ctx.pending
+        ctx.pending.discard(o)
+        ctx.begin(op, Resource.GPU)
+        resident_update(ctx, o, ctx.pending_coef if apply else None, ctx.pending_lr)
+        ctx.end(op, Resource.GPU)
+        return
     if ctx.lagged[o]:
         if o not in ctx.pending:          # first step, a skipped step, or after flush(): nothing to apply
             ctx.done[op.id] = None
@@ -115,6 +122,17 @@ def update(ctx: Ctx, op: Op) -> None:
         ctx.done[op.id] = None
         return
     run_update(ctx, op, o, coef, lr)
+
+
+def resident_update(ctx: Ctx, o: int, coef: float | None, lr: float | None) -> None:
+    """A resident block's update on the GPU stream, from its GPU accumulator, which is then zeroed
+    for this step's backward.  ``coef`` None (first step, skipped step): nothing to apply, but the
+    accumulator is cleared all the same (it may hold a skipped step's non-finite gradients)."""
+    acc = ctx.resident_grad[o]
+    with ctx.streams.on(Resource.GPU):
+        if coef is not None:
+            ctx.optimizer.step(o, acc, coef, lr)
+        acc.zero_()
 
 
 def run_update(ctx: Ctx, op: Op, o: int, coef: float, lr: float | None) -> None:
@@ -131,12 +149,15 @@ def finish_norm(ctx: Ctx) -> float | None:
         return ctx.coef
     Streams.wait_on_host([ctx.done.get(op.id) for op in ctx.plan.ops if op.kind is OpKind.GRAD_OFFLOAD])
     ctx.tracker.begin_step()
+    with ctx.streams.on(Resource.GPU):   # resident accumulators hold whole gradients, tied shares included
+        for o, acc in ctx.resident_grad.items():
+            ctx.grad_sq[o] = torch.linalg.vector_norm(acc).square()
     on_device = [j for j in range(len(ctx.store.layouts)) if ctx.grad_sq.get(j) is not None]
     sqs = dict(zip(on_device, torch.stack([ctx.grad_sq[j] for j in on_device]).tolist())) if on_device else {}
     for j, lay in enumerate(ctx.store.layouts):      # one device->host read for every block's norm
         sq = sqs.get(j)
         total = 0.0 if sq is None else sq
-        if lay.shared:
+        if lay.shared and j not in ctx.resident_grad:
             # with a global norm the owner's update comes after this and reuses the sum; without
             # one it may be running now on the update worker, reading the buffer: use a temporary
             reuse = ctx.norm_first
@@ -144,7 +165,7 @@ def finish_norm(ctx: Ctx) -> float | None:
             if reuse:
                 ctx.tied_ready.add(j)
             total += sum(seg_sq)
-        if sq is not None or lay.shared:
+        if sq is not None or (lay.shared and j not in ctx.resident_grad):
             ctx.tracker.add(j, total)
     ctx.coef = ctx.tracker.finish_step()
     ctx.norm_done = True

@@ -42,6 +42,12 @@ def _tid(kind: TensorKind, index: int, mb: int | None = None) -> TensorId:
 class GpuParams:
     flat: torch.Tensor
     views: dict[str, torch.Tensor]
+    #: other buffers the views point into (a resident block's tied links: its owner's buffer)
+    extra: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def flats(self) -> tuple[torch.Tensor, ...]:
+        return (self.flat, *self.extra)
 
 
 @dataclass
@@ -75,7 +81,7 @@ class SavedRecord:
     leaves: dict[str, torch.Tensor] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     entries: dict | None = None          # set for the duration of backward
-    param_flat: torch.Tensor | None = None
+    param_flats: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
@@ -112,6 +118,11 @@ class Ctx:
     step_lr: float | None = None                   # the optimizer's lr when this step began
     pending_lr: float | None = None                # ... when the step of the pending gradients began
     update_futures: dict = field(default_factory=dict)
+    #: resident blocks (``Decisions.resident``): parameters on the GPU for the whole run, and per
+    #: parameter name the slice of its owner's fp32 GPU accumulator that backward adds into
+    resident: dict = field(default_factory=dict)
+    resident_grad: dict = field(default_factory=dict)      # owner block -> fp32 accumulator
+    resident_targets: dict = field(default_factory=dict)   # block -> {param name: accumulator slice}
     tied_grad: dict = field(default_factory=dict)  # owner block -> fp32 buffer for its assembled gradient
     tied_ready: set = field(default_factory=set)   # owners whose buffer holds the gradient their update needs
     host_pool: object | None = None                # threads of the tied-gradient sum (made on first use)
@@ -173,6 +184,11 @@ class Ctx:
     def put(self, t: TensorId, tier: Tier, payload) -> None:
         self.copies[(t, tier)] = payload
 
+    def params(self, j: int):
+        """Block j's parameters on the GPU: resident, or the loaded copy."""
+        p = self.resident.get(j)
+        return p if p is not None else self.get(_tid(TensorKind.PARAMS, j), G)
+
 
 def describe(op: Op) -> str:
     return " ".join(str(op).split()[1:])
@@ -212,17 +228,19 @@ def _release(t: torch.Tensor) -> None:
     t.data = z.expand(t.shape)
 
 
-def _hooks(rec: SavedRecord, entries: dict, param_flat: torch.Tensor):
+def _hooks(rec: SavedRecord, entries: dict, param_flats: tuple[torch.Tensor, ...]):
     """Pack every tensor autograd saves into ``entries`` (deduplicated by storage), or, for views of
-    the block's parameter buffer, into a reference that unpacks to whatever buffer is loaded then."""
-    pstore = param_flat.untyped_storage().data_ptr()
+    the block's parameter buffers, into a reference that unpacks to whatever buffer is loaded then."""
+    pstores = {f.untyped_storage().data_ptr(): i for i, f in enumerate(param_flats)}
+    device = param_flats[0].device
     by_ptr: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if ptr == pstore and t.device == param_flat.device:
-            return ("param", t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+        i = pstores.get(ptr)
+        if i is not None and t.device == device:
+            return ("param", i, t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
         if t.layout is not torch.strided or ptr == 0:
             k = len(entries)
             entries[k] = t
@@ -235,10 +253,10 @@ def _hooks(rec: SavedRecord, entries: dict, param_flat: torch.Tensor):
 
     def unpack(h):
         if h[0] == "param":
-            if rec.param_flat is None:
+            if rec.param_flats is None:
                 raise RuntimeError(f"block {rec.block}'s parameters are not loaded for its backward")
-            _, dt, shape, stride, off = h
-            return rec.param_flat.view(dt).as_strided(shape, stride, off)
+            _, i, dt, shape, stride, off = h
+            return rec.param_flats[i].view(dt).as_strided(shape, stride, off)
         if rec.entries is None:
             raise RuntimeError(f"saved[{rec.block}] is not on the GPU for its backward")
         if h[0] == "whole":
@@ -253,7 +271,7 @@ def _forward(ctx: Ctx, op: Op, save: bool) -> None:
     j, mb = op.block, op.mb
     L = ctx.L
     ctx.begin(op, Resource.GPU)
-    params: GpuParams = ctx.get(_tid(TensorKind.PARAMS, j), G)
+    params: GpuParams = ctx.params(j)
     a_in: dict = ctx.get(_tid(TensorKind.ACT, j, mb), G)
     prog = ctx.program
     with ctx.streams.on(Resource.GPU):
@@ -266,7 +284,7 @@ def _forward(ctx: Ctx, op: Op, save: bool) -> None:
             rec.leaves = {n: v.detach().requires_grad_() for n, v in a_in.items()
                           if n in ctx.requires_grad and isinstance(v, torch.Tensor) and v.is_floating_point()}
             entries: dict = {}
-            with torch.enable_grad(), _hooks(rec, entries, params.flat):
+            with torch.enable_grad(), _hooks(rec, entries, params.flats):
                 out = prog.run_block(j, rec.params, {**a_in, **rec.leaves})
             by_id = {id(v): n for n, v in rec.leaves.items()}
             for name, t in out.items():
@@ -332,8 +350,8 @@ def backward(ctx: Ctx, op: Op) -> None:
     ctx.begin(op, Resource.GPU)
     rec: SavedRecord = ctx.saved_rec.pop((j, mb))
     rec.entries = ctx.take(_tid(TensorKind.SAVED, j, mb), G)
-    params: GpuParams = ctx.get(_tid(TensorKind.PARAMS, j), G)
-    rec.param_flat = params.flat
+    params: GpuParams = ctx.params(j)
+    rec.param_flats = params.flats
     dout = ctx.take(_tid(TensorKind.GRAD_ACT, j + 1, mb), G) if j + 1 < L else {}
     lay = ctx.store.layouts[j]
     with ctx.streams.on(Resource.GPU):
@@ -349,17 +367,18 @@ def backward(ctx: Ctx, op: Op) -> None:
         lnames = list(rec.leaves)
         wrt = [rec.params[n] for n in pnames] + [rec.leaves[n] for n in lnames]
         res = torch.autograd.grad(roots, wrt, grads, allow_unused=True) if roots else [None] * len(wrt)
-        rec.entries = rec.param_flat = None
-        key = _tid(TensorKind.GRADS, j)
-        acc = ctx.copies.get((key, G))
-        if acc is None:
-            acc = torch.zeros(lay.numel, dtype=torch.float32, device=ctx.device)
-            ctx.put(key, G, acc)
-        offs = {s.name: s for s in lay.segments}
+        rec.entries = rec.param_flats = None
+        targets = ctx.resident_targets.get(j)
+        if targets is None:
+            key = _tid(TensorKind.GRADS, j)
+            acc = ctx.copies.get((key, G))
+            if acc is None:
+                acc = torch.zeros(lay.numel, dtype=torch.float32, device=ctx.device)
+                ctx.put(key, G, acc)
+            targets = {s.name: acc[s.offset:s.offset + s.numel] for s in lay.segments}
         for n, g in zip(pnames, res[:len(pnames)]):
             if g is not None:
-                s = offs[n]
-                acc[s.offset:s.offset + s.numel].add_(g.reshape(-1))
+                targets[n].add_(g.reshape(-1))
         if j > 0:
             here = set(ctx.program.graph.boundary_values[j]) if ctx.program.graph.boundary_values else None
             produced = {name for name, *_ in rec.roots} | set(rec.direct)

@@ -78,7 +78,7 @@ def run(ctx: Ctx, ops: Sequence[Op]) -> None:
 def on_worker(op: Op) -> bool:
     """Does the op run on a host worker (its completion handle is a ``Future``)?"""
     k = op.kind
-    return (k is OpKind.UPDATE or (k is OpKind.OFFLOAD and op.dst is Tier.NVME)
+    return ((k is OpKind.UPDATE and op.resource is not Resource.GPU) or (k is OpKind.OFFLOAD and op.dst is Tier.NVME)
             or (k in (OpKind.RELOAD, OpKind.FREE) and op.src is Tier.NVME))
 
 
@@ -98,14 +98,15 @@ class Schedule:
         if any(op.id != i for i, op in enumerate(ops)):
             raise ValueError("op ids must be 0..n-1 in list order")
         plan = ctx.plan
-        sizes = Sizes(plan.graph, plan.micro_batch, plan.param_dtype)
+        sizes = Sizes.of_plan(plan)
         owners = [sorted({o for _, o, _ in lay.links} | {j}) for j, lay in enumerate(ctx.store.layouts)]
         self.deps = _with_hazards(ops, sizes, owners)
         grad_offloads = tuple(op.id for op in ops if op.kind is OpKind.GRAD_OFFLOAD)
         self.waits: list[tuple[int, ...]] = []
         self.owners: list[tuple[int, ...]] = []
         for op in ops:
-            if op.kind is OpKind.UPDATE and not ctx.lagged.get(op.block, False) and ctx.norm_first:
+            if op.kind is OpKind.UPDATE and op.resource is not Resource.GPU and not ctx.lagged.get(op.block, False) \
+                    and ctx.norm_first:
                 # finish_norm reads every block's gradient norm on this thread
                 self.deps[op.id] = tuple(sorted(set(self.deps[op.id]) | {g for g in grad_offloads if g < op.id}))
                 self.waits.append(tuple(g for g in grad_offloads if g < op.id))

@@ -164,7 +164,7 @@ class OpCompare:
 def compare(plan, mem: DeviceMemory, base: int = 0) -> list[OpCompare]:
     """Measured (less ``base``, what was live before the step) against verify's curve, per op."""
     rep = verify(plan)
-    sizes = Sizes(plan.graph, plan.micro_batch, plan.param_dtype)
+    sizes = Sizes.of_plan(plan)
     by_id = {r.op.id: r for r in mem.records}
     out, prev = [], 0
     for op, after in zip(plan.ops, rep.gpu_curve):

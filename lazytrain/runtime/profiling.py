@@ -10,7 +10,8 @@ Figures (``StepProfile``):
 
 - ``hidden[kind]`` for load / offload / reload / grad_offload: the fraction of that kind's busy
   time that overlaps GPU compute (compute, recompute, backward) — 1.0 means fully hidden;
-- ``exposed_update_s``: update time *not* overlapped by GPU compute;
+- ``exposed_update_s``: host update time *not* overlapped by GPU compute (``update_s`` all of it);
+  ``device_update_s``: resident blocks' updates, run on the GPU stream (GPU work, never hidden);
 - ``busy_s[resource]`` and the trace: (op id, resource, start_s, end_s) per measured op;
 - ``memory``: (time_s, bytes) samples of the device memory in use over the step.  On CUDA,
   ``torch.cuda.memory_allocated`` (the caching allocator's view: every live tensor on the device,
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ..ir import Op, OpKind, Plan
+from ..ir import Op, OpKind, Plan, Resource
 
 PROFILE_FORMAT = "lazytrain.profile/1"
 
@@ -64,6 +65,14 @@ class StepProfile:
     trace: list[tuple[int, str, float, float]] = field(default_factory=list)
     memory: list[tuple[float, int]] = field(default_factory=list)
     plan: dict | None = None          # {"model", "digest", "n_ops"} of the plan measured, once saved with it
+    #: resident blocks' updates on the GPU stream: GPU work, so never hidden (not in the two above)
+    device_update_s: float = 0.0
+
+    @property
+    def update_exposed_fraction(self) -> float:
+        """Exposed update time (host updates not under compute, plus GPU updates) over all update time."""
+        total = self.update_s + self.device_update_s
+        return (self.exposed_update_s + self.device_update_s) / total if total > 0 else 0.0
 
     def to_json(self, plan: Plan | None = None) -> dict:
         """Versioned JSON; with ``plan``, it records which plan was measured (``check`` reads it)."""
@@ -71,7 +80,8 @@ class StepProfile:
                                                "n_ops": len(plan.ops)}
         return {"format": PROFILE_FORMAT, "plan": info, "step_s": self.step_s, "hidden": self.hidden,
                 "transfer_s": self.transfer_s, "exposed_update_s": self.exposed_update_s,
-                "update_s": self.update_s, "busy_s": self.busy_s, "trace": [list(t) for t in self.trace],
+                "update_s": self.update_s, "device_update_s": self.device_update_s,
+                "busy_s": self.busy_s, "trace": [list(t) for t in self.trace],
                 "memory": [list(m) for m in self.memory]}
 
     @staticmethod
@@ -86,7 +96,8 @@ class StepProfile:
                                busy_s=dict(d["busy_s"]),
                                trace=[(int(i), str(r), float(a), float(b)) for i, r, a, b in d["trace"]],
                                memory=[(float(t), int(n)) for t, n in d.get("memory") or []],
-                               plan=None if d.get("plan") is None else dict(d["plan"]))
+                               plan=None if d.get("plan") is None else dict(d["plan"]),
+                               device_update_s=float(d.get("device_update_s", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed step profile: {type(e).__name__}: {e}") from None
 
@@ -206,10 +217,13 @@ class Profiler:
             tot = sum(b - a for a, b in iv)
             tsum[k.value] = tot
             hidden[k.value] = (sum(_overlap(a, b, comp) for a, b in iv) / tot) if tot > 0 else 1.0
-        upd = [(a, b) for i, _, a, b in trace if kind[i] is OpKind.UPDATE]
+        # host updates hide under GPU compute or are exposed; a resident block's update is GPU work itself
+        upd = [(a, b) for i, res, a, b in trace if kind[i] is OpKind.UPDATE and res != Resource.GPU.value]
+        dev_upd = sum(b - a for i, res, a, b in trace if kind[i] is OpKind.UPDATE and res == Resource.GPU.value)
         busy: dict[str, float] = {}
         for _, res, a, b in trace:
             busy[res] = busy.get(res, 0.0) + (b - a)
         return StepProfile(step_s=step_s, hidden=hidden, transfer_s=tsum,
                            exposed_update_s=sum((b - a) - _overlap(a, b, comp) for a, b in upd),
-                           update_s=sum(b - a for a, b in upd), busy_s=busy, trace=trace, memory=memory)
+                           update_s=sum(b - a for a, b in upd), busy_s=busy, trace=trace, memory=memory,
+                           device_update_s=dev_upd)

@@ -123,12 +123,16 @@ class HostStore:
     """Per-block load and gradient buffers (allocated in ``__init__``, once)."""
 
     def __init__(self, lays: list[BlockLayout], param_dtype: torch.dtype, *, pin: bool,
-                 optimizer_bytes_per_param: float = 12.0, activation_bytes: int = 0):
+                 optimizer_bytes_per_param: float = 12.0, activation_bytes: int = 0,
+                 resident: frozenset = frozenset()):
         self.layouts = lays
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype(param_dtype)
         self.pin = pin
-        need = self.estimate(lays, param_dtype, optimizer_bytes_per_param, activation_bytes)
+        #: blocks that live on the GPU: no host buffers (their parameters never cross PCIe)
+        self.resident = frozenset(resident)
+        need = self.estimate([lay for lay in lays if lay.index not in self.resident], param_dtype,
+                             optimizer_bytes_per_param, activation_bytes)
         avail = mem_available()
         log.info("lazytrain host memory estimate: %.2f GiB (buffers %.2f GiB, optimizer %.2f GiB, activations "
                  "%.2f GiB); available %.2f GiB", need["total"] / GiB, need["buffers"] / GiB,
@@ -139,8 +143,10 @@ class HostStore:
                 f"{need['buffers'] / GiB:.2f} GiB, optimizer master and state {need['optimizer'] / GiB:.2f} GiB, "
                 f"offloaded activations {need['activations'] / GiB:.2f} GiB) but only {avail / GiB:.2f} GiB is "
                 f"available (MemAvailable): use an 8-bit optimizer, offload activations to NVMe, or free memory")
-        self.load = [torch.empty(lay.owned_numel, dtype=param_dtype, pin_memory=pin) for lay in lays]
-        self.grad = [torch.empty(lay.numel, dtype=self.grad_dtype, pin_memory=pin) for lay in lays]
+        def host(n: int, dtype: torch.dtype, j: int) -> torch.Tensor:
+            return torch.empty(0 if j in self.resident else n, dtype=dtype, pin_memory=pin and j not in self.resident)
+        self.load = [host(lay.owned_numel, param_dtype, lay.index) for lay in lays]
+        self.grad = [host(lay.numel, self.grad_dtype, lay.index) for lay in lays]
 
     @staticmethod
     def estimate(lays: list[BlockLayout], param_dtype: torch.dtype, optimizer_bytes_per_param: float,

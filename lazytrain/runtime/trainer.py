@@ -102,8 +102,11 @@ class Trainer:
         pos = {op.block: op.id for op in plan.ops if op.kind is OpKind.GRAD_OFFLOAD}
         last_grad = max(pos.values(), default=-1)
         lagged, norm_first = {}, True
+        resident = plan.decisions.resident_blocks
         for op in plan.ops:
-            if op.kind is OpKind.UPDATE:
+            if op.kind is OpKind.UPDATE and op.block in resident:
+                lagged[op.block] = True          # at the next step's start, on the GPU
+            elif op.kind is OpKind.UPDATE:
                 contrib = [b.index for b in g.blocks if any(p.owner == op.block for p in b.params)]
                 lagged[op.block] = all(pos[c] > op.id for c in contrib)
                 if not lagged[op.block] and op.id < last_grad:
@@ -119,7 +122,11 @@ class Trainer:
         pb = torch.empty((), dtype=param_dtype).element_size()
         opt_bpp = max(0.0, float(getattr(optimizer, "host_bytes_per_param", 16.0)) - 2 * min(pb, 2))
         self.store = HostStore(lays, param_dtype, pin=pin, optimizer_bytes_per_param=opt_bpp,
-                               activation_bytes=act_bytes)
+                               activation_bytes=act_bytes, resident=resident)
+        # a resident block's "load buffer" is its parameters on the GPU: the optimizer keeps its state
+        # next to it and updates it in place there
+        gpu_params = {j: torch.empty(lay.owned_numel, dtype=param_dtype, device=self.device)
+                      for j, lay in enumerate(lays) if j in resident}
         named = dict(model.named_parameters(remove_duplicate=False))
         sd = None
         for j, lay in enumerate(lays):
@@ -134,18 +141,42 @@ class Trainer:
                     sd = sd if sd is not None else model.state_dict()
                     src = sd[s.name]
                 init[s.offset:s.offset + s.numel].copy_(src.detach().reshape(-1))
-            self.store.load[j].copy_(init)
-            optimizer.setup(j, init, self.store.load[j], lay.opt_segments())
+            buf = gpu_params.get(j, self.store.load[j])
+            buf.copy_(init)
+            optimizer.setup(j, init, buf, lay.opt_segments())
         from .streams import Streams
         rg = {t.name for b in self.program.graph.blocks for t in (*b.inputs, *b.outputs) if t.requires_grad}
         self.ctx = Ctx(plan=plan, program=self.program, device=self.device, streams=Streams(self.device),
                        store=self.store, pool=HostPool(pin), nvme=nvme, optimizer=optimizer,
                        tracker=GradNormTracker(optimizer.max_grad_norm), lagged=lagged, norm_first=norm_first,
                        requires_grad=rg, profiler=Profiler(self.device.type == "cuda") if profile else None)
+        self._setup_resident(gpu_params)
         self.steps = 0
         self.last_profile: StepProfile | None = None
         self._broken: Exception | None = None
         self._L = L
+
+    def _setup_resident(self, gpu_params: dict[int, torch.Tensor]) -> None:
+        """Views and gradient targets of resident blocks: own parameters are views of the block's
+        GPU buffer, tied links views of the owner's; gradients add into the owner's accumulator."""
+        ctx, lays = self.ctx, self.store.layouts
+        for j in gpu_params:
+            ctx.resident_grad[j] = torch.zeros(lays[j].owned_numel, dtype=torch.float32, device=self.device)
+        for j in gpu_params:
+            lay = lays[j]
+            flat = gpu_params[j]
+            views = {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in lay.segments
+                     if s.offset < lay.owned_numel}
+            targets = {s.name: ctx.resident_grad[j][s.offset:s.offset + s.numel] for s in lay.segments
+                       if s.offset < lay.owned_numel}
+            extra = []
+            for seg, owner, off in lay.links:
+                views[seg.name] = gpu_params[owner][off:off + seg.numel].view(seg.shape)
+                targets[seg.name] = ctx.resident_grad[owner][off:off + seg.numel]
+                if all(t is not gpu_params[owner] for t in extra):
+                    extra.append(gpu_params[owner])
+            ctx.resident[j] = h.GpuParams(flat, views, tuple(extra))
+            ctx.resident_targets[j] = targets
 
     @property
     def profile(self) -> bool:
@@ -256,8 +287,12 @@ class Trainer:
         if ctx.pending and ctx.pending_coef is not None:
             from ..ir import Op, Resource
             for o in sorted(ctx.pending):
+                if o in ctx.resident_grad:
+                    gr.resident_update(ctx, o, ctx.pending_coef, ctx.pending_lr)
+                    continue
                 op = Op(id=-1 - o, kind=OpKind.UPDATE, block=o, resource=Resource.CPU)
                 gr.run_update(ctx, op, o, ctx.pending_coef, ctx.pending_lr)
+            ctx.streams.synchronize()
         ctx.pending = set()
         for fut in list(ctx.update_futures.values()):
             fut.result()

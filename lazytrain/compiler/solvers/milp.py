@@ -83,7 +83,8 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
     cost = comp.cost(micro_batch)
     hw = comp.hw
     L, M = g.n_blocks, n_micro
-    budget = (gpu_bytes if gpu_bytes is not None else comp.budgets["gpu_bytes"]) / GiB
+    # resident blocks hold their parameters, optimizer state and accumulators for the whole run
+    budget = ((gpu_bytes if gpu_bytes is not None else comp.budgets["gpu_bytes"]) - cost.sizes.resident_bytes()) / GiB
     host_cap = comp.budgets.get("host_bytes")
     nvme_cap = comp.budgets.get("nvme_bytes") or 0
     host_static = g.total_params * comp.options["host_bytes_per_param"] / GiB
@@ -100,6 +101,7 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
     fwd = [t * MS for t in block_attr(cg, "fwd_s")]
     bwd = [t * MS for t in block_attr(cg, "bwd_s")]
     U = [t * MS for t in block_attr(cg, "update_s")]
+    gpu_updates = sum(block_attr(cg, "gpu_update_s")) * MS   # resident blocks, on the GPU at the step start
     load = [t * MS for t in block_attr(cg, "load_s")]
     gout = [t * MS for t in block_attr(cg, "grad_offload_s")]
     h2d_ms = hw.h2d_seconds(GiB) * MS        # ms per GiB
@@ -188,6 +190,8 @@ def solve(comp, micro_batch: int, n_micro: int, warm=None, *, gpu_bytes: int | N
     m += TB[0] >= M * bwd[0] + M * fwd[0] * rec[0] + M * h2d_ms * A[0] * bh[0], "h2d_B_first"
     m += TB[0] >= M * h2d_ms * S[0] * late[0], "h2d_B_0_late"
     m += TX >= gout[0] + U[0] + load[0], "step_boundary_chain"
+    if gpu_updates:
+        m += TX >= gpu_updates, "resident_updates_on_gpu"
     if comp.clip:
         for j in range(1, L):
             m += TX + xs(TF[k] for k in range(j)) >= gout[0] + sum(U[: j + 1]) + load[j], f"lazy_update[{j}]"

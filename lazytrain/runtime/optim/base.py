@@ -12,6 +12,16 @@ so an optimizer can treat small tensors (norms, biases) differently.  Gradient c
 by the caller: ``step`` receives the clip coefficient (1.0 when no clipping applies), already
 folded from the global norm.  ``step`` must be safe to call from a worker thread concurrently for
 different blocks.
+
+GPU-resident blocks: when ``load_buffer`` given to ``setup`` is a CUDA tensor (bf16, or fp32 for fp32
+plans), it *is* the block's parameters on the GPU.  The optimizer then keeps all its state for the
+block on that device, and ``step`` receives the flat fp32 GPU gradient accumulator (``grad.numel() ==
+load_buffer.numel()``) from the thread that issues GPU work, inside ``torch.cuda.stream(...)``: it
+queues the update on the current stream and must not synchronise with the host (no ``.item()``, no
+branching on device values).  ``master`` and ``state_tensors`` return CPU tensors of the same keys,
+dtypes and shapes as for a host block (they may synchronise), and ``load_state_tensors`` takes CPU
+tensors, so a checkpoint loads whatever the placement of each block.  ``host_bytes_per_param``
+counts host memory only; ``device_bytes_per_param`` gives what a device block costs on the GPU.
 """
 
 from __future__ import annotations
@@ -56,6 +66,12 @@ class HostOptimizer(ABC):
     @abstractmethod
     def hyperparameters(self) -> dict:
         """JSON-able hyper-parameters (lr, betas, eps, weight_decay, max_grad_norm, step count)."""
+
+    def device_bytes_per_param(self, param_bytes: int | None = None) -> float:
+        """Bytes of device memory per parameter kept for a GPU-resident block beyond its load buffer
+        (``param_bytes``: the load buffer's element size, for an estimate before ``setup``).  The
+        compiler budgets GPU memory with it; an optimizer without device support raises."""
+        raise NotImplementedError(f"{type(self).__name__} does not support GPU-resident blocks")
 
     def load_hyperparameters(self, hp: dict) -> None:  # noqa: B027 (optional to override)
         """Restore what ``hyperparameters`` returned (at least the step count)."""

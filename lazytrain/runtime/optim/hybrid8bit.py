@@ -31,11 +31,22 @@ inside a worker (nested, spinning OpenMP threads made it 10x slower on a busy ma
 ~10x slower than the kernel.  Measured rates: benchmarks/optim_rate.py.
 ``step`` holds a per-block lock and only touches that block's state, so concurrent calls for
 different blocks are safe.
+
+GPU-resident blocks (a load buffer on a CUDA device, see ``base.py``): the state (``lo``, codes,
+absmax, small-tensor moments) lives on that device and ``step`` launches the Triton kernels of
+``triton_kernel.py`` on the current stream, without any host synchronisation: the same update, bit
+for bit, as the C kernel.  Without Triton the torch path runs on the device tensors instead (large
+chunks, stream-ordered scratch from the caching allocator; ~35 launches per chunk, slow: a warning
+is logged once).  Both device paths decode in the two-multiplication form, which needs no host read
+of the global absmax maximum (see ``triton_kernel.py`` for why it gives the same bits).
+``master`` and ``state_tensors`` return CPU tensors, so checkpoints do not depend on placement.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import math
 import os
 import threading
@@ -44,13 +55,21 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from . import quant as Q
+from . import triton_kernel as TK
 from .base import HostOptimizer, Segment
+
+log = logging.getLogger(__name__)
+_TWO_112 = 2.0**112
+#: device blocks' state tensors beyond the load buffer (what ``device_bytes_per_param`` counts)
+_DEVICE_STATE = ("lo", "own_master", "mq", "vq", "m_absmax", "v_absmax", "m32", "v32", "table", "small_index")
 
 
 class _BlockState:
     def __init__(self):
         self.lock = threading.Lock()
         self.step = 0
+        self.device = False  # a GPU-resident block: state on the load buffer's device
+        self.table = self.small_index = None  # device blocks: the Triton kernels' index tables
 
 
 def _split_master_(p: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
@@ -106,14 +125,22 @@ class Hybrid8bitAdamW(HostOptimizer):
             raise RuntimeError(
                 "Hybrid8bitAdamW(kernel=True): the C kernel could not be built (is a C compiler installed?)"
             )
+        # device blocks: chunk of the torch fallback (large: each op is a launch), and test hooks --
+        # _force_device treats CPU load buffers as device blocks, _no_triton forces the fallback
+        self._dev_chunk = max(block_size, (1 << 20) // block_size * block_size)
+        self._force_device = False
+        self._no_triton = False
+        self._warned_slow = False
 
     # -- memory --------------------------------------------------------------------------------------
     @property
     def host_bytes_per_param(self) -> float:
-        if not self._blocks:  # estimate for an all-8-bit block with bf16 buffers
+        """Host memory per parameter of the host-resident blocks (device blocks keep none)."""
+        host = [st for st in self._blocks.values() if not st.device]
+        if not host:  # estimate for an all-8-bit block with bf16 buffers
             return 2 + 2 + 2 + 1 + 1 + 8 / self.block_size
         numel = total = 0
-        for st in self._blocks.values():
+        for st in host:
             numel += st.load.numel()
             total += st.load.numel() * (st.load.element_size() + self._grad_bytes)
             for name in ("lo", "own_master", "mq", "vq", "m_absmax", "v_absmax", "m32", "v32"):
@@ -122,18 +149,45 @@ class Hybrid8bitAdamW(HostOptimizer):
                     total += t.numel() * t.element_size()
         return total / numel
 
+    def device_bytes_per_param(self, param_bytes: int | None = None) -> float:
+        """Device memory per parameter that the optimizer keeps for a GPU-resident block beyond its
+        load buffer (the compiler budgets GPU memory with it).
+
+        With ``param_bytes`` (the load buffer's element size; 2 is taken as bf16) or before any
+        device block is set up: the figure for an all-8-bit block whose segments are multiples of
+        ``block_size``, exact for that case: ``lo`` (2 B with a bf16 buffer, 0 with fp32) + two
+        1-byte codes + per quantization block two fp32 absmax and a 24-byte kernel table entry.
+        Small segments cost more (fp32 m and v + an 8-byte index: 16 B each) and a short last block
+        a whole table entry: a slight underestimate for real blocks, which the measured figure
+        (no argument, after ``setup``) includes.  The torch fallback's transient scratch (5 x 4 B x
+        ``_dev_chunk`` per step, from the caching allocator) is not counted."""
+        dev = [st for st in self._blocks.values() if st.device]
+        if param_bytes is not None or not dev:
+            master = 0 if param_bytes == 4 else 2
+            return master + 2 + (8 + 24) / self.block_size
+        numel = total = 0
+        for st in dev:
+            numel += st.load.numel()
+            for name in _DEVICE_STATE:
+                t = getattr(st, name)
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total / numel
+
     # -- setup ---------------------------------------------------------------------------------------
     def setup(self, block: int, init: torch.Tensor, load_buffer: torch.Tensor, segments: list[Segment]) -> None:
-        init = init.reshape(-1).to(torch.float32)
+        dev = load_buffer.device
         n = load_buffer.numel()
         st = _BlockState()
+        st.device = dev.type != "cpu" or self._force_device
+        init = init.reshape(-1).to(device=dev, dtype=torch.float32)
         st.load = load_buffer
         st.lo = st.own_master = None
         if load_buffer.dtype == torch.float32:
             if init.data_ptr() != load_buffer.data_ptr():
                 load_buffer.copy_(init)
         elif load_buffer.dtype == torch.bfloat16:
-            st.lo = torch.empty(n, dtype=torch.int16)
+            st.lo = torch.empty(n, dtype=torch.int16, device=dev)
             _split_master_(init, load_buffer.view(torch.int16), st.lo)
         else:  # e.g. fp16 load buffer: keep a plain fp32 master
             st.own_master = init.clone()
@@ -143,7 +197,8 @@ class Hybrid8bitAdamW(HostOptimizer):
         # 8-bit work items (off, numel, rows, qoff, soff) and fp32 ranges (off, numel, soff32)
         st.items, st.small = [], []
         q = s = s32 = 0
-        bs, ch = self.block_size, self.chunk_numel
+        bs = self.block_size
+        ch = self._dev_chunk if st.device else self.chunk_numel
         for _name, off, numel, _shape in sorted(segments, key=lambda x: x[1]):
             if numel < self.min_8bit_numel:
                 st.small.append((off, numel, s32))
@@ -158,10 +213,16 @@ class Hybrid8bitAdamW(HostOptimizer):
             q += numel
             s += -(-numel // bs)
         st.items_tensor = torch.tensor(st.items, dtype=torch.int64).reshape(-1, 5)
-        st.mq = torch.zeros(q, dtype=torch.uint8)
-        st.vq = torch.zeros(q, dtype=torch.uint8)
-        st.m_absmax, st.v_absmax = torch.zeros(s), torch.zeros(s)
-        st.m32, st.v32 = torch.zeros(s32), torch.zeros(s32)
+        st.mq = torch.zeros(q, dtype=torch.uint8, device=dev)
+        st.vq = torch.zeros(q, dtype=torch.uint8, device=dev)
+        st.m_absmax, st.v_absmax = torch.zeros(s, device=dev), torch.zeros(s, device=dev)
+        st.m32, st.v32 = torch.zeros(s32, device=dev), torch.zeros(s32, device=dev)
+        if st.device:
+            # per quantization block j (= its absmax index): (buffer offset, numel, code offset)
+            rows = [(off + k, min(bs, n_ - k), qo + k) for off, n_, _r, qo, _s in st.items for k in range(0, n_, bs)]
+            st.table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(dev)
+            idx = [torch.arange(off, off + n_, dtype=torch.int64) for off, n_, _s in st.small]
+            st.small_index = (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)).to(dev)
         self._blocks[block] = st
 
     # -- master access -------------------------------------------------------------------------------
@@ -178,9 +239,17 @@ class Hybrid8bitAdamW(HostOptimizer):
         elif st.own_master is not None:
             st.load[off : off + n].copy_(p)
 
+    @staticmethod
+    def _sync(st) -> None:
+        """Wait for a CUDA block's queued work (any stream): checkpoint access runs between steps."""
+        if st.load.is_cuda:
+            torch.cuda.synchronize(st.load.device)
+
     def master(self, block: int) -> torch.Tensor:
+        """A CPU copy of the fp32 master (device blocks too)."""
         st = self._blocks[block]
-        return self._get(st, 0, st.load.numel()).clone()
+        self._sync(st)
+        return self._get(st, 0, st.load.numel()).to("cpu", copy=True)
 
     # -- the update ----------------------------------------------------------------------------------
     def _pool_map(self, fn, items) -> None:
@@ -218,6 +287,9 @@ class Hybrid8bitAdamW(HostOptimizer):
                 step_size=-lr / (1 - b1**t),
                 eps=self.eps,
             )
+            if st.device:
+                self._step_device(st, grad, c)
+                return
             use_c = self._lib is not None and st.own_master is None and grad.dtype in (torch.bfloat16, torch.float32)
             if use_c:  # no torch op over the whole block here: it could wake torch's spinning OpenMP team
                 m_max = self._lib.hybrid8_max(st.m_absmax.data_ptr(), st.m_absmax.numel())
@@ -244,6 +316,42 @@ class Hybrid8bitAdamW(HostOptimizer):
                     self._small_c(st, grad, off, n, s32, hp)
                 else:
                     self._small(st, grad, off, n, s32, c)
+
+    def _step_device(self, st, grad: torch.Tensor, c: dict) -> None:
+        """The update of a GPU-resident block, queued on the current stream: no host synchronisation
+        (every input is a python float or a device tensor; nothing branches on device values)."""
+        dev = st.load.device
+        hilo = st.lo is not None
+        if not self._no_triton and TK.usable_for(dev):
+            hi = st.load.view(torch.int16) if hilo else None
+            p32 = None if hilo else (st.own_master if st.own_master is not None else st.load)
+            grad = grad.contiguous()
+            with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+                TK.hybrid8_step(
+                    st.table, self.block_size, grad, hi, st.lo, p32, st.mq, st.vq, st.m_absmax, st.v_absmax, c
+                )
+                TK.adamw32_step(st.small_index, grad, hi, st.lo, p32, st.m32, st.v32, c)
+            if st.own_master is not None:
+                st.load.copy_(st.own_master)
+            return
+        if not self._warned_slow:
+            self._warned_slow = True
+            log.warning(
+                "Hybrid8bitAdamW: Triton is not available for %s; GPU-resident blocks use the torch path "
+                "(~35 launches per %d-element chunk, several times slower than the kernel)",
+                dev,
+                self._dev_chunk,
+            )
+        # the two-multiplication decode, always: no read of the global absmax max to the host
+        c["m_pre"] = c["v_pre"] = _TWO_112
+        c["m_dec"] = st.m_absmax * (c["b1"] / (Q.SIGNED_TOP * _TWO_112))
+        c["v_dec"] = st.v_absmax * (c["sqrt_b2"] / (Q.UNSIGNED_TOP * _TWO_112))
+        # allocated on the current stream, so the caching allocator orders their reuse with this work
+        bufs = [torch.empty(self._dev_chunk, dtype=torch.int32, device=dev) for _ in range(5)]
+        for it in st.items:
+            self._chunk8(st, grad, it, c, bufs)
+        for off, n, s32 in st.small:
+            self._small(st, grad, off, n, s32, c)
 
     def _scratch(self) -> list[torch.Tensor]:
         """Five chunk-sized int32 buffers per thread, reused across steps: fresh multi-hundred-KB
@@ -273,10 +381,10 @@ class Hybrid8bitAdamW(HostOptimizer):
         if rc:
             raise RuntimeError(f"hybrid8 kernel failed ({rc})")
 
-    def _chunk8(self, st, grad, item, c) -> None:
+    def _chunk8(self, st, grad, item, c, bufs: list[torch.Tensor] | None = None) -> None:
         off, n, rows, qoff, soff = item
         f32 = torch.float32
-        G, M, S, P, T = (b[:n].view(rows, -1) for b in self._scratch())
+        G, M, S, P, T = (b[:n].view(rows, -1) for b in (bufs if bufs is not None else self._scratch()))
         g = G.view(f32)
         g.copy_(grad[off : off + n].view(rows, -1))
         m_am, v_am = st.m_absmax[soff : soff + rows], st.v_absmax[soff : soff + rows]
@@ -345,7 +453,8 @@ class Hybrid8bitAdamW(HostOptimizer):
     def state_tensors(self, block: int) -> dict[str, torch.Tensor]:
         st = self._blocks[block]
         with st.lock:
-            out = {k: getattr(st, k).clone() for k in self._STATE}
+            self._sync(st)
+            out = {k: getattr(st, k).to("cpu", copy=True) for k in self._STATE}  # CPU, whatever the placement
             out["master"] = self.master(block)
             out["step"] = torch.tensor([st.step], dtype=torch.int64)
         return out
@@ -356,13 +465,14 @@ class Hybrid8bitAdamW(HostOptimizer):
             for k in self._STATE:
                 getattr(st, k).copy_(tensors[k])
             n = st.load.numel()
-            master = tensors["master"].to(torch.float32).reshape(-1)
+            master = tensors["master"].to(device=st.load.device, dtype=torch.float32).reshape(-1)
             if st.lo is not None:
                 _split_master_(master.contiguous(), st.load.view(torch.int16), st.lo)
             else:
                 (st.own_master if st.own_master is not None else st.load).copy_(master)
                 st.load.copy_(master[:n])
             st.step = int(tensors["step"].reshape(-1)[0])
+            self._sync(st)  # the next step may run on another stream
 
     def hyperparameters(self) -> dict:
         return {

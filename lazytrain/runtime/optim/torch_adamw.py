@@ -10,6 +10,14 @@ elementwise, so chunking changes no result.
 
 Host bytes per parameter: load buffer (2 for bf16) + gradient buffer (2 for bf16) + master (4, or 0
 when the load buffer is the fp32 master) + exp_avg and exp_avg_sq (8) = 16.
+
+GPU-resident blocks (a load buffer on a CUDA device, see ``base.py``): master, moments and step
+counts live on that device and one ``torch.optim.AdamW(fused=True)`` call updates the whole block on
+the current stream (with a clip coefficient, one call per chunk on a chunk-sized scaled copy of the
+gradient, so the transient costs 4 B x ``chunk_numel``, not a whole block); the master is then cast
+into the load buffer on the same stream.  Nothing reads device values back, so ``step`` queues work
+without synchronising.  The chunking, and hence the state's shapes, are those of host blocks, and
+``master`` / ``state_tensors`` return CPU tensors: checkpoints do not depend on placement.
 """
 
 from __future__ import annotations
@@ -32,11 +40,17 @@ def _fused_supported() -> bool:
 
 
 class _Block:
-    __slots__ = ("load", "master", "opt", "chunks", "lock")
+    __slots__ = ("load", "master", "opt", "chunks", "lock", "device")
 
-    def __init__(self, load, master, opt, chunks):
+    def __init__(self, load, master, opt, chunks, device=False):
         self.load, self.master, self.opt, self.chunks = load, master, opt, chunks
         self.lock = threading.Lock()
+        self.device = device  # a GPU-resident block: master and state on the load buffer's device
+
+    def sync(self) -> None:
+        """Wait for a CUDA block's queued work (any stream): checkpoint access runs between steps."""
+        if self.master.is_cuda:
+            torch.cuda.synchronize(self.master.device)
 
 
 class TorchAdamW(HostOptimizer):
@@ -61,52 +75,70 @@ class TorchAdamW(HostOptimizer):
         self._blocks: dict[int, _Block] = {}
         self._flat_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._step_count: dict[int, int] = {}
+        self._force_device = False  # test hook: treat CPU load buffers as device blocks
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     @property
     def host_bytes_per_param(self) -> float:
         """Computed from what is allocated (before any ``setup``: the bf16-buffer case)."""
-        if not self._blocks:
+        host = [b for b in self._blocks.values() if not b.device]  # device blocks keep no host memory
+        if not host:
             return float(self._param_bytes + self._grad_bytes + 4 + 8)
-        numel = sum(b.master.numel() for b in self._blocks.values())
+        numel = sum(b.master.numel() for b in host)
         owned = 0
-        for b in self._blocks.values():
+        for b in host:
             if b.master.data_ptr() != b.load.data_ptr():
                 owned += b.master.numel() * 4
             owned += 2 * b.master.numel() * 4  # exp_avg, exp_avg_sq
-        load = sum(b.load.numel() * b.load.element_size() for b in self._blocks.values())
+        load = sum(b.load.numel() * b.load.element_size() for b in host)
         return (load + owned) / numel + self._grad_bytes
 
-    def _make_opt(self, params):
+    def device_bytes_per_param(self, param_bytes: int | None = None) -> float:
+        """Device memory per parameter kept for a GPU-resident block beyond its load buffer: fp32
+        exp_avg and exp_avg_sq (8) + an fp32 master (4) unless the load buffer is fp32 itself
+        (``param_bytes`` 4).  With ``param_bytes`` (or before any device block exists: the
+        constructor's ``param_bytes``) the exact figure for that buffer size; with no argument after
+        ``setup``, measured over the device blocks.  Per-chunk step counters (4 B per chunk) and the
+        clip path's transient chunk (4 B x ``chunk_numel``) are left out."""
+        dev = [b for b in self._blocks.values() if b.device]
+        if param_bytes is not None or not dev:
+            pb = self._param_bytes if param_bytes is None else param_bytes
+            return 8.0 + (0.0 if pb == 4 else 4.0)
+        numel = sum(b.master.numel() for b in dev)
+        owned = sum(b.master.numel() * (4 if b.master.data_ptr() != b.load.data_ptr() else 0) for b in dev)
+        return (owned + 8 * numel) / numel
+
+    def _make_opt(self, params, fused: bool):
         kw = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
-        return (
-            torch.optim.AdamW(params, fused=True, **kw) if self.fused else torch.optim.AdamW(params, foreach=True, **kw)
-        )
+        return torch.optim.AdamW(params, fused=True, **kw) if fused else torch.optim.AdamW(params, foreach=True, **kw)
 
     # -- HostOptimizer -------------------------------------------------------------------------------
     def setup(self, block: int, init: torch.Tensor, load_buffer: torch.Tensor, segments: list[Segment]) -> None:
         init = init.reshape(-1)
+        dev = load_buffer.device
+        device = dev.type != "cpu" or self._force_device
         if load_buffer.dtype == torch.float32:
             master = load_buffer
             if init.data_ptr() != master.data_ptr():
                 master.copy_(init)
         else:
-            master = init.to(torch.float32, copy=True)
+            master = init.to(device=dev, dtype=torch.float32, copy=True)
             load_buffer.copy_(master)
         n = master.numel()
         chunks = [master[i : i + self.chunk_numel] for i in range(0, n, self.chunk_numel)]
-        opt = self._make_opt(chunks)
+        # CUDA always has the fused kernel; on the CPU it depends on the build (checked at init)
+        opt = self._make_opt(chunks, fused=self.fused or dev.type == "cuda")
         for c in chunks:  # state lives in preallocated flat tensors so checkpoints are two copies
             opt.state[c] = {}
-        exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
+        exp_avg, exp_avg_sq = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
         for i, c in enumerate(chunks):
             lo, hi = i * self.chunk_numel, i * self.chunk_numel + c.numel()
             opt.state[c] = {
-                "step": torch.zeros((), dtype=torch.float32),
+                "step": torch.zeros((), dtype=torch.float32, device=dev),  # fused CUDA wants it on the device
                 "exp_avg": exp_avg[lo:hi],
                 "exp_avg_sq": exp_avg_sq[lo:hi],
             }
-        self._blocks[block] = _Block(load_buffer, master, opt, chunks)
+        self._blocks[block] = _Block(load_buffer, master, opt, chunks, device)
         self._flat_state[block] = (exp_avg, exp_avg_sq)
         self._step_count[block] = 0
 
@@ -115,8 +147,13 @@ class TorchAdamW(HostOptimizer):
         grad = grad.reshape(-1)
         with b.lock:
             for group in b.opt.param_groups:  # follow lr schedules set on this object
-                group.update(lr=self.lr if lr is None else lr, betas=self.betas, eps=self.eps,
-                             weight_decay=self.weight_decay)
+                group.update(
+                    lr=self.lr if lr is None else lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
+                )
+            if b.device:
+                self._step_device(b, grad, clip_coef)
+                self._step_count[block] += 1
+                return
             scratch = torch.empty(min(self.chunk_numel, b.master.numel()), dtype=torch.float32)
             for i, c in enumerate(b.chunks):
                 off = i * self.chunk_numel
@@ -131,14 +168,45 @@ class TorchAdamW(HostOptimizer):
                     b.load[off : off + c.numel()].copy_(c)
             self._step_count[block] += 1
 
+    @staticmethod
+    def _step_device(b: _Block, grad: torch.Tensor, clip_coef: float) -> None:
+        """Queue a device block's update on the current stream; reads nothing back to the host."""
+        if grad.dtype != torch.float32:  # the fused kernel wants grads of the params' dtype
+            grad = grad.to(torch.float32)
+        spans = [(i * b.chunks[0].numel(), c) for i, c in enumerate(b.chunks)]
+        if clip_coef == 1.0:  # gradient views, the whole block in one fused call
+            for off, c in spans:
+                c.grad = grad[off : off + c.numel()]
+            b.opt.step()
+            for _, c in spans:
+                c.grad = None
+        else:  # scaled copies (as the host path's g.mul_(clip_coef)), a chunk at a time
+            for off, c in spans:
+                c.grad = torch.mul(grad[off : off + c.numel()], clip_coef)
+                b.opt.step()  # only this chunk has a gradient, so only it is updated
+                c.grad = None
+        if b.load is not b.master:
+            b.load.copy_(b.master)
+
     def master(self, block: int) -> torch.Tensor:
-        return self._blocks[block].master
+        """The fp32 master: a view for host blocks, a CPU copy for device blocks."""
+        b = self._blocks[block]
+        if b.device:
+            b.sync()
+            return b.master.to("cpu", copy=True)
+        return b.master
 
     def state_tensors(self, block: int) -> dict[str, torch.Tensor]:
         b = self._blocks[block]
         exp_avg, exp_avg_sq = self._flat_state[block]
-        steps = torch.stack([b.opt.state[c]["step"] for c in b.chunks])
-        return {"master": b.master.clone(), "exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone(), "step": steps}
+        b.sync()
+        steps = torch.stack([b.opt.state[c]["step"] for c in b.chunks]).to("cpu", copy=True)
+        return {
+            "master": b.master.to("cpu", copy=True),
+            "exp_avg": exp_avg.to("cpu", copy=True),
+            "exp_avg_sq": exp_avg_sq.to("cpu", copy=True),
+            "step": steps,
+        }
 
     def load_state_tensors(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
         b = self._blocks[block]
@@ -152,6 +220,7 @@ class TorchAdamW(HostOptimizer):
             if b.load is not b.master:
                 b.load.copy_(b.master)
             self._step_count[block] = int(tensors["step"].max().item()) if len(b.chunks) else 0
+            b.sync()  # the next step may run on another stream
 
     def hyperparameters(self) -> dict:
         return {
