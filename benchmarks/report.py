@@ -47,7 +47,8 @@ def table_rows(result: dict) -> list[list[str]]:
             rows.append([r["system"], str(r.get("batch", "")), r["error"].replace("|", "/")]
                         + [""] * (len(COLUMNS) - 3) + tail)
             continue
-        rows.append([r["system"], str(r["batch"]), _f(r["median_step_s"], ".3f"), _f(r["model_tflops"], ".1f"),
+        name = r["system"] + (f" ({len(r['resident_blocks'])} blocks resident)" if r.get("resident_blocks") else "")
+        rows.append([name, str(r["batch"]), _f(r["median_step_s"], ".3f"), _f(r["model_tflops"], ".1f"),
                      _f(r["hardware_tflops"], ".1f"), _f(r["tokens_per_s"], ",.0f"), _f(r["peak_gpu_gib"], ".2f"),
                      _f(r["host_rss_gib"], ".2f"), _f(r.get("predicted_step_s"), ".3f"),
                      _f(r.get("predicted_over_measured"), ".2f")] + tail)

@@ -56,8 +56,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--runs", default=None,
                     help="several runs on one model build, e.g. '8:megatrain,32:milp,8:milp:12,32:milp@auto' "
                          "(batch:policy[@resident][:optimizer threads]); results go to OUT as a JSON list")
-    ap.add_argument("--resident", default="none", type=lambda t: t if t in ("none", "auto") else int(t),
-                    help="none, auto or a number of leading blocks kept on the GPU")
+    ap.add_argument("--resident", default="auto", type=lambda t: t if t in ("none", "auto") else int(t),
+                    help="none, auto (default: the compiler's choice) or a number of leading blocks kept on the GPU")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("run_plan.py needs a CUDA GPU")
@@ -102,7 +102,7 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
         plan = lazytrain.compile(model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
                                  gpu_memory=a.gpu_memory, host_memory=a.host_memory, hardware=a.hardware,
                                  policy=a.policy, optimizer=a.optimizer, nvme_dir=a.nvme_dir,
-                                 resident=getattr(a, "resident", "none"))
+                                 resident=getattr(a, "resident", "auto"))
     compile_s = time.perf_counter() - t
     print(plan.summary())
 

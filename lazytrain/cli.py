@@ -66,11 +66,11 @@ def _resident(text: str):
     return v
 
 
-def _add_resident_arg(p: argparse.ArgumentParser, default: str = "none") -> None:
+def _add_resident_arg(p: argparse.ArgumentParser, default: str = "auto") -> None:
     p.add_argument("--resident", type=_resident, default=default, metavar="none|auto|N|i,j,..",
                    help="keep blocks on the GPU for the whole run (parameters, optimizer state, gradients; their "
-                        "update runs on the GPU): auto lets the compiler choose how many of the first blocks, N keeps "
-                        f"the first N (tied groups whole) (default {default})")
+                        "update runs on the GPU): auto lets the compiler choose how many of the first blocks (milp "
+                        f"policy, on a GPU), N keeps the first N (tied groups whole) (default {default})")
 
 
 def _positive_float(text: str) -> float:

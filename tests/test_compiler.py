@@ -114,8 +114,21 @@ def test_cli_summary_reports_gain_over_megatrain(tmp_path, capsys):
     assert main(["show", str(p), "--summary"]) == 0
     out = capsys.readouterr().out
     for needle in ("boundaries kept gpu / host / nvme", "saved kept / host / nvme / recomputed",
-                   "exposed transfer s", "gain over megatrain", "solver"):
+                   "exposed transfer s", "gain over megatrain", "solver", "resident on the GPU"):
         assert needle in out
+    # the default (auto) kept blocks on the GPU here: the streamed plan's host update paces its forward
+    assert json.loads(p.read_text())["decisions"]["resident"].count(True) > 0
+    q = tmp_path / "q.json"
+    assert main(["compile", "qwen2.5-3b", "--batch", "32", "--gpu-memory", "80GiB", "--resident", "none",
+                 "-o", str(q)]) == 0
+    assert True not in json.loads(q.read_text())["decisions"]["resident"]
+    import argparse
+
+    from lazytrain.cli import _resident
+    assert _resident("auto") == "auto" and _resident("3") == 3 and _resident("0,2") == [0, 2]
+    for bad in ("-1", "some"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _resident(bad)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -151,8 +164,8 @@ def test_resident_blocks_take_the_host_update_off_the_step():
     from lazytrain.ir.semantics import Sizes
     g = chain(12, tied=True, layer_params=77_000_000, hidden=2048, vocab=151936, saved_per_token=200_000)
     kw = dict(batch_size=8, gpu_memory="24GiB", host_memory="120GiB")
-    base = compile_model(g, **kw)
-    auto = compile_model(g, resident="auto", **kw)
+    base = compile_model(g, resident="none", **kw)
+    auto = compile_model(g, **kw)                      # resident="auto" is the default
     res = auto.decisions.resident_blocks
     assert {0, g.n_blocks - 1} <= res                  # the tied embedding and the head, together
     assert auto.predicted["step_time_s"] < 0.8 * base.predicted["step_time_s"]

@@ -106,7 +106,10 @@ def _run_cuda(cfg: dict, opts: dict, model, batch: int, plan=None) -> dict:
             "peak_gpu_bytes": out["measured_peak_gpu_gib"] * bench.GiB,
             "hardware_flops": _hardware_flops(plans[-1]), "predicted_step_s": out["predicted_step_s"],
             "predicted_peak_gpu_gib": out["predicted_peak_gpu_gib"], "micro_batch": out["micro_batch"],
-            "plan_params": out["total_params"], "optimizer": f"lazytrain {cfg['optimizer']} (CPU)",
-            "hidden": out.get("hidden"), "exposed_update_s": out.get("exposed_update_s"),
-            "update_s": out.get("update_s"), "busy_s": out.get("busy_s"), "compile_s": out["compile_s"],
+            "plan_params": out["total_params"],
+            "optimizer": f"lazytrain {cfg['optimizer']} (host" + (f"; GPU for {len(out['resident'])} resident blocks)"
+                                                                 if out.get("resident") else ")"),
+            "resident_blocks": out.get("resident"), "hidden": out.get("hidden"),
+            "exposed_update_s": out.get("exposed_update_s"), "update_s": out.get("update_s"),
+            "device_update_s": out.get("device_update_s"), "busy_s": out.get("busy_s"), "compile_s": out["compile_s"],
             "setup_s": out["setup_s"]}

@@ -116,6 +116,14 @@ class HardwareProfile:
         if self.compute_efficiency > 1:
             raise ValueError(f"compute_efficiency is a fraction of bf16_tflops, got {self.compute_efficiency}")
 
+    #: ``gpu_name`` of a profile whose "GPU" is the host itself (CPU mode)
+    NO_GPU = "CPU (no GPU)"
+
+    @property
+    def has_gpu(self) -> bool:
+        """False for CPU mode, where device work and host work share the same cores."""
+        return self.gpu_name != self.NO_GPU
+
     # --- times -------------------------------------------------------------------------------
     def matmul_seconds(self, flops: float) -> float:
         """A big dense bf16 matmul at the peak rate ``bf16_tflops``."""
@@ -239,7 +247,7 @@ def _cpu_profile() -> HardwareProfile:
     cores = _cpu_cores()
     memory = _host_memory_bytes()
     return HardwareProfile(
-        name="cpu", gpu_name="CPU (no GPU)", gpu_memory_bytes=memory, host_memory_bytes=memory,
+        name="cpu", gpu_name=HardwareProfile.NO_GPU, gpu_memory_bytes=memory, host_memory_bytes=memory,
         cpu_cores=cores, bf16_tflops=0.05 * cores, compute_efficiency=0.5, kernel_overhead_s=50e-6,
         h2d_gbps=10.0, d2h_gbps=10.0, duplex_gbps=10.0, pageable_h2d_gbps=10.0, pageable_d2h_gbps=10.0,
         cpu_adam_gparams=0.2 * cores, cpu_adam8_gparams=0.2 * cores, nvme_read_gbps=1.0, nvme_write_gbps=1.0,

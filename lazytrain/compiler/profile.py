@@ -218,7 +218,7 @@ def measure(device: str | torch.device | None = None, quick: bool = False, disk_
         dtype, mm_size = torch.bfloat16, 8192
         batch, seq, hidden = 8, 1024, 2048
     else:
-        gpu_name, gpu_memory = "CPU (no GPU)", host_memory
+        gpu_name, gpu_memory = HardwareProfile.NO_GPU, host_memory
         _log(verbose, "no CUDA: the 'GPU' figures are this CPU's (fp32 matmul, memcpy for transfers)")
         rate = _memcpy_gbps((64 if quick else 256) * 2**20, repeats)
         rates = dict.fromkeys(("h2d_gbps", "d2h_gbps", "duplex_gbps", "pageable_h2d_gbps", "pageable_d2h_gbps"), rate)

@@ -43,6 +43,11 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
               host: static store + M sum_j (S_j host[j] + A_j bhost[j]) <= budget;  NVMe likewise.
     head      the last block neither offloads nor stores its boundary off the GPU (it runs its
               forward and backward back to back).
+    resident  blocks the compiler keeps on the GPU (``Decisions.resident``, fixed for one solve; the
+              outer search in ``compiler/api.py`` picks how many): their parameter, gradient and host
+              update terms are 0 (P_j, G_j, U_j, the accumulator), every memory row's budget is
+              lowered by what they hold for the whole run (``Sizes.resident_bytes``), and their GPU
+              updates, at the step's start, bound T_X.
 
 Coefficients come from the cost graph (compiler/costgraph.py).  The model is small (7L binaries,
 4L+1 continuous), so CBC or HiGHS solve it to a small gap in
