@@ -99,6 +99,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory", type=_size, default=None, help="GPU budget, e.g. 24GiB (default: the GPU's)")
     p.add_argument("--host-memory", type=_size, default=None, help="host budget (default: the host's)")
     p.add_argument("--policy", default=d.policy, choices=["milp", "megatrain", "recompute-all", "keep-all"])
+    _add_resident_arg(p, d.resident)
     p.add_argument("--eval-every", type=int, default=d.eval_every, metavar="N",
                    help="exact match on 200 eval problems every N steps (default: only at the end)")
     p.add_argument("--eval-size", type=_positive, default=d.eval_size, help=f"eval problems (default {d.eval_size})")
@@ -208,6 +209,7 @@ def cmd_train(a) -> int:
     from .train import TrainConfig, run
     cfg = TrainConfig(model=a.model, difficulty=a.difficulty, batch=a.batch, seq=a.seq, steps=a.steps, lr=a.lr,
                       warmup=a.warmup, gpu_memory=a.gpu_memory, host_memory=a.host_memory, policy=a.policy,
+                      resident=a.resident,
                       eval_every=a.eval_every, eval_size=a.eval_size, seed=a.seed,
                       time_limit_min=a.time_limit_min or None, output=a.output, resume=a.resume,
                       loss_on_prompt=not a.answer_only_loss, device=a.device, threads=a.threads, profile=a.profile,

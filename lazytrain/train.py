@@ -70,6 +70,7 @@ class TrainConfig:
     gpu_memory: str | None = None
     host_memory: str | None = None
     policy: str = "milp"
+    resident: str | int | list = "auto"   # blocks kept on the GPU (compile_model's ``resident``)
     eval_every: int = 0              # 0: only at the end
     eval_size: int = 500
     seed: int = 0
@@ -324,7 +325,7 @@ def run(cfg: TrainConfig) -> dict:
     else:
         plan = compile_plan(model, batch_size=cfg.batch, seq_len=seq, hardware=hardware, gpu_memory=cfg.gpu_memory,
                             host_memory=cfg.host_memory, policy=cfg.policy, optimizer="hybrid8bit",
-                            param_dtype=param_dtype)
+                            param_dtype=param_dtype, resident=cfg.resident)
         trainer = Trainer(model, plan, optimizer=opt, device=dev)
         start = 0
     compile_s = time.perf_counter() - t
@@ -395,7 +396,7 @@ def run(cfg: TrainConfig) -> dict:
             "hardware": hardware, "param_dtype": param_dtype,
             "plan": {"policy": plan.decisions.policy, "micro_batch": plan.micro_batch, "n_micro": plan.n_micro,
                      "n_ops": len(plan.ops), "predicted_step_s": plan.predicted.get("step_time_s"),
-                     "compile_s": round(compile_s, 2)},
+                     "resident_blocks": sorted(plan.decisions.resident_blocks), "compile_s": round(compile_s, 2)},
             "steps_done": step, "tokens": tokens, "stop_reason": stop_reason, "interrupted": interrupted,
             "exact_match": final_em, "eval_size": len(evals), "eval_curve": em_curve, "loss_curve": history,
             "final_loss": sum(h["loss"] for h in recent) / len(recent) if recent else None,
