@@ -457,3 +457,22 @@ def test_tied_gradient_sum_fused_equals_torch_path(dtype, monkeypatch):
     exact = float(g_ref[:n].double().square().sum())
     assert sq_fast[0] == pytest.approx(exact, rel=1e-6)       # double accumulation of fp32 partial sums
     assert sq_ref[0] == pytest.approx(exact, rel=1e-3)        # torch's fp32 norm is less exact
+
+
+def test_resident_blocks_with_the_8bit_optimizer_match_streaming(tmp_path):
+    """Hybrid 8-bit AdamW on resident blocks (their fp32 accumulator is the gradient it reads, tied
+    shares summed on the device) against the same model streamed (host gradient buffers, tied sum on
+    the host): the same training to fp32 rounding of the gradient sums."""
+    from lazytrain.runtime.optim import Hybrid8bitAdamW
+    runs = {}
+    for res in ("none", 3):
+        model = _model("gpt")
+        plan = lazytrain.compile(model, batch_size=B, seq_len=SEQ, micro_batch=2, hardware="cpu", param_dtype="float32",
+                                 policy="megatrain", resident=res, **BUDGETS)
+        tr = Trainer(model, plan, optimizer=Hybrid8bitAdamW(lr=LR, eps=EPS, max_grad_norm=1.0), device="cpu")
+        losses = [tr.step(b).loss for b in _batches("gpt")]
+        runs[res] = (losses, tr.state_dict())
+        tr.close()
+    torch.testing.assert_close(runs[3][0], runs["none"][0], rtol=1e-5, atol=1e-6)
+    for k, v in runs["none"][1].items():
+        torch.testing.assert_close(runs[3][1][k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

@@ -386,6 +386,11 @@ def _resident_request(graph: ModelGraph, resident) -> tuple[frozenset, bool]:
 
 #: the ``resident="auto"`` search runs when the streamed plan's step exceeds its GPU work by more
 MIN_RESIDENT_GAIN = 0.05
+#: MILP time limit (s) per resident candidate
+SCREEN_TIME_LIMIT = 3.0
+#: ... and refines its doubling only when that found at least this gain (qwen2.5-32b b72 80 GiB: 0.7%
+#: for 60 s of refining solves)
+MIN_REFINED_GAIN = 0.02
 
 
 def _best_resident(comp: Compiler, policy: str, batch_size: int, micro_batch: int | None, base: Plan,
@@ -412,8 +417,11 @@ def _best_resident(comp: Compiler, policy: str, batch_size: int, micro_batch: in
     def step_of(k: int) -> float:
         cand = tie_closure(comp.graph, range(k)) if k else frozenset()
         if cand not in plans:
+            # candidates are screened with a shorter solver limit: the search compares plans, and a
+            # 64-layer solve that hits the 10 s limit costs that for each (qwen2.5-32b b72: 76 s in all)
             c = Compiler(comp.graph, comp.hw, comp.budgets, param_dtype=comp.param_dtype, optimizer=comp.optimizer,
-                         clip=comp.clip, solver=comp.solver, time_limit=comp.time_limit, resident=cand)
+                         clip=comp.clip, solver=comp.solver, resident=cand,
+                         time_limit=min(comp.time_limit or SCREEN_TIME_LIMIT, SCREEN_TIME_LIMIT))
             # at the streamed plan's micro-batch: the memory resident blocks take is traded against
             # activations by the solver there (a search over micro-batches per candidate costs ~3x)
             plans[cand] = c.best(policy, batch_size, micro_batch or base.micro_batch)
@@ -424,6 +432,8 @@ def _best_resident(comp: Compiler, policy: str, batch_size: int, micro_batch: in
     while k <= L and step_of(k) < step_of(best_k):
         lo, best_k, k = best_k, k, k * 2
     hi = min(k, L + 1)              # first count found worse (or past the end)
+    if step_of(best_k) > (1 - MIN_REFINED_GAIN) * step_of(0):
+        refine = 0                  # a flat curve: bisecting it costs solves for fractions of a percent
     for _ in range(refine):
         moved = False
         for c in ((best_k + hi) // 2, (lo + best_k) // 2):
