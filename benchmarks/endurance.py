@@ -25,7 +25,7 @@ import time
 import torch
 
 import lazytrain
-from lazytrain.bench import host_rss_bytes
+from lazytrain.bench_worker import host_rss_bytes
 from lazytrain.compiler.presets import build_model
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import lazytrain
-from lazytrain.bench import host_rss_bytes
+from lazytrain.bench_worker import host_rss_bytes
 from lazytrain.compiler.presets import random_model
 from lazytrain.ir import GiB
 from lazytrain.units import parse_size

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from lazytrain import bench
+from lazytrain import bench, bench_worker
 from lazytrain.cli import main as cli_main
 
 TINY = {"model_type": "lazytrain-gpt", "vocab": 128, "d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 64,
@@ -85,10 +85,10 @@ def test_out_of_memory_is_a_result(tiny_model, tmp_path, monkeypatch):
     def run(cfg, opts):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(bench, "load_bench_module", lambda name: types.SimpleNamespace(run=run))
+    monkeypatch.setattr(bench_worker, "load_bench_module", lambda name: types.SimpleNamespace(run=run))
     cfg_path, out_path = tmp_path / "cfg.json", tmp_path / "row.json"
     cfg_path.write_text(json.dumps(_cfg(tiny_model, tmp_path)))
-    assert bench.worker_main(["plain", str(cfg_path), str(out_path)]) == 0
+    assert bench_worker.worker_main(["plain", str(cfg_path), str(out_path)]) == 0
     row = json.loads(out_path.read_text())
     assert row["error"].startswith("out of memory: CUDA out of memory") and row["host_rss_gib"] > 0
 

@@ -13,7 +13,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from lazytrain import bench
+from lazytrain import bench_worker as worker
 
 
 def run(cfg: dict, opts: dict) -> dict:
@@ -23,26 +23,26 @@ def run(cfg: dict, opts: dict) -> dict:
     cuda = cfg["device"] == "cuda"
     if cuda:
         torch.cuda.set_device(0)
-        bench.cap_gpu(cfg)
+        worker.cap_gpu(cfg)
     fd, store = tempfile.mkstemp(prefix="fsdp2_store_")
     os.close(fd)
     os.unlink(store)                       # the file store wants a path that does not exist yet
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
-        model = bench.build(cfg)
-        vocab, params = bench.vocab_size(model), bench.n_params(model)
+        model = worker.build(cfg)
+        vocab, params = worker.vocab_size(model), worker.n_params(model)
         model = model.float().train()                  # fp32 master weights, sharded onto the host
         mesh = init_device_mesh("cuda" if cuda else "cpu", (1,))
         kw = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=cuda)}
         if cuda:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in bench.checkpoint_layers(model):
+        for layer in worker.checkpoint_layers(model):
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], fused=True)   # on the CPU: fused CPU AdamW
         device = torch.device("cuda" if cuda else "cpu")
 
-        m = bench.measure(cfg, bench.eager_step(model, opt, device), bench.batches(cfg, vocab))
+        m = worker.measure(cfg, worker.eager_step(model, opt, device), worker.batches(cfg, vocab))
     finally:
         dist.destroy_process_group()
     return {**m, "batch": cfg["batch"], "params": params, "hardware_flops": 8 * params * cfg["batch"] * cfg["seq"],

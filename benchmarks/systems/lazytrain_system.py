@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import lazytrain
-from lazytrain import bench
+from lazytrain import bench_worker as worker
 
 
 def _hardware_flops(plan) -> float:
@@ -31,20 +31,20 @@ def run(cfg: dict, opts: dict) -> dict:
                   "optimizer": "adamw" if cpu else cfg["optimizer"]}
     if cpu:
         compile_kw["param_dtype"] = "float32"
-    model = bench.build(cfg)
+    model = worker.build(cfg)
     if not cfg.get("max_batch_probe"):
         return _run_cpu(cfg, model, cfg["batch"], compile_kw) if cpu else _run_cuda(cfg, opts, model, cfg["batch"])
     # the batch search: the compiler's largest feasible batch under the host memory free here
     # (the process's model copy already counted), then one step of it if that fits the time left
     host = _host_free_bytes()
     t = time.perf_counter()
-    limit = cfg.get("max_batch_limit", bench.MAX_BATCH_LIMIT)
+    limit = cfg.get("max_batch_limit", worker.MAX_BATCH_LIMIT)
     plan = lazytrain.compile(model, batch_size="max", max_batch_limit=limit, **compile_kw,
                              **({"host_memory": host} if host and not cpu else {}))
     info = {"batch": plan.batch_size, "max_batch": plan.batch_size, "max_batch_micro_batch": plan.micro_batch,
             "max_batch_compile_s": time.perf_counter() - t,
             "max_batch_predicted_step_s": plan.predicted["step_time_s"],
-            "max_batch_host_budget_gib": host / bench.GiB if host else None}
+            "max_batch_host_budget_gib": host / worker.GiB if host else None}
     print(f"predicted largest batch: {plan.batch_size} (micro-batch {plan.micro_batch}, predicted step "
           f"{plan.predicted['step_time_s']:.1f} s)", flush=True)
     left = cfg.get("probe_deadline_s", float("inf")) - (time.monotonic() - t0)
@@ -56,12 +56,12 @@ def run(cfg: dict, opts: dict) -> dict:
     row = (_run_cpu(cfg, model, plan.batch_size, compile_kw, plan=plan) if cpu
            else _run_cuda(cfg, opts, model, plan.batch_size, plan=plan))
     return {**row, **info, "max_batch_verified": True, "max_batch_step_s": row["median_step_s"],
-            "max_batch_peak_gpu_gib": row["peak_gpu_bytes"] / bench.GiB}
+            "max_batch_peak_gpu_gib": row["peak_gpu_bytes"] / worker.GiB}
 
 
 def _host_free_bytes() -> int | None:
     """``MemAvailable`` less a 10% margin (page cache, the allocator, the kernel), or None off Linux."""
-    avail = bench.proc_meminfo_bytes("MemAvailable")
+    avail = worker.proc_meminfo_bytes("MemAvailable")
     return int(avail * 0.9) if avail else None
 
 
@@ -70,11 +70,11 @@ def _run_cpu(cfg: dict, model, batch: int, compile_kw: dict, plan=None) -> dict:
     trainer = lazytrain.Trainer(model, plan, optimizer=lazytrain.optim.TorchAdamW(lr=cfg["lr"], max_grad_norm=1.0),
                                 device="cpu")
     try:
-        m = bench.measure(dict(cfg, batch=batch), lambda ids, labels: trainer.step((ids, labels)).loss,
-                          bench.batches(dict(cfg, batch=batch), bench.vocab_size(model)))
+        m = worker.measure(dict(cfg, batch=batch), lambda ids, labels: trainer.step((ids, labels)).loss,
+                          worker.batches(dict(cfg, batch=batch), worker.vocab_size(model)))
     finally:
         trainer.close()
-    return {**m, "batch": batch, "params": bench.n_params(model), "hardware_flops": _hardware_flops(plan),
+    return {**m, "batch": batch, "params": worker.n_params(model), "hardware_flops": _hardware_flops(plan),
             "predicted_step_s": plan.predicted["step_time_s"], "micro_batch": plan.micro_batch,
             "plan_params": plan.graph.total_params, "optimizer": "lazytrain TorchAdamW (CPU)"}
 
@@ -100,10 +100,10 @@ def _run_cuda(cfg: dict, opts: dict, model, batch: int, plan=None) -> dict:
         out = run_one(args, model, 0.0, plan=plan)
     finally:
         lazytrain.compile = real_compile
-    params = bench.n_params(model)
+    params = worker.n_params(model)
     return {"batch": batch, "params": params, "median_step_s": out["median_step_s"],
             "step_s": out["step_s"], "losses": out["losses"],
-            "peak_gpu_bytes": out["measured_peak_gpu_gib"] * bench.GiB,
+            "peak_gpu_bytes": out["measured_peak_gpu_gib"] * worker.GiB,
             "hardware_flops": _hardware_flops(plans[-1]), "predicted_step_s": out["predicted_step_s"],
             "predicted_peak_gpu_gib": out["predicted_peak_gpu_gib"], "micro_batch": out["micro_batch"],
             "plan_params": out["total_params"],

@@ -8,23 +8,23 @@ from __future__ import annotations
 
 import torch
 
-from lazytrain import bench
+from lazytrain import bench_worker as worker
 
 
 def run(cfg: dict, opts: dict) -> dict:
     device = torch.device(cfg["device"])
     if device.type == "cuda":
         torch.cuda.set_device(0)
-        bench.cap_gpu(cfg)
-    model = bench.build(cfg)
-    vocab, params = bench.vocab_size(model), bench.n_params(model)
+        worker.cap_gpu(cfg)
+    model = worker.build(cfg)
+    vocab, params = worker.vocab_size(model), worker.n_params(model)
     if opts["checkpointing"]:
-        bench.checkpoint_layers(model)
+        worker.checkpoint_layers(model)
     model = model.to(device=device, dtype=torch.float32).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], fused=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
-    m = bench.measure(cfg, bench.eager_step(model, opt, device, autocast), bench.batches(cfg, vocab))
+    m = worker.measure(cfg, worker.eager_step(model, opt, device, autocast), worker.batches(cfg, vocab))
     factor = 8 if opts["checkpointing"] else 6          # checkpointing runs each forward twice
     return {**m, "batch": cfg["batch"], "params": params,
             "hardware_flops": factor * params * cfg["batch"] * cfg["seq"],
