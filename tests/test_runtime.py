@@ -476,3 +476,20 @@ def test_resident_blocks_with_the_8bit_optimizer_match_streaming(tmp_path):
     torch.testing.assert_close(runs[3][0], runs["none"][0], rtol=1e-5, atol=1e-6)
     for k, v in runs["none"][1].items():
         torch.testing.assert_close(runs[3][1][k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("kind,name,resident", [("llama", "host-nvme-a", (1, 3)), ("gpt", "host-nvme-b", (0, 2, 4))])
+def test_resident_blocks_with_offloaded_and_nvme_activations_match_eager(kind, name, resident, tmp_path):
+    """Resident blocks whose saved activations and boundaries go to the host and to NVMe: the saved
+    tensors that are views of resident parameters stay references (never copied, never moved)."""
+    import dataclasses
+
+    def plan_fn(m):
+        L = len(MIXED[name][0])
+        dec = dataclasses.replace(_mixed(name, 2), resident=tuple(j in resident for j in range(L)))
+        plan = _build(m, dec, tmp_path)
+        assert plan.decisions.resident_blocks == frozenset(resident)
+        kinds = {(op.src.value, op.dst.value) for op in plan.ops if op.src and op.dst}
+        assert ("host", "nvme") in kinds and ("gpu", "host") in kinds
+        return plan
+    _check_equivalent(kind, plan_fn)
