@@ -18,7 +18,7 @@ class OpKind(str, Enum):
     RELOAD = "reload"              # copy nvme -> host, or host -> gpu
     # gradients and the optimizer
     GRAD_OFFLOAD = "grad_offload"  # grads[j] gpu -> host
-    UPDATE = "update"              # optimizer step of block j on the host
+    UPDATE = "update"              # optimizer step of block j on the host (on the GPU if resident)
     # memory
     FREE = "free"                  # drop one copy of a tensor on one tier
 
