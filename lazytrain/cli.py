@@ -153,9 +153,9 @@ def _blocks_table(plan) -> str:
     for b in plan.graph.blocks:
         rows.append([b.index, b.name, b.kind, f"{b.param_numel / 1e6:.1f}",
                      f"{b.saved_bytes * d.micro_batch / GiB:.3f}", f"{b.fwd_flops * d.micro_batch / 1e12:.3f}",
-                     d.saved[b.index].value, d.boundary[b.index].value])
+                     d.saved[b.index].value, d.boundary[b.index].value, "yes" if d.is_resident(b.index) else ""])
     return tabulate(rows, headers=["#", "block", "kind", "M params", "saved GiB/mb", "fwd TFLOP/mb", "saved",
-                                   "boundary"])
+                                   "boundary", "resident"])
 
 
 def cmd_simulate(a) -> int:

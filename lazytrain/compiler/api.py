@@ -273,7 +273,8 @@ class Compiler:
         L = self.graph.n_blocks
         dec = Decisions(policy="frugal", micro_batch=mb, n_micro=batch_size // mb, boundary=(Place.HOST,) * L,
                         saved=(Saved.RECOMPUTE,) * L)
-        return self.build(dec, batch_size, check_budget=False).predicted["peak_gpu_bytes"]
+        # with the blocks asked to be resident: they hold their memory whatever else the plan does
+        return self.build(self.with_resident(dec), batch_size, check_budget=False).predicted["peak_gpu_bytes"]
 
 
 def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memory=None, reserve=None) -> dict:
@@ -473,9 +474,16 @@ def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, poli
                 f"policy {policy} needs at least {(own_need + res) / GiB:.2f} GiB of GPU memory for batch "
                 f"{batch_size}, seq {comp.graph.seq_len} (micro-batch {mb}); the budget is {budget:.2f} GiB. "
                 f"The milp policy needs only {(need + res) / GiB:.2f} GiB: use --policy milp, or lower the batch")
+    held = ""
+    if comp.resident:
+        from ..ir.semantics import DEVICE_STATE_BYTES, Sizes
+        rb = Sizes(comp.graph, 1, comp.param_dtype, resident=comp.resident,
+                   device_state_bytes=DEVICE_STATE_BYTES[comp.optimizer]).resident_bytes()
+        held = f", of it {rb / GiB:.2f} GiB for the {len(comp.resident)} resident blocks asked for"
     msg = (f"needs at least {(need + res) / GiB:.2f} GiB of GPU memory for batch {batch_size}, seq "
-           f"{comp.graph.seq_len} (plan peak {need / GiB:.2f} GiB + {res / GiB:.2f} GiB reserve); the budget is "
-           f"{comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB: lower the batch or the sequence, or raise --gpu-memory")
+           f"{comp.graph.seq_len} (plan peak {need / GiB:.2f} GiB{held} + {res / GiB:.2f} GiB reserve); the budget "
+           f"is {comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB: lower the batch or the sequence"
+           f"{', keep fewer blocks resident' if held else ''}, or raise --gpu-memory")
     return BudgetError(msg)
 
 
