@@ -10,6 +10,7 @@ from ..ir import GiB, Plan, PlanError, verify
 from ..ir.graph import ModelGraph
 from .cost import CostModel
 from .lower import lower
+from .resident import best_resident, resident_request
 from .simulate import simulate
 
 POLICIES = ("milp", "megatrain", "recompute-all", "keep-all")
@@ -55,6 +56,13 @@ class Compiler:
     def cost(self, micro_batch: int, resident: frozenset | None = None) -> CostModel:
         return CostModel(self.graph, self.hw, micro_batch, self.param_dtype, self.optimizer == "hybrid8bit",
                          resident=self.resident if resident is None else resident)
+
+    def for_resident(self, blocks: frozenset, *, time_limit: float | None = None) -> Compiler:
+        """A compiler with the same graph, hardware, budgets and options whose plans keep ``blocks``
+        resident (``time_limit``: its own solver limit, default this one's)."""
+        return Compiler(self.graph, self.hw, self.budgets, param_dtype=self.param_dtype, optimizer=self.optimizer,
+                        clip=self.clip, solver=self.solver,
+                        time_limit=self.time_limit if time_limit is None else time_limit, resident=blocks)
 
     def with_resident(self, decisions):
         """``decisions`` with this compiler's resident blocks (policies decide the rest)."""
@@ -332,7 +340,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     graph = _as_graph(model, seq_len, param_dtype, history)
 
     budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
-    fixed, auto = _resident_request(graph, resident)
+    fixed, auto = resident_request(graph, resident)
     comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
                     solver=solver, time_limit=time_limit, resident=fixed)
 
@@ -349,7 +357,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         if plan is None:
             raise _budget_error(comp, batch_size, micro_batch, policy)
         if auto and policy == "milp" and hw.has_gpu:
-            plan = _best_resident(comp, policy, batch_size, micro_batch, plan)
+            plan = best_resident(comp, policy, batch_size, micro_batch, plan)
     history = history + plan.history
     if policy != "megatrain":
         base = comp.best("megatrain", plan.batch_size)
@@ -358,100 +366,6 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     history.append({"pass": "total", "seconds": round(time.perf_counter() - t0, 4)})
     plan.history = history
     return plan
-
-
-def _resident_request(graph: ModelGraph, resident) -> tuple[frozenset, bool]:
-    """(fixed resident blocks, search?) from ``compile_model``'s ``resident`` argument."""
-    from ..ir.semantics import tie_closure
-    L = graph.n_blocks
-    if resident is None or resident == "none":
-        return frozenset(), False
-    if resident == "auto":
-        return frozenset(), True
-    if isinstance(resident, bool):
-        raise ValueError("resident must be 'none', 'auto', a number of leading blocks or a list of block indices")
-    if isinstance(resident, int):
-        if not 0 <= resident <= L:
-            raise ValueError(f"resident={resident}: the model has {L} blocks")
-        return tie_closure(graph, range(resident)), False
-    try:
-        blocks = {int(j) for j in resident}
-    except (TypeError, ValueError):
-        raise ValueError(f"resident must be 'none', 'auto', a number of leading blocks or a list of block indices, "
-                         f"got {resident!r}") from None
-    bad = sorted(j for j in blocks if not 0 <= j < L)
-    if bad:
-        raise ValueError(f"resident blocks {bad} out of range 0..{L - 1}")
-    return tie_closure(graph, blocks), False
-
-
-#: the ``resident="auto"`` search runs when the streamed plan's step exceeds its GPU work by more
-MIN_RESIDENT_GAIN = 0.05
-#: MILP time limit (s) per resident candidate
-SCREEN_TIME_LIMIT = 3.0
-#: ... and refines its doubling only when that found at least this gain (qwen2.5-32b b72 80 GiB: 0.7%
-#: for 60 s of refining solves)
-MIN_REFINED_GAIN = 0.02
-
-
-def _best_resident(comp: Compiler, policy: str, batch_size: int, micro_batch: int | None, base: Plan,
-                   refine: int = 3) -> Plan:
-    """Search how many leading blocks to keep resident (tied groups whole).  More resident blocks take
-    host update work off the step's critical path (the forward waits for each block's update when a
-    layer's update outlasts its compute) and cost GPU memory the activations could use, so the
-    predicted step time falls, then rises.  Doubling 1, 2, 4, ... until a count is not better,
-    then ``refine`` bisections of the bracket around the best count."""
-    from ..ir.semantics import tie_closure
-    L = comp.graph.n_blocks
-    t = time.perf_counter()
-    busy = base.predicted.get("busy_s", {}).get("gpu", 0.0)
-    if base.predicted["step_time_s"] <= (1 + MIN_RESIDENT_GAIN) * busy:
-        # resident blocks only move work off the host and PCIe and take memory from the activations:
-        # they cannot make the step shorter than its GPU work.  When that bound leaves less than
-        # MIN_RESIDENT_GAIN to gain, the search's solves are not worth their time (qwen2.5-72b, batch
-        # 72, 80 GiB: 2.8% bound, 0.5% found, for 11 s of a 12 s compile); ask for resident=N then
-        base.decisions.notes["resident_search"] = (
-            f"skipped: the streamed plan's step is within {MIN_RESIDENT_GAIN:.0%} of its GPU work")
-        return base
-    plans: dict[frozenset, Plan | None] = {frozenset(): base}
-
-    def step_of(k: int) -> float:
-        cand = tie_closure(comp.graph, range(k)) if k else frozenset()
-        if cand not in plans:
-            # candidates are screened with a shorter solver limit: the search compares plans, and a
-            # 64-layer solve that hits the 10 s limit costs that for each (qwen2.5-32b b72: 76 s in all)
-            c = Compiler(comp.graph, comp.hw, comp.budgets, param_dtype=comp.param_dtype, optimizer=comp.optimizer,
-                         clip=comp.clip, solver=comp.solver, resident=cand,
-                         time_limit=min(comp.time_limit or SCREEN_TIME_LIMIT, SCREEN_TIME_LIMIT))
-            # at the streamed plan's micro-batch: the memory resident blocks take is traded against
-            # activations by the solver there (a search over micro-batches per candidate costs ~3x)
-            plans[cand] = c.best(policy, batch_size, micro_batch or base.micro_batch)
-        p = plans[cand]
-        return float("inf") if p is None else p.predicted["step_time_s"]
-
-    best_k, lo, k = 0, 0, 1
-    while k <= L and step_of(k) < step_of(best_k):
-        lo, best_k, k = best_k, k, k * 2
-    hi = min(k, L + 1)              # first count found worse (or past the end)
-    if step_of(best_k) > (1 - MIN_REFINED_GAIN) * step_of(0):
-        refine = 0                  # a flat curve: bisecting it costs solves for fractions of a percent
-    for _ in range(refine):
-        moved = False
-        for c in ((best_k + hi) // 2, (lo + best_k) // 2):
-            if c in (lo, best_k, hi) or c > L:
-                continue
-            if step_of(c) < step_of(best_k):
-                lo, hi = (best_k, hi) if c > best_k else (lo, best_k)
-                best_k, moved = c, True
-                break
-            lo, hi = (lo, c) if c > best_k else (c, hi)
-        if not moved and hi - lo <= 2:
-            break
-    best = min((p for p in plans.values() if p is not None), key=lambda p: p.predicted["step_time_s"])
-    best.history.append({"pass": f"resident search ({len(plans) - 1} candidates, "
-                                 f"{len(best.decisions.resident_blocks)} blocks kept)",
-                         "seconds": round(time.perf_counter() - t, 4)})
-    return best
 
 
 def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:
@@ -476,9 +390,7 @@ def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, poli
                 f"The milp policy needs only {(need + res) / GiB:.2f} GiB: use --policy milp, or lower the batch")
     held = ""
     if comp.resident:
-        from ..ir.semantics import DEVICE_STATE_BYTES, Sizes
-        rb = Sizes(comp.graph, 1, comp.param_dtype, resident=comp.resident,
-                   device_state_bytes=DEVICE_STATE_BYTES[comp.optimizer]).resident_bytes()
+        rb = comp.cost(1).sizes.resident_bytes()
         held = f", of it {rb / GiB:.2f} GiB for the {len(comp.resident)} resident blocks asked for"
     msg = (f"needs at least {(need + res) / GiB:.2f} GiB of GPU memory for batch {batch_size}, seq "
            f"{comp.graph.seq_len} (plan peak {need / GiB:.2f} GiB{held} + {res / GiB:.2f} GiB reserve); the budget "
