@@ -106,3 +106,37 @@ def test_resident_plan_matches_streamed_plan_on_gpu(optimizer, tmp_path):
             again.close()
         tr.close()
     torch.testing.assert_close(losses[3], losses["none"], rtol=2e-2, atol=1e-3)
+
+
+def test_dropout_replay_on_gpu():
+    """Recomputation replays the CUDA generator (seed, offset): keep-all and recompute-all agree."""
+    from test_random_replay import DROPOUT_GPT2, _train
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _, kept, p_kept = _train(DROPOUT_GPT2, "keep-all", device="cuda")
+    _, rec, p_rec = _train(DROPOUT_GPT2, "recompute-all", device="cuda")
+    assert rec == pytest.approx(kept, rel=1e-5)
+    for n in p_kept:
+        torch.testing.assert_close(p_rec[n], p_kept[n], rtol=1e-4, atol=1e-6)
+
+
+def test_moe_model_trains_on_gpu():
+    """Mixture-of-experts routing on the GPU (integer ``histc``, grouped GEMMs, which take bf16 only):
+    the plan's first loss equals eager bf16's on the same weights, and the loss falls on a repeated batch."""
+    from test_hf_coverage import ARCHS, VOCAB
+
+    import lazytrain
+    from lazytrain.compiler.presets import build_from_config
+    cfg = {"model_type": "qwen3_moe", **ARCHS["qwen3_moe"]}
+    torch.manual_seed(0)
+    model = build_from_config(cfg, device="cpu", dtype=torch.bfloat16)
+    ref = copy.deepcopy(model).cuda().train()
+    plan = lazytrain.compile(model, batch_size=4, seq_len=16, micro_batch=2, hardware="h200", gpu_memory="8GiB",
+                             host_memory="16GiB", param_dtype="bfloat16", optimizer="adamw", policy="megatrain")
+    tr = Trainer(model, plan, optimizer=TorchAdamW(lr=1e-2, eps=EPS, max_grad_norm=1.0), device="cuda")
+    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(input_ids=ids.cuda(), labels=ids.cuda(), use_cache=False).loss.item()
+    losses = [tr.step({"input_ids": ids, "labels": ids}).loss for _ in range(8)]
+    tr.close()
+    assert losses[0] == pytest.approx(want, rel=2e-2)
+    assert losses[-1] < 0.8 * losses[0]

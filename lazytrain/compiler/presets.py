@@ -15,6 +15,10 @@ import torch
 from torch import nn
 
 HF_ARCHS = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+#: Hugging Face model types whose training through a plan is tested against eager PyTorch
+#: (tests/test_runtime.py, tests/test_hf_coverage.py); other decoder-only causal LMs are accepted
+TESTED_HF = ("qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo2",
+             "granite", "cohere", "gpt2", "gpt_neox", "opt", "bloom", "mixtral", "qwen3_moe", "deepseek_v3")
 HF_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
@@ -95,21 +99,27 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
         archs = cfg.get("architectures") or []
         raise ValueError(f"{source}: unsupported architecture (model_type={model_type!r}, architectures={archs}); "
                          f"supported: Hugging Face decoder-only transformer causal LMs (tested: "
-                         f"{', '.join(HF_ARCHS)}, mistral, gemma, gemma2, phi3, olmo2) and lazytrain-gpt")
-    missing = [k for k in HF_REQUIRED if k not in cfg]
+                         f"{', '.join(TESTED_HF)}) and lazytrain-gpt")
+    tf = _transformers()
+    # the shape must be written in the file (a config class's defaults are some other model's), under
+    # its own name or the one the class maps it to (GPT-2's n_embd, n_layer, n_head)
+    alias = getattr(tf.CONFIG_MAPPING[model_type], "attribute_map", {}) or {}
+    shape = {k: cfg.get(k, cfg.get(alias.get(k, k))) for k in (*HF_REQUIRED, "num_key_value_heads", "head_dim")}
+    missing = [k for k in HF_REQUIRED if k != "intermediate_size" and shape[k] is None]
     if missing:
         raise ValueError(f"{source}: {model_type} config is missing {', '.join(missing)}")
-    _check_ints(cfg, [*HF_REQUIRED, *(k for k in ("num_key_value_heads", "head_dim") if cfg.get(k) is not None)],
-                source)
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    _check_ints(shape, [k for k, v in shape.items() if v is not None], source)
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"] or shape["num_attention_heads"]
     if heads % kv:
         raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-    if cfg.get("head_dim") is None and cfg["hidden_size"] % heads:
-        raise ValueError(f"{source}: hidden_size {cfg['hidden_size']} is not a multiple of num_attention_heads "
+    if shape["head_dim"] is None and shape["hidden_size"] % heads:
+        raise ValueError(f"{source}: hidden_size {shape['hidden_size']} is not a multiple of num_attention_heads "
                          f"{heads} (and no head_dim is given)")
-    tf = _transformers()
     fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")}
-    hf_cfg = tf.AutoConfig.for_model(model_type, **fields)
+    try:
+        hf_cfg = tf.AutoConfig.for_model(model_type, **fields)
+    except Exception as e:  # noqa: BLE001 - transformers validates fields with several exception types
+        raise ValueError(f"{source}: bad {model_type} config: {type(e).__name__}: {e}") from None
     with torch.device(device):
         try:
             model = tf.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)

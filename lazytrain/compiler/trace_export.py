@@ -21,6 +21,7 @@ structurally identical; the middle layer's code then serves every middle layer o
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .hf_export import logits_path, use_causal_flag
+from .hf_export import TensorsFromData, export_hf, logits_path
 
 aten = torch.ops.aten
 
@@ -60,6 +61,22 @@ class BlockCode:
     loss: LossHead | None = None        # head of a causal LM: outputs == [features]
     user_loss: bool = False             # last block of a Sequential: outputs == [loss]
 
+    @functools.cached_property
+    def random(self) -> bool:
+        """Does the block draw random numbers (dropout, router noise)?  Its recomputation must then
+        replay the forward's draws, or backward would differentiate a different function."""
+        return _draws_random(self.gm)
+
+
+def _draws_random(gm: fx.GraphModule) -> bool:
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and _node_draws(n):
+            return True
+        if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), fx.GraphModule) and \
+                _draws_random(getattr(gm, n.target)):
+            return True
+    return False
+
 
 @dataclass
 class Split:
@@ -73,7 +90,11 @@ class Split:
 # ----------------------------------------------------------------------------------------- model
 
 def meta_clone(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A structural copy on ``meta`` with floating parameters in ``dtype``; no weight is copied."""
+    """A structural copy on ``meta`` with floating parameters in ``dtype``; no weight is copied.
+
+    The copy is in training mode whatever mode ``model`` is in (``from_pretrained`` returns a model in
+    eval mode): a plan is a training step, so dropout is on where the model's config asks for it, as
+    ``model.train()`` would have it.  Set the config's dropout to 0 to train without."""
     memo: dict[int, object] = {}
     for p in model.parameters(recurse=True):
         if id(p) not in memo:
@@ -81,7 +102,7 @@ def meta_clone(model: nn.Module, dtype: torch.dtype) -> nn.Module:
             memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dt, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    return copy.deepcopy(model, memo)
+    return copy.deepcopy(model, memo).train()
 
 
 def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -167,9 +188,12 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
         kwargs = {"input_ids": ids, "labels": torch.zeros_like(ids)}   # distinct, or export aliases them
         if is_hf(clone):
             kwargs["use_cache"] = False
-            use_causal_flag(clone, seq_len)
+
+    def run():
+        with TensorsFromData():
+            return torch.export.export(root, (), kwargs, strict=False)
     try:
-        ep = torch.export.export(root, (), kwargs, strict=False)
+        ep = export_hf(clone, seq_len, run) if is_hf(clone) else run()
     except Exception as e:  # noqa: BLE001 - re-raised with the failing module named
         raise TraceError(f"torch.export failed on {type(clone).__name__}: {_short(e)}") from None
     return ep, root
@@ -211,6 +235,19 @@ def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, en
                                                                 scale=scale)[0]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                           scale=scale, enable_gqa=enable_gqa)
+
+
+def histc(x, bins=100, min=0, max=0):  # noqa: A002 - aten's argument names
+    """``torch.histc`` wherever the block runs.  Models pick its input dtype by device at trace time
+    (Hugging Face MoE routing: integer on CUDA, float on the CPU, which has no integer kernel); the
+    trace runs on ``meta`` and so records the CUDA choice, which this undoes on the CPU."""
+    if x.device.type != "cuda" and not x.is_floating_point():
+        x = x.float()
+    return torch.histc(x, bins=bins, min=min, max=max)
+
+
+#: aten ops replaced by functions that choose their kernel by the device they run on
+_SUBSTITUTES = {aten.scaled_dot_product_attention.default: sdpa, aten.histc.default: histc}
 
 
 _SKIP = {aten._assert_tensor_metadata.default}
@@ -309,7 +346,8 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
     for b in reversed(range(n_blocks)):
         mem = set(members[b])
         outs = [n for n in members[b] if n in required]
-        roots_b = outs + (head_roots if b == tail else [])
+        # in-place writes have no users (``k = x.new_empty(...); k[..., :d].copy_(a)``): keep them all
+        roots_b = outs + (head_roots if b == tail else []) + [n for n in members[b] if _mutates(n)]
         needed, stack = set(), list(roots_b)
         while stack:
             n = stack.pop()
@@ -377,6 +415,27 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
     return Split(blocks=blocks, values=values, user_inputs=list(user_inputs), layers_prefix=prefix)
 
 
+def _arg(n: fx.Node, i: int, name: str, default):
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+
+
+def _node_draws(n: fx.Node) -> bool:
+    """Does this call draw from the generator?  Dropout with p = 0 (or outside training) does not."""
+    if n.target is sdpa or n.target is aten.scaled_dot_product_attention.default:
+        return _arg(n, 4, "dropout_p", 0.0) != 0.0
+    if not (isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags):
+        return False
+    if "dropout" in n.target.__name__:
+        p, train = _arg(n, 1, "p", 0.5), _arg(n, 2, "train", True)
+        return not (isinstance(p, (int, float)) and p == 0) and train is not False
+    return True
+
+
+def _mutates(n: fx.Node) -> bool:
+    """Does the node write into one of its inputs (an in-place or ``out=`` op)?"""
+    return isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+
+
 def _where(n: fx.Node) -> str:
     paths = _stack_paths(n)
     return paths[-1] if paths else "<root>"
@@ -395,8 +454,7 @@ def _fix_graph(gm: fx.GraphModule, device) -> None:
         if n.op == "call_function" and n.target in _SKIP and not n.users:
             gm.graph.erase_node(n)
             continue
-        if n.target is aten.scaled_dot_product_attention.default:
-            n.target = sdpa
+        n.target = _SUBSTITUTES.get(n.target, n.target)
         n.args = tree_map(lambda x: _retarget(x, device), n.args)
         n.kwargs = tree_map(lambda x: _retarget(x, device), n.kwargs)
         if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), fx.GraphModule):
@@ -465,8 +523,7 @@ def _build_gm(members, needed, outs, ext, ph_param, ph_const, vname, ep, bufs, d
         if n not in needed:
             continue
         new = g.node_copy(n, lookup)
-        if n.target is aten.scaled_dot_product_attention.default:
-            new.target = sdpa
+        new.target = _SUBSTITUTES.get(new.target, new.target)
         new.args = tree_map(lambda x: _retarget(x, device), new.args)
         new.kwargs = tree_map(lambda x: _retarget(x, device), new.kwargs)
         env[n] = new

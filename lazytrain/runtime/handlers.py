@@ -21,6 +21,7 @@ On the host a tensor is a typed view of a pooled byte buffer (``HostPool``), on 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
 from ..ir import Op, OpKind, Resource, TensorId, TensorKind, Tier
 from .nvme import NvmeFile
+from .rng import replaying, rng_state
 from .streams import Streams
 
 G, H, N = Tier.GPU, Tier.HOST, Tier.NVME
@@ -109,6 +111,7 @@ class Ctx:
     done: dict = field(default_factory=dict)
     grad_sq: dict = field(default_factory=dict)
     loss_parts: dict = field(default_factory=dict)
+    rng_states: dict = field(default_factory=dict)  # (block, mb) -> generator state before its forward
     inv_tokens: torch.Tensor | None = None
     coef: float | None = None
     norm_done: bool = False
@@ -274,7 +277,7 @@ def _forward(ctx: Ctx, op: Op, save: bool) -> None:
     params: GpuParams = ctx.params(j)
     a_in: dict = ctx.get(_tid(TensorKind.ACT, j, mb), G)
     prog = ctx.program
-    with ctx.streams.on(Resource.GPU):
+    with ctx.streams.on(Resource.GPU), _random_draws(ctx, op):
         if not save:
             with torch.no_grad():
                 out = prog.run_block(j, params.views, a_in)
@@ -321,6 +324,20 @@ def _forward(ctx: Ctx, op: Op, save: bool) -> None:
                 raise KeyError(f"boundary {j + 1} value {n!r} is neither an output of block {j} nor live before it")
         ctx.put(_tid(TensorKind.ACT, j + 1, mb), G, nxt)
     ctx.end(op, Resource.GPU)
+
+
+def _random_draws(ctx: Ctx, op: Op):
+    """A block that draws random numbers: its forward records the generator state, its
+    recomputation replays from it (``rng``)."""
+    if not ctx.program.blocks[op.block].random:
+        return contextlib.nullcontext()
+    key = (op.block, op.mb)
+    if op.kind is OpKind.COMPUTE:
+        ctx.rng_states[key] = rng_state(ctx.device)
+        return contextlib.nullcontext()
+    if key not in ctx.rng_states:
+        raise RuntimeError(f"recompute of block {op.block} mb{op.mb} before its forward: no random state to replay")
+    return replaying(ctx.device, ctx.rng_states[key])
 
 
 def compute(ctx: Ctx, op: Op) -> None:

@@ -10,7 +10,9 @@ Exactness: with the same optimizer the parameters after n steps + ``flush`` equa
 PyTorch training to rounding: gradients accumulate in fp32 per block over micro-batches, the head's
 gradient is ``1 / valid tokens of the whole batch``, tied parameters get every reader's share
 before their owner's update, and the clip coefficient comes from the global norm of the step.
-Not replayed: RNG state (dropout must be off, or recomputation would draw new masks).
+Random draws (dropout): a recomputation replays its forward's generator state (``rng``), so the
+gradients are those of the function that produced the loss; the masks differ from eager training's,
+which draws them for the whole batch at once.
 """
 
 from __future__ import annotations
@@ -231,7 +233,7 @@ class Trainer:
             t = h._tid(h.TensorKind.ACT, 0, m)
             ctx.put(t, h.H, {k: self._stage(v) for k, v in vals.items()})
             batch_ids.append(t)
-        ctx.done, ctx.grad_sq, ctx.loss_parts = {}, {}, {}
+        ctx.done, ctx.grad_sq, ctx.loss_parts, ctx.rng_states = {}, {}, {}, {}
         ctx.inv_tokens, ctx.coef, ctx.norm_done = None, None, False
         try:
             run(ctx, self.plan.ops)

@@ -1,0 +1,76 @@
+"""Hugging Face architectures beyond the presets: a plan trains them exactly as eager PyTorch does.
+
+Each tiny config goes through ``build_from_config`` (the path of ``lazytrain compile config.json``
+and ``lazytrain train --model DIR``), the megatrain policy (every block recomputed, so the
+recomputation must equal the forward), two micro-batches, and 3 steps with clipping; losses and
+parameters must match eager training to rounding.  Dropout is zeroed here (masks are per micro-batch
+in a plan; tests/test_random_replay.py covers dropout).  The MoE models check the routing path (a
+``histc`` whose dtype the model picks by device) and in-place writes into fresh buffers (DeepSeek-V3's
+attention builds its keys with ``new_empty`` + slice copies).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.compiler.presets import build_from_config
+from lazytrain.runtime.optim.torch_adamw import TorchAdamW
+from lazytrain.runtime.trainer import Trainer
+
+pytest.importorskip("transformers")
+
+B, SEQ, VOCAB = 4, 16, 67
+_BASE = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 64, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2}
+_GPT2 = {"n_embd": 32, "n_layer": 3, "n_head": 4, "vocab_size": VOCAB, "n_positions": 64, "resid_pdrop": 0.0,
+         "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+ARCHS = {
+    "gpt2": _GPT2,
+    "gpt_neox": {**_BASE, "num_key_value_heads": None},
+    "opt": {"hidden_size": 32, "ffn_dim": 48, "num_hidden_layers": 3, "num_attention_heads": 4, "vocab_size": VOCAB,
+            "max_position_embeddings": 64, "word_embed_proj_dim": 32, "dropout": 0.0, "pad_token_id": 0},
+    "bloom": {"hidden_size": 32, "n_layer": 3, "n_head": 4, "vocab_size": VOCAB},
+    "phi": _BASE,
+    "gemma3_text": {**_BASE, "head_dim": 8, "sliding_window": 8},
+    "mixtral": {**_BASE, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {**_BASE, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    "deepseek_v3": {**_BASE, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                    "first_k_dense_replace": 1, "kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 4,
+                    "qk_nope_head_dim": 4, "v_head_dim": 8, "n_group": 1, "topk_group": 1},
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_architecture_trains_like_eager(arch):
+    cfg = {"model_type": arch, **{k: v for k, v in ARCHS[arch].items() if v is not None}}
+    torch.manual_seed(0)
+    model = build_from_config(cfg, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():        # norms start at ones, biases at zeros: perturb so they matter
+            p.add_(torch.randn_like(p) * 0.02)
+    ref = copy.deepcopy(model).train()
+    plan = lazytrain.compile(model, batch_size=B, seq_len=SEQ, micro_batch=2, hardware="cpu", gpu_memory="8GiB",
+                             host_memory="16GiB", param_dtype="float32", optimizer="adamw", policy="megatrain")
+    trainer = Trainer(model, plan, optimizer=TorchAdamW(lr=1e-3, eps=1e-6, max_grad_norm=1.0), device="cpu")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (B, SEQ), generator=g)
+        stats = trainer.step({"input_ids": ids, "labels": ids})
+        loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
+        ref_opt.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        torch.testing.assert_close(stats.loss, loss.item(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(stats.grad_norm, norm.item(), rtol=1e-4, atol=1e-6)
+    trainer.sync_to_model()
+    trainer.close()
+    want = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
