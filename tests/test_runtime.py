@@ -218,17 +218,58 @@ def test_plan_for_another_model_is_refused(gpt_plan):
         Trainer(other, gpt_plan, device="cpu")
 
 
-def test_batch_shape_errors(gpt_plan):
+def test_batch_errors_are_clear_and_leave_the_trainer_usable(gpt_plan):
     tr = Trainer(_model("gpt"), gpt_plan, optimizer=TorchAdamW(lr=LR), device="cpu")
     ids = torch.zeros(B, SEQ + 8, dtype=torch.long)
     with pytest.raises(ValueError, match="recompile"):
         tr.step((ids, ids))
     ids = torch.zeros(B + 1, SEQ, dtype=torch.long)
-    with pytest.raises(ValueError, match="batch 4 x seq 16"):
+    with pytest.raises(ValueError, match="compiled for batch 4"):
         tr.step((ids, ids))
     with pytest.raises(ValueError, match="input_ids"):
         tr.step({"labels": ids})
+    ids = torch.randint(0, _vocab("gpt"), (B, SEQ))
+    bad = [({"input_ids": ids + _vocab("gpt"), "labels": ids}, r"input_ids must lie in \[0, 61\)"),
+           ({"input_ids": ids, "labels": ids - 5}, "labels must lie in"),
+           ({"input_ids": ids.float(), "labels": ids}, "integer token ids"),
+           ({"input_ids": ids, "labels": ids, "position_ids": ids}, "keys the plan does not take: position_ids"),
+           ({"input_ids": ids, "labels": ids, "attention_mask": torch.ones(B, SEQ - 1)}, "attention_mask has shape"),
+           ({"input_ids": ids, "labels": ids, "attention_mask": torch.cat(
+               [torch.zeros(B, 2), torch.ones(B, SEQ - 2)], 1)}, "pad on the right")]
+    for batch, message in bad:
+        with pytest.raises(ValueError, match=message):
+            tr.step(batch)
+    assert tr.step({"input_ids": ids, "labels": ids}).tokens == B * (SEQ - 1)   # nothing half-ran
     tr.close()
+
+
+def test_short_batches_and_right_padding_masks_train_like_eager(tmp_path):
+    """Fewer rows, shorter rows, or a right-padding attention_mask: padded with ignored labels, exact."""
+    model = _model("gpt")
+    ref = copy.deepcopy(model)
+    plan = _compile(model, "megatrain", 2, tmp_path)
+    tr = Trainer(model, plan, optimizer=TorchAdamW(lr=LR, eps=EPS, max_grad_norm=1.0), device="cpu")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, _vocab("gpt"), (B, SEQ), generator=g)
+    mask = torch.ones(B, SEQ, dtype=torch.long)
+    mask[1, 9:] = 0
+    cases = [({"input_ids": ids[:3, :11], "labels": ids[:3, :11]}, ids[:3, :11], ids[:3, :11]),
+             ({"input_ids": ids, "labels": ids, "attention_mask": mask}, ids, ids.masked_fill(mask == 0, -100))]
+    for batch, ref_ids, ref_labels in cases:
+        stats = tr.step(batch)
+        loss = ref(ref_ids, ref_labels)
+        ref_opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        torch.testing.assert_close(stats.loss, loss.item(), rtol=1e-5, atol=1e-6)
+        assert stats.tokens == int((ref_labels[:, 1:] != -100).sum())
+    tr.sync_to_model()
+    tr.close()
+    want = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6)
 
 
 def test_failing_op_is_named(gpt_plan):

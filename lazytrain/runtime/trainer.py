@@ -26,6 +26,7 @@ import torch
 from ..ir import OpKind, Plan, PlanError
 from . import gradients as gr
 from . import handlers as h
+from .batch import check_tokens, pad_batch, token_limits
 from .handlers import Ctx, HostCopy
 from .interpreter import run
 from .nvme import NvmeStore
@@ -88,6 +89,7 @@ class Trainer:
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("the model's parameters are on the meta device: build it with real weights to train")
         param_dtype = _torch_dtype(plan.param_dtype)
+        self._token_limits = token_limits(model, plan)
         self.program = build_program(model, micro_batch=plan.micro_batch, seq_len=plan.seq_len, device=self.device,
                                      dtype=_torch_dtype(plan.graph.dtype))
         have = self.program.graph.fingerprint()
@@ -191,11 +193,17 @@ class Trainer:
 
     # ---- the step --------------------------------------------------------------------------------
     def _batch(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = None
         if isinstance(batch, dict):
             try:
                 ids, labels = batch["input_ids"], batch["labels"]
             except KeyError as e:
                 raise ValueError(f"batch dict needs 'input_ids' and 'labels' (missing {e.args[0]!r})") from None
+            extra = sorted(set(batch) - {"input_ids", "labels", "attention_mask"})
+            if extra:
+                raise ValueError(f"batch has keys the plan does not take: {', '.join(extra)} (a plan runs the model on "
+                                 "input_ids and labels, with an optional right-padding attention_mask)")
+            mask = batch.get("attention_mask")
         elif isinstance(batch, (tuple, list)) and len(batch) == 2:
             ids, labels = batch
         else:
@@ -208,10 +216,14 @@ class Trainer:
             if t.shape[1] > S:
                 raise ValueError(f"{name} has sequence length {t.shape[1]} but the plan was compiled for seq_len "
                                  f"{S}: recompile the plan with seq_len={t.shape[1]} (or truncate the batch)")
-            if tuple(t.shape) != (B, S):
-                raise ValueError(f"{name} has shape {tuple(t.shape)} but the plan was compiled for batch {B} x seq {S}"
-                                 f" (pad shorter sequences with labels -100, or recompile)")
-        return ids.long(), labels.long()
+            if t.shape[0] > B:
+                raise ValueError(f"{name} has {t.shape[0]} rows but the plan was compiled for batch {B}: split the "
+                                 f"batch, or recompile with batch_size={t.shape[0]}")
+        if ids.shape != labels.shape:
+            raise ValueError(f"input_ids {tuple(ids.shape)} and labels {tuple(labels.shape)} differ in shape")
+        if self._token_limits is not None:
+            ids, labels = check_tokens(ids, labels, mask, *self._token_limits)
+        return pad_batch(ids.long(), labels.long(), B, S)
 
     def step(self, batch) -> StepStats:
         if self._broken is not None:

@@ -1,0 +1,73 @@
+"""Checks of a training batch against the model, before any of it reaches the device.
+
+A token id past the embedding, or a label past the head, fails deep inside an embedding or a
+cross-entropy kernel (on the GPU as an asynchronous device assert that poisons the process), after
+the step has half run.  These checks run on the batch as given, in microseconds, and say which
+value is wrong.  An ``attention_mask`` is honoured where a plan can honour it exactly: right
+padding (each row ones, then zeros).  Under causal attention no real token attends to a later pad,
+so the padded positions only need their labels ignored; left padding would shift positions and
+needs the mask inside attention, which the plan's causal kernels do not take.  For the same reason a
+batch shorter than the plan (fewer rows, or shorter rows: the last batch of an epoch) is padded on
+the right with ignored labels, which changes no gradient (the loss is a mean over counted tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+IGNORE = -100
+
+
+def token_limits(model: nn.Module, plan) -> tuple[int, int] | None:
+    """(input id bound, label bound) of a causal LM, or None for a model of other inputs."""
+    if not plan.graph.blocks or plan.graph.blocks[0].kind != "embed":
+        return None
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(emb, nn.Embedding):
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    classes = head.out_features if isinstance(head, nn.Linear) else emb.num_embeddings
+    return emb.num_embeddings, classes
+
+
+def check_tokens(ids: torch.Tensor, labels: torch.Tensor, mask, n_ids: int, n_classes: int):
+    """Validated (ids, labels); labels under a right-padding ``mask``'s zeros become ``IGNORE``."""
+    for name, t in (("input_ids", ids), ("labels", labels)):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integer token ids, got dtype {t.dtype}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= n_ids:
+        raise ValueError(f"input_ids must lie in [0, {n_ids}) (the model's vocabulary), got values in [{lo}, {hi}]")
+    valid = labels != IGNORE
+    if bool(valid.any()):
+        lo, hi = int(labels[valid].min()), int(labels[valid].max())
+        if lo < 0 or hi >= n_classes:
+            raise ValueError(f"labels must lie in [0, {n_classes}) or be {IGNORE} (ignored), "
+                             f"got values in [{lo}, {hi}]")
+    if mask is None:
+        return ids, labels
+    mask = torch.as_tensor(mask)
+    if tuple(mask.shape) != tuple(ids.shape):
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold 0 and 1 only")
+    keep = mask.to(device=labels.device, dtype=torch.bool)
+    if bool((keep[:, 1:] & ~keep[:, :-1]).any()):
+        raise ValueError("attention_mask has a 1 after a 0 (left or inner padding): a plan runs causal attention, "
+                         "so pad on the right (ones, then zeros) and the padding is exact")
+    return ids, labels.masked_fill(~keep, IGNORE)
+
+
+def pad_batch(ids: torch.Tensor, labels: torch.Tensor, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, labels) padded on the right to [batch, seq]: id 0 and label ``IGNORE``."""
+    b, s = ids.shape
+    if (b, s) == (batch, seq):
+        return ids, labels
+    out_ids = ids.new_zeros((batch, seq))
+    out_labels = labels.new_full((batch, seq), IGNORE)
+    out_ids[:b, :s] = ids
+    out_labels[:b, :s] = labels
+    return out_ids, out_labels
