@@ -289,11 +289,23 @@ def test_failing_op_is_named(gpt_plan):
         tr.step((ids, ids))
 
 
-def test_host_memory_is_checked_before_allocating(gpt_plan, monkeypatch):
+def test_host_memory_is_checked_before_allocating(gpt_plan, monkeypatch, capsys):
     import lazytrain.runtime.store as store
+    Trainer(_model("gpt"), gpt_plan, optimizer=TorchAdamW(lr=LR), device="cpu").close()
+    assert "host memory estimate" in capsys.readouterr().err
+    Trainer(_model("gpt"), gpt_plan, optimizer=TorchAdamW(lr=LR), device="cpu", verbose=False).close()
+    assert capsys.readouterr().err == ""
     monkeypatch.setattr(store, "mem_available", lambda: 1024)
+    model, real_empty, allocated = _model("gpt"), torch.empty, []
+
+    def empty(*a, **k):          # the store's buffers are the allocations that take pin_memory
+        if "pin_memory" in k and k.get("device") is None:
+            allocated.append(a)
+        return real_empty(*a, **k)
+    monkeypatch.setattr(torch, "empty", empty)
     with pytest.raises(HostMemoryError, match="available"):
-        Trainer(_model("gpt"), gpt_plan, optimizer=TorchAdamW(lr=LR), device="cpu")
+        Trainer(model, gpt_plan, optimizer=TorchAdamW(lr=LR), device="cpu")
+    assert "host memory estimate" in capsys.readouterr().err and not allocated
 
 
 def test_nonfinite_gradient_skips_and_aborts(gpt_plan):

@@ -124,7 +124,7 @@ class HostStore:
 
     def __init__(self, lays: list[BlockLayout], param_dtype: torch.dtype, *, pin: bool,
                  optimizer_bytes_per_param: float = 12.0, activation_bytes: int = 0,
-                 resident: frozenset = frozenset()):
+                 resident: frozenset = frozenset(), announce=None):
         self.layouts = lays
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype(param_dtype)
@@ -134,9 +134,12 @@ class HostStore:
         need = self.estimate([lay for lay in lays if lay.index not in self.resident], param_dtype,
                              optimizer_bytes_per_param, activation_bytes)
         avail = mem_available()
-        log.info("lazytrain host memory estimate: %.2f GiB (buffers %.2f GiB, optimizer %.2f GiB, activations "
-                 "%.2f GiB); available %.2f GiB", need["total"] / GiB, need["buffers"] / GiB,
-                 need["optimizer"] / GiB, need["activations"] / GiB, avail / GiB)
+        line = (f"lazytrain: host memory estimate {need['total'] / GiB:.2f} GiB (parameter and gradient buffers "
+                f"{need['buffers'] / GiB:.2f}, optimizer {need['optimizer'] / GiB:.2f}, offloaded activations "
+                f"{need['activations'] / GiB:.2f}); available {avail / GiB:.2f} GiB")
+        log.info(line)
+        if announce is not None:
+            announce(line)            # before any allocation, so a user sees it even when it does not fit
         if need["total"] > avail:
             raise HostMemoryError(
                 f"the host store needs about {need['total'] / GiB:.2f} GiB (parameter and gradient buffers "

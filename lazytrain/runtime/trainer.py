@@ -18,6 +18,7 @@ which draws them for the whole batch at once.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -69,7 +70,8 @@ class Trainer:
     no-ops; used to test every schedule against eager training)."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, optimizer=None, device=None, nvme_dir=None,
-                 profile: bool = False):
+                 profile: bool = False, verbose: bool = True):
+        """``verbose``: print the host memory estimate (before allocating) to stderr."""
         from ..compiler.program import build_program
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -126,7 +128,8 @@ class Trainer:
         pb = torch.empty((), dtype=param_dtype).element_size()
         opt_bpp = max(0.0, float(getattr(optimizer, "host_bytes_per_param", 16.0)) - 2 * min(pb, 2))
         self.store = HostStore(lays, param_dtype, pin=pin, optimizer_bytes_per_param=opt_bpp,
-                               activation_bytes=act_bytes, resident=resident)
+                               activation_bytes=act_bytes, resident=resident,
+                               announce=(lambda line: print(line, file=sys.stderr)) if verbose else None)
         # a resident block's "load buffer" is its parameters on the GPU: the optimizer keeps its state
         # next to it and updates it in place there
         gpu_params = {j: torch.empty(lay.owned_numel, dtype=param_dtype, device=self.device)
