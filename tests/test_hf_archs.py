@@ -91,3 +91,24 @@ def test_tensor_from_python_data_is_torch_tensor(data, dtype):
     got, want = _from_data(data, dtype, "cpu"), torch.tensor(data, dtype=dtype)
     assert got.dtype == want.dtype and torch.equal(got, want)
     assert torch.equal(got.float().signbit(), want.float().signbit())
+
+
+def test_models_a_plan_would_train_wrongly_are_refused():
+    """A loss without the next-token shift (BART's decoder as a causal LM) and frozen parameters are
+    refused at compile with the reason, instead of training something else than eager would."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lazytrain.compiler.trace_export import TraceError
+    kw = dict(batch_size=4, seq_len=16, micro_batch=2, hardware="cpu", param_dtype="float32", optimizer="adamw",
+              policy="megatrain", gpu_memory="8GiB", host_memory="16GiB")
+    bart = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "bart", d_model=32, decoder_layers=3, encoder_layers=1, decoder_attention_heads=4, encoder_attention_heads=4,
+        decoder_ffn_dim=48, encoder_ffn_dim=48, vocab_size=67, max_position_embeddings=64)).float()
+    with pytest.raises(TraceError, match="no shift to the next token"):
+        lazytrain.compile(bart, **kw)
+    llama = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=67)).float()
+    llama.model.embed_tokens.weight.requires_grad_(False)
+    with pytest.raises(TraceError, match="frozen parameters .*embed_tokens"):
+        lazytrain.compile(llama, **kw)

@@ -230,6 +230,18 @@ def _reachable(start: fx.Node, step) -> set[fx.Node]:
     return seen
 
 
+def labels_shifted(ce: fx.Node, labels: fx.Node) -> bool:
+    """Does the model's loss score each position against the *next* token, as the chunked loss does?
+    Causal LMs shift the labels on their way to the cross-entropy (``labels[..., 1:]``, after Hugging
+    Face's pad by one); an encoder-decoder's decoder-as-causal-LM head (BART, Marian, Whisper, ...)
+    compares logits and labels position by position, which a plan would silently train differently."""
+    target = ce.args[1] if len(ce.args) > 1 else ce.kwargs.get("target")
+    if not isinstance(target, fx.Node):
+        return False
+    on_path = _reachable(labels, lambda n: n.users) & _reachable(target, lambda n: n.all_input_nodes)
+    return any(n.target is aten.slice.Tensor and len(n.args) > 2 and n.args[2] == 1 for n in on_path)
+
+
 def logits_path(lm: fx.Node, ce: fx.Node, softcap) -> tuple[float, set[str]]:
     """The chunked loss recomputes ``features @ W.T (+ b)`` (``lm``) and feeds it to the cross-entropy
     (``ce``): what the model does to the logits on the way must be plumbing, the tanh soft-capping the

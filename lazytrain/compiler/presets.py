@@ -103,9 +103,12 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
     tf = _transformers()
     # the shape must be written in the file (a config class's defaults are some other model's), under
     # its own name or the one the class maps it to (GPT-2's n_embd, n_layer, n_head)
-    alias = getattr(tf.CONFIG_MAPPING[model_type], "attribute_map", {}) or {}
+    cls = tf.CONFIG_MAPPING[model_type]
+    alias = getattr(cls, "attribute_map", {}) or {}
     shape = {k: cfg.get(k, cfg.get(alias.get(k, k))) for k in (*HF_REQUIRED, "num_key_value_heads", "head_dim")}
-    missing = [k for k in HF_REQUIRED if k != "intermediate_size" and shape[k] is None]
+    # a feed-forward width only where the architecture has one (GPT-2 and BLOOM derive it from the hidden size)
+    required = [k for k in HF_REQUIRED if k != "intermediate_size" or hasattr(cls(), "intermediate_size")]
+    missing = [k for k in required if shape[k] is None]
     if missing:
         raise ValueError(f"{source}: {model_type} config is missing {', '.join(missing)}")
     _check_ints(shape, [k for k, v in shape.items() if v is not None], source)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .hf_export import TensorsFromData, export_hf, logits_path
+from .hf_export import TensorsFromData, export_hf, labels_shifted, logits_path
 
 aten = torch.ops.aten
 
@@ -334,11 +334,16 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
         if odd:
             raise TraceError(f"{type(root).__name__}: the head transforms the logits before the cross-entropy "
                              f"({', '.join(sorted(odd))}); the chunked loss does not reproduce that")
+        if "labels" not in user_inputs:
+            raise TraceError("the model takes no 'labels' input")
+        lab = next(n for n in g.nodes if n.op == "placeholder" and n.name == "labels")
+        if not labels_shifted(c, lab):
+            raise TraceError(f"{type(root).__name__}: its loss compares each position's logits with the label at "
+                             "the same position (no shift to the next token): not a causal LM loss, which the "
+                             "chunked loss computes; LazyTrain trains decoder-only causal LMs")
         loss = LossHead(weight=ph_param[lm.args[1].name], bias=None if bias is None else ph_param[bias.name],
                         labels="labels", softcap=float(softcap) if softcap else None, scale=scale)
         head_roots = [lm.args[0]]
-        if "labels" not in user_inputs:
-            raise TraceError("the model takes no 'labels' input")
 
     # reverse pass: what each block needs, which values cross which cut
     required: set[fx.Node] = set()
