@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from .ir import GiB, PlanError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``lazytrain train: error: argument --batch: ...``) and a
+    pointer to ``--help``, not the whole usage block with the error under it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _size(text: str) -> int:
@@ -31,9 +40,14 @@ def _batch(text: str):
     return "max" if text == "max" else _positive(text)
 
 
+def _presets() -> str:
+    from .compiler.presets import PRESETS
+    return ", ".join(PRESETS)
+
+
 def _add_compile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="preset name (see `lazytrain compile --list`), a Hugging Face config.json, "
-                                 "or package.module:factory")
+    p.add_argument("model", help=f"a preset ({_presets()}), a Hugging Face config.json (or its folder), "
+                                 f"or package.module:factory")
     p.add_argument("--batch", type=_batch, default=8, help="global batch size, or 'max' (default 8)")
     p.add_argument("--seq", type=_positive, default=1024, help="sequence length (default 1024)")
     p.add_argument("--micro-batch", type=_positive, default=None, help="micro-batch size (default: chosen)")
@@ -80,40 +94,76 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"needs a positive number, got {text!r}") from None
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    if v == math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return v
+
+
+def _non_negative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a whole number >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _minutes(text: str) -> float | None:
+    """A positive number of minutes, or 0 / none for no time limit."""
+    if text.strip().lower() in ("0", "none"):
+        return None
+    try:
+        return _positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"needs minutes (a positive number), or 0 for no limit; got {text!r}") \
+            from None
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     from .tasks import PRESETS as DIFFICULTIES
     from .train import TrainConfig
     d = TrainConfig()
-    p.add_argument("--model", default=d.model, help="'task' (a small GPT sized for the task, default), a preset, or "
-                   "a local Hugging Face folder (config.json, with weights to fine-tune them)")
+    p.add_argument("--model", default=d.model, metavar="M",
+                   help=f"'task' (a small GPT sized for the task, default), a preset ({_presets()}), a local "
+                        f"Hugging Face folder (config.json and *.safetensors: fine-tune its "
+                        f"weights; config.json alone: random init), or a config.json")
     p.add_argument("--difficulty", default=d.difficulty, choices=list(DIFFICULTIES),
                    help=f"arithmetic task preset (default {d.difficulty})")
-    p.add_argument("--batch", type=_positive, default=d.batch, help=f"global batch size (default {d.batch})")
-    p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the difficulty's)")
-    p.add_argument("--steps", type=_positive, default=d.steps, help=f"total optimizer steps (default {d.steps})")
+    p.add_argument("--batch", type=_positive, default=d.batch, metavar="N",
+                   help=f"global batch size (default {d.batch})")
+    p.add_argument("--seq", type=_positive, default=None, metavar="N",
+                   help="sequence length in tokens, at least the difficulty's longest example (default: that)")
+    p.add_argument("--steps", type=_positive, default=d.steps, metavar="N",
+                   help=f"optimizer steps in all, counting those of a --resume'd run (default {d.steps}; "
+                        f"--time-limit-min may stop it sooner)")
     p.add_argument("--lr", type=_positive_float, default=d.lr, help=f"peak learning rate (default {d.lr})")
-    p.add_argument("--warmup", type=int, default=d.warmup, help=f"warm-up steps (default {d.warmup})")
-    p.add_argument("--gpu-memory", type=_size, default=None, help="GPU budget, e.g. 24GiB (default: the GPU's)")
-    p.add_argument("--host-memory", type=_size, default=None, help="host budget (default: the host's)")
-    p.add_argument("--policy", default=d.policy, choices=["milp", "megatrain", "recompute-all", "keep-all"])
+    p.add_argument("--warmup", type=_non_negative, default=d.warmup, metavar="N",
+                   help=f"warm-up steps (default {d.warmup})")
+    p.add_argument("--gpu-memory", type=_size, default=None, metavar="SIZE",
+                   help="GPU budget, e.g. 24GiB (default: the GPU's)")
+    p.add_argument("--host-memory", type=_size, default=None, metavar="SIZE",
+                   help="host budget, e.g. 64GiB (default: the host's)")
+    p.add_argument("--policy", default=d.policy, choices=["milp", "megatrain", "recompute-all", "keep-all"],
+                   help=f"how the plan is chosen: the MILP solver, or a fixed heuristic (default {d.policy})")
     _add_resident_arg(p, d.resident)
-    p.add_argument("--eval-every", type=int, default=d.eval_every, metavar="N",
+    p.add_argument("--eval-every", type=_non_negative, default=d.eval_every, metavar="N",
                    help="exact match on 200 eval problems every N steps (default: only at the end)")
-    p.add_argument("--eval-size", type=_positive, default=d.eval_size, help=f"eval problems (default {d.eval_size})")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--time-limit-min", type=_positive_float, default=d.time_limit_min,
-                   help=f"stop training after this many minutes; the lr schedule anneals by then "
+    p.add_argument("--eval-size", type=_positive, default=d.eval_size, metavar="N",
+                   help=f"held-out problems for the final exact match (default {d.eval_size})")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"model initialisation and data order (default {d.seed})")
+    p.add_argument("--time-limit-min", type=_minutes, default=d.time_limit_min, metavar="MIN",
+                   help=f"stop training after this many minutes; the lr schedule anneals by then; 0: no limit "
                         f"(default {d.time_limit_min:g})")
     p.add_argument("--output", default=d.output, metavar="DIR", help=f"metrics.json + checkpoint/ (default {d.output})")
-    p.add_argument("--resume", default=None, metavar="DIR", help="continue the run saved in DIR (an --output folder)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run saved in DIR (an --output folder) up to --steps, with its model, data, "
+                        "batch and plan")
     p.add_argument("--answer-only-loss", action="store_true",
                    help="loss on the answer only (default: on every token; see lazytrain/train.py)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU")
-    p.add_argument("--threads", type=_positive, default=None,
-                   help="CPU threads (default: the cores the load average leaves idle, at least 1)")
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="CPU threads (default: the cores idle at the start, at least 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--profile", type=int, nargs="?", const=5, default=None, metavar="STEP",
                    help="time every op of step STEP (default 5): print how much of each transfer kind and of the "
@@ -211,7 +261,7 @@ def cmd_train(a) -> int:
                       warmup=a.warmup, gpu_memory=a.gpu_memory, host_memory=a.host_memory, policy=a.policy,
                       resident=a.resident,
                       eval_every=a.eval_every, eval_size=a.eval_size, seed=a.seed,
-                      time_limit_min=a.time_limit_min or None, output=a.output, resume=a.resume,
+                      time_limit_min=a.time_limit_min, output=a.output, resume=a.resume,
                       loss_on_prompt=not a.answer_only_loss, device=a.device, threads=a.threads, profile=a.profile,
                       progress=not a.no_progress)
     run(cfg)
@@ -225,9 +275,8 @@ def cmd_bench(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="lazytrain", description="Compile and run training schedules for models "
-                                                                 "larger than the GPU.")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _Parser(prog="lazytrain", description="Compile and run training schedules for models larger than the GPU.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("compile", help="trace, cost, solve, lower, verify; write the plan")
     _add_compile_args(p)
     p.add_argument("-o", "--output", default="plan.json")
@@ -256,7 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--disk-dir", default=None, help="where to time disk I/O (default: a temp folder)")
     p.set_defaults(fn=cmd_profile)
-    p = sub.add_parser("train", help="train on the built-in arithmetic task: compile, train, evaluate, save")
+    p = sub.add_parser("train", help="train on the built-in arithmetic task: compile, train, evaluate, save",
+                       description="Train on generated arithmetic word problems: build the model, compile a plan "
+                                   "for this machine (CUDA when there is a GPU, else the CPU), train until --steps or "
+                                   "--time-limit-min, report exact match on held-out problems, and write "
+                                   "metrics.json, loss.png and checkpoint/ into --output. Ctrl-C stops after the "
+                                   "step in flight and saves; twice stops at once.")
     _add_train_args(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("bench", help="side-by-side benchmark: lazytrain, FSDP2 + CPU offload, plain PyTorch")
