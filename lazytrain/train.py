@@ -148,8 +148,62 @@ def _hardware(dev: torch.device) -> str:
 
 def _is_hf_folder(spec: str) -> bool:
     p = Path(spec)
-    return p.is_dir() and (p / "config.json").is_file() and (
-        any(p.glob("*.safetensors")) or (p / "pytorch_model.bin").is_file())
+    return p.is_dir() and (p / "config.json").is_file() and _has_weights(p)
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+
+
+def _read_config(path: Path) -> dict:
+    """A Hugging Face ``config.json`` as a dict, or a ValueError naming the file."""
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read it ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: a model config must be a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _from_pretrained(folder: Path, *, check: bool = True) -> torch.nn.Module:
+    """The causal LM saved in ``folder`` (config.json + weights), fp32 on the CPU.
+
+    ``config.json`` is first checked the way ``lazytrain compile`` checks one (a supported
+    architecture, consistent shapes; on the meta device, so nothing is allocated), and every weight
+    the model has must come from the folder: a missing weight or one of another shape is an error
+    here, not a silently re-initialised layer.  Whatever transformers or safetensors raise becomes a
+    one-line ``ValueError`` naming the folder.
+    """
+    from .compiler.presets import _transformers, build_from_config
+    cfg = _read_config(folder / "config.json")
+    if check:
+        build_from_config(cfg, device="meta", dtype=torch.float32, source=str(folder / "config.json"))
+    tf = _transformers()
+    verbosity = tf.logging.get_verbosity()
+    tf.logging.set_verbosity_error()        # its load report would be a table of every key; ours is one line
+    try:
+        kw = dict(dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True)
+        try:
+            model, info = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", **kw)
+        except ValueError as e:     # an architecture without SDPA support (e.g. softcapped attention)
+            if "attention implementation" not in str(e) and "sdpa" not in str(e).lower():
+                raise
+            model, info = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", **kw)
+    except Exception as e:  # noqa: BLE001 - transformers, huggingface_hub and safetensors raise many kinds
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"{folder}: cannot load the model: {type(e).__name__}: {first}") from None
+    finally:
+        tf.logging.set_verbosity(verbosity)
+    bad = [f"{k} (missing from the weights)" for k in sorted(info.get("missing_keys") or ())]
+    bad += [f"{m[0]} (weights {tuple(m[1])}, config {tuple(m[2])})" if isinstance(m, (tuple, list)) else str(m)
+            for m in sorted(info.get("mismatched_keys") or (), key=str)]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise ValueError(f"{folder}: the weights do not match config.json: {', '.join(bad[:3])}{more}")
+    return model
 
 
 def build_task_model(cfg: TrainConfig, seq: int, vocab: int) -> tuple[torch.nn.Module, dict]:
@@ -161,14 +215,26 @@ def build_task_model(cfg: TrainConfig, seq: int, vocab: int) -> tuple[torch.nn.M
         spec = {"model_type": "lazytrain-gpt", "vocab": vocab, "max_seq": seq, "tie_weights": True,
                 **TASK_GPT, **cfg.extra}
         return build_from_config(spec, device="cpu", dtype=torch.float32, source="task model"), {"config": spec}
-    if _is_hf_folder(cfg.model):
-        from .compiler.presets import _transformers
-        tf = _transformers()
-        model = tf.AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation="sdpa")
-        desc = {"pretrained": str(Path(cfg.model).resolve())}
+    path = Path(cfg.model)
+    if cfg.model in PRESETS:
+        model = build_model(cfg.model, device="cpu", dtype=torch.float32)
+        desc = {"config": PRESETS[cfg.model]}
+    elif path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"--model {cfg.model}: the folder has no config.json (a Hugging Face model folder holds "
+                         f"config.json and, to fine-tune them, its weights as *.safetensors)")
+    elif _is_hf_folder(cfg.model):
+        model = _from_pretrained(path)
+        desc = {"pretrained": str(path.resolve()), "config": _read_config(path / "config.json")}
+        if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            print(f"note: {cfg.model}'s tokenizer is not used: the task's character tokenizer ({vocab} ids) "
+                  f"feeds ids 0-{vocab - 1} of the model's embedding")
+    elif path.is_dir() or path.is_file():       # a config.json, or a folder with only one: random init
+        conf = path / "config.json" if path.is_dir() else path
+        desc = {"config": _read_config(conf)}
+        model = build_from_config(desc["config"], device="cpu", dtype=torch.float32, source=str(conf))
     else:
         model = build_model(cfg.model, device="cpu", dtype=torch.float32)
-        desc = {"config": PRESETS[cfg.model]} if cfg.model in PRESETS else {"spec": cfg.model}
+        desc = {"spec": cfg.model}
     _check_fits(model, seq, vocab, cfg.model)
     return model, desc
 
@@ -177,7 +243,8 @@ def _check_fits(model: torch.nn.Module, seq: int, vocab: int, name: str) -> None
     c = getattr(model, "config", None)
     have_vocab = getattr(c, "vocab", None) or getattr(c, "vocab_size", None)
     if have_vocab is not None and have_vocab < vocab:
-        raise ValueError(f"model {name!r} has a vocabulary of {have_vocab} but the task's tokenizer needs {vocab}")
+        raise ValueError(f"model {name!r} has a vocabulary of {have_vocab} but the task's character tokenizer "
+                         f"uses ids 0-{vocab - 1}: it needs a vocab_size of at least {vocab}")
     have_pos = getattr(c, "max_seq", None) or getattr(c, "max_position_embeddings", None)
     if have_pos is not None and have_pos < seq:
         raise ValueError(f"model {name!r} handles {have_pos} positions but --seq is {seq}")
@@ -186,20 +253,24 @@ def _check_fits(model: torch.nn.Module, seq: int, vocab: int, name: str) -> None
 def rebuild_model(desc: dict) -> torch.nn.Module:
     """The model described by ``build_task_model``'s description (weights come from the checkpoint)."""
     from .compiler.presets import build_from_config, build_model
-    if "config" in desc:
+    if "pretrained" in desc and Path(desc["pretrained"], "config.json").is_file():
+        return _from_pretrained(Path(desc["pretrained"]), check=False)
+    if "config" in desc:        # the checkpoint holds every parameter: the folder's weights are not needed
         return build_from_config(desc["config"], device="cpu", dtype=torch.float32, source="checkpoint")
-    if "pretrained" in desc:
-        from .compiler.presets import _transformers
-        return _transformers().AutoModelForCausalLM.from_pretrained(desc["pretrained"], dtype=torch.float32,
-                                                                   attn_implementation="sdpa")
+    if "pretrained" in desc:    # a run of an older version, which did not save the config
+        raise ValueError(f"the run was fine-tuned from {desc['pretrained']}, which is gone: put the folder back "
+                         f"(its config.json rebuilds the model before the checkpoint is loaded)")
     return build_model(desc["spec"], device="cpu", dtype=torch.float32)
 
 
-def logits_fn(model: torch.nn.Module, device: torch.device):
-    """input_ids [B, T] -> logits [B, T, V] for our GPT and Hugging Face causal LMs alike."""
+def logits_fn(model: torch.nn.Module, device: torch.device, vocab: int | None = None):
+    """input_ids [B, T] -> logits [B, T, V] for our GPT and Hugging Face causal LMs alike; with ``vocab``,
+    only the first ``vocab`` ids (a model with a larger vocabulary than the tokenizer's then never
+    decodes to an id the tokenizer does not have)."""
     def fn(ids: torch.Tensor) -> torch.Tensor:
         out = model(input_ids=ids.to(device))
-        return (out if isinstance(out, torch.Tensor) else out.logits).float()
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        return (logits[..., :vocab] if vocab is not None else logits).float()
     return fn
 
 
@@ -207,7 +278,7 @@ def logits_fn(model: torch.nn.Module, device: torch.device):
 def evaluate(trainer, examples, device: torch.device, batch: int = 100) -> float:
     """Exact match by greedy decoding with the trained weights (``sync_to_model``, then the model
     runs eagerly; on the GPU when it fits in a quarter of the free memory, else on the CPU)."""
-    from .tasks import exact_match
+    from .tasks import CharTokenizer, exact_match
     trainer.sync_to_model()
     model = trainer.model
     where = torch.device("cpu")
@@ -219,7 +290,7 @@ def evaluate(trainer, examples, device: torch.device, batch: int = 100) -> float
     model.eval()
     moved = model.to(where) if where.type != "cpu" else model
     try:
-        return exact_match(logits_fn(moved, where), examples, batch)
+        return exact_match(logits_fn(moved, where, CharTokenizer().vocab_size), examples, batch)
     finally:
         if where.type != "cpu":
             model.to("cpu")
@@ -264,14 +335,42 @@ def _load_resume(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
     if not mpath.is_file() or not (src / "checkpoint").is_dir():
         raise FileNotFoundError(f"--resume {src}: expected an output folder of `lazytrain train` "
                                 f"(metrics.json and checkpoint/)")
-    prev = json.loads(mpath.read_text())
-    s = prev["settings"]
+    try:
+        prev = json.loads(mpath.read_text())
+        s = prev["settings"]
+        saved = {k: s[k] for k in _RESUMED if k in s or k not in _RESUMED_SINCE}
+        done = int(prev["steps_done"])
+    except (ValueError, KeyError, TypeError) as e:
+        why = f"no {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"--resume {src}: {mpath} is not the metrics of a `lazytrain train` run ({why})") from None
     # what defines the run comes from the checkpointed run; what is asked now (steps, lr, time,
-    # output, eval) from this command line
-    for k in ("model", "difficulty", "batch", "seq", "loss_on_prompt", "seed", "warmup", "min_lr_ratio",
-              "weight_decay", "max_grad_norm"):
-        setattr(cfg, k, s[k])
+    # output, eval) from this command line.  A setting asked for that differs from the run's is an error,
+    # not silently ignored (a default value counts as not asked for).
+    default = TrainConfig()
+    for k, v in saved.items():
+        asked = getattr(cfg, k)
+        if asked != v and asked != getattr(default, k) and not (k == "model" and _same_model(asked, v)):
+            flag, theirs = f"--{k.replace('_', '-')} {asked}", f"{k} ({v})"
+            if k == "loss_on_prompt":
+                flag, theirs = "--answer-only-loss", "loss (on every token)"
+            raise ValueError(f"--resume {src}: {flag} differs from the run's {theirs}; a resumed run keeps its "
+                             f"settings (leave the flag out, or start a new run)")
+        setattr(cfg, k, v)
+    if cfg.steps < done:
+        raise ValueError(f"--resume {src}: the run is already at step {done}; --steps is the total to reach, "
+                         f"not an increment (ask for more than {done})")
     return cfg, prev
+
+
+#: settings a resumed run takes from its checkpointed run (the plan comes with the checkpoint)
+_RESUMED = ("model", "difficulty", "batch", "seq", "loss_on_prompt", "seed", "warmup", "min_lr_ratio",
+            "weight_decay", "max_grad_norm", "policy", "gpu_memory", "host_memory", "resident")
+_RESUMED_SINCE = ("resident",)      # absent from the metrics of runs older than the setting
+
+
+def _same_model(a, b) -> bool:
+    """Do two ``--model`` values name the same thing (a folder given by another relative path)?"""
+    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -295,8 +394,8 @@ def run(cfg: TrainConfig) -> dict:
         raise ValueError(f"--profile STEP counts from 1, got {cfg.profile}")
     if cfg.eval_every < 0 or cfg.warmup < 0:
         raise ValueError("--eval-every and --warmup must be >= 0")
-    if not cfg.lr > 0:
-        raise ValueError(f"--lr must be positive, got {cfg.lr}")
+    if not 0 < cfg.lr < math.inf:
+        raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
     if cfg.time_limit_min is not None and cfg.time_limit_min <= 0:
         raise ValueError(f"--time-limit-min must be positive, got {cfg.time_limit_min}")
     tok = CharTokenizer()
@@ -304,7 +403,12 @@ def run(cfg: TrainConfig) -> dict:
     if dev.type == "cpu":
         torch.set_num_threads(cfg.threads or cpu_threads())
     out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out}: a file of that name exists; --output is a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output {out}: cannot create the folder ({e.strerror or e})") from None
     t_start = time.perf_counter()
 
     if prev is not None:
@@ -381,13 +485,14 @@ def run(cfg: TrainConfig) -> dict:
         if bar is not None:
             bar.close()
         train_s = time.perf_counter() - t_train
+        # the checkpoint first: an eval that fails (out of memory, say) does not lose the training
+        ckpt = trainer.save_checkpoint(out / "checkpoint") or out / "checkpoint"
         final_em = None
         if not interrupted:
             t = time.perf_counter()
             final_em = evaluate(trainer, evals, dev)
             em_curve.append({"step": step, "exact_match": final_em, "n": len(evals)})
             print(f"exact match {final_em:.1%} on {len(evals)} eval problems ({time.perf_counter() - t:.1f} s)")
-        ckpt = trainer.save_checkpoint(out / "checkpoint") or out / "checkpoint"
         recent = history[-min(50, len(history)):] if history else []
         metrics = {
             "format": "lazytrain.train-metrics/1",

@@ -90,6 +90,13 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
     (["--batch", "zero"], "positive whole number"),
     (["--difficulty", "impossible"], "invalid choice"),
     (["--gpu-memory", "lots"], ""),
+    (["--batch", "0"], "must be positive"),
+    (["--steps", "-1"], "must be positive"),
+    (["--lr", "inf"], "finite"),
+    (["--warmup", "-1"], ">= 0"),
+    (["--eval-every", "-5"], ">= 0"),
+    (["--time-limit-min", "soon"], "no limit"),
+    (["--policy", "nope"], "invalid choice"),
 ])
 def test_bad_flags_are_one_line_errors(args, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
@@ -97,6 +104,13 @@ def test_bad_flags_are_one_line_errors(args, message, capsys, tmp_path):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+    assert err.count("\n") == 1 and err.startswith("lazytrain train: error: argument"), err
+
+
+def test_time_limit_zero_means_no_limit():
+    from lazytrain.cli import build_parser
+    assert build_parser().parse_args(["train", "--time-limit-min", "0"]).time_limit_min is None
+    assert build_parser().parse_args(["train", "--time-limit-min", "2.5"]).time_limit_min == 2.5
 
 
 @pytest.mark.parametrize("args, message", [
@@ -109,6 +123,46 @@ def test_bad_settings_are_clear_errors(args, message, capsys, tmp_path):
     assert main(["train", *TINY, "--output", str(tmp_path / "o"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("output", ["file", "file/sub"])
+def test_output_that_cannot_be_a_folder(output, capsys, tmp_path):
+    (tmp_path / "file").write_text("x")
+    assert main(["train", *TINY, "--steps", "1", "--output", str(tmp_path / output)]) == 2
+    err = capsys.readouterr().err
+    assert f"--output {tmp_path / output}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "2"], "already at step 3"),
+    (["--steps", "5", "--batch", "8"], "--batch 8 differs from the run's batch (4)"),
+    (["--steps", "5", "--difficulty", "easy"], "--difficulty easy differs"),
+    (["--steps", "5", "--answer-only-loss"], "--answer-only-loss differs"),
+    (["--steps", "5", "--policy", "megatrain"], "--policy megatrain differs"),
+])
+def test_resume_refuses_settings_it_would_ignore(first_run, args, message, capsys, tmp_path):
+    out, _ = first_run
+    rc = main(["train", *TINY, "--output", str(tmp_path / "o"), "--resume", str(out), *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err, err
+
+
+def test_resume_without_the_flags_keeps_the_runs_settings(first_run, tmp_path):
+    out, _ = first_run
+    assert main(["train", "--no-progress", "--device", "cpu", "--eval-size", "4", "--steps", "4",
+                 "--output", str(tmp_path / "o"), "--resume", str(out)]) == 0
+    m = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    assert m["settings"]["batch"] == 4 and m["settings"]["policy"] == "keep-all" and m["steps_done"] == 4
+
+
+@pytest.mark.parametrize("metrics", ["{", '{"format": "x"}', '{"settings": {}}'])
+def test_resume_of_unreadable_metrics_is_a_clear_error(metrics, capsys, tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "metrics.json").write_text(metrics)
+    assert main(["train", *TINY, "--output", str(tmp_path / "o"), "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "is not the metrics of a `lazytrain train` run" in err and "Traceback" not in err
 
 
 def test_lr_schedule_warms_up_then_anneals():
@@ -131,9 +185,14 @@ def test_ctrl_c_stops_after_the_step_and_saves(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, "-m", "lazytrain.cli", "train", *TINY, "--steps", "100000",
-                          "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    first = p.stdout.readline()
-    assert first.startswith("model task"), first + p.stdout.read()
+                          "--time-limit-min", "3", "--output", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    seen = []
+    while not (seen and seen[-1].startswith("model task")):     # notes (the host memory estimate) may come first
+        seen.append(p.stdout.readline())
+        if not seen[-1] or len(seen) > 20:
+            p.kill()
+            pytest.fail("no 'model task ...' line:\n" + "".join(seen) + p.communicate()[0])
     time.sleep(2)
     p.send_signal(signal.SIGINT)
     rest = p.communicate(timeout=120)[0]

@@ -107,7 +107,8 @@ def greedy_generate(model_fn: GenerateFn, prompt_ids: Sequence[Sequence[int]] | 
 
 def predict(generate_fn: GenerateFn, examples: Sequence[Example], batch_size: int = 64, *,
             tokenizer: CharTokenizer | None = None, max_new_tokens: int | None = None) -> list[str | None]:
-    """The decoded worked answer per example, or None where the model did not end with eos in time.
+    """The decoded worked answer per example, or None where the model did not end with eos in time (or
+    wrote an id the tokenizer cannot decode: a model whose vocabulary is larger than the tokenizer's).
     ``max_new_tokens`` defaults to the longest reference worked answer plus its eos."""
     tok = tokenizer or CharTokenizer()
     budget = max_new_tokens or max(len(ex.solution) for ex in examples) + 1
@@ -116,8 +117,15 @@ def predict(generate_fn: GenerateFn, examples: Sequence[Example], batch_size: in
         chunk = examples[lo:lo + batch_size]
         prompts = [tok.encode(ex.prompt, bos=True) for ex in chunk]
         for new in greedy_generate(generate_fn, prompts, budget, eos_id=tok.eos_id, pad_id=tok.pad_id):
-            answers.append(tok.decode(new[:-1]) if new and new[-1] == tok.eos_id else None)
+            answers.append(_decode(tok, new[:-1]) if new and new[-1] == tok.eos_id else None)
     return answers
+
+
+def _decode(tok: CharTokenizer, ids: list[int]) -> str | None:
+    try:
+        return tok.decode(ids)
+    except ValueError:          # an id outside the tokenizer's vocabulary: no answer
+        return None
 
 
 def exact_match(generate_fn: GenerateFn, examples: Sequence[Example], batch_size: int = 64, *,
