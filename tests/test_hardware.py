@@ -145,8 +145,10 @@ def test_measure_quick_on_cpu(tmp_path):
     assert profile.gpu_name == "CPU (no GPU)" and "without CUDA" in profile.source
     for field in dataclasses.fields(profile):
         value = getattr(profile, field.name)
-        if not isinstance(value, str) and field.name != "kernel_overhead_s":
+        if not isinstance(value, str) and field.name not in ("kernel_overhead_s", "op_dispatch_s",
+                                                               "op_dispatch_bwd_s"):
             assert value > 0, field.name
+    assert profile.op_dispatch_s == 0.0          # CPU mode: dispatch is part of the compute it measured
     assert 0 < profile.compute_efficiency <= 1
     assert list(tmp_path.iterdir()) == []  # the disk test cleans up
     assert HardwareProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
@@ -160,6 +162,7 @@ def test_measure_quick_on_gpu():
     from lazytrain.compiler.profile import measure
 
     profile = measure(quick=True, verbose=False)
+    assert 1e-6 < profile.op_dispatch_s < profile.op_dispatch_bwd_s < 1e-3
     assert profile.h2d_gbps > profile.pageable_h2d_gbps > 0
     assert profile.duplex_gbps > max(profile.h2d_gbps, profile.d2h_gbps)
     assert 0 < profile.compute_efficiency <= 1

@@ -34,10 +34,12 @@ class CostModel:
         return 0 if j in self.resident else self.param_bytes(j)
 
     def fwd_s(self, j: int) -> float:
-        return self.hw.block_seconds(self.graph.blocks[j].fwd_flops * self.micro_batch)
+        b = self.graph.blocks[j]
+        return self.hw.block_seconds(b.fwd_flops * self.micro_batch, ops=b.fwd_ops)
 
     def bwd_s(self, j: int) -> float:
-        return self.hw.block_seconds(self.graph.blocks[j].bwd_flops * self.micro_batch)
+        b = self.graph.blocks[j]
+        return self.hw.block_seconds(b.bwd_flops * self.micro_batch, ops=b.fwd_ops, backward=True)
 
     def param_bytes(self, j: int) -> int:
         return self.graph.blocks[j].param_numel * self.sizes.param_bytes

@@ -14,7 +14,9 @@ How compute time is modelled (the cost pass must count FLOPs the same way; use `
   **half that** for causal attention (FlashAttention/SDPA skip the masked half; ``hidden`` is
   ``n_heads * head_dim`` of the queries). Backward is counted as twice the forward.
 - One eager launch of a block (one block, one micro-batch, forward or backward) takes
-  ``flops / (bf16_tflops * 1e12 * compute_efficiency) + kernel_overhead_s`` (``block_seconds``).
+  ``flops / (bf16_tflops * 1e12 * compute_efficiency) + kernel_overhead_s`` (``block_seconds``), but
+  no less than its ops times ``op_dispatch_s`` (forward) or ``op_dispatch_bwd_s`` (backward): Python
+  issues every op, so small blocks (short sequences, small micro-batches) are dispatch bound.
 
 Calibration of ``h200`` (DESIGN §6): one Qwen2.5-3B layer (77,076,992 params, hidden 2048), seq
 1024, eager bf16 + SDPA: forward 2.77 ms and forward+backward 8.48 ms at micro-batch 8, forward+
@@ -95,6 +97,11 @@ class HardwareProfile:
     nvme_read_gbps: float
     nvme_write_gbps: float
     source: str                 # where the figures come from
+    #: CPU time to issue one op of a block's forward (fx + autograd recording + saved-tensor hooks), and
+    #: its backward per forward op: the floor under a block's time when its kernels are too small to
+    #: keep the GPU ahead of Python (0: not modelled; older profile files lack them)
+    op_dispatch_s: float = 0.0
+    op_dispatch_bwd_s: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -107,7 +114,7 @@ class HardwareProfile:
                 raise ValueError(f"hardware profile field {field.name} must be a number, got {value!r}")
             if field.type == "int" and not isinstance(value, int):
                 raise ValueError(f"hardware profile field {field.name} must be a whole number, got {value!r}")
-            if field.name == "kernel_overhead_s":
+            if field.name in ("kernel_overhead_s", "op_dispatch_s", "op_dispatch_bwd_s"):
                 ok = value >= 0
             else:
                 ok = value > 0
@@ -129,9 +136,13 @@ class HardwareProfile:
         """A big dense bf16 matmul at the peak rate ``bf16_tflops``."""
         return flops / (self.bf16_tflops * 1e12)
 
-    def block_seconds(self, flops: float, launches: int = 1) -> float:
-        """Eager transformer work: ``flops`` at ``compute_efficiency`` plus ``launches`` fixed overheads."""
-        return flops / (self.bf16_tflops * 1e12 * self.compute_efficiency) + launches * self.kernel_overhead_s
+    def block_seconds(self, flops: float, launches: int = 1, ops: int = 0, backward: bool = False) -> float:
+        """Eager transformer work: ``flops`` at ``compute_efficiency`` plus ``launches`` fixed overheads,
+        but never less than issuing the block's ``ops`` from Python: kernels run asynchronously, so a
+        block is as slow as the slower of its kernels and its dispatch (small micro-batches, short
+        sequences, narrow layers are dispatch bound)."""
+        kernels = flops / (self.bf16_tflops * 1e12 * self.compute_efficiency) + launches * self.kernel_overhead_s
+        return max(kernels, ops * (self.op_dispatch_bwd_s if backward else self.op_dispatch_s))
 
     def h2d_seconds(self, nbytes: float, *, pinned: bool = True) -> float:
         return nbytes / ((self.h2d_gbps if pinned else self.pageable_h2d_gbps) * 1e9)
@@ -173,7 +184,8 @@ class HardwareProfile:
             raise ValueError(f"hardware profile version {version!r} is not supported (this LazyTrain reads {VERSION})")
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(names))
-        missing = [n for n in names if n not in data]
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.name not in data and f.default is dataclasses.MISSING]
         if unknown or missing:
             parts = []
             if unknown:
@@ -183,6 +195,8 @@ class HardwareProfile:
             raise ValueError(f"bad hardware profile: {'; '.join(parts)}")
         # JSON has one number type; accept 139.0 for an int field, 5 for a float one
         for f in dataclasses.fields(cls):
+            if f.name not in data:
+                continue
             value = data[f.name]
             if f.type == "int" and isinstance(value, float) and value.is_integer():
                 data[f.name] = int(value)
@@ -264,11 +278,19 @@ EAGER_LAYER_EFFICIENCY = 0.667
 #: milp b8 0.471-0.524 / 0.413: 1.12x on average (the explicit-mask attention it replaced was 1.16x)
 EXPORTED_BLOCK_SLOWDOWN = 1.12
 
+#: Dispatch floor, measured in LazyTrain's runtime on the H200 host (qwen2.5-0.5b, batch 32, seq 88, all
+#: blocks resident so no op waits for a transfer): a 54-op Qwen2 layer's forward took 1.644 ms and its
+#: backward 3.402 ms (medians of 24 layers) against 0.55 / 0.73 ms of kernels -- 30.4 and 63.0 us per
+#: forward op.  The other GPU profiles assume a host CPU as fast (it is Python and autograd, not the GPU).
+DISPATCH_FWD_S = 30e-6
+DISPATCH_BWD_S = 63e-6
+
 _H200 = HardwareProfile(
     name="h200", gpu_name="NVIDIA H200", gpu_memory_bytes=139 * GiB, host_memory_bytes=128 * GiB, cpu_cores=16,
     bf16_tflops=770.0, compute_efficiency=EAGER_LAYER_EFFICIENCY / EXPORTED_BLOCK_SLOWDOWN, kernel_overhead_s=0.36e-3,
     h2d_gbps=55.4, d2h_gbps=55.4, duplex_gbps=99.6, pageable_h2d_gbps=8.9, pageable_d2h_gbps=15.7,
     cpu_adam_gparams=5.5, cpu_adam8_gparams=5.0, nvme_read_gbps=1.6, nvme_write_gbps=1.6,
+    op_dispatch_s=DISPATCH_FWD_S, op_dispatch_bwd_s=DISPATCH_BWD_S,
     source="measured on the lent H200 machine (DESIGN §6); efficiency and overhead fitted to one eager "
     "Qwen2.5-3B layer (0.667), then scaled by the 1.157x that LazyTrain's exported blocks measured slower "
     "(GPU busy 2.066 s vs 1.783 s predicted, qwen2.5-3b megatrain batch 32); 8-bit optimizer rate measured "

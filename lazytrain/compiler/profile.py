@@ -160,6 +160,38 @@ def _fit_block(device: torch.device, dtype: torch.dtype, batch: int, seq: int, h
     return 1 / (slope * peak), overhead
 
 
+def _dispatch_seconds(device: torch.device, repeats: int) -> tuple[float, float]:
+    """(forward, backward) seconds per forward op of a block too small for its kernels to matter,
+    measured through LazyTrain's own runtime (fx program, autograd, saved-tensor hooks, streams):
+    a tiny rotary GPT (57 ops per layer, as many as a Qwen2 layer's 54) whose every block is kept on
+    the GPU, so no op waits for a transfer."""
+    import statistics
+
+    from ..models.gpt import GPT, GPTConfig
+    from ..runtime.optim.torch_adamw import TorchAdamW
+    from ..runtime.trainer import Trainer
+    from .api import compile_model
+    model = GPT(GPTConfig(vocab=64, d_model=64, n_layer=6, n_head=2, d_ff=128, max_seq=16, rope=True))
+    model = model.to(torch.bfloat16)
+    plan = compile_model(model, batch_size=1, seq_len=16, hardware="h200", gpu_memory="4GiB", host_memory="4GiB",
+                         policy="keep-all", param_dtype="bfloat16", optimizer="adamw", resident="none")
+    trainer = Trainer(model, plan, optimizer=TorchAdamW(lr=0.0), device=device, profile=True, verbose=False)
+    ids = torch.randint(0, 64, (1, 16))
+    by_id = {op.id: op for op in plan.ops}
+    layers = {b.index: b.fwd_ops for b in plan.graph.blocks if b.kind == "layer"}
+    fwd, bwd = [], []
+    try:
+        for _ in range(repeats + 2):
+            trainer.step((ids, ids))
+            for i, _res, t0, t1 in trainer.last_profile.trace:
+                op = by_id[i]
+                if op.block in layers and op.kind.value in ("compute", "backward"):
+                    (fwd if op.kind.value == "compute" else bwd).append((t1 - t0) / layers[op.block])
+    finally:
+        trainer.close()
+    return statistics.median(fwd), statistics.median(bwd)
+
+
 def _adam_gparams(n_params: int, repeats: int) -> tuple[float, str]:
     """Host AdamW rate in G params/s: fused if this torch supports it on the CPU, else foreach."""
     params = [torch.nn.Parameter(torch.randn(n_params // 4)) for _ in range(4)]
@@ -235,6 +267,12 @@ def measure(device: str | torch.device | None = None, quick: bool = False, disk_
     efficiency, overhead = _fit_block(device, dtype, batch, seq, hidden, repeats, tflops)
     _log(verbose, f"  efficiency {efficiency:.3f}, overhead {overhead * 1e6:.0f} us/launch")
 
+    dispatch = (0.0, 0.0)
+    if on_gpu:      # on the CPU, issuing an op and running it are the same thread's time: in the efficiency
+        _log(verbose, "dispatch floor (a tiny model through the runtime) ...")
+        dispatch = _dispatch_seconds(device, repeats)
+        _log(verbose, f"  {dispatch[0] * 1e6:.1f} us per op forward, {dispatch[1] * 1e6:.1f} backward")
+
     adam_params = (12 if quick else 48) * 2**20
     _log(verbose, f"host AdamW over {adam_params / 1e6:.0f}M params ...")
     adam, adam_kind = _adam_gparams(adam_params, repeats)
@@ -251,6 +289,7 @@ def measure(device: str | torch.device | None = None, quick: bool = False, disk_
         name="measured", gpu_name=gpu_name, gpu_memory_bytes=int(gpu_memory), host_memory_bytes=int(host_memory),
         cpu_cores=cores, bf16_tflops=tflops, compute_efficiency=efficiency, kernel_overhead_s=overhead,
         **rates, cpu_adam_gparams=adam, cpu_adam8_gparams=adam, nvme_read_gbps=disk_read, nvme_write_gbps=disk_write,
+        op_dispatch_s=dispatch[0], op_dispatch_bwd_s=dispatch[1],
         source=f"{where} by lazytrain profile{' (quick)' if quick else ''}, torch {torch.__version__}; "
         f"{adam_kind} AdamW; 8-bit optimizer rate assumed equal to fp32 (not measured); "
         f"disk = {disk_dir or tempfile.gettempdir()}",

@@ -17,6 +17,7 @@ Structurally identical layers are measured once (``Split.meta["replicated_from"]
 from __future__ import annotations
 
 import math
+import operator
 import time
 
 import torch
@@ -137,7 +138,7 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
             params=tuple(ParamSpec(name=n, shape=shapes[n][0], owner=owner[n]) for n in b.param_names),
             inputs=tuple(spec(n) for n in b.input_names), outputs=outputs,
             saved_bytes=math.ceil(saved / mb), workspace_bytes=math.ceil(ws / mb), workspace_fixed_bytes=fixed,
-            fwd_flops=math.ceil(ff / mb), bwd_flops=math.ceil(bf / mb)))
+            fwd_flops=math.ceil(ff / mb), bwd_flops=math.ceil(bf / mb), fwd_ops=_op_count(b.gm)))
     meta = {"architecture": type(model).__name__, "config": _config_summary(model), "traced_micro_batch": mb,
             "replicated_layers": bool(sp.meta.get("replicated_from")),
             "unused_params": list(sp.meta.get("unused_params", []))}
@@ -145,6 +146,17 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
     return ModelGraph(name=name, seq_len=seq_len, dtype=_dname(dtype), blocks=tuple(blocks),
                       boundary_bytes=tuple(boundary_bytes), boundary_values=tuple(tuple(v) for v in live),
                       edges=tuple(e for e in edges if e[1] != e[0] + 1), meta=meta)
+
+
+def _op_count(gm) -> int:
+    """Calls a block's forward issues (tuple indexing is not one); nested graphs count their own."""
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is not operator.getitem:
+            n += 1
+        elif node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.fx.GraphModule):
+            n += _op_count(getattr(gm, node.target))
+    return n
 
 
 def _flash_cpu_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:

@@ -68,6 +68,7 @@ class Block:
     fwd_flops: int                # per sample
     bwd_flops: int                # per sample
     workspace_fixed_bytes: int = 0   # transient that does not grow with the micro-batch (a loss chunk)
+    fwd_ops: int = 0              # ops of the forward program: each is issued from Python (dispatch floor)
 
     @property
     def param_numel(self) -> int:
