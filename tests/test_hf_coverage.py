@@ -36,6 +36,9 @@ ARCHS = {
             "max_position_embeddings": 64, "word_embed_proj_dim": 32, "dropout": 0.0, "pad_token_id": 0},
     "bloom": {"hidden_size": 32, "n_layer": 3, "n_head": 4, "vocab_size": VOCAB},
     "phi": _BASE,
+    # an encoder family as a causal LM: built as a decoder (is_decoder), so its attention is causal
+    "bert": {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+             "num_attention_heads": 4, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
     "gemma3_text": {**_BASE, "head_dim": 8, "sliding_window": 8},
     "mixtral": {**_BASE, "num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3_moe": {**_BASE, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},

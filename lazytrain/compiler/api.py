@@ -368,12 +368,20 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     return plan
 
 
+def _count(n: int) -> str:
+    """12_345_678 -> '12.3 M' (a parameter count readable at every model size)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return str(n)
+
+
 def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:
     host_need = int(comp.graph.total_params * comp.options["host_bytes_per_param"])
     if host_need > comp.budgets["host_bytes"]:    # the host store alone does not fit: say that first
         return BudgetError(
             f"needs at least {host_need / GiB:.2f} GiB of host memory for the parameters and optimizer state of "
-            f"{comp.graph.total_params / 1e9:.2f} B parameters ({comp.options['host_bytes_per_param']} bytes "
+            f"{_count(comp.graph.total_params)} parameters ({comp.options['host_bytes_per_param']} bytes "
             f"each); the budget is {comp.budgets['host_bytes'] / GiB:.2f} GiB")
     need = comp.smallest_gpu_need(batch_size, micro_batch)
     res = comp.budgets["gpu_reserve_bytes"]

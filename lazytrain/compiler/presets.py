@@ -119,6 +119,8 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
         raise ValueError(f"{source}: hidden_size {shape['hidden_size']} is not a multiple of num_attention_heads "
                          f"{heads} (and no head_dim is given)")
     fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")}
+    # encoder families (BERT, RoBERTa, ...) are causal LMs only as decoders; decoder-only models ignore it
+    fields.setdefault("is_decoder", True)
     try:
         hf_cfg = tf.AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # noqa: BLE001 - transformers validates fields with several exception types
