@@ -204,7 +204,8 @@ def _blocks_table(plan) -> str:
         rows.append([b.index, b.name, b.kind, f"{b.param_numel / 1e6:.1f}",
                      f"{b.saved_bytes * d.micro_batch / GiB:.3f}", f"{b.fwd_flops * d.micro_batch / 1e12:.3f}",
                      d.saved[b.index].value, d.boundary[b.index].value, "yes" if d.is_resident(b.index) else ""])
-    return tabulate(rows, headers=["#", "block", "kind", "M params", "saved GiB/mb", "fwd TFLOP/mb", "saved",
+    # two-line headers keep the table inside ~90 columns
+    return tabulate(rows, headers=["#", "block", "kind", "params\nM", "saved\nGiB/mb", "fwd\nTFLOP/mb", "saved",
                                    "boundary", "resident"])
 
 

@@ -447,6 +447,15 @@ def run(cfg: TrainConfig) -> dict:
     tokens = int(prev["tokens"]) if prev else 0
     limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else None
     step, interrupted, stop_reason = start, False, "steps"
+    tuner = None
+    if dev.type == "cpu" and not cfg.threads:      # measured, not guessed once (lazytrain/threads.py)
+        from .compiler.hardware import _cpu_cores
+        from .threads import ThreadTuner
+
+        def set_threads(n: int) -> None:
+            torch.set_num_threads(n)
+            opt.num_threads = n
+        tuner = ThreadTuner(_cpu_cores(), set_threads, start=torch.get_num_threads())
     t_train = time.perf_counter()
     bar = _progress(cfg, start)
     with _StopFlag() as flag:
@@ -464,6 +473,8 @@ def run(cfg: TrainConfig) -> dict:
             trainer.profile = profiled
             stats = trainer.step({"input_ids": b.input_ids, "labels": b.labels})
             step += 1
+            if tuner is not None and not profiled:
+                tuner.observe(stats.step_s)
             if profiled:
                 trainer.profile = False
                 _report_profile(trainer, out, bar)
@@ -498,6 +509,8 @@ def run(cfg: TrainConfig) -> dict:
             "format": "lazytrain.train-metrics/1",
             "settings": {k: v for k, v in asdict(cfg).items() if k not in ("progress",)} | {"seq": seq},
             "model": desc, "params": n_params, "device": dev.type, "threads": torch.get_num_threads(),
+            "thread_rounds": [{"step": st, "median_step_s": {str(k): round(v, 4) for k, v in m.items()}}
+                              for st, m in (tuner.history if tuner else [])],
             "hardware": hardware, "param_dtype": param_dtype,
             "plan": {"policy": plan.decisions.policy, "micro_batch": plan.micro_batch, "n_micro": plan.n_micro,
                      "n_ops": len(plan.ops), "predicted_step_s": plan.predicted.get("step_time_s"),

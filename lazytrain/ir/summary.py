@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections import Counter
 
 from .decisions import Place, Saved
 from .ops import GiB, OpKind
+
+VALUE_WIDTH = 60
 
 
 def _resident_text(plan) -> str:
@@ -13,7 +16,13 @@ def _resident_text(plan) -> str:
     if not res:
         return "none"
     from .semantics import Sizes
-    names = ", ".join(str(j) for j in res) if len(res) <= 8 else f"{res[0]}..{res[-1]} ({len(res)})"
+    runs: list[list[int]] = []
+    for j in res:                       # contiguous runs: "0-9, 37" (a prefix and the tied head)
+        if runs and j == runs[-1][1] + 1:
+            runs[-1][1] = j
+        else:
+            runs.append([j, j])
+    names = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) + (f" ({len(res)})" if len(res) > 1 else "")
     return f"blocks {names}: {Sizes.of_plan(plan).resident_bytes() / GiB:.2f} GiB, updated on the GPU"
 
 
@@ -47,6 +56,9 @@ def summary_rows(plan) -> list[list]:
             rows.append(["gain over megatrain", f"{pred['megatrain_step_time_s'] / pred['step_time_s']:.3f}x"])
     if plan.solver:
         st = plan.solver
-        rows.append(["solver", f"{st.status}, objective {st.objective}, gap {st.gap}, {st.n_vars} vars, "
+        objective = f"{st.objective:.4f}" if isinstance(st.objective, (int, float)) else st.objective
+        gap = f"{st.gap:.2%}" if isinstance(st.gap, (int, float)) else st.gap
+        rows.append(["solver", f"{st.status}, objective {objective}, gap {gap}, {st.n_vars} vars, "
                                f"{st.n_constraints} constraints, {st.seconds:.2f} s"])
-    return rows
+    # a value wraps onto more lines rather than widening the table past a terminal (~100 columns)
+    return [[k, textwrap.fill(str(v), VALUE_WIDTH, break_long_words=False)] for k, v in rows]

@@ -112,6 +112,7 @@ class Hybrid8bitAdamW(HostOptimizer):
         self.num_threads = num_threads or torch.get_num_threads() or os.cpu_count() or 1
         self._blocks: dict[int, _BlockState] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_workers = 0
         self._pool_lock = threading.Lock()
         self._grad_bytes = 2
         self._tls = threading.local()
@@ -260,9 +261,13 @@ class Hybrid8bitAdamW(HostOptimizer):
                 fn(it)
             return
         with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="lazytrain-optim")
-        futures = [self._pool.submit(fn, it) for it in items[:-1]]
+            # num_threads may grow between steps (train's thread tuner): a bigger pool replaces the old
+            # one, which is left to finish what another update thread may still be submitting to it
+            if self._pool is None or self._pool_workers < self.num_threads - 1:
+                self._pool_workers = self.num_threads - 1
+                self._pool = ThreadPoolExecutor(self._pool_workers, thread_name_prefix="lazytrain-optim")
+            pool = self._pool
+        futures = [pool.submit(fn, it) for it in items[:-1]]
         fn(items[-1])
         for f in futures:
             f.result()
