@@ -93,9 +93,9 @@ def test_tensor_from_python_data_is_torch_tensor(data, dtype):
     assert torch.equal(got.float().signbit(), want.float().signbit())
 
 
-def test_models_a_plan_would_train_wrongly_are_refused():
-    """A loss without the next-token shift (BART's decoder as a causal LM) and frozen parameters are
-    refused at compile with the reason, instead of training something else than eager would."""
+def test_a_loss_without_the_next_token_shift_is_refused():
+    """A loss without the next-token shift (BART's decoder as a causal LM) is refused at compile with
+    the reason, instead of training something else than eager would."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lazytrain.compiler.trace_export import TraceError
@@ -106,9 +106,3 @@ def test_models_a_plan_would_train_wrongly_are_refused():
         decoder_ffn_dim=48, encoder_ffn_dim=48, vocab_size=67, max_position_embeddings=64)).float()
     with pytest.raises(TraceError, match="no shift to the next token"):
         lazytrain.compile(bart, **kw)
-    llama = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "llama", hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        vocab_size=67)).float()
-    llama.model.embed_tokens.weight.requires_grad_(False)
-    with pytest.raises(TraceError, match="frozen parameters .*embed_tokens"):
-        lazytrain.compile(llama, **kw)

@@ -546,3 +546,54 @@ def test_resident_blocks_with_offloaded_and_nvme_activations_match_eager(kind, n
         assert ("host", "nvme") in kinds and ("gpu", "host") in kinds
         return plan
     _check_equivalent(kind, plan_fn)
+
+
+@pytest.mark.parametrize("policy", ["megatrain", "keep-all"])
+def test_frozen_parameters_stay_and_the_rest_trains_like_eager(policy, tmp_path):
+    """requires_grad=False: no gradient (eager's optimizer skips them; a zero gradient leaves AdamW's
+    state at zero and the weight unchanged), the others equal eager; weight decay with frozen ones is refused."""
+    model = _model("llama")
+    frozen = ["model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight", "model.norm.weight"]
+    for n in frozen:
+        model.get_parameter(n).requires_grad_(False)
+    before = {n: model.get_parameter(n).detach().clone() for n in frozen}
+    ref = copy.deepcopy(model)
+    plan = _compile(model, policy, 2, tmp_path)
+    with pytest.raises(ValueError, match="frozen parameters .* weight_decay"):
+        Trainer(model, plan, optimizer=TorchAdamW(lr=LR, weight_decay=0.1), device="cpu")
+    tr = Trainer(model, plan, optimizer=TorchAdamW(lr=LR, eps=EPS, max_grad_norm=1.0), device="cpu")
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    ref_opt = torch.optim.AdamW(trainable, lr=LR, eps=EPS, weight_decay=0.0)
+    for ids, labels in _batches("llama", 3):
+        stats = tr.step({"input_ids": ids, "labels": labels})
+        loss = _eager_loss("llama", ref, ids, labels)
+        ref_opt.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        ref_opt.step()
+        torch.testing.assert_close(stats.loss, loss.item(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(stats.grad_norm, norm.item(), rtol=1e-4, atol=1e-6)
+    tr.sync_to_model()
+    tr.close()
+    want = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    for n in frozen:
+        assert torch.equal(model.get_parameter(n), before[n]), n
+
+
+def test_frozen_parameters_stay_bit_exact_with_the_8bit_optimizer(tmp_path):
+    from lazytrain.runtime.optim.hybrid8bit import Hybrid8bitAdamW
+    model = _model("llama")
+    frozen = ["model.embed_tokens.weight", "model.layers.1.mlp.up_proj.weight"]
+    for n in frozen:
+        model.get_parameter(n).requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tr = Trainer(model, _compile(model, "megatrain", 2, tmp_path),
+                 optimizer=Hybrid8bitAdamW(lr=1e-3, max_grad_norm=1.0), device="cpu")
+    for ids, labels in _batches("llama", 3):
+        tr.step({"input_ids": ids, "labels": labels})
+    tr.sync_to_model()
+    tr.close()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) is (name in frozen), name

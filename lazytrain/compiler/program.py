@@ -137,12 +137,6 @@ def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dty
                 loss_fn=None) -> Split:
     """Export (three layers when the layers are identical), split, and expand to the full depth."""
     sequential = isinstance(model, nn.Sequential)
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        more = f" and {len(frozen) - 3} more" if len(frozen) > 3 else ""
-        raise TraceError(f"{type(model).__name__} has frozen parameters (requires_grad=False: {', '.join(frozen[:3])}"
-                         f"{more}); a plan updates every parameter, so it would train them: unfreeze them, or "
-                         "register values that never train as buffers")
     buffers = _real_buffers(model, device)
     clone = meta_clone(model, dtype)
     n_layers = None

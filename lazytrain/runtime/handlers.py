@@ -102,6 +102,9 @@ class Ctx:
     lagged: dict[int, bool]               # block -> its update applies last step's gradients
     norm_first: bool                      # every update waits for the global norm
     requires_grad: set[str]               # value names that carry gradients
+    #: parameters with requires_grad=False: no gradient is taken for them, so their accumulator slice
+    #: stays zero and (without weight decay) the update leaves them as they are
+    frozen: frozenset = frozenset()
     profiler: object | None = None
     schedule: object | None = None        # interpreter.Schedule of the plan (built on first run)
     deps: object = None                   # op id -> the deps it waits for (plan deps + hazards)
@@ -283,7 +286,7 @@ def _forward(ctx: Ctx, op: Op, save: bool) -> None:
                 out = prog.run_block(j, params.views, a_in)
         else:
             rec = SavedRecord(block=j)
-            rec.params = {n: v.detach().requires_grad_() for n, v in params.views.items()}
+            rec.params = {n: v.detach().requires_grad_(n not in ctx.frozen) for n, v in params.views.items()}
             rec.leaves = {n: v.detach().requires_grad_() for n, v in a_in.items()
                           if n in ctx.requires_grad and isinstance(v, torch.Tensor) and v.is_floating_point()}
             entries: dict = {}
@@ -380,7 +383,7 @@ def backward(ctx: Ctx, op: Op) -> None:
             elif name in dout:
                 roots.append(edge)
                 grads.append(dout[name])
-        pnames = list(rec.params)
+        pnames = [n for n, v in rec.params.items() if v.requires_grad]
         lnames = list(rec.leaves)
         wrt = [rec.params[n] for n in pnames] + [rec.leaves[n] for n in lnames]
         res = torch.autograd.grad(roots, wrt, grads, allow_unused=True) if roots else [None] * len(wrt)

@@ -102,6 +102,15 @@ class Trainer:
             from .optim.torch_adamw import TorchAdamW
             optimizer = TorchAdamW(lr=1e-5)
         self.optimizer = optimizer
+        # frozen parameters get no gradient: a zero gradient leaves AdamW's state at zero and the weight
+        # as it is, unless weight decay shrinks it (eager AdamW skips them), so that case is refused
+        frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
+        if frozen and getattr(optimizer, "weight_decay", 0.0):
+            names = sorted(frozen)
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise ValueError(f"the model has frozen parameters ({', '.join(names[:3])}{more}) "
+                             f"and the optimizer decays weights (weight_decay={optimizer.weight_decay}): the "
+                             "plan's update would shrink them; use weight_decay=0, or unfreeze them")
         g = plan.graph
         L = g.n_blocks
         # which updates are lagged, and is the global norm known before every update?
@@ -157,6 +166,7 @@ class Trainer:
                        store=self.store, pool=HostPool(pin), nvme=nvme, optimizer=optimizer,
                        tracker=GradNormTracker(optimizer.max_grad_norm), lagged=lagged, norm_first=norm_first,
                        requires_grad=rg, profiler=Profiler(self.device.type == "cuda") if profile else None)
+        self.ctx.frozen = frozen
         self._setup_resident(gpu_params)
         self.steps = 0
         self.last_profile: StepProfile | None = None
