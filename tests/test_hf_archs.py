@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from eager_ref import assert_same_parameters, random_batches, step_beside_eager
 
 import lazytrain
 from lazytrain.compiler.trace_export import export, meta_clone
@@ -42,21 +43,10 @@ def test_falcon_trains_like_eager(variant):
                              optimizer="adamw", policy="megatrain", gpu_memory="8GiB", host_memory="16GiB")
     trainer = lazytrain.Trainer(model, plan, optimizer=lazytrain.optim.TorchAdamW(lr=1e-3, eps=1e-6, max_grad_norm=1.0),
                                 device="cpu")
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.0)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        ids = torch.randint(0, VOCAB, (B, SEQ), generator=g)
-        stats = trainer.step({"input_ids": ids, "labels": ids})
-        loss = ref(input_ids=ids, labels=ids).loss
-        ref_opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        torch.testing.assert_close(stats.loss, loss.item(), rtol=1e-5, atol=1e-6)
+    step_beside_eager(trainer, ref, random_batches(VOCAB, B, SEQ, STEPS),
+                      lambda m, ids, labels: m(input_ids=ids, labels=labels).loss, lr=1e-3, eps=1e-6)
     trainer.sync_to_model()
-    want = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_parameters(model, ref)
     trainer.close()
 
 

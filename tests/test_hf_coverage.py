@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch
+from eager_ref import assert_same_parameters, random_batches, step_beside_eager
 
 import lazytrain
 from lazytrain.compiler.presets import build_from_config
@@ -60,20 +61,8 @@ def test_architecture_trains_like_eager(arch):
     plan = lazytrain.compile(model, batch_size=B, seq_len=SEQ, micro_batch=2, hardware="cpu", gpu_memory="8GiB",
                              host_memory="16GiB", param_dtype="float32", optimizer="adamw", policy="megatrain")
     trainer = Trainer(model, plan, optimizer=TorchAdamW(lr=1e-3, eps=1e-6, max_grad_norm=1.0), device="cpu")
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.0)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        ids = torch.randint(0, VOCAB, (B, SEQ), generator=g)
-        stats = trainer.step({"input_ids": ids, "labels": ids})
-        loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
-        ref_opt.zero_grad()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        torch.testing.assert_close(stats.loss, loss.item(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(stats.grad_norm, norm.item(), rtol=1e-4, atol=1e-6)
+    step_beside_eager(trainer, ref, random_batches(VOCAB, B, SEQ, 3),
+                      lambda m, ids, labels: m(input_ids=ids, labels=labels, use_cache=False).loss, lr=1e-3, eps=1e-6)
     trainer.sync_to_model()
     trainer.close()
-    want = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_parameters(model, ref)

@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from eager_ref import assert_same_parameters, step_beside_eager
 
 import lazytrain
 from lazytrain.compiler.api import Compiler
@@ -115,22 +116,10 @@ def _check_equivalent(kind: str, plan_fn, clip: float | None = 1.0) -> Trainer:
     plan = plan_fn(model)
     opt = TorchAdamW(lr=LR, eps=EPS, max_grad_norm=clip)
     trainer = Trainer(model, plan, optimizer=opt, device="cpu")
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=0.0, fused=opt.fused or None)
-    for ids, labels in _batches(kind):
-        stats = trainer.step({"input_ids": ids, "labels": labels})
-        loss = _eager_loss(kind, ref, ids, labels)
-        ref_opt.zero_grad()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip if clip is not None else float("inf"))
-        ref_opt.step()
-        torch.testing.assert_close(stats.loss, loss.item(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(stats.grad_norm, norm.item(), rtol=1e-4, atol=1e-6)
-        assert stats.tokens == int((labels[:, 1:] != -100).sum()) and not stats.skipped
+    step_beside_eager(trainer, ref, _batches(kind), lambda m, ids, labels: _eager_loss(kind, m, ids, labels),
+                      lr=LR, eps=EPS, clip=clip, fused=opt.fused or None)
     trainer.sync_to_model()
-    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_parameters(model, ref)
     trainer.close()
     return trainer
 
@@ -562,22 +551,11 @@ def test_frozen_parameters_stay_and_the_rest_trains_like_eager(policy, tmp_path)
     with pytest.raises(ValueError, match="frozen parameters .* weight_decay"):
         Trainer(model, plan, optimizer=TorchAdamW(lr=LR, weight_decay=0.1), device="cpu")
     tr = Trainer(model, plan, optimizer=TorchAdamW(lr=LR, eps=EPS, max_grad_norm=1.0), device="cpu")
-    trainable = [p for p in ref.parameters() if p.requires_grad]
-    ref_opt = torch.optim.AdamW(trainable, lr=LR, eps=EPS, weight_decay=0.0)
-    for ids, labels in _batches("llama", 3):
-        stats = tr.step({"input_ids": ids, "labels": labels})
-        loss = _eager_loss("llama", ref, ids, labels)
-        ref_opt.zero_grad()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        ref_opt.step()
-        torch.testing.assert_close(stats.loss, loss.item(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(stats.grad_norm, norm.item(), rtol=1e-4, atol=1e-6)
+    step_beside_eager(tr, ref, _batches("llama", 3), lambda m, ids, labels: _eager_loss("llama", m, ids, labels),
+                      lr=LR, eps=EPS, params=[p for p in ref.parameters() if p.requires_grad])
     tr.sync_to_model()
     tr.close()
-    want = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_parameters(model, ref)
     for n in frozen:
         assert torch.equal(model.get_parameter(n), before[n]), n
 
