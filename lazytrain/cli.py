@@ -26,14 +26,18 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive(text: str) -> int:
+def _whole_number(text: str, least: int, what: str, bound: str) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"needs a positive whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
+        raise argparse.ArgumentTypeError(f"needs a {what}, got {text!r}") from None
+    if v < least:
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {v}")
     return v
+
+
+def _positive(text: str) -> int:
+    return _whole_number(text, 1, "positive whole number", "positive")
 
 
 def _batch(text: str):
@@ -100,13 +104,7 @@ def _positive_float(text: str) -> float:
 
 
 def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"needs a whole number >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+    return _whole_number(text, 0, "whole number >= 0", ">= 0")
 
 
 def _minutes(text: str) -> float | None:

@@ -230,12 +230,17 @@ def _reachable(start: fx.Node, step) -> set[fx.Node]:
     return seen
 
 
+def node_arg(n: fx.Node, i: int, name: str, default=None):
+    """Argument ``i`` (keyword ``name``) of a call node, or ``default`` when the call left it out."""
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+
+
 def labels_shifted(ce: fx.Node, labels: fx.Node) -> bool:
     """Does the model's loss score each position against the *next* token, as the chunked loss does?
     Causal LMs shift the labels on their way to the cross-entropy (``labels[..., 1:]``, after Hugging
     Face's pad by one); an encoder-decoder's decoder-as-causal-LM head (BART, Marian, Whisper, ...)
     compares logits and labels position by position, which a plan would silently train differently."""
-    target = ce.args[1] if len(ce.args) > 1 else ce.kwargs.get("target")
+    target = node_arg(ce, 1, "target")
     if not isinstance(target, fx.Node):
         return False
     on_path = _reachable(labels, lambda n: n.users) & _reachable(target, lambda n: n.all_input_nodes)

@@ -167,6 +167,7 @@ def _dispatch_seconds(device: torch.device, repeats: int) -> tuple[float, float]
     the GPU, so no op waits for a transfer."""
     import statistics
 
+    from ..ir import OpKind
     from ..models.gpt import GPT, GPTConfig
     from ..runtime.optim.torch_adamw import TorchAdamW
     from ..runtime.trainer import Trainer
@@ -185,8 +186,8 @@ def _dispatch_seconds(device: torch.device, repeats: int) -> tuple[float, float]
             trainer.step((ids, ids))
             for i, _res, t0, t1 in trainer.last_profile.trace:
                 op = by_id[i]
-                if op.block in layers and op.kind.value in ("compute", "backward"):
-                    (fwd if op.kind.value == "compute" else bwd).append((t1 - t0) / layers[op.block])
+                if op.block in layers and op.kind in (OpKind.COMPUTE, OpKind.BACKWARD):
+                    (fwd if op.kind is OpKind.COMPUTE else bwd).append((t1 - t0) / layers[op.block])
     finally:
         trainer.close()
     return statistics.median(fwd), statistics.median(bwd)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .hf_export import TensorsFromData, export_hf, labels_shifted, logits_path
+from .hf_export import TensorsFromData, export_hf, labels_shifted, logits_path, node_arg
 
 aten = torch.ops.aten
 
@@ -323,12 +323,11 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
         if len(ce) != 1:
             raise TraceError(f"{type(root).__name__}: the head does not end in one cross_entropy (found {len(ce)})")
         c = ce[0]
-        if (c.args[2] if len(c.args) > 2 else c.kwargs.get("weight")) is not None or \
-           (c.args[5] if len(c.args) > 5 else c.kwargs.get("label_smoothing", 0.0)) != 0.0 or \
-           (c.args[4] if len(c.args) > 4 else c.kwargs.get("ignore_index", -100)) != -100:
+        if node_arg(c, 2, "weight") is not None or node_arg(c, 5, "label_smoothing", 0.0) != 0.0 or \
+           node_arg(c, 4, "ignore_index", -100) != -100:
             raise TraceError("the model's cross_entropy uses class weights, label smoothing or an ignore_index "
                              "other than -100; the chunked loss does not reproduce that")
-        bias = lm.args[2] if len(lm.args) > 2 else None
+        bias = node_arg(lm, 2, "bias")
         softcap = getattr(getattr(root, "config", None), "final_logit_softcapping", None)
         scale, odd = logits_path(lm, c, softcap)
         if odd:
@@ -420,18 +419,14 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
     return Split(blocks=blocks, values=values, user_inputs=list(user_inputs), layers_prefix=prefix)
 
 
-def _arg(n: fx.Node, i: int, name: str, default):
-    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
-
-
 def _node_draws(n: fx.Node) -> bool:
     """Does this call draw from the generator?  Dropout with p = 0 (or outside training) does not."""
     if n.target is sdpa or n.target is aten.scaled_dot_product_attention.default:
-        return _arg(n, 4, "dropout_p", 0.0) != 0.0
+        return node_arg(n, 4, "dropout_p", 0.0) != 0.0
     if not (isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags):
         return False
     if "dropout" in n.target.__name__:
-        p, train = _arg(n, 1, "p", 0.5), _arg(n, 2, "train", True)
+        p, train = node_arg(n, 1, "p", 0.5), node_arg(n, 2, "train", True)
         return not (isinstance(p, (int, float)) and p == 0) and train is not False
     return True
 

@@ -165,8 +165,8 @@ class Trainer:
         self.ctx = Ctx(plan=plan, program=self.program, device=self.device, streams=Streams(self.device),
                        store=self.store, pool=HostPool(pin), nvme=nvme, optimizer=optimizer,
                        tracker=GradNormTracker(optimizer.max_grad_norm), lagged=lagged, norm_first=norm_first,
-                       requires_grad=rg, profiler=Profiler(self.device.type == "cuda") if profile else None)
-        self.ctx.frozen = frozen
+                       requires_grad=rg, frozen=frozen,
+                       profiler=Profiler(self.device.type == "cuda") if profile else None)
         self._setup_resident(gpu_params)
         self.steps = 0
         self.last_profile: StepProfile | None = None
