@@ -4,16 +4,22 @@ Each pass's wall time goes into ``plan.history``."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import warnings
 
 from ..ir import GiB, Plan, PlanError, verify
 from ..ir.graph import ModelGraph
 from .cost import CostModel
 from .lower import lower
-from .resident import best_resident, resident_request
+from .resident import resident_request
 from .simulate import simulate
+from .solvers.isolated import DEFAULT_ORDER, SOLVERS
 
 POLICIES = ("milp", "megatrain", "recompute-all", "keep-all")
+DEFAULT_SOLVER = DEFAULT_ORDER[0]
+#: seconds one MILP solve may take by default; a time limit returns the incumbent and its gap
+SOLVE_TIME_LIMIT = 10.0
 #: host bytes per parameter by optimizer (load buffer + grad buffer + master + states)
 HOST_BYTES_PER_PARAM = {"hybrid8bit": 8.25, "adamw": 16.0}
 
@@ -40,32 +46,38 @@ def _as_graph(model, seq_len: int, param_dtype: str, history: list) -> ModelGrap
 
 
 class Compiler:
-    """Everything fixed for one compile: graph, hardware, budgets, options."""
+    """Everything fixed for one compile: graph, hardware, budgets, options; ``search`` answers the
+    questions about plans (``compiler/search.py``)."""
 
     def __init__(self, graph: ModelGraph, hw, budgets: dict, *, param_dtype: str, optimizer: str, clip: bool,
-                 solver: str = "cbc", time_limit: float | None = None, resident: frozenset = frozenset()):
+                 solver: str = DEFAULT_SOLVER, time_limit: float | None = None, resident: frozenset = frozenset(),
+                 choose_resident: bool = False):
+        if solver not in SOLVERS:
+            raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
         self.graph, self.hw, self.budgets = graph, hw, budgets
-        #: blocks every plan of this compiler keeps on the GPU (``Decisions.resident``)
+        #: blocks every plan of this compiler keeps on the GPU (``Decisions.resident``), and whether the
+        #: MILP may keep a leading prefix of the others too
         self.resident = frozenset(resident)
+        self.choose_resident = choose_resident
         self.param_dtype, self.optimizer, self.clip = param_dtype, optimizer, clip
-        self.solver, self.time_limit = solver, time_limit
+        #: the solver asked for first, the other one if it fails
+        self.solver_order = (solver, *(s for s in SOLVERS if s != solver))
+        self.time_limit = time_limit
         self.options = {"host_bytes_per_param": HOST_BYTES_PER_PARAM[optimizer], "optimizer": optimizer,
                         "clip": clip}
-        self._best: dict[tuple, Plan | None] = {}     # memo: (policy, batch, micro-batch, tries) -> plan
+        from .search import Search
+        self.search = Search(self)
+
+    def solve_time_limit(self) -> float:
+        """Seconds one MILP solve may take: the caller's, else ``SOLVE_TIME_LIMIT``."""
+        return self.time_limit if self.time_limit is not None else SOLVE_TIME_LIMIT
 
     def cost(self, micro_batch: int, resident: frozenset | None = None) -> CostModel:
         return CostModel(self.graph, self.hw, micro_batch, self.param_dtype, self.optimizer == "hybrid8bit",
                          resident=self.resident if resident is None else resident)
 
-    def for_resident(self, blocks: frozenset, *, time_limit: float | None = None) -> Compiler:
-        """A compiler with the same graph, hardware, budgets and options whose plans keep ``blocks``
-        resident (``time_limit``: its own solver limit, default this one's)."""
-        return Compiler(self.graph, self.hw, self.budgets, param_dtype=self.param_dtype, optimizer=self.optimizer,
-                        clip=self.clip, solver=self.solver,
-                        time_limit=self.time_limit if time_limit is None else time_limit, resident=blocks)
-
     def with_resident(self, decisions):
-        """``decisions`` with this compiler's resident blocks (policies decide the rest)."""
+        """``decisions`` with this compiler's fixed resident blocks (policies decide the rest)."""
         import dataclasses
         L = self.graph.n_blocks
         res = tuple(j in self.resident for j in range(L)) if self.resident else ()
@@ -113,15 +125,14 @@ class Compiler:
         if kept * M > self.budgets["gpu_bytes"]:
             raise PlanError(f"kept activations alone need {kept * M / GiB:.2f} GiB of GPU memory")
 
-    def decide(self, policy: str, micro_batch: int, n_micro: int, warm=None):
-        from .solvers.heuristics import HEURISTICS
-        if policy in HEURISTICS:
-            return self.with_resident(HEURISTICS[policy](self.graph, micro_batch, n_micro)), None
-        if policy == "milp":
-            from .solvers.milp import solve
-            dec, stats = solve(self, micro_batch, n_micro, warm=warm)
-            return self.with_resident(dec), stats
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    def within_budgets(self, plan: Plan) -> bool:
+        """Check a plan built without budgets against them, and adopt the budgets if it fits."""
+        pred, b = plan.predicted, self.budgets
+        ok = (pred["peak_gpu_bytes"] <= b["gpu_bytes"] and pred["peak_host_bytes"] <= b["host_bytes"]
+              and pred["peak_nvme_bytes"] <= (b.get("nvme_bytes") or 0))
+        if ok:
+            plan.budgets = dict(b)
+        return ok
 
     def micro_batches(self, batch_size: int, micro_batch: int | None) -> list[int]:
         """Candidate micro-batch sizes, largest first: the given one, else divisors of the batch
@@ -131,158 +142,18 @@ class Compiler:
         return sorted((d for d in _divisors(batch_size) if d <= 32), reverse=True)
 
     def best(self, policy: str, batch_size: int, micro_batch: int | None = None, tries: int = 2) -> Plan | None:
-        """Best feasible plan over micro-batch sizes (the given one only, if given).  Larger
-        micro-batches run the GPU more efficiently, so candidates go largest first and the search
-        stops after ``tries`` feasible ones."""
-        key = (policy, batch_size, micro_batch, tries)
-        if key not in self._best:
-            self._best[key] = (self.best_milp(batch_size, micro_batch) if policy == "milp"
-                               else self._best_heuristic_policy(policy, batch_size, micro_batch, tries))
-        return self._best[key]
-
-    def _best_heuristic_policy(self, policy: str, batch_size: int, micro_batch: int | None, tries: int):
-        cands = self.micro_batches(batch_size, micro_batch)          # largest first
-        built: dict[int, Plan | None] = {}
-
-        def plan_at(i: int) -> Plan | None:
-            mb = cands[i]
-            if mb not in built:
-                t = time.perf_counter()
-                try:
-                    dec, stats = self.decide(policy, mb, batch_size // mb)
-                    plan = self.build(dec, batch_size)
-                    plan.solver = stats
-                    plan.history.append({"pass": f"{policy} micro-batch {mb}: decide+lower+verify+simulate",
-                                         "seconds": round(time.perf_counter() - t, 4)})
-                except PlanError:
-                    plan = None
-                built[mb] = plan
-            return built[mb]
-
-        # memory grows with the micro-batch, so feasibility is monotone: bisect for the largest
-        # feasible one, then compare it with the next ``tries - 1`` smaller ones
-        lo, hi = 0, len(cands) - 1
-        if plan_at(hi) is None:
-            return None
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if plan_at(mid) is None:
-                lo = mid + 1
-            else:
-                hi = mid
-        for i in range(lo, min(lo + tries, len(cands))):
-            plan_at(i)
-        feasible = [p for p in built.values() if p is not None]
-        return min(feasible, key=lambda p: p.predicted["step_time_s"])
-
-    def _heuristic_at(self, batch_size: int, mb: int) -> Plan | None:
-        """The best heuristic plan at exactly this micro-batch (a warm start), or None."""
-        plans = [p for pol in ("megatrain", "recompute-all", "keep-all")
-                 if (p := self.best(pol, batch_size, mb)) is not None]
-        return min(plans, key=lambda p: p.predicted["step_time_s"]) if plans else None
-
-    def _within_budgets(self, plan: Plan) -> bool:
-        """Check a plan built without budgets against them, and adopt the budgets if it fits."""
-        pred, b = plan.predicted, self.budgets
-        ok = (pred["peak_gpu_bytes"] <= b["gpu_bytes"] and pred["peak_host_bytes"] <= b["host_bytes"]
-              and pred["peak_nvme_bytes"] <= (b.get("nvme_bytes") or 0))
-        if ok:
-            plan.budgets = dict(b)
-        return ok
-
-    def best_milp(self, batch_size: int, micro_batch: int | None, top: int = 2) -> Plan | None:
-        """Heuristics over every candidate micro-batch (cheap), then the MILP at the ``top`` most
-        promising ones, warm-started from the best heuristic there.  The result is never worse than
-        that heuristic: if the solver's plan simulates slower, the heuristic's plan is returned."""
-        from .solvers.milp import solve
-        heur = [p for pol in ("megatrain", "recompute-all", "keep-all")
-                if (p := self.best(pol, batch_size, micro_batch)) is not None]
-        heur.sort(key=lambda p: p.predicted["step_time_s"])
-        by_mb: dict[int, Plan] = {}
-        for p in heur:
-            by_mb.setdefault(p.micro_batch, p)
-        # the MILP may fit larger micro-batches than any heuristic (by offloading): try those too
-        cands = self.micro_batches(batch_size, micro_batch)
-        top_mb = max(by_mb) if by_mb else 0
-        tries = [(mb, by_mb[mb]) for mb in list(by_mb)[:top]]
-        if by_mb and len(tries) < top:
-            # the heuristics agree on one micro-batch: also try the next smaller one, where the MILP
-            # may keep more activations and so beat the larger micro-batch
-            best_mb = next(iter(by_mb))
-            smaller = [mb for mb in cands if mb < best_mb][:top - len(tries)]
-            tries += [(mb, self._heuristic_at(batch_size, mb)) for mb in smaller]
-        larger = sorted(mb for mb in cands if mb > top_mb)
-        best: Plan | None = None
-        extra = 0
-        while tries or (larger and extra < 1):
-            mb, warm = tries.pop(0) if tries else (larger.pop(0), None)
-            t = time.perf_counter()
-            plan = None
-            budget = self.budgets["gpu_bytes"]
-            stats = None
-            why = "the heuristic warm start simulated faster"
-            excluded: list = []
-            # no-good cuts are exact but enumerate equal-cost assignments one by one: many for a
-            # short chain (cheap solves), few for a long one (symmetric layers), then tighten
-            n_cuts = 16 if self.graph.n_blocks <= 12 else 3
-            for attempt in range(n_cuts + 3):
-                try:
-                    dec, stats = solve(self, mb, batch_size // mb, warm=warm, gpu_bytes=budget,
-                                       exclude=tuple(excluded))
-                    dec = self.with_resident(dec)
-                except PlanError as e:
-                    why = f"the MILP gave no plan ({e})"
-                    stats = getattr(e, "stats", stats)
-                    break
-                trial = self.build(dec, batch_size, check_budget=False)
-                excess = trial.predicted["peak_gpu_bytes"] - self.budgets["gpu_bytes"]
-                if excess <= 0:
-                    plan = trial if self._within_budgets(trial) else None
-                    break
-                # over budget in time order: first exclude this assignment (exact: the next best one
-                # is tried), then, if that keeps failing, tighten the window model's budget
-                if attempt < n_cuts:
-                    excluded.append(dec)
-                else:
-                    budget -= int(excess * 1.05) + 1
-            if warm is not None and (plan is None or warm.predicted["step_time_s"] < plan.predicted["step_time_s"]):
-                if plan is None:
-                    import warnings
-                    warnings.warn(f"micro-batch {mb}: {why}; using the {warm.decisions.policy} plan instead",
-                                  stacklevel=2)
-                plan = warm
-                plan.decisions.notes["milp_fallback"] = f"{why}: {warm.decisions.policy} plan used"
-            if plan is None:
-                if warm is None:
-                    larger = []          # feasibility is monotone in the micro-batch: stop growing
-                continue
-            if warm is None:
-                extra += 1
-            plan.solver = stats
-            plan.history.append({"pass": f"milp micro-batch {mb}: solve+lower+verify+simulate",
-                                 "seconds": round(time.perf_counter() - t, 4)})
-            if best is None or plan.predicted["step_time_s"] < best.predicted["step_time_s"]:
-                best = plan
-        return best
-
-    def best_heuristic(self, batch_size: int, micro_batch: int) -> Plan | None:
-        out = None
-        for pol in ("megatrain", "recompute-all", "keep-all"):
-            p = self.best(pol, batch_size, micro_batch)
-            if p and (out is None or p.predicted["step_time_s"] < out.predicted["step_time_s"]):
-                out = p
-        return out
+        """Best feasible plan of ``policy`` over micro-batch sizes (``Search.best``)."""
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        return self.search.best(policy, batch_size, micro_batch, tries)
 
     def smallest_gpu_need(self, batch_size: int, micro_batch: int | None) -> int:
         """Peak GPU bytes of the most frugal plan we can build: recompute everything, boundaries
-        on the host, the smallest micro-batch."""
-        from ..ir import Decisions, Place, Saved
+        on the host, the smallest micro-batch (with the blocks asked to be resident: they hold their
+        memory whatever else the plan does)."""
         mb = micro_batch or 1
-        L = self.graph.n_blocks
-        dec = Decisions(policy="frugal", micro_batch=mb, n_micro=batch_size // mb, boundary=(Place.HOST,) * L,
-                        saved=(Saved.RECOMPUTE,) * L)
-        # with the blocks asked to be resident: they hold their memory whatever else the plan does
-        return self.build(self.with_resident(dec), batch_size, check_budget=False).predicted["peak_gpu_bytes"]
+        plan = self.build(self.search.frugal(batch_size, mb), batch_size, check_budget=False)
+        return plan.predicted["peak_gpu_bytes"]
 
 
 def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memory=None, reserve=None) -> dict:
@@ -307,7 +178,7 @@ def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memo
 def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micro_batch: int | None = None,
                   gpu_memory=None, host_memory=None, nvme_dir: str | None = None, nvme_memory=None,
                   hardware: str = "h200", policy: str = "milp", optimizer: str = "hybrid8bit",
-                  param_dtype: str = "bfloat16", clip: bool = True, solver: str = "cbc",
+                  param_dtype: str = "bfloat16", clip: bool = True, solver: str = DEFAULT_SOLVER,
                   time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16,
                   resident="auto") -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
@@ -320,10 +191,14 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
 
     ``resident`` keeps blocks on the GPU for the whole run (parameters, optimizer state, gradients;
     their update runs on the GPU, off the host): ``"none"``, ``"auto"`` (default: for the MILP policy
-    on a GPU, when the streamed plan's step is longer than its GPU work -- only then can taking
-    update work off the host help -- the compiler searches how many leading blocks to keep, tied
-    groups whole, and keeps the fastest predicted plan; the fixed policies stream everything, as the
-    systems they stand for do), a number of leading blocks, or a list of block indices.
+    on a GPU the solver chooses how many leading blocks to keep, tied groups whole, jointly with the
+    rest of the plan; the fixed policies stream everything, as the systems they stand for do), a
+    number of leading blocks, or a list of block indices.
+
+    ``solver``: the MILP solver tried first (``"highs"`` or ``"cbc"``); every solve runs in a child
+    process, so a solver that crashes or hangs costs that solve only: the other solver is tried,
+    then the best heuristic plan is used, with one warning and the failures in ``plan.solver``.
+    ``time_limit``: seconds per solve (default ``SOLVE_TIME_LIMIT``).
     """
     from .hardware import get_profile
     if policy not in POLICIES:
@@ -342,12 +217,15 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
     fixed, auto = resident_request(graph, resident)
     comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
-                    solver=solver, time_limit=time_limit, resident=fixed)
+                    solver=solver, time_limit=time_limit, resident=fixed,
+                    choose_resident=auto and policy == "milp" and hw.has_gpu)
 
     if batch_size == "max":
         if not isinstance(max_batch_limit, int) or max_batch_limit < 1:
             raise ValueError(f"max_batch_limit must be a positive integer, got {max_batch_limit!r}")
-        plan = _max_batch(comp, policy, micro_batch, max_batch_limit)
+        plan, tried = comp.search.max_batch(policy, micro_batch, max_batch_limit)
+        if plan is None:
+            raise _budget_error(comp, tried, micro_batch)
     else:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer or 'max', got {batch_size!r}")
@@ -356,15 +234,16 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         plan = comp.best(policy, batch_size, micro_batch)
         if plan is None:
             raise _budget_error(comp, batch_size, micro_batch, policy)
-        if auto and policy == "milp" and hw.has_gpu:
-            plan = best_resident(comp, policy, batch_size, micro_batch, plan)
-    history = history + plan.history
+    if comp.search.failures:
+        warnings.warn("the MILP solvers failed (" + "; ".join(comp.search.failures) + "); the plan comes from "
+                      f"the {plan.decisions.policy} policy where they did (plan.solver.failures)", stacklevel=2)
+    # the plan returned is the caller's: a copy, so the search's memo stays as it was
+    plan = dataclasses.replace(plan, predicted=dict(plan.predicted), budgets=dict(plan.budgets))
     if policy != "megatrain":
         base = comp.best("megatrain", plan.batch_size)
         if base is not None:
             plan.predicted["megatrain_step_time_s"] = base.predicted["step_time_s"]
-    history.append({"pass": "total", "seconds": round(time.perf_counter() - t0, 4)})
-    plan.history = history
+    plan.history = [*history, *plan.history, {"pass": "total", "seconds": round(time.perf_counter() - t0, 4)}]
     return plan
 
 
@@ -405,45 +284,3 @@ def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, poli
            f"is {comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB: lower the batch or the sequence"
            f"{', keep fewer blocks resident' if held else ''}, or raise --gpu-memory")
     return BudgetError(msg)
-
-
-def _max_batch(comp: Compiler, policy: str, micro_batch: int | None, limit: int = 1 << 16) -> Plan:
-    """Largest batch (at most ``limit``) with a feasible plan: doubling, then bisection (feasibility
-    is monotone in the batch for a fixed micro-batch).  For the MILP, a batch is feasible when its
-    most frugal plan fits (recompute everything, boundaries on the host): that plan lies in the
-    MILP's space."""
-    step = micro_batch or 1
-    limit = max(step, limit // step * step)
-
-    def feasible(b: int) -> bool:
-        if policy == "milp":
-            try:
-                from ..ir import Decisions, Place, Saved
-                L = comp.graph.n_blocks
-                dec = Decisions(policy="frugal", micro_batch=step, n_micro=b // step, boundary=(Place.HOST,) * L,
-                                saved=(Saved.RECOMPUTE,) * L)
-                comp.build(dec, b)
-                return True
-            except PlanError:
-                return False
-        return comp.best(policy, b, step) is not None
-
-    lo, hi = 0, step
-    while feasible(hi):
-        lo = hi
-        if lo >= limit:
-            break
-        hi = min(hi * 2, limit)
-    if lo == 0:
-        raise _budget_error(comp, step, micro_batch)
-    while hi - lo > step:
-        mid = (lo + hi) // 2 // step * step
-        if mid <= lo:
-            break
-        lo, hi = (mid, hi) if feasible(mid) else (lo, mid)
-    plan = comp.best(policy, lo, micro_batch)
-    if plan is None:     # cannot happen for the frugal witness, but never return nothing silently
-        raise _budget_error(comp, lo, micro_batch)
-    plan.decisions.notes["batch_search"] = (f"largest feasible batch {lo} (next {lo + step} does not fit)"
-                                            if lo < limit else f"batch {lo}: the search's limit; larger may fit")
-    return plan

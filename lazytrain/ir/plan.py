@@ -34,6 +34,10 @@ class SolverStats:
     n_vars: int = 0
     n_constraints: int = 0
     seconds: float = 0.0
+    #: the solver that answered ("highs", "cbc"), and what happened to those tried before it or,
+    #: when none answered, to every one ("cbc crashed (SIGSEGV)"): the plan then comes from a heuristic
+    solver: str = ""
+    failures: tuple[str, ...] = ()
 
 
 @dataclass(kw_only=True)
@@ -127,7 +131,8 @@ class Plan:
                         batch_size=int(d["batch_size"]), seq_len=int(d["seq_len"]),
                         param_dtype=str(d["param_dtype"]), decisions=Decisions.from_json(d["decisions"]),
                         ops=[Op.from_json(o) for o in d["ops"]], predicted=dict(d.get("predicted") or {}),
-                        solver=None if not d.get("solver") else SolverStats(**d["solver"]),
+                        solver=None if not d.get("solver") else SolverStats(
+                            **{**d["solver"], "failures": tuple(d["solver"].get("failures") or ())}),
                         history=list(d.get("history") or []), options=dict(d.get("options") or {}))
         except PlanError:
             raise

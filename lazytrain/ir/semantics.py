@@ -55,10 +55,13 @@ class Sizes:
     def resident_bytes(self) -> int:
         """GPU bytes held for the whole run by resident blocks: parameters, optimizer state and
         the fp32 gradient accumulator of every owned parameter (tied links are views of the owner's)."""
-        per = self.param_bytes + self.device_state_bytes + GRAD_ACCUM_BYTES
-        if self.param_bytes == 4:
-            per -= 4            # fp32 parameters are their own master
+        per = self.resident_bytes_per_param()
         return int(sum(self.graph.blocks[j].owned_numel * per for j in self.resident))
+
+    def resident_bytes_per_param(self) -> float:
+        """GPU bytes per owned parameter of a resident block (see ``resident_bytes``)."""
+        per = self.param_bytes + self.device_state_bytes + GRAD_ACCUM_BYTES
+        return per - 4 if self.param_bytes == 4 else per     # fp32 parameters are their own master
 
     @property
     def param_bytes(self) -> int:

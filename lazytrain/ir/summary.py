@@ -58,7 +58,10 @@ def summary_rows(plan) -> list[list]:
         st = plan.solver
         objective = f"{st.objective:.4f}" if isinstance(st.objective, (int, float)) else st.objective
         gap = f"{st.gap:.2%}" if isinstance(st.gap, (int, float)) else st.gap
-        rows.append(["solver", f"{st.status}, objective {objective}, gap {gap}, {st.n_vars} vars, "
+        name = f"{st.solver} " if st.solver else ""
+        rows.append(["solver", f"{name}{st.status}, objective {objective}, gap {gap}, {st.n_vars} vars, "
                                f"{st.n_constraints} constraints, {st.seconds:.2f} s"])
+        if st.failures:
+            rows.append(["solver failures", "; ".join(st.failures)])
     # a value wraps onto more lines rather than widening the table past a terminal (~100 columns)
     return [[k, textwrap.fill(str(v), VALUE_WIDTH, break_long_words=False)] for k, v in rows]

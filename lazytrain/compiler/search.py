@@ -1,0 +1,221 @@
+"""The search over plans a compile runs: per policy, the best micro-batch; for the MILP, solves
+warm-started from the best heuristic, checked in time order after lowering (no-good cuts, then a
+tightened budget), with a fallback when the solver fails; and the largest batch that fits.
+
+Every plan returned is memoized and never mutated afterwards: a plan adapted for another answer
+(the heuristic plan that stands in for a failed solve, with its note) is a copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+
+from ..ir import Decisions, Place, Plan, PlanError, Saved, SolverStats
+from .solvers import isolated
+from .solvers.heuristics import HEURISTICS
+from .solvers.milp import MilpOptions, coefficients, solve
+
+#: MILP attempts per micro-batch that exclude an assignment found over budget in time order before the
+#: window model's budget is tightened instead: no-good cuts are exact but enumerate equal-cost
+#: assignments one by one -- many for a short chain (cheap solves), few for a long one (symmetric layers)
+NO_GOOD_CUTS_SHORT, NO_GOOD_CUTS_LONG = 16, 3
+TIGHTENINGS = 3
+
+
+def _step(p: Plan) -> float:
+    return p.predicted["step_time_s"]
+
+
+def _with_note(plan: Plan, note: str, stats: SolverStats | None) -> Plan:
+    """A copy of ``plan`` (a memoized heuristic plan) standing in for the MILP, saying why."""
+    dec = dataclasses.replace(plan.decisions, notes={**plan.decisions.notes, "milp_fallback": note})
+    return dataclasses.replace(plan, decisions=dec, solver=stats, history=list(plan.history))
+
+
+class Search:
+    """Plans of one compiler (graph, hardware, budgets, options), memoized per question."""
+
+    def __init__(self, comp):
+        self.comp = comp
+        self._memo: dict[tuple, Plan | None] = {}
+        #: solver failures met in this search (the caller warns once)
+        self.failures: list[str] = []
+
+    # -- any policy ------------------------------------------------------------------------------
+    def best(self, policy: str, batch_size: int, micro_batch: int | None = None, tries: int = 2) -> Plan | None:
+        """Best feasible plan over micro-batch sizes (the given one only, if given)."""
+        key = (policy, batch_size, micro_batch, tries)
+        if key not in self._memo:
+            self._memo[key] = (self.best_milp(batch_size, micro_batch) if policy == "milp"
+                               else self.best_heuristic(policy, batch_size, micro_batch, tries))
+        return self._memo[key]
+
+    def best_heuristic(self, policy: str, batch_size: int, micro_batch: int | None, tries: int) -> Plan | None:
+        """Larger micro-batches run the GPU more efficiently and memory grows with them, so
+        feasibility is monotone: bisect for the largest feasible one, then compare it with the next
+        ``tries - 1`` smaller ones."""
+        cands = self.comp.micro_batches(batch_size, micro_batch)          # largest first
+        built: dict[int, Plan | None] = {}
+
+        def plan_at(i: int) -> Plan | None:
+            mb = cands[i]
+            if mb not in built:
+                t = time.perf_counter()
+                try:
+                    dec = self.comp.with_resident(HEURISTICS[policy](self.comp.graph, mb, batch_size // mb))
+                    plan = self.comp.build(dec, batch_size)
+                    plan.history.append({"pass": f"{policy} micro-batch {mb}: decide+lower+verify+simulate",
+                                         "seconds": round(time.perf_counter() - t, 4)})
+                except PlanError:
+                    plan = None
+                built[mb] = plan
+            return built[mb]
+
+        lo, hi = 0, len(cands) - 1
+        if plan_at(hi) is None:
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if plan_at(mid) is None:
+                lo = mid + 1
+            else:
+                hi = mid
+        for i in range(lo, min(lo + tries, len(cands))):
+            plan_at(i)
+        return min((p for p in built.values() if p is not None), key=_step)
+
+    def heuristics(self, batch_size: int, micro_batch: int | None) -> list[Plan]:
+        """The heuristic policies' best plans, fastest first."""
+        plans = [p for pol in HEURISTICS if (p := self.best(pol, batch_size, micro_batch)) is not None]
+        return sorted(plans, key=_step)
+
+    # -- the MILP ------------------------------------------------------------------------------
+    def best_milp(self, batch_size: int, micro_batch: int | None, top: int = 2) -> Plan | None:
+        """Heuristics over every candidate micro-batch (cheap), then the MILP at the ``top`` most
+        promising ones, warm-started from the best heuristic there, and at one larger micro-batch than
+        any heuristic fits (the MILP may fit it by offloading).  Never worse than the heuristic: if
+        the solver's plan simulates slower, or the solver fails, the heuristic's plan is returned."""
+        by_mb: dict[int, Plan] = {}
+        for p in self.heuristics(batch_size, micro_batch):
+            by_mb.setdefault(p.micro_batch, p)
+        cands = self.comp.micro_batches(batch_size, micro_batch)
+        tries = [(mb, by_mb[mb]) for mb in list(by_mb)[:top]]
+        if by_mb and len(tries) < top:
+            # the heuristics agree on one micro-batch: also try the next smaller one, where the MILP
+            # may keep more activations and so beat the larger micro-batch
+            smaller = [mb for mb in cands if mb < next(iter(by_mb))][:top - len(tries)]
+            tries += [(mb, (self.heuristics(batch_size, mb) or [None])[0]) for mb in smaller]
+        top_mb = max(by_mb) if by_mb else 0
+        larger = sorted(mb for mb in cands if mb > top_mb)
+        best: Plan | None = None
+        extra = 0
+        while tries or (larger and extra < 1):
+            mb, warm = tries.pop(0) if tries else (larger.pop(0), None)
+            plan = self.milp_at(batch_size, mb, warm)
+            if plan is None:
+                if warm is None:
+                    larger = []          # feasibility is monotone in the micro-batch: stop growing
+                continue
+            if warm is None:
+                extra += 1
+            if best is None or _step(plan) < _step(best):
+                best = plan
+        return best
+
+    def milp_at(self, batch_size: int, mb: int, warm: Plan | None) -> Plan | None:
+        """The MILP's plan at one micro-batch, checked in time order, or ``warm`` where that is
+        faster or the MILP has none."""
+        comp = self.comp
+        t = time.perf_counter()
+        n_micro = batch_size // mb
+        opts = MilpOptions(clip=comp.clip, order=comp.solver_order, time_limit=comp.solve_time_limit(),
+                           resident=comp.resident, choose_resident=comp.choose_resident)
+        plan, stats, why = None, None, "the heuristic warm start simulated faster"
+        excluded: list[Decisions] = []
+        budget = comp.budgets["gpu_bytes"]
+        n_cuts = NO_GOOD_CUTS_SHORT if comp.graph.n_blocks <= 12 else NO_GOOD_CUTS_LONG
+        coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, n_micro, comp.options["host_bytes_per_param"])
+        for attempt in range(n_cuts + TIGHTENINGS):
+            try:
+                dec, stats = solve(coef, opts, micro_batch=mb, warm=warm.decisions if warm else None,
+                                   exclude=tuple(excluded))
+            except isolated.SolverFailure as e:
+                self.failures += [f for f in e.failures if f not in self.failures]
+                stats = SolverStats(status="solver failed", failures=tuple(e.failures))
+                why = f"the MILP solvers failed ({e})"
+                break
+            except PlanError as e:
+                why = f"the MILP gave no plan ({e})"
+                stats = getattr(e, "stats", stats)
+                break
+            trial = comp.build(dec, batch_size, check_budget=False)
+            excess = trial.predicted["peak_gpu_bytes"] - comp.budgets["gpu_bytes"]
+            if excess <= 0:
+                plan = trial if comp.within_budgets(trial) else None
+                break
+            # over budget in time order: first exclude this assignment (exact: the next best one
+            # is tried), then, if that keeps failing, tighten the window model's budget
+            if attempt < n_cuts:
+                excluded.append(dec)
+            else:
+                budget -= int(excess * 1.05) + 1
+                coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, n_micro,
+                                    comp.options["host_bytes_per_param"], gpu_bytes=budget)
+        if warm is not None and (plan is None or _step(warm) < _step(plan)):
+            if plan is None and stats is not None and stats.status != "solver failed":
+                warnings.warn(f"micro-batch {mb}: {why}; using the {warm.decisions.policy} plan instead",
+                              stacklevel=3)
+            return _with_note(warm, f"{why}: {warm.decisions.policy} plan used", stats)
+        if plan is None:
+            return None
+        plan.solver = stats
+        plan.history.append({"pass": f"milp micro-batch {mb}: solve+lower+verify+simulate",
+                             "seconds": round(time.perf_counter() - t, 4)})
+        return plan
+
+    # -- the batch -----------------------------------------------------------------------------
+    def frugal(self, batch_size: int, micro_batch: int) -> Decisions:
+        """The most frugal plan of the MILP's space: recompute everything, boundaries on the host."""
+        L = self.comp.graph.n_blocks
+        return self.comp.with_resident(Decisions(policy="frugal", micro_batch=micro_batch,
+                                                 n_micro=batch_size // micro_batch,
+                                                 boundary=(Place.HOST,) * L, saved=(Saved.RECOMPUTE,) * L))
+
+    def max_batch(self, policy: str, micro_batch: int | None, limit: int) -> tuple[Plan | None, int]:
+        """(plan, batch) for the largest batch (at most ``limit``) with a feasible plan: doubling, then
+        bisection (feasibility is monotone in the batch for a fixed micro-batch).  For the MILP, a
+        batch is feasible when its most frugal plan fits: that plan lies in the MILP's space."""
+        step = micro_batch or 1
+        limit = max(step, limit // step * step)
+
+        def feasible(b: int) -> bool:
+            if policy == "milp":
+                try:
+                    self.comp.build(self.frugal(b, step), b)
+                    return True
+                except PlanError:
+                    return False
+            return self.best(policy, b, step) is not None
+
+        lo, hi = 0, step
+        while feasible(hi):
+            lo = hi
+            if lo >= limit:
+                break
+            hi = min(hi * 2, limit)
+        if lo == 0:
+            return None, step
+        while hi - lo > step:
+            mid = (lo + hi) // 2 // step * step
+            if mid <= lo:
+                break
+            lo, hi = (mid, hi) if feasible(mid) else (lo, mid)
+        plan = self.best(policy, lo, micro_batch)
+        if plan is None:
+            return None, lo
+        note = (f"largest feasible batch {lo} (next {lo + step} does not fit)" if lo < limit
+                else f"batch {lo}: the search's limit; larger may fit")
+        dec = dataclasses.replace(plan.decisions, notes={**plan.decisions.notes, "batch_search": note})
+        return dataclasses.replace(plan, decisions=dec, history=list(plan.history)), lo

@@ -1,0 +1,212 @@
+"""Solve a ``LinearModel`` in a child process, so that a solver library that crashes, hangs or answers
+garbage costs at most that solve, never the caller's process.
+
+One long-lived worker per solver (``solver_worker.py``, a script that imports only mip) serves every
+solve of this process: it starts once (~0.3 s) and a compile's many small solves pay no start-up.
+A solve is tried on each solver of ``order`` in turn; a failure is
+
+- a crash (the worker exits: a signal such as SIGSEGV, or an abort),
+- a hang (no answer within the time limit plus ``GRACE_S``: the worker is killed),
+- garbage (an answer that is not JSON, or a solution that violates the model's bounds or rows),
+- an error inside the worker (a missing library, a bad model).
+
+``infeasible`` and ``no_solution`` (nothing found in time) are answers, not failures.  When every
+solver fails, ``SolverFailure`` carries what happened to each, for the caller's one warning.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .lp import LinearModel
+
+#: solvers in the order tried when the caller names none: HiGHS first (no crash in the grid of
+#: ``benchmarks/solver_grid.py``, where CBC crashed or was slower; see its results table)
+DEFAULT_ORDER = ("highs", "cbc")
+SOLVERS = ("highs", "cbc")
+#: seconds past a solve's time limit before the worker counts as hung: solvers overrun their limit by
+#: their last node and the model's build (~0.1 s for 80 layers on 2 cores)
+GRACE_S = 5.0
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "solver_worker.py")
+
+
+@dataclass
+class SolveResult:
+    status: str                      # optimal | feasible | infeasible | no_solution
+    objective: float | None
+    gap: float | None
+    x: list[float] | None
+    seconds: float
+    solver: str
+    #: what went wrong on the solvers tried before this one ("cbc crashed (SIGSEGV)")
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("optimal", "feasible")
+
+
+class SolverFailure(RuntimeError):
+    """Every solver failed on one model; ``failures`` says how, one line each."""
+
+    def __init__(self, failures: list[str]):
+        super().__init__("; ".join(failures))
+        self.failures = failures
+
+
+class _Worker:
+    """One solver process and its pipes.  Not thread-safe on its own: ``_lock`` serialises use."""
+
+    def __init__(self, command: list[str]):
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                     start_new_session=True)
+        self.buffer = b""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def ask(self, request: dict, timeout: float) -> dict:
+        """Send one request; the decoded answer, or raise ``_Failed`` naming what went wrong."""
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise _Failed(self._death()) from None
+        deadline = time.monotonic() + timeout
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        try:
+            while b"\n" not in self.buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    self.kill()
+                    raise _Failed(f"hung (no answer {timeout:.0f} s after it started; killed)")
+                chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+                if not chunk:
+                    raise _Failed(self._death())
+                self.buffer += chunk
+        finally:
+            sel.close()
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        try:
+            out = json.loads(line)
+        except ValueError:
+            self.kill()
+            raise _Failed(f"answered garbage ({line[:60]!r})") from None
+        if not isinstance(out, dict):
+            raise _Failed(f"answered garbage ({line[:60]!r})")
+        return out
+
+    def _death(self) -> str:
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = self.proc.returncode
+        if code is not None and code < 0:
+            try:
+                why = signal.Signals(-code).name
+            except ValueError:
+                why = f"signal {-code}"
+        else:
+            why = f"exit status {code}"
+        return f"crashed ({why}{self._stderr_tail()})"
+
+    def _stderr_tail(self) -> str:
+        try:
+            self.stderr.seek(0)
+            lines = [s for s in self.stderr.read().decode(errors="replace").splitlines() if s.strip()]
+        except OSError:
+            return ""
+        return f": {lines[-1].strip()[:120]}" if lines else ""
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=2)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+        self.stderr.close()
+
+
+class _Failed(Exception):
+    pass
+
+
+_lock = threading.Lock()
+_workers: dict[str, _Worker] = {}
+
+
+def worker_command() -> list[str]:
+    """The command that starts a solver process (a test may point it at a program that crashes)."""
+    return [sys.executable, "-s", WORKER]
+
+
+def _worker(solver: str) -> _Worker:
+    w = _workers.get(solver)
+    if w is None or not w.alive():
+        if w is not None:
+            w.close()
+        w = _workers[solver] = _Worker(worker_command())
+    return w
+
+
+@atexit.register
+def shutdown() -> None:
+    """Stop the solver processes (also at interpreter exit)."""
+    with _lock:
+        for w in _workers.values():
+            w.close()
+        _workers.clear()
+
+
+def solve(model: LinearModel, *, order: tuple[str, ...] = DEFAULT_ORDER, time_limit: float, gap: float,
+          cuts: int | None = None) -> SolveResult:
+    """Solve ``model`` on the first solver of ``order`` that answers soundly."""
+    data = model.to_json()
+    failures: list[str] = []
+    for solver in order:
+        request = {"solver": solver, "model": data, "time_limit": time_limit, "gap": gap, "cuts": cuts}
+        t0 = time.perf_counter()
+        with _lock:
+            try:
+                out = _worker(solver).ask(request, time_limit + GRACE_S)
+            except _Failed as e:
+                failures.append(f"{solver} {e}")
+                continue
+        if out.get("status") == "error":
+            failures.append(f"{solver} failed ({out.get('error', 'no reason given')})")
+            continue
+        status = out.get("status")
+        x = out.get("x")
+        if status in ("optimal", "feasible"):
+            bad = model.check(x) if isinstance(x, list) else "no solution values"
+            if bad is not None:
+                failures.append(f"{solver} returned an invalid solution ({bad})")
+                continue
+        elif status not in ("infeasible", "no_solution", "unbounded"):
+            failures.append(f"{solver} answered an unknown status {status!r}")
+            continue
+        return SolveResult(status=status, objective=out.get("objective"), gap=out.get("gap"), x=x,
+                           seconds=time.perf_counter() - t0, solver=solver, failures=failures)
+    raise SolverFailure(failures)
