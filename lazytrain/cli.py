@@ -62,8 +62,11 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="h200", help="built-in profile name or a file from `lazytrain profile`")
     p.add_argument("--policy", default="milp", choices=["milp", "megatrain", "recompute-all", "keep-all"])
     p.add_argument("--optimizer", default="hybrid8bit", choices=["hybrid8bit", "adamw"])
-    p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
-    p.add_argument("--time-limit", type=_positive_float, default=None, help="MILP time limit per solve, seconds")
+    p.add_argument("--solver", default="highs", choices=["highs", "cbc"],
+                   help="MILP solver tried first (default highs); the other is the fallback. Solves run in a "
+                        "child process: a solver crash costs that solve, never the compile")
+    p.add_argument("--time-limit", type=_positive_float, default=None,
+                   help="MILP time limit per solve, seconds (default: the compile's solver budget, a few seconds)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype")
     _add_resident_arg(p)
 

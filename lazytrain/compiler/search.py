@@ -22,6 +22,12 @@ from .solvers.milp import MilpOptions, coefficients, solve
 #: assignments one by one -- many for a short chain (cheap solves), few for a long one (symmetric layers)
 NO_GOOD_CUTS_SHORT, NO_GOOD_CUTS_LONG = 16, 3
 TIGHTENINGS = 3
+#: solver seconds one compile spends in all (its first solve may take most of them; every solve gets
+#: at least ``MIN_SOLVE_S``): a compile answers in seconds whatever the solver's luck, and a time limit
+#: returns the incumbent.  Chains up to ``SHORT_BUDGET_BLOCKS`` blocks (8B-class models) get less.
+SOLVER_BUDGET_S, SHORT_SOLVER_BUDGET_S, SHORT_BUDGET_BLOCKS = 12.0, 4.0, 48
+MIN_SOLVE_S = 0.5
+FIRST_SOLVE_SHARE = 0.6
 
 
 def _step(p: Plan) -> float:
@@ -42,6 +48,20 @@ class Search:
         self._memo: dict[tuple, Plan | None] = {}
         #: solver failures met in this search (the caller warns once)
         self.failures: list[str] = []
+        L = comp.graph.n_blocks
+        #: solver seconds left to this search (``SOLVER_BUDGET_S``); unused when the caller set a time limit
+        self.solver_left = SHORT_SOLVER_BUDGET_S if L <= SHORT_BUDGET_BLOCKS else SOLVER_BUDGET_S
+        self._solves = 0
+
+    def time_limit(self) -> float:
+        """The next solve's limit: the caller's, else a share of the solver seconds left."""
+        if self.comp.time_limit is not None:
+            return self.comp.time_limit
+        share = FIRST_SOLVE_SHARE if self._solves == 0 else 0.5
+        return max(MIN_SOLVE_S, min(self.comp.solve_time_limit(), self.solver_left * share))
+
+    def out_of_time(self) -> bool:
+        return self.comp.time_limit is None and self.solver_left <= 0
 
     # -- any policy ------------------------------------------------------------------------------
     def best(self, policy: str, batch_size: int, micro_batch: int | None = None, tries: int = 2) -> Plan | None:
@@ -112,6 +132,8 @@ class Search:
         best: Plan | None = None
         extra = 0
         while tries or (larger and extra < 1):
+            if best is not None and self.out_of_time():
+                break            # the budget is spent: keep the best plan so far
             mb, warm = tries.pop(0) if tries else (larger.pop(0), None)
             plan = self.milp_at(batch_size, mb, warm)
             if plan is None:
@@ -130,8 +152,9 @@ class Search:
         comp = self.comp
         t = time.perf_counter()
         n_micro = batch_size // mb
-        opts = MilpOptions(clip=comp.clip, order=comp.solver_order, time_limit=comp.solve_time_limit(),
-                           resident=comp.resident, choose_resident=comp.choose_resident)
+        def opts() -> MilpOptions:
+            return MilpOptions(clip=comp.clip, order=comp.solver_order, time_limit=self.time_limit(),
+                               resident=comp.resident, choose_resident=comp.choose_resident)
         plan, stats, why = None, None, "the heuristic warm start simulated faster"
         excluded: list[Decisions] = []
         budget = comp.budgets["gpu_bytes"]
@@ -139,8 +162,13 @@ class Search:
         coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, n_micro, comp.options["host_bytes_per_param"])
         for attempt in range(n_cuts + TIGHTENINGS):
             try:
-                dec, stats = solve(coef, opts, micro_batch=mb, warm=warm.decisions if warm else None,
-                                   exclude=tuple(excluded))
+                t_solve = time.perf_counter()
+                try:
+                    dec, stats = solve(coef, opts(), micro_batch=mb, warm=warm.decisions if warm else None,
+                                       exclude=tuple(excluded))
+                finally:
+                    self._solves += 1
+                    self.solver_left -= time.perf_counter() - t_solve
             except isolated.SolverFailure as e:
                 self.failures += [f for f in e.failures if f not in self.failures]
                 stats = SolverStats(status="solver failed", failures=tuple(e.failures))
