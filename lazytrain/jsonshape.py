@@ -6,7 +6,7 @@ raises one error naming the file, the field and what it must be.  The shape gram
 
     shape ::= int | float | str | bool | None      -- a whole number in [0, 2**62) (never a bool), a
                                                     -- finite number >= 0, a string, true/false, null
-            | Int(lo, hi) | Num(lo, hi, finite)    -- bounded numbers
+            | Int(lo, hi) | Num(lo, hi, finite, nan)  -- bounded numbers (hi exclusive)
             | OneOf(v, ...)                        -- one of these literal values
             | Either(shape, ...)                   -- the first that fits
             | {"key": shape, "k2": Opt(shape)}     -- an object with these keys (Opt: may be absent;
@@ -33,7 +33,8 @@ class Int:
 class Num:
     lo: float = 0.0
     hi: float = math.inf        # exclusive
-    finite: bool = True
+    finite: bool = True         # refuse +-inf
+    nan: bool = False           # accept NaN (a loss that diverged is a fact to keep, not a malformed file)
 
 
 class OneOf:
@@ -102,7 +103,10 @@ def check_shape(v, shape, path: str = "") -> None:
     elif isinstance(shape, Num):
         if not _is_num(v):
             raise _fail(path, "a number", v)
-        if math.isnan(v) or (math.isinf(v) and shape.finite) or not (math.isinf(v) or shape.lo <= v < shape.hi):
+        if math.isnan(v):
+            if not shape.nan:
+                raise _fail(path, "a number (not NaN)", v)
+        elif (math.isinf(v) and shape.finite) or not (math.isinf(v) or shape.lo <= v < shape.hi):
             rng = f"in [{shape.lo:g}, {shape.hi:g})" if shape.finite else f"at least {shape.lo:g}"
             raise _fail(path, f"a {'finite ' if shape.finite else ''}number {rng}", v)
     elif shape is str or shape is bool:
