@@ -127,11 +127,13 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
                                                          "auto_map", "trust_remote_code")}
     # encoder families (BERT, RoBERTa, ...) are causal LMs only as decoders; decoder-only models ignore it
     fields.setdefault("is_decoder", True)
+    _check_hf_fields(cfg, cls(), source)
     try:
         hf_cfg = tf.AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # noqa: BLE001 - transformers validates fields with several exception types
-        raise ValueError(f"{source}: bad {model_type} config: {type(e).__name__}: {e}") from None
-    _check_hf_fields(cfg, hf_cfg, cls(), source)
+        raise ValueError(f"{source}: bad {model_type} config: {type(e).__name__}: {' '.join(str(e).split())}") \
+            from None
+    _check_rope(hf_cfg, source)
     with torch.device(device):
         try:
             try:
@@ -144,7 +146,7 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
                                                             trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - a field transformers accepts but cannot build (hidden_act)
             first = (str(e).strip().splitlines() or [""])[0]
-            raise ValueError(f"{source}: bad {model_type} config: {type(e).__name__}: {first}") from None
+            raise ValueError(f"{source}: cannot build the {model_type} model: {type(e).__name__}: {first}") from None
     return model.to(dtype)
 
 
@@ -209,10 +211,10 @@ def _check_dataclass_fields(cfg, source: str) -> None:
             _check_number(f.name, v, source)
 
 
-def _check_hf_fields(given: dict, built, default, source: str) -> None:
+def _check_hf_fields(given: dict, default, source: str) -> None:
     """A Hugging Face config's fields against the architecture's defaults: a flag must be true or false,
     a number a finite number (positive for scales and lengths, a probability for dropout), as the
-    default's type says; transformers itself stores most fields unchecked."""
+    default's type says; transformers checks some types (one line of its own) and no ranges."""
     for key, v in given.items():
         ref = getattr(default, key, None)
         if isinstance(ref, bool):
@@ -220,7 +222,11 @@ def _check_hf_fields(given: dict, built, default, source: str) -> None:
                 raise ValueError(f"{source}: {key} must be true or false, got {v!r}")
         elif isinstance(ref, (int, float)) and v is not None:
             _check_number(key, v, source)
-    rope = getattr(built, "rope_parameters", None)      # where transformers 5 keeps rope_theta
+
+
+def _check_rope(built, source: str) -> None:
+    """Rotary parameters as the built config holds them (transformers 5 moves rope_theta there)."""
+    rope = getattr(built, "rope_parameters", None)
     for key, v in (rope.items() if isinstance(rope, dict) else ()):
         if key == "rope_theta" or (isinstance(v, (int, float)) and not isinstance(v, bool)):
             _check_number(f"rope_parameters.{key}", v, source)

@@ -70,8 +70,8 @@ def check_positions(model, seq_len: int, name: str = "the model") -> None:
     position table is indexed past its end) or extrapolates rotary angles it was never trained on."""
     have = declared_positions(model)
     if have is not None and seq_len > have:
-        raise ValueError(f"seq_len {seq_len:,} is longer than the {have:,} positions {name} handles: use a "
-                         f"shorter sequence, or a model configured for more positions")
+        raise ValueError(f"seq_len {seq_len:,} is beyond the positions {name} handles ({have:,}): use a shorter "
+                         f"sequence, or a model configured for more positions")
 
 
 def min_blocks(model) -> int:
@@ -122,7 +122,9 @@ def check_compile_args(model, *, batch_size, seq_len: int, micro_batch: int | No
         _whole(seq_len, "seq_len", MAX_SEQ_LEN)
     else:
         check_sizes(batch_size, seq_len)
-        check_micro_batches(batch_size, min_blocks(model), micro_batch)
+        blocks = min_blocks(model)
+        if blocks <= MAX_MICRO_BATCH_BLOCKS:      # more is an absurd config, which building it reports
+            check_micro_batches(batch_size, blocks, micro_batch)
     check_positions(model, seq_len, f"model {model!r}" if isinstance(model, str) else "the model")
     if nvme_dir is not None:
         check_nvme_dir(nvme_dir)

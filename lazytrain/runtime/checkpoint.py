@@ -105,7 +105,9 @@ def _write(trainer, tmp: Path) -> dict:
             if "step" in state:
                 block_steps[str(j)] = int(state["step"].max().item()) if state["step"].numel() else 0
             name = f"block_{j:04d}.safetensors"
-            save_file(tensors, str(tmp / name), metadata={"format": FORMAT, "block": str(j)})
+            # one metadata entry: safetensors writes several in a random order, and the same state should
+            # be the same bytes (the same SHA-256) whenever it is saved
+            save_file(tensors, str(tmp / name), metadata={"format": FORMAT})
             _fsync_file(tmp / name)
             digests[name] = pool.submit(sha256_file, tmp / name)
             files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": None, "tensors": describe(tensors)}
