@@ -51,9 +51,11 @@ def _presets() -> str:
 
 def _add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help=f"a preset ({_presets()}), a Hugging Face config.json (or its folder), "
-                                 f"or package.module:factory")
+                                 f"or package.module:factory (imports that module and calls the factory: it runs "
+                                 f"code, so name only code you trust)")
     p.add_argument("--batch", type=_batch, default=8, help="global batch size, or 'max' (default 8)")
-    p.add_argument("--seq", type=_positive, default=1024, help="sequence length (default 1024)")
+    p.add_argument("--seq", type=_positive, default=None,
+                   help="sequence length (default 1024, or the positions the model handles when it has fewer)")
     p.add_argument("--micro-batch", type=_positive, default=None, help="micro-batch size (default: chosen)")
     p.add_argument("--gpu-memory", type=_size, default=None, help="GPU budget, e.g. 24GiB (default: the GPU's)")
     p.add_argument("--host-memory", type=_size, default=None, help="host budget (default: the host's)")
@@ -106,6 +108,13 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _seed(text: str) -> int:
+    v = _whole_number(text, 0, "whole number >= 0", ">= 0")
+    if v >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"must be below 2**63, got {text}")
+    return v
+
+
 def _non_negative(text: str) -> int:
     return _whole_number(text, 0, "whole number >= 0", ">= 0")
 
@@ -128,7 +137,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, metavar="M",
                    help=f"'task' (a small GPT sized for the task, default), a preset ({_presets()}), a local "
                         f"Hugging Face folder (config.json and *.safetensors: fine-tune its "
-                        f"weights; config.json alone: random init), or a config.json")
+                        f"weights; config.json alone: random init), a config.json, or package.module:factory "
+                        f"(imports and calls it: runs code, so name only code you trust)")
     p.add_argument("--difficulty", default=d.difficulty, choices=list(DIFFICULTIES),
                    help=f"arithmetic task preset (default {d.difficulty})")
     p.add_argument("--batch", type=_positive, default=d.batch, metavar="N",
@@ -152,19 +162,23 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="exact match on 200 eval problems every N steps (default: only at the end)")
     p.add_argument("--eval-size", type=_positive, default=d.eval_size, metavar="N",
                    help=f"held-out problems for the final exact match (default {d.eval_size})")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"model initialisation and data order (default {d.seed})")
+    p.add_argument("--seed", type=_seed, default=d.seed,
+                   help=f"model initialisation and data order, 0 to 2**63 - 1 (default {d.seed})")
     p.add_argument("--time-limit-min", type=_minutes, default=d.time_limit_min, metavar="MIN",
                    help=f"stop training after this many minutes; the lr schedule anneals by then; 0: no limit "
                         f"(default {d.time_limit_min:g})")
     p.add_argument("--output", default=d.output, metavar="DIR", help=f"metrics.json + checkpoint/ (default {d.output})")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the run saved in DIR (an --output folder) up to --steps, with its model, data, "
-                        "batch and plan")
+                        "batch and plan; only data is read from DIR, no code runs")
+    p.add_argument("--allow-factory", action="store_true",
+                   help="let --resume import and call the package.module:factory the run recorded (code named in "
+                        "DIR: only for a run folder you trust)")
     p.add_argument("--answer-only-loss", action="store_true",
                    help="loss on the answer only (default: on every token; see lazytrain/train.py)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU")
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
-                   help="CPU threads (default: the cores idle at the start, at least 1)")
+                   help="CPU threads, at most the cores (default: measured, starting from the cores idle at the start)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--profile", type=int, nargs="?", const=5, default=None, metavar="STEP",
                    help="time every op of step STEP (default 5): print how much of each transfer kind and of the "
@@ -173,9 +187,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_compile(a) -> int:
     from .compiler.api import compile_model
+    from .compiler.validate import declared_positions
     if a.nvme_memory and not a.nvme_dir:
         raise PlanError("--nvme-memory needs --nvme-dir (the folder to spill to)")
-    plan = compile_model(a.model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
+    seq = a.seq or min(1024, declared_positions(a.model) or 1024)
+    plan = compile_model(a.model, batch_size=a.batch, seq_len=seq, micro_batch=a.micro_batch,
                          gpu_memory=a.gpu_memory, host_memory=a.host_memory, nvme_dir=a.nvme_dir,
                          nvme_memory=a.nvme_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,
                          solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype, resident=a.resident)
@@ -265,7 +281,7 @@ def cmd_train(a) -> int:
                       eval_every=a.eval_every, eval_size=a.eval_size, seed=a.seed,
                       time_limit_min=a.time_limit_min, output=a.output, resume=a.resume,
                       loss_on_prompt=not a.answer_only_loss, device=a.device, threads=a.threads, profile=a.profile,
-                      progress=not a.no_progress)
+                      progress=not a.no_progress, allow_factory=a.allow_factory)
     run(cfg)
     return 0
 

@@ -30,28 +30,38 @@ Choices, written down so the next person sees them:
   optimizer's ``lr`` is set before every step (the host optimizer reads it at each update).
 - *Stopping.* Ctrl-C once: the step in flight finishes, then checkpoint and metrics are written as
   usual (marked ``interrupted``) and the final eval is skipped; twice: stop now, write nothing.
-  Every file is written to a temporary name and renamed, so nothing is ever half-written.
-- *Resume.* ``--resume DIR`` (an output folder) rebuilds the model from its ``metrics.json``
-  settings, loads ``DIR/checkpoint`` and continues to ``--steps`` (a total, not an increment); the
-  data stream is replayed to the same position, so a resumed run sees the batches an uninterrupted
-  one would.
+  During the final eval (the state is already committed) one Ctrl-C stops it at once.
+- *Files.* Checkpoint and metrics are one commit (``runfiles.py``): a kill at any moment leaves the
+  previous complete state or the new one.
+- *Resume.* ``--resume DIR`` (an output folder) rebuilds the model from the metrics committed with
+  ``DIR/checkpoint`` (a config: data, never code unless ``--allow-factory``), loads the checkpoint and
+  continues to ``--steps`` (a total, not an increment); the data stream is replayed to the same
+  position, so a resumed run sees the batches an uninterrupted one would.
+- *Sizes.* Every size is checked before any work: batch and sequence (``ir/limits.py``, and a step's
+  batch of token ids at most ``MAX_BATCH_TOKENS``), ``--eval-size`` (at most the distinct eval problems
+  the difficulty has), ``--threads`` (at most the cores), ``--seed`` (a 63-bit integer).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from . import runfiles
+
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
 TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512, "rope": True}
+#: token ids in one batch of the task (batch x seq): the batch is generated on the host every step, at
+#: ~30 us a row on the 2-core machine, and its ids and labels (int64) take 16 bytes a token; this bound
+#: keeps a batch under 64 MiB (the default, 32 x 88, is 2,816 tokens)
+MAX_BATCH_TOKENS = 1 << 22
 
 
 @dataclass
@@ -81,6 +91,7 @@ class TrainConfig:
     threads: int | None = None       # CPU threads for torch and the optimizer (default: cpu_threads())
     progress: bool = True
     profile: int | None = None       # time every op of this step (1-based): overlap table, trace, memory plot
+    allow_factory: bool = False      # --resume may import a package.module:factory the run recorded
     extra: dict = field(default_factory=dict)   # model-config overrides for "task" (tests, examples)
 
 
@@ -155,19 +166,6 @@ def _has_weights(folder: Path) -> bool:
     return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
 
 
-def _read_config(path: Path) -> dict:
-    """A Hugging Face ``config.json`` as a dict, or a ValueError naming the file."""
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read it ({e})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: a model config must be a JSON object, got {type(cfg).__name__}")
-    return cfg
-
-
 def _from_pretrained(folder: Path, *, check: bool = True) -> torch.nn.Module:
     """The causal LM saved in ``folder`` (config.json + weights), fp32 on the CPU.
 
@@ -177,8 +175,8 @@ def _from_pretrained(folder: Path, *, check: bool = True) -> torch.nn.Module:
     here, not a silently re-initialised layer.  Whatever transformers or safetensors raise becomes a
     one-line ``ValueError`` naming the folder.
     """
-    from .compiler.presets import _transformers, build_from_config
-    cfg = _read_config(folder / "config.json")
+    from .compiler.presets import _transformers, build_from_config, read_config
+    cfg = read_config(folder / "config.json")
     if check:
         build_from_config(cfg, device="meta", dtype=torch.float32, source=str(folder / "config.json"))
     tf = _transformers()
@@ -209,7 +207,7 @@ def _from_pretrained(folder: Path, *, check: bool = True) -> torch.nn.Module:
 def build_task_model(cfg: TrainConfig, seq: int, vocab: int) -> tuple[torch.nn.Module, dict]:
     """The model to train, in fp32 on the CPU (the Trainer copies it into its host store), and a JSON
     description that rebuilds it (for ``--resume``)."""
-    from .compiler.presets import PRESETS, build_from_config, build_model
+    from .compiler.presets import PRESETS, build_from_config, build_model, read_config
     torch.manual_seed(cfg.seed)
     if cfg.model == "task":
         spec = {"model_type": "lazytrain-gpt", "vocab": vocab, "max_seq": seq, "tie_weights": True,
@@ -224,13 +222,13 @@ def build_task_model(cfg: TrainConfig, seq: int, vocab: int) -> tuple[torch.nn.M
                          f"config.json and, to fine-tune them, its weights as *.safetensors)")
     elif _is_hf_folder(cfg.model):
         model = _from_pretrained(path)
-        desc = {"pretrained": str(path.resolve()), "config": _read_config(path / "config.json")}
+        desc = {"pretrained": str(path.resolve()), "config": read_config(path / "config.json")}
         if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             print(f"note: {cfg.model}'s tokenizer is not used: the task's character tokenizer ({vocab} ids) "
                   f"feeds ids 0-{vocab - 1} of the model's embedding")
     elif path.is_dir() or path.is_file():       # a config.json, or a folder with only one: random init
         conf = path / "config.json" if path.is_dir() else path
-        desc = {"config": _read_config(conf)}
+        desc = {"config": read_config(conf)}
         model = build_from_config(desc["config"], device="cpu", dtype=torch.float32, source=str(conf))
     else:
         model = build_model(cfg.model, device="cpu", dtype=torch.float32)
@@ -245,21 +243,20 @@ def _check_fits(model: torch.nn.Module, seq: int, vocab: int, name: str) -> None
     if have_vocab is not None and have_vocab < vocab:
         raise ValueError(f"model {name!r} has a vocabulary of {have_vocab} but the task's character tokenizer "
                          f"uses ids 0-{vocab - 1}: it needs a vocab_size of at least {vocab}")
-    have_pos = getattr(c, "max_seq", None) or getattr(c, "max_position_embeddings", None)
-    if have_pos is not None and have_pos < seq:
-        raise ValueError(f"model {name!r} handles {have_pos} positions but --seq is {seq}")
+    from .compiler.validate import check_positions
+    check_positions(model, seq, f"model {name!r}")
 
 
-def rebuild_model(desc: dict) -> torch.nn.Module:
-    """The model described by ``build_task_model``'s description (weights come from the checkpoint)."""
+def rebuild_model(desc: dict, *, allow_factory: bool = False) -> torch.nn.Module:
+    """The model described by ``build_task_model``'s description (weights come from the checkpoint).
+    Only data is used: the recorded config (a fine-tuned folder's weights are in the checkpoint, so the
+    folder is not read); a ``package.module:factory`` is imported only with ``allow_factory``."""
     from .compiler.presets import build_from_config, build_model
-    if "pretrained" in desc and Path(desc["pretrained"], "config.json").is_file():
-        return _from_pretrained(Path(desc["pretrained"]), check=False)
-    if "config" in desc:        # the checkpoint holds every parameter: the folder's weights are not needed
+    if "config" in desc:
         return build_from_config(desc["config"], device="cpu", dtype=torch.float32, source="checkpoint")
-    if "pretrained" in desc:    # a run of an older version, which did not save the config
-        raise ValueError(f"the run was fine-tuned from {desc['pretrained']}, which is gone: put the folder back "
-                         f"(its config.json rebuilds the model before the checkpoint is loaded)")
+    if not allow_factory:
+        raise ValueError(f"the run's model is built by the factory {desc.get('spec')!r}: resuming would import and "
+                         f"run it; pass --allow-factory if you trust the run folder")
     return build_model(desc["spec"], device="cpu", dtype=torch.float32)
 
 
@@ -297,17 +294,13 @@ def evaluate(trainer, examples, device: torch.device, batch: int = 100) -> float
         model.train(was_training)
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
 class _StopFlag:
-    """First SIGINT: ask the loop to stop after the step in flight; second: raise KeyboardInterrupt."""
+    """First SIGINT: ask the loop to stop after the step in flight; second: raise KeyboardInterrupt.
+    Once ``immediate`` (the state is committed: the final eval), the first one raises at once."""
 
     def __init__(self):
         self.set = False
+        self.immediate = False
         self._prev = None
 
     def __enter__(self):
@@ -318,7 +311,8 @@ class _StopFlag:
         return self
 
     def _handle(self, signum, frame):
-        if self.set:
+        if self.set or self.immediate:
+            self.set = True
             raise KeyboardInterrupt
         self.set = True
 
@@ -329,48 +323,39 @@ class _StopFlag:
 
 # ---- the job -----------------------------------------------------------------------------------------
 
-def _load_resume(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
-    src = Path(cfg.resume)
-    mpath = src / "metrics.json"
-    if not mpath.is_file() or not (src / "checkpoint").is_dir():
-        raise FileNotFoundError(f"--resume {src}: expected an output folder of `lazytrain train` "
-                                f"(metrics.json and checkpoint/)")
+def check_config(cfg: TrainConfig, diff, seq: int) -> None:
+    """Every setting in range before any work (see *Sizes* in the module docstring)."""
+    from .compiler.hardware import _cpu_cores
+    from .compiler.validate import check_sizes
+    from .tasks import check_eval_size
+    for name in ("batch", "steps"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name} must be positive, got {getattr(cfg, name)}")
+    if seq < diff.seq_len:
+        raise ValueError(f"--seq {seq} is shorter than the longest {diff.name!r} example ({diff.seq_len} tokens)")
     try:
-        prev = json.loads(mpath.read_text())
-        s = prev["settings"]
-        saved = {k: s[k] for k in _RESUMED if k in s or k not in _RESUMED_SINCE}
-        done = int(prev["steps_done"])
-    except (ValueError, KeyError, TypeError) as e:
-        why = f"no {e}" if isinstance(e, KeyError) else str(e)
-        raise ValueError(f"--resume {src}: {mpath} is not the metrics of a `lazytrain train` run ({why})") from None
-    # what defines the run comes from the checkpointed run; what is asked now (steps, lr, time,
-    # output, eval) from this command line.  A setting asked for that differs from the run's is an error,
-    # not silently ignored (a default value counts as not asked for).
-    default = TrainConfig()
-    for k, v in saved.items():
-        asked = getattr(cfg, k)
-        if asked != v and asked != getattr(default, k) and not (k == "model" and _same_model(asked, v)):
-            flag, theirs = f"--{k.replace('_', '-')} {asked}", f"{k} ({v})"
-            if k == "loss_on_prompt":
-                flag, theirs = "--answer-only-loss", "loss (on every token)"
-            raise ValueError(f"--resume {src}: {flag} differs from the run's {theirs}; a resumed run keeps its "
-                             f"settings (leave the flag out, or start a new run)")
-        setattr(cfg, k, v)
-    if cfg.steps < done:
-        raise ValueError(f"--resume {src}: the run is already at step {done}; --steps is the total to reach, "
-                         f"not an increment (ask for more than {done})")
-    return cfg, prev
-
-
-#: settings a resumed run takes from its checkpointed run (the plan comes with the checkpoint)
-_RESUMED = ("model", "difficulty", "batch", "seq", "loss_on_prompt", "seed", "warmup", "min_lr_ratio",
-            "weight_decay", "max_grad_norm", "policy", "gpu_memory", "host_memory", "resident")
-_RESUMED_SINCE = ("resident",)      # absent from the metrics of runs older than the setting
-
-
-def _same_model(a, b) -> bool:
-    """Do two ``--model`` values name the same thing (a folder given by another relative path)?"""
-    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+        check_sizes(cfg.batch, seq)
+    except ValueError as e:
+        raise ValueError(f"--batch {cfg.batch} --seq {seq}: {e}") from None
+    if cfg.batch * seq > MAX_BATCH_TOKENS:
+        raise ValueError(f"--batch {cfg.batch} x --seq {seq} is {cfg.batch * seq:,} tokens a step; the task generates "
+                         f"at most {MAX_BATCH_TOKENS:,} (lower the batch, or the sequence: the longest "
+                         f"{diff.name!r} example is {diff.seq_len} tokens)")
+    if cfg.profile is not None and cfg.profile < 1:
+        raise ValueError(f"--profile STEP counts from 1, got {cfg.profile}")
+    if cfg.eval_every < 0 or cfg.warmup < 0:
+        raise ValueError("--eval-every and --warmup must be >= 0")
+    if not 0 < cfg.lr < math.inf:
+        raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
+    if cfg.time_limit_min is not None and cfg.time_limit_min <= 0:
+        raise ValueError(f"--time-limit-min must be positive, got {cfg.time_limit_min}")
+    if not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 1 << 63:
+        raise ValueError(f"--seed must be a whole number in [0, 2**63), got {cfg.seed}")
+    cores = _cpu_cores()
+    if cfg.threads is not None and not 1 <= cfg.threads <= cores:
+        raise ValueError(f"--threads {cfg.threads}: this machine gives this process {cores} cores; more threads than "
+                         f"cores only wait for each other (1,000 on 2 cores ran 3.8x slower): at most {cores}")
+    check_eval_size(cfg.eval_size, diff)
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -382,22 +367,10 @@ def run(cfg: TrainConfig) -> dict:
 
     prev = None
     if cfg.resume:
-        cfg, prev = _load_resume(cfg)
+        cfg, prev = runfiles.load_resume(cfg)
     diff = get_difficulty(cfg.difficulty)
     seq = cfg.seq or diff.seq_len
-    if seq < diff.seq_len:
-        raise ValueError(f"--seq {seq} is shorter than the longest {diff.name!r} example ({diff.seq_len} tokens)")
-    for name in ("batch", "steps"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name} must be positive, got {getattr(cfg, name)}")
-    if cfg.profile is not None and cfg.profile < 1:
-        raise ValueError(f"--profile STEP counts from 1, got {cfg.profile}")
-    if cfg.eval_every < 0 or cfg.warmup < 0:
-        raise ValueError("--eval-every and --warmup must be >= 0")
-    if not 0 < cfg.lr < math.inf:
-        raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
-    if cfg.time_limit_min is not None and cfg.time_limit_min <= 0:
-        raise ValueError(f"--time-limit-min must be positive, got {cfg.time_limit_min}")
+    check_config(cfg, diff, seq)
     tok = CharTokenizer()
     dev = _device(cfg)
     if dev.type == "cpu":
@@ -412,7 +385,7 @@ def run(cfg: TrainConfig) -> dict:
     t_start = time.perf_counter()
 
     if prev is not None:
-        model = rebuild_model(prev["model"])
+        model = rebuild_model(prev["model"], allow_factory=cfg.allow_factory)
         desc = prev["model"]
     else:
         model, desc = build_task_model(cfg, seq, tok.vocab_size)
@@ -496,18 +469,10 @@ def run(cfg: TrainConfig) -> dict:
         if bar is not None:
             bar.close()
         train_s = time.perf_counter() - t_train
-        # the checkpoint first: an eval that fails (out of memory, say) does not lose the training
-        ckpt = trainer.save_checkpoint(out / "checkpoint") or out / "checkpoint"
-        final_em = None
-        if not interrupted:
-            t = time.perf_counter()
-            final_em = evaluate(trainer, evals, dev)
-            em_curve.append({"step": step, "exact_match": final_em, "n": len(evals)})
-            print(f"exact match {final_em:.1%} on {len(evals)} eval problems ({time.perf_counter() - t:.1f} s)")
         recent = history[-min(50, len(history)):] if history else []
         metrics = {
-            "format": "lazytrain.train-metrics/1",
-            "settings": {k: v for k, v in asdict(cfg).items() if k not in ("progress",)} | {"seq": seq},
+            "format": runfiles.METRICS_FORMAT,
+            "settings": runfiles.settings(cfg, seq),
             "model": desc, "params": n_params, "device": dev.type, "threads": torch.get_num_threads(),
             "thread_rounds": [{"step": st, "median_step_s": {str(k): round(v, 4) for k, v in m.items()}}
                               for st, m in (tuner.history if tuner else [])],
@@ -516,17 +481,44 @@ def run(cfg: TrainConfig) -> dict:
                      "n_ops": len(plan.ops), "predicted_step_s": plan.predicted.get("step_time_s"),
                      "resident_blocks": sorted(plan.decisions.resident_blocks), "compile_s": round(compile_s, 2)},
             "steps_done": step, "tokens": tokens, "stop_reason": stop_reason, "interrupted": interrupted,
-            "exact_match": final_em, "eval_size": len(evals), "eval_curve": em_curve, "loss_curve": history,
+            "exact_match": None, "final_eval": "skipped (interrupted)" if interrupted else "pending",
+            "eval_size": len(evals), "eval_curve": em_curve, "loss_curve": history,
             "final_loss": sum(h["loss"] for h in recent) / len(recent) if recent else None,
             "train_s": round(train_s + (prev["train_s"] if prev else 0.0), 2),
             "wall_s": round(time.perf_counter() - t_start, 2), "load_average": list(os.getloadavg()),
-            "checkpoint": str(ckpt), "resumed_from": cfg.resume,
+            "checkpoint": str(out / "checkpoint"), "resumed_from": cfg.resume,
         }
-        _write_json(out / "metrics.json", metrics)
-        _plot_loss(out / "loss.png", history, em_curve, cfg)
+        # commit 1, before the eval: an eval that fails (out of memory) or is killed loses no training
+        ckpt = runfiles.commit(trainer, out, metrics)
+        if not interrupted:
+            em = _final_eval(trainer, evals, dev, flag)
+            if em is None:
+                metrics.update(final_eval="skipped (interrupted)", interrupted=True)
+            else:
+                em_curve.append({"step": step, "exact_match": em, "n": len(evals)})
+                metrics.update(exact_match=em, final_eval="done")
+            metrics["wall_s"] = round(time.perf_counter() - t_start, 2)
+            runfiles.update_metrics(out, metrics)       # commit 2
+        _plot_loss(out / "loss.png", history, metrics["eval_curve"], cfg)
     trainer.close()
-    print(f"wrote {out / 'metrics.json'} and {ckpt}" + (" (interrupted: no final eval)" if interrupted else ""))
+    print(f"wrote {out / 'metrics.json'} and {ckpt}" + (" (interrupted: no final eval)"
+                                                         if metrics["exact_match"] is None else ""))
     return metrics
+
+
+def _final_eval(trainer, evals, dev: torch.device, flag: _StopFlag) -> float | None:
+    """Exact match on the eval split; None when a Ctrl-C stopped it (at once: the state is committed)."""
+    t = time.perf_counter()
+    flag.immediate = True
+    try:
+        em = evaluate(trainer, evals, dev)
+    except KeyboardInterrupt:
+        print("final eval interrupted: the checkpoint and metrics are committed without it")
+        return None
+    finally:
+        flag.immediate = False
+    print(f"exact match {em:.1%} on {len(evals)} eval problems ({time.perf_counter() - t:.1f} s)")
+    return em
 
 
 def _report_profile(trainer, out: Path, bar) -> None:

@@ -156,10 +156,11 @@ def test_resume_without_the_flags_keeps_the_runs_settings(first_run, tmp_path):
 
 
 @pytest.mark.parametrize("metrics", ["{", '{"format": "x"}', '{"settings": {}}'])
-def test_resume_of_unreadable_metrics_is_a_clear_error(metrics, capsys, tmp_path):
+def test_resume_of_unreadable_metrics_is_a_clear_error(first_run, metrics, capsys, tmp_path):
+    import shutil
     run = tmp_path / "run"
-    (run / "checkpoint").mkdir(parents=True)
-    (run / "metrics.json").write_text(metrics)
+    shutil.copytree(first_run[0], run)
+    (run / "checkpoint" / "metrics.json").write_text(metrics)     # the metrics committed with the checkpoint
     assert main(["train", *TINY, "--output", str(tmp_path / "o"), "--resume", str(run)]) == 2
     err = capsys.readouterr().err
     assert "is not the metrics of a `lazytrain train` run" in err and "Traceback" not in err

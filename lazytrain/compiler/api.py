@@ -15,6 +15,7 @@ from .lower import lower
 from .resident import resident_request
 from .simulate import simulate
 from .solvers.isolated import DEFAULT_ORDER, SOLVERS
+from .validate import check_compile_args, micro_batch_candidates
 
 POLICIES = ("milp", "megatrain", "recompute-all", "keep-all")
 DEFAULT_SOLVER = DEFAULT_ORDER[0]
@@ -26,10 +27,6 @@ HOST_BYTES_PER_PARAM = {"hybrid8bit": 8.25, "adamw": 16.0}
 
 class BudgetError(PlanError):
     """No plan fits the memory budgets; the message states the smallest budget that would."""
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _as_graph(model, seq_len: int, param_dtype: str, history: list) -> ModelGraph:
@@ -136,10 +133,8 @@ class Compiler:
 
     def micro_batches(self, batch_size: int, micro_batch: int | None) -> list[int]:
         """Candidate micro-batch sizes, largest first: the given one, else divisors of the batch
-        up to 32."""
-        if micro_batch:
-            return [micro_batch]
-        return sorted((d for d in _divisors(batch_size) if d <= 32), reverse=True)
+        up to 32 whose op list stays bounded (``validate.micro_batch_candidates``)."""
+        return micro_batch_candidates(batch_size, self.graph.n_blocks, micro_batch)
 
     def best(self, policy: str, batch_size: int, micro_batch: int | None = None, tries: int = 2) -> Plan | None:
         """Best feasible plan of ``policy`` over micro-batch sizes (``Search.best``)."""
@@ -209,6 +204,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
     if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch < 1):
         raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
+    check_compile_args(model, batch_size=batch_size, seq_len=seq_len, micro_batch=micro_batch, nvme_dir=nvme_dir)
     history: list[dict] = []
     t0 = time.perf_counter()
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware

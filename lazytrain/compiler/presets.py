@@ -9,10 +9,13 @@ from __future__ import annotations
 import difflib
 import importlib
 import json
+import math
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from ..ir.limits import MAX_SEQ_LEN
 
 HF_ARCHS = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 #: Hugging Face model types whose training through a plan is tested against eager PyTorch
@@ -85,14 +88,15 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
     if not isinstance(cfg, dict):
         raise ValueError(f"{source}: a model config must be a JSON object, got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
+    if not isinstance(model_type, str):
+        raise ValueError(f"{source}: model_type must be a string (e.g. \"qwen2\"), got {model_type!r}")
     if model_type == "lazytrain-gpt":
         from ..models.gpt import GPT, GPTConfig
         try:
             gcfg = GPTConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
         except TypeError as e:
             raise ValueError(f"{source}: bad lazytrain-gpt config: {e}") from None
-        _check_ints(gcfg.__dict__, [k for k, v in gcfg.__dict__.items() if type(v) is int or k in
-                                    ("vocab", "d_model", "n_layer", "n_head", "d_ff", "max_seq")], source)
+        _check_dataclass_fields(gcfg, source)
         with torch.device(device):
             return GPT(gcfg).to(dtype)
     if model_type not in HF_ARCHS and not _hf_decoder_transformer(model_type):
@@ -118,20 +122,31 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
     if shape["head_dim"] is None and shape["hidden_size"] % heads:
         raise ValueError(f"{source}: hidden_size {shape['hidden_size']} is not a multiple of num_attention_heads "
                          f"{heads} (and no head_dim is given)")
-    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")}
+    # auto_map names remote code: a config is data here, only transformers' own classes are built
+    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype",
+                                                         "auto_map", "trust_remote_code")}
     # encoder families (BERT, RoBERTa, ...) are causal LMs only as decoders; decoder-only models ignore it
     fields.setdefault("is_decoder", True)
+    _check_hf_fields(cfg, cls(), source)
     try:
         hf_cfg = tf.AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # noqa: BLE001 - transformers validates fields with several exception types
-        raise ValueError(f"{source}: bad {model_type} config: {type(e).__name__}: {e}") from None
+        raise ValueError(f"{source}: bad {model_type} config: {type(e).__name__}: {' '.join(str(e).split())}") \
+            from None
+    _check_rope(hf_cfg, source)
     with torch.device(device):
         try:
-            model = tf.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
-        except ValueError as e:        # an architecture without SDPA support (e.g. softcapped attention)
-            if "attention implementation" not in str(e) and "sdpa" not in str(e).lower():
-                raise
-            model = tf.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager", dtype=dtype)
+            try:
+                model = tf.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype,
+                                                            trust_remote_code=False)
+            except ValueError as e:        # an architecture without SDPA support (e.g. softcapped attention)
+                if "attention implementation" not in str(e) and "sdpa" not in str(e).lower():
+                    raise
+                model = tf.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager", dtype=dtype,
+                                                            trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - a field transformers accepts but cannot build (hidden_act)
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ValueError(f"{source}: cannot build the {model_type} model: {type(e).__name__}: {first}") from None
     return model.to(dtype)
 
 
@@ -148,17 +163,99 @@ def _hf_decoder_transformer(model_type) -> bool:
     return type(default) in tf.MODEL_FOR_CAUSAL_LM_MAPPING and hasattr(default, "num_attention_heads")
 
 
+#: the largest shape a config may declare, per field: 16x or more the largest preset's (Qwen2.5-72B: 80
+#: layers, 64 heads, hidden 8192, intermediate 29568, vocabulary 151936), so no real model is refused and
+#: no config builds (or traces) for minutes on the meta device
+SHAPE_LIMITS = {"num_hidden_layers": 2048, "n_layer": 2048, "num_attention_heads": 4096, "n_head": 4096,
+                "num_key_value_heads": 4096, "hidden_size": 1 << 17, "d_model": 1 << 17, "head_dim": 1 << 14,
+                "intermediate_size": 1 << 20, "d_ff": 1 << 20, "vocab_size": 1 << 22, "vocab": 1 << 22}
+
+
 def _check_ints(cfg: dict, keys, source: str) -> None:
     for k in keys:
         v = cfg.get(k)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{source}: {k} must be a positive whole number, got {v!r}")
+        if v > SHAPE_LIMITS.get(k, MAX_SEQ_LEN):
+            raise ValueError(f"{source}: {k} {v:,} is larger than LazyTrain builds (at most "
+                             f"{SHAPE_LIMITS.get(k, MAX_SEQ_LEN):,})")
+
+
+def _must_be_positive(key: str) -> bool:
+    """Fields that are a scale, a length or a rate: zero or negative is never meant (rope_theta -1 makes
+    NaN rotary angles, an epsilon <= 0 divides by zero)."""
+    return key in ("rope_theta", "max_position_embeddings", "n_positions") or key.endswith(("_eps", "epsilon"))
+
+
+def _check_number(key: str, v, source: str) -> None:
+    name = key.rpartition(".")[2]
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise ValueError(f"{source}: {key} must be a finite number, got {v!r}")
+    if _must_be_positive(name) and v <= 0:
+        raise ValueError(f"{source}: {key} must be positive, got {v!r}")
+    if name.endswith(("dropout", "_pdrop")) and not 0 <= v < 1:
+        raise ValueError(f"{source}: {key} is a probability, in [0, 1), got {v!r}")
+
+
+def _check_dataclass_fields(cfg, source: str) -> None:
+    """Every field of a config dataclass has its declared type: whole numbers positive, flags true or
+    false, numbers finite (and positive where ``_must_be_positive``)."""
+    import dataclasses
+    for f in dataclasses.fields(cfg):
+        v, kind = getattr(cfg, f.name), f.type if isinstance(f.type, str) else f.type.__name__
+        if kind == "int":
+            _check_ints({f.name: v}, [f.name], source)
+        elif kind == "bool" and not isinstance(v, bool):
+            raise ValueError(f"{source}: {f.name} must be true or false, got {v!r}")
+        elif kind == "float":
+            _check_number(f.name, v, source)
+
+
+def _check_hf_fields(given: dict, default, source: str) -> None:
+    """A Hugging Face config's fields against the architecture's defaults: a flag must be true or false,
+    a number a finite number (positive for scales and lengths, a probability for dropout), as the
+    default's type says; transformers checks some types (one line of its own) and no ranges."""
+    for key, v in given.items():
+        ref = getattr(default, key, None)
+        if isinstance(ref, bool):
+            if not isinstance(v, bool):
+                raise ValueError(f"{source}: {key} must be true or false, got {v!r}")
+        elif isinstance(ref, (int, float)) and v is not None:
+            _check_number(key, v, source)
+
+
+def _check_rope(built, source: str) -> None:
+    """Rotary parameters as the built config holds them (transformers 5 moves rope_theta there)."""
+    rope = getattr(built, "rope_parameters", None)
+    for key, v in (rope.items() if isinstance(rope, dict) else ()):
+        if key == "rope_theta" or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            _check_number(f"rope_parameters.{key}", v, source)
+
+
+def read_config(path: Path) -> dict:
+    """A ``config.json`` as a dict, or a ValueError naming the file (unreadable, not UTF-8, not JSON, not
+    an object, or an integer of thousands of digits)."""
+    try:
+        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (not UTF-8): a model config is JSON") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: not a model config ({type(e).__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: a model config must be a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def build_model(spec: str, device="meta", dtype=torch.bfloat16) -> nn.Module:
     """A model from a preset name, a HF ``config.json`` (or a folder holding one), or ``pkg.module:factory``.
 
-    On ``device="meta"`` (the default) nothing is allocated, so any size builds on a laptop.
+    On ``device="meta"`` (the default) nothing is allocated, so any size builds on a laptop.  The
+    ``pkg.module:factory`` form imports that module and calls the factory: it runs code, by design, so
+    name only code you trust (``lazytrain train --resume`` never imports one unless told to).
     """
     if spec in PRESETS:
         return build_from_config(PRESETS[spec], device=device, dtype=dtype, source=f"preset {spec}")
@@ -166,11 +263,7 @@ def build_model(spec: str, device="meta", dtype=torch.bfloat16) -> nn.Module:
     if path.is_dir() and (path / "config.json").is_file():
         path = path / "config.json"
     if path.is_file():
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from e
-        return build_from_config(cfg, device=device, dtype=dtype, source=str(path))
+        return build_from_config(read_config(path), device=device, dtype=dtype, source=str(path))
     if ":" in spec and not path.exists():
         mod_name, _, fn_name = spec.partition(":")
         try:

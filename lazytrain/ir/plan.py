@@ -164,6 +164,8 @@ class Plan:
                             "was it truncated? compile the plan again") from None
         except RecursionError:
             raise PlanError(f"{path} is not a LazyTrain plan: JSON nested too deeply") from None
+        except ValueError as e:     # an integer of thousands of digits (Python refuses to convert it)
+            raise PlanError(f"{path} is not a LazyTrain plan: {e}") from None
         plan = Plan.from_json(d)
         if check:
             from .verify import verify

@@ -23,6 +23,7 @@ from enum import Enum
 from functools import cache
 
 from .graph import DTYPE_BYTES
+from .limits import MAX_BATCH, MAX_SEQ_LEN, MAX_TOKENS
 from .ops import OpKind, TensorKind, Tier
 from .plan import Plan, PlanError
 
@@ -117,6 +118,12 @@ def check_plan(plan: Plan) -> None:
         check_value(op, type(op), f"ops[{i}]")
     for key in ("batch_size", "seq_len"):
         check_value(getattr(plan, key), int, key)
+    for key, most in (("batch_size", MAX_BATCH), ("seq_len", MAX_SEQ_LEN)):
+        _need(1 <= getattr(plan, key) <= most, f"plan field {key} out of range: {getattr(plan, key)} (must be in "
+                                                f"1 .. {most:,})")
+    tokens = plan.batch_size * plan.seq_len
+    _need(tokens <= MAX_TOKENS, f"plan field batch_size x seq_len out of range: {tokens:,} tokens (at most "
+                                f"{MAX_TOKENS:,})")
     L = g.n_blocks
     _need(L >= 1, "plan graph has no blocks")
     _need(plan.param_dtype in _FLOAT_DTYPES, f"plan param_dtype {plan.param_dtype!r} is not one of {_FLOAT_DTYPES}")
@@ -174,13 +181,19 @@ def check_plan(plan: Plan) -> None:
                   f"{where}: moves between the GPU and NVMe go through the host")
 
 
+def check_nvme_dir(v, what: str = "nvme_dir") -> None:
+    """An NVMe folder is a plain path: a string without NUL bytes that never climbs out with ``..``
+    (a plan file from elsewhere must not make the runtime write outside the folder it names)."""
+    _need(isinstance(v, str), f"{what} must be a path or null, got {v!r}")
+    _need("\x00" not in v, f"{what} contains a NUL byte")
+    _need(".." not in v.replace("\\", "/").split("/"),
+          f"{what} {v!r} climbs out with '..': the NVMe folder must be a plain path")
+
+
 def _check_budgets(b: dict) -> None:
     for key, v in b.items():
         if key == "nvme_dir":
-            _need(v is None or isinstance(v, str), f"plan budget nvme_dir must be a path or null, got {v!r}")
-            if isinstance(v, str):
-                _need("\x00" not in v, "plan budget nvme_dir contains a NUL byte")
-                _need(".." not in v.replace("\\", "/").split("/"),
-                      f"plan budget nvme_dir {v!r} climbs out with '..': the NVMe folder must be a plain path")
+            if v is not None:
+                check_nvme_dir(v, "plan budget nvme_dir")
         elif v is not None:
             check_value(v, int, f"budgets.{key}")

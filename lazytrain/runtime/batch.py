@@ -33,6 +33,33 @@ def token_limits(model: nn.Module, plan) -> tuple[int, int] | None:
     return emb.num_embeddings, classes
 
 
+def as_tokens(value, name: str) -> torch.Tensor:
+    """``value`` as a tensor, or a ValueError naming the key (a string, a ragged list, None)."""
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{name} must be a [batch, seq] tensor of token ids, got {type(value).__name__} "
+                         f"({str(e).splitlines()[0]})") from None
+
+
+def check_shapes(ids: torch.Tensor, labels: torch.Tensor, batch: int, seq: int) -> None:
+    """2-D, not empty, no longer and no wider than the plan's [batch, seq], and ids and labels alike."""
+    for name, t in (("input_ids", ids), ("labels", labels)):
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [batch, seq], got shape {tuple(t.shape)}")
+        if t.shape[0] == 0 or t.shape[1] == 0:
+            raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): a step needs at least one row of at "
+                             f"least one token")
+        if t.shape[1] > seq:
+            raise ValueError(f"{name} has sequence length {t.shape[1]} but the plan was compiled for seq_len "
+                             f"{seq}: recompile the plan with seq_len={t.shape[1]} (or truncate the batch)")
+        if t.shape[0] > batch:
+            raise ValueError(f"{name} has {t.shape[0]} rows but the plan was compiled for batch {batch}: split the "
+                             f"batch, or recompile with batch_size={t.shape[0]}")
+    if ids.shape != labels.shape:
+        raise ValueError(f"input_ids {tuple(ids.shape)} and labels {tuple(labels.shape)} differ in shape")
+
+
 def check_tokens(ids: torch.Tensor, labels: torch.Tensor, mask, n_ids: int, n_classes: int):
     """Validated (ids, labels); labels under a right-padding ``mask``'s zeros become ``IGNORE``."""
     for name, t in (("input_ids", ids), ("labels", labels)):

@@ -1,31 +1,37 @@
 """Checkpoints: a trainer's whole state in a folder of safetensors and one JSON file, never pickle.
 
-Layout of a checkpoint folder (format ``"lazytrain.checkpoint/1"``)::
+Layout of a checkpoint folder (format ``"lazytrain.checkpoint/2"``)::
 
-    checkpoint.json          step, RNG states, optimizer class / hyper-parameters / per-block steps,
-                             grad-norm tracker counters, the plan (plan.to_json()) and its model
-                             fingerprint, and the name and size of every tensor file
+    checkpoint.json          the manifest (``manifest.py``): step, RNG states, optimizer class /
+                             hyper-parameters / per-block steps, grad-norm tracker counters, the plan
+                             (plan.to_json()) and its model fingerprint, every tensor file's size,
+                             SHA-256 and per-tensor dtype and shape, and the names of the extra files
     block_0000.safetensors   one file per block that owns parameters:
                                param.<name>  fp32 master weight of each owned parameter, shaped
                                state.<key>   the rest of HostOptimizer.state_tensors(block)
+    metrics.json ...         extra files a caller commits with the state (``lazytrain train``'s metrics)
 
 A checkpoint is a consistent state: ``save`` flushes the pending lagged updates first, so a trainer
 loaded from it and stepped on equals the one that saved it, step for step, bit for bit.
 
-Atomic replacement: everything is written into ``<dir>.tmp-XXXX`` next to the target, every file
-and the folder are fsynced, then ``<dir>`` (if any) is renamed to ``<dir>.old``, the new folder to
-``<dir>``, and ``<dir>.old`` is removed.  A crash at any point leaves a complete checkpoint at
-``<dir>`` or, between the two renames, at ``<dir>.old``, which ``load`` then uses.  One writer per
-target at a time.
+Atomic replacement: everything (tensors, extras, manifest) is written into ``<dir>.tmp-XXXX`` next to
+the target, every file and the folder are fsynced, then ``<dir>`` (if any) is renamed to ``<dir>.old``,
+the new folder to ``<dir>``, and ``<dir>.old`` is removed.  A crash at any point leaves a complete
+checkpoint at ``<dir>`` or, between the two renames, at ``<dir>.old``, which ``load`` then uses.  An
+extra file may be replaced later by ``write_extra`` (temporary file, fsync, rename): one atomic step.
+One writer per target at a time.
 
-Loading reads JSON and safetensors only (no code runs), checks the format version, the plan's and
-the model's fingerprint, and every file's size, and raises :class:`CheckpointError` naming what does
-not match.  It restores the global RNGs (torch CPU and CUDA, Python ``random``, numpy).
+Loading reads JSON and safetensors only (no code runs), checks the manifest's shape, the format
+version (a checkpoint of an older version, without checksums, is refused with a message that says
+so), the plan's and the model's fingerprint, every file's size and SHA-256 and every tensor's dtype and
+shape against what this model and optimizer hold, and raises :class:`CheckpointError` naming what
+does not match.  It restores the global RNGs (torch CPU and CUDA, Python ``random``, numpy).
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import os
 import random
@@ -34,27 +40,32 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..ir import Plan, PlanError
+from .manifest import (
+    FORMAT,
+    META,
+    CheckpointError,
+    check_manifest,
+    describe,
+    hashing_pool,
+    prefetch,
+    read_verified,
+    sha256_file,
+)
 
-FORMAT = "lazytrain.checkpoint/1"
-META = "checkpoint.json"
+__all__ = ["FORMAT", "META", "CheckpointError", "load", "read_extra", "read_meta", "resolve", "save", "write_extra"]
 #: constructor arguments saved to rebuild an optimizer; of those, the ones that fix the layout of its
 #: state tensors must match to load them (all of them for a class not listed)
 _CONFIG_ATTRS = ("chunk_numel", "block_size", "min_8bit_numel")
 _LAYOUT_ATTRS = {"TorchAdamW": ("chunk_numel",), "Hybrid8bitAdamW": ("block_size", "min_8bit_numel")}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded (missing, truncated, another format or another model), or a
-    target folder that is not a checkpoint.  The message names the file and what does not match."""
-
-
 # ---- saving -------------------------------------------------------------------------------------------
-def save(trainer, directory) -> Path:
-    """Write ``trainer``'s state to ``directory`` atomically (see the module docstring)."""
+def save(trainer, directory, extras: dict[str, bytes] | None = None) -> Path:
+    """Write ``trainer``'s state, and ``extras`` (file name -> contents, e.g. ``{"metrics.json": ...}``),
+    to ``directory`` in one atomic commit (see the module docstring)."""
     if trainer._broken is not None:
         raise RuntimeError("cannot checkpoint a trainer whose last step failed (its state is inconsistent)")
     target = Path(directory).absolute()
@@ -66,7 +77,10 @@ def save(trainer, directory) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.tmp-"))
     try:
         meta = _write(trainer, tmp)
-        _write_json(tmp / META, meta)
+        for name, data in sorted((extras or {}).items()):
+            _write_bytes(tmp / name, data)
+        meta["extras"] = sorted(extras or {})
+        _write_bytes(tmp / META, json.dumps(meta, allow_nan=False).encode())
         _fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -76,22 +90,29 @@ def save(trainer, directory) -> Path:
 
 
 def _write(trainer, tmp: Path) -> dict:
+    """Tensor files into ``tmp``, each hashed on a worker thread while the next one is written."""
     opt = trainer.optimizer
-    files, block_steps = {}, {}
-    for j, lay in enumerate(trainer.store.layouts):
-        if not lay.owned_numel:
-            continue
-        state = dict(opt.state_tensors(j))
-        master = state.pop("master").reshape(-1)
-        tensors = {f"param.{s.name}": master[s.offset:s.offset + s.numel].reshape(s.shape).clone()
-                   for s in lay.segments if s.offset < lay.owned_numel}
-        tensors.update({f"state.{k}": v.contiguous() for k, v in state.items()})
-        if "step" in state:
-            block_steps[str(j)] = int(state["step"].max().item()) if state["step"].numel() else 0
-        name = f"block_{j:04d}.safetensors"
-        save_file(tensors, str(tmp / name), metadata={"format": FORMAT, "block": str(j)})
-        _fsync_file(tmp / name)
-        files[name] = (tmp / name).stat().st_size
+    files, digests, block_steps = {}, {}, {}
+    with hashing_pool() as pool:
+        for j, lay in enumerate(trainer.store.layouts):
+            if not lay.owned_numel:
+                continue
+            state = dict(opt.state_tensors(j))
+            master = state.pop("master").reshape(-1)
+            tensors = {f"param.{s.name}": master[s.offset:s.offset + s.numel].reshape(s.shape).clone()
+                       for s in lay.segments if s.offset < lay.owned_numel}
+            tensors.update({f"state.{k}": v.contiguous() for k, v in state.items()})
+            if "step" in state:
+                block_steps[str(j)] = int(state["step"].max().item()) if state["step"].numel() else 0
+            name = f"block_{j:04d}.safetensors"
+            # one metadata entry: safetensors writes several in a random order, and the same state should
+            # be the same bytes (the same SHA-256) whenever it is saved
+            save_file(tensors, str(tmp / name), metadata={"format": FORMAT})
+            _fsync_file(tmp / name)
+            digests[name] = pool.submit(sha256_file, tmp / name)
+            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": None, "tensors": describe(tensors)}
+        for name, entry in files.items():
+            entry["sha256"] = digests[name].result()
     tr = trainer.ctx.tracker
     return {
         "format": FORMAT,
@@ -121,11 +142,35 @@ def _commit(tmp: Path, target: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, allow_nan=False)
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_extra(directory, name: str, data: bytes) -> None:
+    """Replace the extra file ``name`` of the checkpoint at ``directory`` atomically (temporary file,
+    fsync, rename, fsync of the folder): a crash leaves the old contents or the new, never a mix."""
+    folder, meta = read_meta(directory)
+    if name not in meta["extras"]:
+        raise CheckpointError(f"{folder / META} lists no extra file {name!r} (it has {meta['extras']})")
+    tmp = folder / f".{name}.tmp"
+    _write_bytes(tmp, data)
+    os.replace(tmp, folder / name)
+    _fsync_dir(folder)
+
+
+def read_extra(folder: Path, meta: dict, name: str) -> bytes:
+    """The extra file ``name`` of the checkpoint ``read_meta`` returned as ``(folder, meta)``."""
+    if name not in meta["extras"]:
+        raise CheckpointError(f"{folder / META} lists no extra file {name!r}: the checkpoint was not written "
+                              f"by `lazytrain train`")
+    try:
+        return (folder / name).read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{folder / name}: cannot read it ({e.strerror or e}): the checkpoint is damaged") \
+            from None
 
 
 def _fsync_file(path: Path) -> None:
@@ -170,19 +215,33 @@ def rng_state() -> dict:
 
 
 def set_rng_state(d: dict) -> None:
-    torch.set_rng_state(_unb64(d["torch"]))
-    version, internal, gauss = d["python"]
-    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
-    cuda = d.get("cuda")
-    if cuda and torch.cuda.is_available():
-        for i, s in enumerate(cuda[:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(_unb64(s), i)
-    if d.get("numpy") is not None:
-        import numpy as np
-        n = d["numpy"]
-        np.random.set_state({"bit_generator": n["bit_generator"],
-                             "state": {"key": np.array(n["key"], dtype=np.uint32), "pos": int(n["pos"])},
-                             "has_gauss": int(n["has_gauss"]), "gauss": float(n["gauss"])})
+    """Restore what ``rng_state`` returned; a malformed state (the manifest's ``rng``) is a ValueError
+    before any generator is changed."""
+    try:
+        cpu = _unb64(d["torch"])
+        version, internal, gauss = d["python"]
+        py = (int(version), tuple(int(x) for x in internal), None if gauss is None else float(gauss))
+        cuda = [_unb64(s) for s in d.get("cuda") or ()]
+        if cpu.numel() != torch.get_rng_state().numel():
+            raise ValueError(f"the torch state has {cpu.numel()} bytes, not {torch.get_rng_state().numel()}")
+        saved = random.getstate()
+        random.setstate(py)         # checks the version, the length and the range of the state
+    except (KeyError, TypeError, ValueError, binascii.Error) as e:
+        raise ValueError(f"malformed RNG state: {e}") from None
+    try:
+        torch.set_rng_state(cpu)
+        if cuda and torch.cuda.is_available():
+            for i, s in enumerate(cuda[:torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(s, i)
+        if d.get("numpy") is not None:
+            import numpy as np
+            n = d["numpy"]
+            np.random.set_state({"bit_generator": n["bit_generator"],
+                                 "state": {"key": np.array(n["key"], dtype=np.uint32), "pos": int(n["pos"])},
+                                 "has_gauss": int(n["has_gauss"]), "gauss": float(n["gauss"])})
+    except (RuntimeError, TypeError, ValueError) as e:
+        random.setstate(saved)
+        raise ValueError(f"malformed RNG state: {e}") from None
 
 
 # ---- loading ------------------------------------------------------------------------------------------
@@ -204,19 +263,15 @@ def read_meta(directory) -> tuple[Path, dict]:
     folder = resolve(directory)
     path = folder / META
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): "
                               f"the checkpoint is truncated or corrupted") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise CheckpointError(f"{path}: format {got!r}, expected {FORMAT!r}")
-    missing = [k for k in ("step", "model", "files", "optimizer", "grad_norm", "rng", "plan") if k not in meta]
-    if missing:
-        raise CheckpointError(f"{path}: malformed checkpoint metadata, missing {missing}")
-    return folder, meta
+    except (ValueError, RecursionError) as e:    # an integer of thousands of digits, nesting too deep
+        raise CheckpointError(f"{path} is not a checkpoint manifest ({type(e).__name__}: {e})") from None
+    return folder, check_manifest(meta, path)
 
 
 def _check_model(plan: Plan, model: torch.nn.Module, where: Path) -> None:
@@ -277,40 +332,50 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None):
         trainer = cls(model, plan, optimizer=optimizer, device=device)
     except PlanError as e:
         raise CheckpointError(f"checkpoint {folder} does not fit this model: {e}") from None
-    expected = {f"block_{j:04d}.safetensors" for j, lay in enumerate(trainer.store.layouts) if lay.owned_numel}
-    if set(meta["files"]) != expected:
+    blocks = [j for j, lay in enumerate(trainer.store.layouts) if lay.owned_numel]
+    names = {j: f"block_{j:04d}.safetensors" for j in blocks}
+    if set(meta["files"]) != set(names.values()):
         raise CheckpointError(f"{folder / META} lists files {sorted(meta['files'])}, this model needs "
-                              f"{sorted(expected)}")
-    for j, lay in enumerate(trainer.store.layouts):
-        if lay.owned_numel:
-            _load_block(trainer.optimizer, j, lay, folder, meta["files"][f"block_{j:04d}.safetensors"])
-    trainer.steps = int(meta["step"])
+                              f"{sorted(names.values())}")
+    _check_steps(meta, folder / META)
+    with hashing_pool() as pool:        # the next file is read and hashed while this one is loaded
+        pending = {blocks[0]: prefetch(pool, folder / names[blocks[0]])} if blocks else {}
+        for i, j in enumerate(blocks):
+            if i + 1 < len(blocks):
+                pending[blocks[i + 1]] = prefetch(pool, folder / names[blocks[i + 1]])
+            _load_block(trainer.optimizer, j, trainer.store.layouts[j], folder / names[j], meta["files"][names[j]],
+                        pending.pop(j))
+    trainer.steps = meta["step"]
     tr, g = trainer.ctx.tracker, meta["grad_norm"]
-    tr.consecutive_nonfinite, tr.total_nonfinite = int(g["consecutive_nonfinite"]), int(g["total_nonfinite"])
-    tr.last_norm = None if g.get("last_norm") is None else float(g["last_norm"])
-    set_rng_state(meta["rng"])
+    tr.consecutive_nonfinite, tr.total_nonfinite = g["consecutive_nonfinite"], g["total_nonfinite"]
+    try:
+        tr.last_norm = None if g["last_norm"] is None else float(g["last_norm"])
+        set_rng_state(meta["rng"])
+    except ValueError as e:
+        raise CheckpointError(f"{folder / META}: {e}") from None
     return trainer
 
 
-def _load_block(opt, j: int, lay, folder: Path, size: int) -> None:
-    path = folder / f"block_{j:04d}.safetensors"
-    if not path.is_file() or path.stat().st_size != size:
-        have = path.stat().st_size if path.is_file() else "missing"
-        raise CheckpointError(f"{path}: {have} bytes, the checkpoint recorded {size}: truncated or corrupted")
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path} cannot be read: {e}") from None
-    parts = []
-    for s in lay.segments:
-        if s.offset >= lay.owned_numel:
-            break
-        t = tensors.pop(f"param.{s.name}", None)
-        if t is None or tuple(t.shape) != tuple(s.shape):
-            raise CheckpointError(f"{path}: parameter {s.name} is "
-                                  f"{'missing' if t is None else list(t.shape)}, the model has {list(s.shape)}")
-        parts.append(t.reshape(-1))
-    state = {k.removeprefix("state."): v for k, v in tensors.items() if k.startswith("state.")}
+def _check_steps(meta: dict, where: Path) -> None:
+    """The step counters agree: every block's optimizer has taken one update per step that was not
+    skipped (a non-finite gradient norm skips a step), so no block is ahead of the trainer and none
+    behind by more than the skipped steps."""
+    step, skipped = meta["step"], meta["grad_norm"]["total_nonfinite"]
+    for j, n in meta["optimizer"]["block_steps"].items():
+        if not step - skipped <= n <= step:
+            raise CheckpointError(f"{where}: step {step} ({skipped} skipped) does not match block {j}'s optimizer "
+                                  f"step {n}: the manifest was edited or corrupted")
+
+
+def _load_block(opt, j: int, lay, path: Path, entry: dict, pending) -> None:
+    state = opt.state_tensors(j)        # what this optimizer holds for the block: the expected layout
+    master = state.pop("master")
+    expected = {f"param.{s.name}": (master.dtype, tuple(s.shape)) for s in lay.segments if s.offset < lay.owned_numel}
+    expected.update({f"state.{k}": (v.dtype, tuple(v.shape)) for k, v in state.items()})
+    del state, master
+    tensors = read_verified(path, entry, expected, pending)
+    parts = [tensors.pop(f"param.{s.name}").reshape(-1) for s in lay.segments if s.offset < lay.owned_numel]
+    state = {k.removeprefix("state."): v for k, v in tensors.items()}
     state["master"] = torch.cat(parts)
     try:
         opt.load_state_tensors(j, state)

@@ -27,13 +27,14 @@ import torch
 from ..ir import OpKind, Plan, PlanError
 from . import gradients as gr
 from . import handlers as h
-from .batch import check_tokens, pad_batch, token_limits
+from .batch import as_tokens, check_shapes, check_tokens, pad_batch, token_limits
 from .handlers import Ctx, HostCopy
 from .interpreter import run
 from .nvme import NvmeStore
 from .optim.clipping import GradNormTracker
 from .profiling import Profiler, StepProfile
 from .store import HostPool, HostStore, layouts
+from .validate import check_trainer_args
 
 log = logging.getLogger("lazytrain")
 
@@ -73,6 +74,7 @@ class Trainer:
                  profile: bool = False, verbose: bool = True):
         """``verbose``: print the host memory estimate (before allocating) to stderr."""
         from ..compiler.program import build_program
+        check_trainer_args(model, plan, optimizer, device)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -221,19 +223,9 @@ class Trainer:
             ids, labels = batch
         else:
             raise ValueError("batch must be a dict with input_ids and labels, or an (input_ids, labels) tuple")
-        ids, labels = torch.as_tensor(ids), torch.as_tensor(labels)
+        ids, labels = as_tokens(ids, "input_ids"), as_tokens(labels, "labels")
         B, S = self.plan.batch_size, self.plan.seq_len
-        for name, t in (("input_ids", ids), ("labels", labels)):
-            if t.dim() != 2:
-                raise ValueError(f"{name} must be 2-D [batch, seq], got shape {tuple(t.shape)}")
-            if t.shape[1] > S:
-                raise ValueError(f"{name} has sequence length {t.shape[1]} but the plan was compiled for seq_len "
-                                 f"{S}: recompile the plan with seq_len={t.shape[1]} (or truncate the batch)")
-            if t.shape[0] > B:
-                raise ValueError(f"{name} has {t.shape[0]} rows but the plan was compiled for batch {B}: split the "
-                                 f"batch, or recompile with batch_size={t.shape[0]}")
-        if ids.shape != labels.shape:
-            raise ValueError(f"input_ids {tuple(ids.shape)} and labels {tuple(labels.shape)} differ in shape")
+        check_shapes(ids, labels, B, S)
         if self._token_limits is not None:
             ids, labels = check_tokens(ids, labels, mask, *self._token_limits)
         return pad_batch(ids.long(), labels.long(), B, S)

@@ -13,6 +13,7 @@ from .arith import (
     Problem,
     Step,
     StepKind,
+    check_eval_size,
     eval_examples,
     final_answer,
     get_difficulty,
@@ -32,5 +33,5 @@ from .data import (
 from .tokenizer import CharTokenizer
 
 __all__ = ["IGNORE", "PRESETS", "Batch", "CharTokenizer", "Difficulty", "Example", "Problem", "Step", "StepKind",
-           "collate", "encode_example", "eval_examples", "exact_match", "final_answer", "get_difficulty",
-           "greedy_generate", "predict", "shifted_cross_entropy", "train_batches", "train_examples"]
+           "check_eval_size", "collate", "encode_example", "eval_examples", "exact_match", "final_answer",
+           "get_difficulty", "greedy_generate", "predict", "shifted_cross_entropy", "train_batches", "train_examples"]

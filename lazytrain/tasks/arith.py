@@ -38,6 +38,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
+from functools import cache
 from itertools import islice
 
 
@@ -182,24 +183,37 @@ def get_difficulty(spec: str | Difficulty) -> Difficulty:
 
 # ---- drawing the arithmetic ------------------------------------------------------------------------
 
+def _operands(kind: StepKind, count: int, d: Difficulty) -> range | list[int] | None:
+    """The first operands a step of ``kind`` may take from ``count`` (a range to draw from, or DIV's list
+    of divisors), or None when the kind does not fit.  ADD_GROUPS's second operand: ``_groups``."""
+    top, room = 10 ** d.max_digits - 1, d.max_answer - count
+    if kind is StepKind.ADD:
+        return range(1, min(top, room) + 1) if room >= 1 else None
+    if kind is StepKind.SUB:
+        return range(1, min(top, count) + 1) if count >= 1 else None
+    if kind is StepKind.ADD_GROUPS:
+        return range(2, min(d.factor_max, room // 2) + 1) if room >= 4 else None
+    if kind is StepKind.MUL:
+        ok = count >= 1 and count * 2 <= d.max_answer
+        return range(2, min(d.factor_max, d.max_answer // max(count, 1)) + 1) if ok else None
+    divisors = [a for a in range(2, d.factor_max + 1) if count % a == 0] if count >= 2 else []
+    return divisors or None
+
+
+def _groups(count: int, a: int, d: Difficulty) -> range:
+    """ADD_GROUPS's second operand (``b`` packs of ``a``... ``a`` packs of ``b``) given the first."""
+    return range(2, min(d.factor_max, (d.max_answer - count) // a) + 1)
+
+
 def _draw_step(rng: random.Random, count: int, d: Difficulty) -> Step:
-    top = 10 ** d.max_digits - 1
-    room = d.max_answer - count
     options: list[Step] = []  # one candidate per feasible kind, so every kind is equally likely
     for kind in d.kinds:
-        if kind is StepKind.ADD and room >= 1:
-            options.append(Step(kind=kind, a=rng.randint(1, min(top, room))))
-        elif kind is StepKind.SUB and count >= 1:
-            options.append(Step(kind=kind, a=rng.randint(1, min(top, count))))
-        elif kind is StepKind.ADD_GROUPS and room >= 4:
-            a = rng.randint(2, min(d.factor_max, room // 2))
-            options.append(Step(kind=kind, a=a, b=rng.randint(2, min(d.factor_max, room // a))))
-        elif kind is StepKind.MUL and count >= 1 and count * 2 <= d.max_answer:
-            options.append(Step(kind=kind, a=rng.randint(2, min(d.factor_max, d.max_answer // count))))
-        elif kind is StepKind.DIV and count >= 2:
-            divisors = [a for a in range(2, d.factor_max + 1) if count % a == 0]
-            if divisors:
-                options.append(Step(kind=kind, a=rng.choice(divisors)))
+        ops = _operands(kind, count, d)
+        if ops is None:
+            continue
+        a = rng.choice(ops) if isinstance(ops, list) else rng.randint(ops.start, ops.stop - 1)
+        b = rng.randint(2, _groups(count, a, d).stop - 1) if kind is StepKind.ADD_GROUPS else 1
+        options.append(Step(kind=kind, a=a, b=b))
     return rng.choice(options)
 
 
@@ -261,7 +275,8 @@ def train_examples(difficulty: str | Difficulty = "easy", *, seed: int = 0) -> I
 
 
 def eval_examples(n: int, difficulty: str | Difficulty = "easy", *, seed: int = 0) -> list[Example]:
-    """``n`` distinct eval problems (distinct arithmetic), the same list for the same arguments."""
+    """``n`` distinct eval problems (distinct arithmetic), the same list for the same arguments.
+    ``check_eval_size`` says whether there are ``n`` (else this would draw for ever)."""
     d = get_difficulty(difficulty)
     seen: set[str] = set()
     out: list[Example] = []
@@ -272,6 +287,82 @@ def eval_examples(n: int, difficulty: str | Difficulty = "easy", *, seed: int = 
         if len(out) == n:
             return out
     raise AssertionError("unreachable")
+
+
+# ---- how many eval problems a difficulty has -------------------------------------------------------
+
+#: the largest eval set: exact match's standard error is at most 0.5 / sqrt(n), 0.5% at 10,000 problems,
+#: and evaluating takes ~25 ms a problem with the task GPT on the 2-core machine (500 in 12 s), so the
+#: final eval of 10,000 takes about 4 minutes there
+MAX_EVAL_SIZE = 10_000
+
+
+def all_problems(d: Difficulty) -> Iterator[Problem]:
+    """Every problem ``draw_problem`` can draw for ``d``, each once, in a fixed order."""
+    def steps_from(count: int, left: int) -> Iterator[tuple[Step, ...]]:
+        if left == 0:
+            yield ()
+            return
+        for kind in d.kinds:
+            for a in _operands(kind, count, d) or ():
+                for b in (_groups(count, a, d) if kind is StepKind.ADD_GROUPS else (1,)):
+                    step = Step(kind=kind, a=a, b=b)
+                    for rest in steps_from(step.apply(count), left - 1):
+                        yield (step, *rest)
+    for n in range(d.n_steps[0], d.n_steps[1] + 1):
+        for start in range(1, 10 ** d.max_digits):
+            for steps in steps_from(start, n):
+                yield Problem(start=start, steps=steps)
+
+
+def _shortest_tokens(problem: Problem) -> int:
+    """Tokens of the problem's shortest wording (``phrase`` with the shortest name, pronoun, item,
+    templates and question): the problem can be drawn for a sequence that long.  Every template names
+    each of its step's numbers once, so the numbers add their digits to a floor that depends only on
+    the kinds of the steps."""
+    numbers = [problem.start, *(x for s in problem.steps for x in ((s.a, s.b) if s.kind is StepKind.ADD_GROUPS
+                                                                  else (s.a,)))]
+    return (_wording_floor(tuple(s.kind for s in problem.steps)) + sum(len(str(x)) - 1 for x in numbers)
+            + len(f"Q:  A: {problem.solution}") + 2)
+
+
+@cache
+def _wording_floor(kinds: tuple[StepKind, ...]) -> int:
+    """Characters of the shortest question for steps of these kinds, every number written as one digit."""
+    best = None
+    for name, pronoun in NAMES:
+        steps = sum(min(len(t.format(P=pronoun, a=0, b=0)) for t in STEP_TEMPLATES[k]) for k in kinds)
+        for item in ITEMS:
+            q = min(len(t.format(item=item, N=name)) for t in QUESTIONS)
+            words = len(f"{name} has 0 {item}.") + steps + q + len(kinds) + 1
+            best = words if best is None else min(best, words)
+    return best
+
+
+def eval_problem_count(d: Difficulty, at_least: int) -> int:
+    """Distinct eval problems of ``d`` that fit its ``seq_len``, counted up to ``at_least`` (the count
+    stops there: a large space is never enumerated to its end)."""
+    n = 0
+    for p in all_problems(d):
+        if p.in_eval and _shortest_tokens(p) <= d.seq_len:
+            n += 1
+            if n >= at_least:
+                break
+    return n
+
+
+def check_eval_size(n: int, difficulty: str | Difficulty) -> None:
+    """``eval_examples(n, difficulty)`` ends (there are ``n`` distinct eval problems) and is not absurd."""
+    d = get_difficulty(difficulty)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"--eval-size must be a positive whole number, got {n!r}")
+    if n > MAX_EVAL_SIZE:
+        raise ValueError(f"--eval-size {n:,} is more than an exact match needs (at most {MAX_EVAL_SIZE:,}: a "
+                         f"standard error of 0.5%)")
+    have = eval_problem_count(d, n)
+    if have < n:
+        raise ValueError(f"--eval-size {n:,}: the {d.name!r} task has only {have:,} distinct eval problems; ask for "
+                         f"at most that, or a harder --difficulty")
 
 
 def take_train(n: int, difficulty: str | Difficulty = "easy", *, seed: int = 0) -> list[Example]:

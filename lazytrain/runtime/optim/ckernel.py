@@ -10,10 +10,17 @@ float operations follow the torch path's order, so the two paths agree to fp32 r
 a rounding boundary may get the neighbouring code) and their states are interchangeable.
 
 How it is built: the source below is compiled with the system C compiler (``cc -O3 -march=native
--fPIC -shared -ffp-contract=off``) into a per-user cache directory keyed by a hash of the source and
-the CPU, on first use, and loaded with ctypes; calls release the GIL, so a Python thread pool runs
-chunks in parallel.  Nothing is compiled by ``pip install``.  Without a compiler (or if the build or
-a self-check fails) :func:`load` returns None and ``Hybrid8bitAdamW`` uses the torch path.
+-fPIC -shared -ffp-contract=off``) on first use and loaded with ctypes; calls release the GIL, so a
+Python thread pool runs chunks in parallel.  Nothing is compiled by ``pip install``.  Without a
+compiler (or if the build or a self-check fails) :func:`load` returns None and ``Hybrid8bitAdamW``
+uses the torch path.
+
+The cache: loading a shared library runs its code, so a cached one is loaded only when it is ours and
+intact.  The file is named by a SHA-256 of the source, the flags, the CPU and the compiler (its
+resolved path and ``--version``), so another compiler or source builds anew; it lives in a folder
+created 0700 and used only when owned by this user and not writable by others (else the kernel is
+built into a fresh private temporary folder and not cached); and a sidecar holds the library's own
+SHA-256, checked before every load (a truncated or replaced file is rebuilt, never loaded).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -212,6 +220,7 @@ int hybrid8_run(int64_t nitems, const int64_t *items, const void *grad, int grad
 _lock = threading.Lock()
 _lib = None
 _tried = False
+FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-std=c99")
 
 
 def _cpu_key() -> str:
@@ -228,22 +237,78 @@ def _cache_dir() -> str:
     return os.path.join(base, "lazytrain", "kernels")
 
 
-def _build(path: str) -> None:
+def _compiler() -> tuple[str, str]:
+    """(path, identity) of the C compiler: its resolved path and what ``--version`` prints."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    return cc, f"{os.path.realpath(cc)}\n{version}"
+
+
+def _private(folder: str) -> bool:
+    """Is ``folder`` a real directory (not a link), owned by this user, that no one else can write?"""
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _build(cc: str, folder: str, name: str) -> str:
+    """Compile into ``folder`` and publish ``name`` and its ``.sha256`` sidecar (atomic renames, safe
+    against concurrent builders); returns the library's path."""
+    path = os.path.join(folder, name)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
         src, out = os.path.join(tmp, "k.c"), os.path.join(tmp, "k.so")
         with open(src, "w") as f:
             f.write(SOURCE)
-        flags = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-std=c99"]
         try:
-            subprocess.run([cc, *flags, "-march=native", src, "-o", out], check=True, capture_output=True)
+            subprocess.run([cc, *FLAGS, "-march=native", src, "-o", out], check=True, capture_output=True)
         except subprocess.CalledProcessError:
-            subprocess.run([cc, *flags, src, "-o", out], check=True, capture_output=True)
-        os.replace(out, path + f".{os.getpid()}")  # atomic publish, safe against concurrent builders
-        os.replace(path + f".{os.getpid()}", path)
+            subprocess.run([cc, *FLAGS, src, "-o", out], check=True, capture_output=True)
+        with open(out + ".sha256", "w") as f:
+            f.write(_sha256(out))
+        os.replace(out + ".sha256", path + ".sha256")
+        os.replace(out, path)
+    return path
+
+
+def _verified(path: str) -> bool:
+    """The cached library exists, is ours, and hashes to what its sidecar recorded at build time."""
+    try:
+        st = os.lstat(path)
+        with open(path + ".sha256") as f:
+            want = f.read().strip()
+        return (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+                and _sha256(path) == want)
+    except OSError:
+        return False
+
+
+def library_path() -> str:
+    """A verified build of the kernel: from the private cache, or built now (see the module docstring)."""
+    cc, identity = _compiler()
+    key = hashlib.sha256("\n".join([SOURCE, _cpu_key(), identity, *FLAGS]).encode()).hexdigest()[:24]
+    name = f"hybrid8_{key}.so"
+    folder = _cache_dir()
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        if _private(folder):
+            os.chmod(folder, 0o700)      # one made by an older version with the default mode
+    except OSError:
+        pass
+    if not _private(folder):        # a shared or foreign cache: build privately, cache nothing
+        folder = tempfile.mkdtemp(prefix="lazytrain-kernels-")
+    path = os.path.join(folder, name)
+    if not _verified(path):
+        path = _build(cc, folder, name)
+    return path
 
 
 def load():
@@ -253,12 +318,8 @@ def load():
         if _tried:
             return _lib
         _tried = True
-        key = hashlib.sha256((SOURCE + _cpu_key()).encode()).hexdigest()[:16]
-        path = os.path.join(_cache_dir(), f"hybrid8_{key}.so")
         try:
-            if not os.path.exists(path):
-                _build(path)
-            lib = ctypes.CDLL(path)
+            lib = ctypes.CDLL(library_path())
             p = ctypes.c_void_p
             lib.hybrid8_max.argtypes = [ctypes.c_void_p, ctypes.c_int64]
             lib.hybrid8_max.restype = ctypes.c_float
@@ -271,6 +332,6 @@ def load():
                 fn.argtypes += [p] * 8
                 fn.restype = ctypes.c_int
             _lib = lib
-        except (OSError, RuntimeError, subprocess.CalledProcessError):
+        except (OSError, RuntimeError, subprocess.SubprocessError):
             _lib = None
         return _lib

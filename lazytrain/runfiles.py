@@ -1,0 +1,144 @@
+"""The files of a ``lazytrain train`` run: one commit point for checkpoint + metrics, and resuming from it.
+
+An output folder holds ``checkpoint/`` and ``metrics.json``.  The metrics that count are the copy
+*inside* the checkpoint (``checkpoint/metrics.json``), written in the same atomic commit as the
+tensors (``runtime/checkpoint.py``: temporary folder, fsync, rename), so a kill at any moment leaves
+the previous complete state or the new one, never a checkpoint of step 40 with metrics of step 21:
+
+    commit 1   checkpoint + metrics (final eval pending)     -- after training
+    commit 2   metrics with the exact match (one rename)     -- after the final eval
+
+A run killed during its final eval is resumable from commit 1 (the resume evaluates).  The top-level
+``metrics.json`` is a copy for people and plots, refreshed after each commit; ``--resume`` never reads it.
+
+``--resume`` rebuilds the model from what the run recorded as data: a preset's or a Hugging Face
+config (never weights from a path, never code).  A run of a ``package.module:factory`` model needs
+``allow_factory`` (``--allow-factory``): the factory is code, and a run folder may come from anyone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from .ir.limits import MAX_BATCH, MAX_SEQ_LEN
+from .jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape
+
+METRICS = "metrics.json"
+METRICS_FORMAT = "lazytrain.train-metrics/1"
+#: settings a resumed run takes from its checkpointed run (the plan comes with the checkpoint)
+RESUMED = ("model", "difficulty", "batch", "seq", "loss_on_prompt", "seed", "warmup", "min_lr_ratio",
+           "weight_decay", "max_grad_norm", "policy", "gpu_memory", "host_memory", "resident")
+
+_SIZE = Either(None, str, Int(1))
+_UNIT = math.nextafter(1.0, 2.0)             # exclusive bound that admits 1.0
+_SETTINGS = {"model": str, "difficulty": str, "batch": Int(1, MAX_BATCH + 1), "seq": Int(1, MAX_SEQ_LEN + 1),
+             "loss_on_prompt": bool, "seed": Int(0, 1 << 63), "warmup": int, "min_lr_ratio": Num(0.0, _UNIT),
+             "weight_decay": Num(), "max_grad_norm": Either(None, Num()),
+             "policy": OneOf("milp", "megatrain", "recompute-all", "keep-all"), "gpu_memory": _SIZE,
+             "host_memory": _SIZE, "resident": Either(OneOf("auto", "none"), int, ListOf(int))}
+_LOSS = Num(-math.inf, finite=False, nan=True)
+SHAPE = {
+    "format": OneOf(METRICS_FORMAT),
+    "settings": _SETTINGS,
+    "model": Either({"config": MapOf(Any), "pretrained": Opt(str)}, {"spec": str}),
+    "steps_done": int,
+    "tokens": int,
+    "train_s": Num(),
+    "loss_curve": ListOf({"step": Int(1), "loss": _LOSS, "lr": Num(), "grad_norm": _LOSS, "step_s": Num(),
+                          "t": Num()}),
+    "eval_curve": ListOf({"step": int, "exact_match": Num(0.0, _UNIT), "n": int}),
+}
+
+
+def write_json(path: Path, data: dict) -> None:
+    """``path`` replaced atomically (temporary file, fsync, rename): never half-written."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def commit(trainer, out: Path, metrics: dict) -> Path:
+    """Commit 1: the trainer's state and ``metrics`` in one atomic checkpoint; then the copy."""
+    from .runtime import checkpoint
+    ckpt = checkpoint.save(trainer, out / "checkpoint", extras={METRICS: _encode(metrics)})
+    write_json(out / METRICS, metrics)
+    return ckpt
+
+
+def update_metrics(out: Path, metrics: dict) -> None:
+    """Commit 2: the checkpoint's metrics replaced in one rename; then the copy."""
+    from .runtime import checkpoint
+    checkpoint.write_extra(out / "checkpoint", METRICS, _encode(metrics))
+    write_json(out / METRICS, metrics)
+
+
+def _encode(metrics: dict) -> bytes:
+    return json.dumps(metrics, indent=1).encode()
+
+
+def load_resume(cfg):
+    """``(cfg with the run's settings, the run's metrics)`` from the checkpoint of ``cfg.resume``; every
+    field checked (``SHAPE``) and the metrics checked against the checkpoint they were committed with."""
+    from .runtime.checkpoint import read_extra, read_meta, resolve
+    from .runtime.manifest import CheckpointError
+    src = Path(cfg.resume)
+    try:
+        resolve(src / "checkpoint")
+    except CheckpointError:
+        raise FileNotFoundError(f"--resume {src}: expected an output folder of `lazytrain train` (a checkpoint/ "
+                                f"folder)") from None
+    folder, meta = read_meta(src / "checkpoint")
+    mpath = folder / METRICS
+    try:
+        prev = json.loads(read_extra(folder, meta, METRICS).decode("utf-8"))
+        check_shape(prev, SHAPE)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:    # JSONDecodeError, ShapeError: ValueErrors
+        why = str(e) if isinstance(e, ShapeError) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"--resume {src}: {mpath} is not the metrics of a `lazytrain train` run ({why})") from None
+    done, curve = prev["steps_done"], prev["loss_curve"]
+    if done != meta["step"] or [h["step"] for h in curve] != list(range(1, done + 1)):
+        raise ValueError(f"--resume {src}: {mpath} records {done} steps and a loss curve of {len(curve)}, the "
+                         f"checkpoint step {meta['step']}: the files were edited, they do not belong together")
+    _take_settings(cfg, prev["settings"], src)
+    if cfg.steps < done:
+        raise ValueError(f"--resume {src}: the run is already at step {done}; --steps is the total to reach, "
+                         f"not an increment (ask for more than {done})")
+    if "spec" in prev["model"] and not cfg.allow_factory:
+        raise ValueError(f"--resume {src}: the run's model is built by the factory {prev['model']['spec']!r}, and "
+                         f"resuming would import and run it (code named in {mpath}); pass --allow-factory if you "
+                         f"trust this run folder")
+    return cfg, prev
+
+
+def _take_settings(cfg, saved: dict, src: Path) -> None:
+    """What defines the run comes from the checkpointed run; what is asked now (steps, lr, time, output,
+    eval) from this command line.  A setting asked for that differs from the run's is an error, not
+    silently ignored (a default value counts as not asked for)."""
+    from .train import TrainConfig
+    default = TrainConfig()
+    for k in RESUMED:
+        v, asked = saved[k], getattr(cfg, k)
+        if asked != v and asked != getattr(default, k) and not (k == "model" and _same_model(asked, v)):
+            flag, theirs = f"--{k.replace('_', '-')} {asked}", f"{k} ({v})"
+            if k == "loss_on_prompt":
+                flag, theirs = "--answer-only-loss", "loss (on every token)"
+            raise ValueError(f"--resume {src}: {flag} differs from the run's {theirs}; a resumed run keeps its "
+                             f"settings (leave the flag out, or start a new run)")
+        setattr(cfg, k, v)
+
+
+def _same_model(a, b) -> bool:
+    """Do two ``--model`` values name the same thing (a folder given by another relative path)?"""
+    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+
+
+def settings(cfg, seq: int) -> dict:
+    """The run's settings as metrics.json records them."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("progress",)} | {"seq": seq}

@@ -1,0 +1,24 @@
+"""Fixtures shared by test files: one small GPT plan compiled once per session (tracing costs seconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.compiler.presets import build_from_config
+
+SMALL_GPT = {"model_type": "lazytrain-gpt", "vocab": 61, "d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 48,
+             "max_seq": 32, "tie_weights": True}
+
+
+def small_gpt(cfg: dict = SMALL_GPT) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_from_config(cfg, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def small_plan():
+    """Batch 4 x seq 16 in micro-batches of 2, fp32, on the CPU profile (megatrain: no solver)."""
+    return lazytrain.compile(small_gpt(), batch_size=4, seq_len=16, micro_batch=2, hardware="cpu", gpu_memory="8GiB",
+                             host_memory="16GiB", param_dtype="float32", optimizer="adamw", policy="megatrain")
