@@ -215,9 +215,12 @@ def cmd_simulate(a) -> int:
     plan = Plan.load(a.plan)
     rep = verify(plan)
     sim = simulate(plan)
+    from .ir.summary import model_tflops_text
+    flops = 6 * plan.graph.total_params * plan.batch_size * plan.seq_len
+    attn = plan.graph.attention_model_flops * plan.batch_size
     rows = [["step time", f"{sim.step_time_s:.4f} s"],
-            ["model TFLOPS",
-             f"{6 * plan.graph.total_params * plan.batch_size * plan.seq_len / sim.step_time_s / 1e12:.1f}"],
+            ["model TFLOPS", model_tflops_text({"model_tflops": flops / sim.step_time_s / 1e12,
+                                                "model_attn_tflops": (flops + attn) / sim.step_time_s / 1e12})],
             ["GPU idle (exposed transfers/updates)", f"{sim.gpu_idle_s:.4f} s"]]
     rows += [[f"busy {r}", f"{s:.4f} s ({100 * s / sim.step_time_s:.0f}%)"] for r, s in sim.busy_s.items()]
     rows += [["peak GPU", f"{max(rep.peak_gpu_bytes, sim.peak_gpu_bytes) / GiB:.2f} GiB"],

@@ -93,6 +93,8 @@ class Compiler:
             "host_static_bytes": rep.host_static_bytes, "busy_s": sim.busy_s,
             "exposed_transfer_s": sim.exposed_transfer_s,
             "model_tflops": flops / sim.step_time_s / 1e12 if sim.step_time_s else 0.0,
+            "model_attn_tflops": (flops + self.graph.attention_model_flops * batch_size) / sim.step_time_s / 1e12
+            if sim.step_time_s else 0.0,
             "hardware_tflops": hw_flops / sim.step_time_s / 1e12 if sim.step_time_s else 0.0,
             "tokens_per_s": batch_size * self.graph.seq_len / sim.step_time_s if sim.step_time_s else 0.0,
         }

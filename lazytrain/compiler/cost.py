@@ -35,11 +35,15 @@ class CostModel:
 
     def fwd_s(self, j: int) -> float:
         b = self.graph.blocks[j]
-        return self.hw.block_seconds(b.fwd_flops * self.micro_batch, ops=b.fwd_ops)
+        return self.hw.block_seconds(b.fwd_flops * self.micro_batch, ops=b.fwd_ops,
+                                     attn_flops=b.attn_fwd_flops * self.micro_batch, head_dim=b.attn_head_dim,
+                                     kv_len=b.attn_kv_len)
 
     def bwd_s(self, j: int) -> float:
         b = self.graph.blocks[j]
-        return self.hw.block_seconds(b.bwd_flops * self.micro_batch, ops=b.fwd_ops, backward=True)
+        return self.hw.block_seconds(b.bwd_flops * self.micro_batch, ops=b.fwd_ops, backward=True,
+                                     attn_flops=b.attn_bwd_flops * self.micro_batch, head_dim=b.attn_head_dim,
+                                     kv_len=b.attn_kv_len)
 
     def param_bytes(self, j: int) -> int:
         return self.graph.blocks[j].param_numel * self.sizes.param_bytes

@@ -69,6 +69,12 @@ class Block:
     bwd_flops: int                # per sample
     workspace_fixed_bytes: int = 0   # transient that does not grow with the micro-batch (a loss chunk)
     fwd_ops: int = 0              # ops of the forward program: each is issued from Python (dispatch floor)
+    # the fused attention's share of fwd_flops / bwd_flops (per sample, as the kernel computes them: causal
+    # is half the square, backward 2.5x forward), and the head dimension and key length its rate depends on
+    attn_fwd_flops: int = 0
+    attn_bwd_flops: int = 0
+    attn_head_dim: int = 0
+    attn_kv_len: int = 0
 
     @property
     def param_numel(self) -> int:
@@ -115,6 +121,13 @@ class ModelGraph:
     def total_params(self) -> int:
         """Distinct parameters (tied ones counted once)."""
         return sum(b.owned_numel for b in self.blocks)
+
+    @property
+    def attention_model_flops(self) -> int:
+        """Per-sample attention FLOPs of one training step as the model defines them (not as a kernel
+        runs them): each block's attention forward and a backward of twice it, causal as half the square,
+        no recomputation.  Added to ``6 * total_params * seq`` for the model FLOPs with attention."""
+        return 3 * sum(b.attn_fwd_flops for b in self.blocks)
 
     @property
     def dataflow(self) -> nx.DiGraph:

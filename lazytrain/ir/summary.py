@@ -26,6 +26,16 @@ def _resident_text(plan) -> str:
     return f"blocks {names}: {Sizes.of_plan(plan).resident_bytes() / GiB:.2f} GiB, updated on the GPU"
 
 
+def model_tflops_text(pred: dict) -> str:
+    """Model TFLOPS as ``6 * params * tokens / step``, and, where the model has attention, with its FLOPs
+    added (forward plus a backward of twice it, causal as half the square): at long sequences the two differ
+    by the attention's quadratic share."""
+    text = f"{pred.get('model_tflops', 0):.1f} (6·N·tokens)"
+    if pred.get("model_attn_tflops", 0) > pred.get("model_tflops", 0) * 1.0005:
+        text += f"; {pred['model_attn_tflops']:.1f} with attention (causal half, backward 2x forward)"
+    return text
+
+
 def summary_rows(plan) -> list[list]:
     d = plan.decisions
     pred = plan.predicted
@@ -44,7 +54,7 @@ def summary_rows(plan) -> list[list]:
     if pred:
         rows += [
             ["predicted step", f"{pred.get('step_time_s', 0):.4f} s"],
-            ["predicted model TFLOPS", f"{pred.get('model_tflops', 0):.1f}"],
+            ["predicted model TFLOPS", model_tflops_text(pred)],
             ["peak GPU / host / NVMe", f"{pred.get('peak_gpu_bytes', 0) / GiB:.2f} / "
                                        f"{pred.get('peak_host_bytes', 0) / GiB:.2f} / "
                                        f"{pred.get('peak_nvme_bytes', 0) / GiB:.2f} GiB"],
