@@ -311,7 +311,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                   hardware: str = "h200", policy: str = "milp", optimizer: str = "hybrid8bit",
                   param_dtype: str = "bfloat16", clip: bool = True, solver: str = "cbc",
                   time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16,
-                  resident="auto") -> Plan:
+                  resident="auto", calibrate: bool = False) -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
     to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
 
@@ -326,7 +326,15 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     update work off the host help -- the compiler searches how many leading blocks to keep, tied
     groups whole, and keeps the fastest predicted plan; the fixed policies stream everything, as the
     systems they stand for do), a number of leading blocks, or a list of block indices.
+
+    ``calibrate=True`` times the model's own blocks on this machine at the plan's micro-batch and
+    sequence length and compiles with those times (``lazytrain.calibrate``; written into ``hardware``
+    when it is a file).
     """
+    if calibrate:
+        options = {k: v for k, v in locals().items() if k not in ("model", "calibrate")}
+        from ..calibrate import compile_calibrated
+        return compile_calibrated(compile_model, model, options)
     from .hardware import get_profile
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")

@@ -2,7 +2,10 @@
 
 A ``HardwareProfile`` is a frozen record of one machine (one GPU and its share of the host).
 Built-ins live in ``PROFILES``; ``lazytrain profile -o hw.json`` measures the real machine
-(``compiler.profile.measure``) and ``get_profile`` reads either.
+(``compiler.profile.measure``) and ``get_profile`` reads either.  ``lazytrain profile --model M`` (or
+``compile(..., calibrate=True)``) adds ``calibration``: measured times of that model's own block
+programs (``BlockTiming``, ``lazytrain/calibrate.py``), which the cost model uses instead of the
+figures below for every block they match.
 
 Units: bandwidths in GB/s with GB = 1e9 bytes (as ``nvidia-smi``, PCIe specs and disk vendors
 write them), compute in TFLOP/s (1e12), optimizer rates in G params/s (1e9), memory in bytes.
@@ -73,7 +76,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HardwareProfile", "PROFILES", "get_profile", "layer_flops", "FORMAT", "VERSION"]
+__all__ = ["BlockTiming", "HardwareProfile", "PROFILES", "get_profile", "layer_flops", "FORMAT", "VERSION"]
 
 FORMAT = "lazytrain.hardware"
 VERSION = 1
@@ -114,6 +117,33 @@ def head_dim_factor(head_dim: int, backward: bool) -> float:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class BlockTiming:
+    """Measured seconds of one block program on this machine (``lazytrain profile --model``): forward,
+    backward and recompute of one micro-batch, each the median over ``samples`` runs in LazyTrain's own
+    runtime.  ``signature`` (``ModelGraph.block_signature``) names the block's structure, sequence length
+    and dtype; ``block`` the block it was timed on, for people."""
+
+    signature: str
+    block: str
+    micro_batch: int
+    seq_len: int
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    samples: int
+
+    @classmethod
+    def from_json(cls, d) -> BlockTiming:
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(d, dict) or set(d) != names:
+            raise ValueError(f"a block timing needs exactly the fields {sorted(names)}, got {d!r}")
+        for k in ("forward_s", "backward_s", "recompute_s"):
+            if isinstance(d[k], bool) or not isinstance(d[k], (int, float)) or not d[k] > 0:
+                raise ValueError(f"block timing {d.get('block')!r}: {k} must be a positive number, got {d[k]!r}")
+        return cls(**{**d, **{k: float(d[k]) for k in ("forward_s", "backward_s", "recompute_s")}})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class HardwareProfile:
     """One GPU and its share of the host. See the module docstring for units and the compute model."""
 
@@ -145,10 +175,16 @@ class HardwareProfile:
     attn_fwd_tflops: float = 0.0
     attn_bwd_tflops: float = 0.0
     attn_half_len: float = 0.0
+    #: measured block programs (``BlockTiming``); the cost model prefers them to the figures above
+    calibration: tuple = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.calibration, tuple) or not all(isinstance(t, BlockTiming) for t in self.calibration):
+            raise ValueError("hardware profile field calibration must be a tuple of BlockTiming")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "calibration":
+                continue
             if field.type == "str":
                 if not isinstance(value, str):
                     raise ValueError(f"hardware profile field {field.name} must be text, got {value!r}")
@@ -206,6 +242,19 @@ class HardwareProfile:
         rate = self.attention_rate(head_dim, kv_len, backward)
         return flops / ((rate or self.bf16_tflops * self.compute_efficiency) * 1e12)
 
+    def measured(self, signature: str, micro_batch: int) -> BlockTiming | None:
+        """The measured timing of a block with this signature at this micro-batch, if there is one."""
+        for t in self.calibration:
+            if t.signature == signature and t.micro_batch == micro_batch:
+                return t
+        return None
+
+    def with_timings(self, timings) -> HardwareProfile:
+        """This profile with ``timings`` added (replacing any of the same block and micro-batch)."""
+        new = {(t.signature, t.micro_batch): t for t in timings}
+        kept = tuple(t for t in self.calibration if (t.signature, t.micro_batch) not in new)
+        return dataclasses.replace(self, calibration=kept + tuple(new.values()))
+
     def h2d_seconds(self, nbytes: float, *, pinned: bool = True) -> float:
         return nbytes / ((self.h2d_gbps if pinned else self.pageable_h2d_gbps) * 1e9)
 
@@ -255,9 +304,12 @@ class HardwareProfile:
             if missing:
                 parts.append(f"missing fields {missing}")
             raise ValueError(f"bad hardware profile: {'; '.join(parts)}")
+        if not isinstance(data.get("calibration", []), list):
+            raise ValueError("bad hardware profile: calibration must be a list of block timings")
+        data["calibration"] = tuple(BlockTiming.from_json(t) for t in data.get("calibration", []))
         # JSON has one number type; accept 139.0 for an int field, 5 for a float one
         for f in dataclasses.fields(cls):
-            if f.name not in data:
+            if f.name not in data or f.name == "calibration":
                 continue
             value = data[f.name]
             if f.type == "int" and isinstance(value, float) and value.is_integer():

@@ -148,6 +148,19 @@ class ModelGraph:
         desc = [(b.kind, b.name, [(p.name, list(p.shape), p.owner) for p in b.params]) for b in self.blocks]
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
+    def block_signature(self, j: int) -> str:
+        """What a block's measured time depends on, without its name: kind, parameter shapes, the shapes
+        and dtypes it reads and writes, its per-sample FLOPs, bytes and op count, the sequence length
+        and dtype.  Structurally identical blocks (the middle layers, a model traced with fewer layers)
+        share it, so one measurement serves them all (``hardware.BlockTiming``)."""
+        b = self.blocks[j]
+
+        def specs(ts):
+            return [(list(t.shape), t.dtype, t.requires_grad) for t in ts]
+        desc = [b.kind, [list(p.shape) for p in b.params], specs(b.inputs), specs(b.outputs), b.saved_bytes,
+                b.workspace_bytes, b.fwd_flops, b.bwd_flops, b.fwd_ops, self.seq_len, self.dtype]
+        return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
+
     def to_json(self) -> dict:
         d = asdict(self)
         d["meta"] = dict(self.meta)

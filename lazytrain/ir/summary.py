@@ -26,6 +26,22 @@ def _resident_text(plan) -> str:
     return f"blocks {names}: {Sizes.of_plan(plan).resident_bytes() / GiB:.2f} GiB, updated on the GPU"
 
 
+def measured_blocks(plan) -> list[int]:
+    """Blocks whose compute times the plan took from measurements of their programs (the hardware
+    profile's ``calibration`` at the plan's micro-batch), not from the FLOP model."""
+    timed = {(t["signature"], t["micro_batch"]) for t in plan.hardware.get("calibration", ())}
+    return [j for j in range(plan.graph.n_blocks) if (plan.graph.block_signature(j), plan.micro_batch) in timed]
+
+
+def _compute_source_text(plan) -> str:
+    measured, n = measured_blocks(plan), plan.graph.n_blocks
+    gpu = plan.hardware.get("gpu_name", "?")
+    if not measured:
+        return f"modelled from FLOPs (no block of this model timed at micro-batch {plan.micro_batch} on {gpu})"
+    text = f"measured on {gpu} for {len(measured)} of {n} blocks (forward, backward, recompute)"
+    return text + ("" if len(measured) == n else "; the rest modelled from FLOPs")
+
+
 def model_tflops_text(pred: dict) -> str:
     """Model TFLOPS as ``6 * params * tokens / step``, and, where the model has attention, with its FLOPs
     added (forward plus a backward of twice it, causal as half the square): at long sequences the two differ
@@ -54,6 +70,9 @@ def summary_rows(plan) -> list[list]:
     if pred:
         rows += [
             ["predicted step", f"{pred.get('step_time_s', 0):.4f} s"],
+            ["block compute times", _compute_source_text(plan)],
+            ["hardware figures", f"{plan.hardware.get('name', '?')}: "
+                                 f"{str(plan.hardware.get('source', '')).split(';')[0]}"],
             ["predicted model TFLOPS", model_tflops_text(pred)],
             ["peak GPU / host / NVMe", f"{pred.get('peak_gpu_bytes', 0) / GiB:.2f} / "
                                        f"{pred.get('peak_host_bytes', 0) / GiB:.2f} / "
