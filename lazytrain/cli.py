@@ -53,7 +53,8 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help=f"a preset ({_presets()}), a Hugging Face config.json (or its folder), "
                                  f"or package.module:factory")
     p.add_argument("--batch", type=_batch, default=8, help="global batch size, or 'max' (default 8)")
-    p.add_argument("--seq", type=_positive, default=1024, help="sequence length (default 1024)")
+    p.add_argument("--seq", type=_batch, default=1024,
+                   help="sequence length, or 'max': the longest that fits the batch (default 1024)")
     p.add_argument("--micro-batch", type=_positive, default=None, help="micro-batch size (default: chosen)")
     p.add_argument("--gpu-memory", type=_size, default=None, help="GPU budget, e.g. 24GiB (default: the GPU's)")
     p.add_argument("--host-memory", type=_size, default=None, help="host budget (default: the host's)")

@@ -317,7 +317,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
 
     ``gpu_memory`` / ``host_memory`` / ``nvme_memory`` accept bytes or sizes like ``"24GiB"``;
     they default to the hardware profile's.  ``batch_size="max"`` finds the largest batch with a
-    feasible plan, up to ``max_batch_limit``.  ``reserve`` is GPU memory kept back for the CUDA
+    feasible plan, up to ``max_batch_limit``; ``seq_len="max"`` the longest sequence for the batch
+    (``seq_search``).  ``reserve`` is GPU memory kept back for the CUDA
     context, cuBLAS workspaces and allocator fragmentation (default: 1.5 GiB + 5% of the budget).
 
     ``resident`` keeps blocks on the GPU for the whole run (parameters, optimizer state, gradients;
@@ -331,17 +332,20 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     sequence length and compiles with those times (``lazytrain.calibrate``; written into ``hardware``
     when it is a file).
     """
+    options = {k: v for k, v in locals().items() if k != "model"}
+    if seq_len == "max":
+        from .seq_search import compile_max_seq
+        return compile_max_seq(compile_model, model, options)
     if calibrate:
-        options = {k: v for k, v in locals().items() if k not in ("model", "calibrate")}
         from ..calibrate import compile_calibrated
-        return compile_calibrated(compile_model, model, options)
+        return compile_calibrated(compile_model, model, {k: v for k, v in options.items() if k != "calibrate"})
     from .hardware import get_profile
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if optimizer not in HOST_BYTES_PER_PARAM:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(HOST_BYTES_PER_PARAM)}")
     if not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        raise ValueError(f"seq_len must be a positive integer or 'max', got {seq_len!r}")
     if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch < 1):
         raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
     history: list[dict] = []
