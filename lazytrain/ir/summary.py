@@ -29,17 +29,26 @@ def _resident_text(plan) -> str:
 def measured_blocks(plan) -> list[int]:
     """Blocks whose compute times the plan took from measurements of their programs (the hardware
     profile's ``calibration`` at the plan's micro-batch), not from the FLOP model."""
-    timed = {(t["signature"], t["micro_batch"]) for t in plan.hardware.get("calibration", ())}
+    hw = plan.hardware if isinstance(plan.hardware, dict) else {}
+    cal = hw.get("calibration")
+    timed = {(t.get("signature"), t.get("micro_batch")) for t in cal if isinstance(t, dict)} \
+        if isinstance(cal, (list, tuple)) else set()
     return [j for j in range(plan.graph.n_blocks) if (plan.graph.block_signature(j), plan.micro_batch) in timed]
 
 
 def _compute_source_text(plan) -> str:
     measured, n = measured_blocks(plan), plan.graph.n_blocks
-    gpu = plan.hardware.get("gpu_name", "?")
+    gpu = plan.hardware.get("gpu_name", "?") if isinstance(plan.hardware, dict) else "?"
     if not measured:
         return f"modelled from FLOPs (no block of this model timed at micro-batch {plan.micro_batch} on {gpu})"
     text = f"measured on {gpu} for {len(measured)} of {n} blocks (forward, backward, recompute)"
     return text + ("" if len(measured) == n else "; the rest modelled from FLOPs")
+
+
+def _hardware_text(hw) -> str:
+    """The profile's name and where its figures come from (the first clause of its ``source``)."""
+    hw = hw if isinstance(hw, dict) else {}
+    return f"{hw.get('name', '?')}: {str(hw.get('source', '')).split(';')[0]}"
 
 
 def model_tflops_text(pred: dict) -> str:
@@ -71,8 +80,7 @@ def summary_rows(plan) -> list[list]:
         rows += [
             ["predicted step", f"{pred.get('step_time_s', 0):.4f} s"],
             ["block compute times", _compute_source_text(plan)],
-            ["hardware figures", f"{plan.hardware.get('name', '?')}: "
-                                 f"{str(plan.hardware.get('source', '')).split(';')[0]}"],
+            ["hardware figures", _hardware_text(plan.hardware)],
             ["predicted model TFLOPS", model_tflops_text(pred)],
             ["peak GPU / host / NVMe", f"{pred.get('peak_gpu_bytes', 0) / GiB:.2f} / "
                                        f"{pred.get('peak_host_bytes', 0) / GiB:.2f} / "
