@@ -54,8 +54,9 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
                                  f"or package.module:factory (imports that module and calls the factory: it runs "
                                  f"code, so name only code you trust)")
     p.add_argument("--batch", type=_batch, default=8, help="global batch size, or 'max' (default 8)")
-    p.add_argument("--seq", type=_positive, default=None,
-                   help="sequence length (default 1024, or the positions the model handles when it has fewer)")
+    p.add_argument("--seq", type=_batch, default=None,
+                   help="sequence length, or 'max': the longest that fits the batch (default 1024, or the "
+                        "positions the model handles when it has fewer)")
     p.add_argument("--micro-batch", type=_positive, default=None, help="micro-batch size (default: chosen)")
     p.add_argument("--gpu-memory", type=_size, default=None, help="GPU budget, e.g. 24GiB (default: the GPU's)")
     p.add_argument("--host-memory", type=_size, default=None, help="host budget (default: the host's)")
@@ -194,7 +195,11 @@ def cmd_compile(a) -> int:
     plan = compile_model(a.model, batch_size=a.batch, seq_len=seq, micro_batch=a.micro_batch,
                          gpu_memory=a.gpu_memory, host_memory=a.host_memory, nvme_dir=a.nvme_dir,
                          nvme_memory=a.nvme_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,
-                         solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype, resident=a.resident)
+                         solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype, resident=a.resident,
+                         calibrate=a.calibrate)
+    if not a.calibrate:
+        from .compiler.cost import hint_uncalibrated
+        hint_uncalibrated(plan, a.model)
     plan.save(a.output)
     print(plan.summary())
     print(f"wrote {a.output}")
@@ -234,9 +239,12 @@ def cmd_simulate(a) -> int:
     plan = Plan.load(a.plan)
     rep = verify(plan)
     sim = simulate(plan)
+    from .ir.summary import model_tflops_text
+    flops = 6 * plan.graph.total_params * plan.batch_size * plan.seq_len
+    attn = plan.graph.attention_model_flops * plan.batch_size
     rows = [["step time", f"{sim.step_time_s:.4f} s"],
-            ["model TFLOPS",
-             f"{6 * plan.graph.total_params * plan.batch_size * plan.seq_len / sim.step_time_s / 1e12:.1f}"],
+            ["model TFLOPS", model_tflops_text({"model_tflops": flops / sim.step_time_s / 1e12,
+                                                "model_attn_tflops": (flops + attn) / sim.step_time_s / 1e12})],
             ["GPU idle (exposed transfers/updates)", f"{sim.gpu_idle_s:.4f} s"]]
     rows += [[f"busy {r}", f"{s:.4f} s ({100 * s / sim.step_time_s:.0f}%)"] for r, s in sim.busy_s.items()]
     rows += [["peak GPU", f"{max(rep.peak_gpu_bytes, sim.peak_gpu_bytes) / GiB:.2f} GiB"],
@@ -264,13 +272,27 @@ def cmd_trace(a) -> int:
 
 
 def cmd_profile(a) -> int:
+    import os
+
     from .compiler.profile import measure
-    hw = measure(quick=a.quick, disk_dir=a.disk_dir)
-    with open(a.output, "w") as f:
-        json.dump(hw.to_json(), f, indent=1)
-    print(hw)
+    if not (a.model and os.path.isfile(a.output)):
+        hw = measure(quick=a.quick, disk_dir=a.disk_dir)
+        with open(a.output, "w") as f:
+            json.dump(hw.to_json(), f, indent=1)
+        print(hw)
+    if a.model:
+        from .compiler.api import compile_model
+        plan = compile_model(a.model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
+                             gpu_memory=a.gpu_memory, hardware=a.output, calibrate=True,
+                             param_dtype="bfloat16" if _has_cuda() else "float32")
+        print(plan.summary())
     print(f"wrote {a.output}")
     return 0
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def cmd_train(a) -> int:
@@ -298,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="trace, cost, solve, lower, verify; write the plan")
     _add_compile_args(p)
     p.add_argument("-o", "--output", default="plan.json")
+    p.add_argument("--calibrate", action="store_true",
+                   help="time the model's blocks on this machine at the plan's shapes and compile with those times "
+                        "(written into --hardware when it is a file)")
     p.set_defaults(fn=cmd_compile)
     p = sub.add_parser("show", help="print a plan as tables")
     p.add_argument("plan")
@@ -322,6 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="hw.json")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--disk-dir", default=None, help="where to time disk I/O (default: a temp folder)")
+    p.add_argument("--model", default=None, metavar="M",
+                   help="also time this model's block programs (forward, backward, recompute) at the shapes a plan "
+                        "uses, into -o (added to it when it exists, else after measuring the machine)")
+    p.add_argument("--seq", type=_positive, default=1024, help="with --model: sequence length (default 1024)")
+    p.add_argument("--batch", type=_positive, default=8, help="with --model: the batch a plan is for (default 8)")
+    p.add_argument("--micro-batch", type=_positive, default=None,
+                   help="with --model: micro-batch to time (default: the one a plan for --batch chooses)")
+    p.add_argument("--gpu-memory", type=_size, default=None, help="with --model: GPU budget of that plan")
     p.set_defaults(fn=cmd_profile)
     p = sub.add_parser("train", help="train on the built-in arithmetic task: compile, train, evaluate, save",
                        description="Train on generated arithmetic word problems: build the model, compile a plan "

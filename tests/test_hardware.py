@@ -9,6 +9,7 @@ from lazytrain.compiler.hardware import (
     EXPORTED_BLOCK_SLOWDOWN,
     PROFILES,
     HardwareProfile,
+    attention_flops,
     get_profile,
     layer_flops,
 )
@@ -41,12 +42,14 @@ def test_h200_is_the_design_measurement():
 def test_h200_calibration_reproduces_one_qwen_layer(micro_batch, forward_ms, forward_backward_ms):
     """DESIGN §6: one eager Qwen2.5-3B layer at micro-batch 8 x 1024, forward 2.77 ms, fwd+bwd 8.48 ms."""
     p = dataclasses.replace(PROFILES["h200"], compute_efficiency=EAGER_LAYER_EFFICIENCY)
-    flops = layer_flops(QWEN3B_LAYER_PARAMS, micro_batch, 1024, 2048)
-    forward = p.block_seconds(flops)
-    backward = p.block_seconds(2 * flops)
+    matmuls = 2 * QWEN3B_LAYER_PARAMS * micro_batch * 1024
+    attn, attn_bwd = (attention_flops(micro_batch, 1024, 2048, backward=b) for b in (False, True))
+    assert matmuls + attn == layer_flops(QWEN3B_LAYER_PARAMS, micro_batch, 1024, 2048)
+    forward = p.block_seconds(matmuls + attn, attn_flops=attn, kv_len=1024)
+    backward = p.block_seconds(2 * matmuls + attn_bwd, attn_flops=attn_bwd, kv_len=1024, backward=True)
     if forward_ms is not None:
-        assert forward * 1e3 == pytest.approx(forward_ms, rel=0.10)
-    assert (forward + backward) * 1e3 == pytest.approx(forward_backward_ms, rel=0.10)
+        assert forward * 1e3 == pytest.approx(forward_ms, rel=0.05)
+    assert (forward + backward) * 1e3 == pytest.approx(forward_backward_ms, rel=0.05)
 
 
 def test_h200_efficiency_is_the_eager_fit_scaled_by_the_measured_block_slowdown():
@@ -156,13 +159,17 @@ def test_measure_quick_on_cpu(tmp_path):
 
 @pytest.mark.cuda
 def test_measure_quick_on_gpu():
+    """Measured figures are checked against physical limits, not against each other (two noisy medians,
+    e.g. duplex > h2d, can be either way on a machine where both are right): ``measure`` re-measures a
+    figure past a limit and raises if it stays there, and the profile it returns is within them all."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from lazytrain.compiler.plausible import problems
     from lazytrain.compiler.profile import measure
 
     profile = measure(quick=True, verbose=False)
-    assert 1e-6 < profile.op_dispatch_s < profile.op_dispatch_bwd_s < 1e-3
-    assert profile.h2d_gbps > profile.pageable_h2d_gbps > 0
-    assert profile.duplex_gbps > max(profile.h2d_gbps, profile.d2h_gbps)
-    assert 0 < profile.compute_efficiency <= 1
+    assert problems(dataclasses.asdict(profile)) == []
+    # on a GPU these are measured (0 would mean "not modelled")
+    assert profile.op_dispatch_s > 0 and profile.op_dispatch_bwd_s > 0
+    assert profile.attn_fwd_tflops > 0 and profile.attn_bwd_tflops > 0

@@ -102,6 +102,8 @@ class Compiler:
             "host_static_bytes": rep.host_static_bytes, "busy_s": sim.busy_s,
             "exposed_transfer_s": sim.exposed_transfer_s,
             "model_tflops": flops / sim.step_time_s / 1e12 if sim.step_time_s else 0.0,
+            "model_attn_tflops": (flops + self.graph.attention_model_flops * batch_size) / sim.step_time_s / 1e12
+            if sim.step_time_s else 0.0,
             "hardware_tflops": hw_flops / sim.step_time_s / 1e12 if sim.step_time_s else 0.0,
             "tokens_per_s": batch_size * self.graph.seq_len / sim.step_time_s if sim.step_time_s else 0.0,
         }
@@ -175,13 +177,14 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                   hardware: str = "h200", policy: str = "milp", optimizer: str = "hybrid8bit",
                   param_dtype: str = "bfloat16", clip: bool = True, solver: str = DEFAULT_SOLVER,
                   time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16,
-                  resident="auto") -> Plan:
+                  resident="auto", calibrate: bool = False) -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
     to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
 
     ``gpu_memory`` / ``host_memory`` / ``nvme_memory`` accept bytes or sizes like ``"24GiB"``;
     they default to the hardware profile's.  ``batch_size="max"`` finds the largest batch with a
-    feasible plan, up to ``max_batch_limit``.  ``reserve`` is GPU memory kept back for the CUDA
+    feasible plan, up to ``max_batch_limit``; ``seq_len="max"`` the longest sequence for the batch
+    (``seq_search``).  ``reserve`` is GPU memory kept back for the CUDA
     context, cuBLAS workspaces and allocator fragmentation (default: 1.5 GiB + 5% of the budget).
 
     ``resident`` keeps blocks on the GPU for the whole run (parameters, optimizer state, gradients;
@@ -194,14 +197,25 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     process, so a solver that crashes or hangs costs that solve only: the other solver is tried,
     then the best heuristic plan is used, with one warning and the failures in ``plan.solver``.
     ``time_limit``: seconds per solve (default ``SOLVE_TIME_LIMIT``).
+
+    ``calibrate=True`` times the model's own blocks on this machine at the plan's micro-batch and
+    sequence length and compiles with those times (``lazytrain.calibrate``; written into ``hardware``
+    when it is a file).
     """
+    options = {k: v for k, v in locals().items() if k != "model"}
+    if seq_len == "max":
+        from .seq_search import compile_max_seq
+        return compile_max_seq(compile_model, model, options)
+    if calibrate:
+        from ..calibrate import compile_calibrated
+        return compile_calibrated(compile_model, model, {k: v for k, v in options.items() if k != "calibrate"})
     from .hardware import get_profile
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if optimizer not in HOST_BYTES_PER_PARAM:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(HOST_BYTES_PER_PARAM)}")
     if not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        raise ValueError(f"seq_len must be a positive integer or 'max', got {seq_len!r}")
     if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch < 1):
         raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
     check_compile_args(model, batch_size=batch_size, seq_len=seq_len, micro_batch=micro_batch, nvme_dir=nvme_dir)

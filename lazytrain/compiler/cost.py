@@ -1,8 +1,12 @@
 """Cost model: seconds for every kind of work on a block, from the graph and a hardware profile.
 
 All times are for one micro-batch where work is per micro-batch (compute, activation transfers)
-and per block where it is per block (parameter load, gradient offload, host update).  Forward
-recompute costs the same as forward; backward FLOPs come from the trace.
+and per block where it is per block (parameter load, gradient offload, host update).
+
+A block's compute is measured where the hardware profile has a timing of its program at this
+micro-batch (``HardwareProfile.calibration``, from ``lazytrain profile --model``: forward, backward and
+recompute as LazyTrain's runtime ran them), else modelled from its FLOPs (``block_seconds``: matmuls
+and attention at their rates; recompute costs the same as forward).
 """
 
 from __future__ import annotations
@@ -33,13 +37,34 @@ class CostModel:
         """Parameter bytes that stream for block j (0 for a resident block: they stay on the GPU)."""
         return 0 if j in self.resident else self.param_bytes(j)
 
+    @cached_property
+    def measured(self) -> dict:
+        """Block index -> ``BlockTiming`` for the blocks whose program was timed at this micro-batch."""
+        find = getattr(self.hw, "measured", None)
+        if find is None or not getattr(self.hw, "calibration", ()):
+            return {}
+        found = {j: find(self.graph.block_signature(j), self.micro_batch) for j in range(self.graph.n_blocks)}
+        return {j: t for j, t in found.items() if t is not None}
+
     def fwd_s(self, j: int) -> float:
+        if j in self.measured:
+            return self.measured[j].forward_s
         b = self.graph.blocks[j]
-        return self.hw.block_seconds(b.fwd_flops * self.micro_batch, ops=b.fwd_ops)
+        return self.hw.block_seconds(b.fwd_flops * self.micro_batch, ops=b.fwd_ops,
+                                     attn_flops=b.attn_fwd_flops * self.micro_batch, head_dim=b.attn_head_dim,
+                                     kv_len=b.attn_kv_len)
+
+    def recompute_s(self, j: int) -> float:
+        """Forward again inside the backward: measured where timed, else the forward's time."""
+        return self.measured[j].recompute_s if j in self.measured else self.fwd_s(j)
 
     def bwd_s(self, j: int) -> float:
+        if j in self.measured:
+            return self.measured[j].backward_s
         b = self.graph.blocks[j]
-        return self.hw.block_seconds(b.bwd_flops * self.micro_batch, ops=b.fwd_ops, backward=True)
+        return self.hw.block_seconds(b.bwd_flops * self.micro_batch, ops=b.fwd_ops, backward=True,
+                                     attn_flops=b.attn_bwd_flops * self.micro_batch, head_dim=b.attn_head_dim,
+                                     kv_len=b.attn_kv_len)
 
     def param_bytes(self, j: int) -> int:
         return self.graph.blocks[j].param_numel * self.sizes.param_bytes
@@ -110,3 +135,23 @@ class CostModel:
 
     def nvme_s(self, nbytes: int, write: bool) -> float:
         return self.hw.nvme_seconds(nbytes, write)
+
+
+
+def hint_uncalibrated(plan, model=None):
+    """Print one line to stderr when this machine has a GPU, the plan is for a GPU and none of its
+    blocks' times is measured: how to measure them.  Returns ``plan``."""
+    import sys
+
+    import torch
+
+    from ..ir.summary import measured_blocks
+    from .hardware import HardwareProfile
+    if not torch.cuda.is_available() or plan.hardware.get("gpu_name") == HardwareProfile.NO_GPU \
+            or measured_blocks(plan):
+        return plan
+    name = model if isinstance(model, str) else "MODEL"
+    print(f"lazytrain: block times are modelled, not measured: `lazytrain profile --model {name} --seq "
+          f"{plan.seq_len} --micro-batch {plan.micro_batch} -o hw.json` and --hardware hw.json (or "
+          f"compile(..., calibrate=True)) measure them on this GPU", file=sys.stderr)
+    return plan

@@ -2,31 +2,49 @@
 
 A ``HardwareProfile`` is a frozen record of one machine (one GPU and its share of the host).
 Built-ins live in ``PROFILES``; ``lazytrain profile -o hw.json`` measures the real machine
-(``compiler.profile.measure``) and ``get_profile`` reads either.
+(``compiler.profile.measure``) and ``get_profile`` reads either.  ``lazytrain profile --model M`` (or
+``compile(..., calibrate=True)``) adds ``calibration``: measured times of that model's own block
+programs (``BlockTiming``, ``lazytrain/calibrate.py``), which the cost model uses instead of the
+figures below for every block they match.
 
 Units: bandwidths in GB/s with GB = 1e9 bytes (as ``nvidia-smi``, PCIe specs and disk vendors
 write them), compute in TFLOP/s (1e12), optimizer rates in G params/s (1e9), memory in bytes.
 
-How compute time is modelled (the cost pass must count FLOPs the same way; use ``layer_flops``):
+How compute time is modelled (the cost pass must count FLOPs the same way; ``layer_flops`` and
+``attention_flops`` write the formulas down, ``compiler.attention`` counts them in the trace):
 
-- A transformer layer's forward is ``2 * params * tokens`` (every weight multiplies every token
-  once) plus attention scores and values, ``4 * batch * seq**2 * hidden`` for full attention and
-  **half that** for causal attention (FlashAttention/SDPA skip the masked half; ``hidden`` is
-  ``n_heads * head_dim`` of the queries). Backward is counted as twice the forward.
+- A transformer layer's forward is ``2 * params * tokens`` of matmuls (every weight multiplies every
+  token once; backward twice that) plus attention, ``4 * batch * seq**2 * hidden`` for full attention and
+  **half that** for causal attention (the fused kernels skip the masked half; ``hidden`` is ``n_heads *
+  head_dim`` of the queries); its backward is 2.5x its forward (the kernel recomputes the scores).
 - One eager launch of a block (one block, one micro-batch, forward or backward) takes
-  ``flops / (bf16_tflops * 1e12 * compute_efficiency) + kernel_overhead_s`` (``block_seconds``), but
-  no less than its ops times ``op_dispatch_s`` (forward) or ``op_dispatch_bwd_s`` (backward): Python
-  issues every op, so small blocks (short sequences, small micro-batches) are dispatch bound.
+  ``matmul_flops / (bf16_tflops * 1e12 * compute_efficiency) + attention_seconds + kernel_overhead_s``
+  (``block_seconds``), but no less than its ops times ``op_dispatch_s`` (forward) or ``op_dispatch_bwd_s``
+  (backward): Python issues every op, so small blocks (short sequences, small micro-batches) are
+  dispatch bound.
+- Attention runs at its own rate (``attention_seconds``): ``attn_fwd_tflops`` / ``attn_bwd_tflops`` at
+  long keys and head dimension 128, times ``kv_len / (kv_len + attn_half_len)`` (short keys pay the
+  diagonal tiles and the launch), times a head-dimension factor (``ATTENTION_HEAD_DIM_FACTOR``).  A profile
+  without these figures (0, older files) prices attention like the rest of the block.
 
-Calibration of ``h200`` (DESIGN §6): one Qwen2.5-3B layer (77,076,992 params, hidden 2048), seq
-1024, eager bf16 + SDPA: forward 2.77 ms and forward+backward 8.48 ms at micro-batch 8, forward+
-backward 4.62 ms at micro-batch 4. Forward FLOPs at micro-batch 8 = 1.263e12 (weights) + 0.034e12
-(causal attention) = 1.297e12. A least-squares fit of (efficiency, overhead) to the relative error
-of those three times gives ``compute_efficiency = 0.667`` and ``kernel_overhead_s = 0.36 ms``,
-reproducing 2.89 ms (+4%), 8.30 ms (-2%) and 4.51 ms (-2%). (Efficiency alone, no overhead, fits
-micro-batch 8 at 0.60 but misses micro-batch 4 by 9%: small micro-batches do pay a fixed cost.)
+Calibration of ``h200`` (DESIGN §6): one Qwen2.5-3B layer (77,076,992 params, hidden 2048, head dim 128),
+seq 1024, eager bf16 + SDPA: forward 2.77 ms and forward+backward 8.48 ms at micro-batch 8, forward+
+backward 4.62 ms at micro-batch 4. Forward FLOPs at micro-batch 8: 1.263e12 of matmuls and 0.034e12 of
+causal attention (0.086e12 in its backward), the attention priced at the rates below. A least-squares
+fit of (efficiency, overhead) to the relative error of those three times gives ``compute_efficiency =
+0.677`` and ``kernel_overhead_s = 0.365 ms``, reproducing 2.87 ms (+4%), 8.32 ms (-2%) and 4.53 ms (-2%).
+(Efficiency alone, no overhead, misses micro-batch 4 by 9%: small micro-batches do pay a fixed cost.)
 The overhead is mostly eager-mode launches and memory-bound elementwise kernels (norms, rotary,
 activations); with ``torch.compile`` the same layer ran 1.37x faster.
+
+The H200's attention rates are **modelled, not measured** (``lazytrain profile`` measures them): SDPA on
+Hopper runs cuDNN's fused attention (PyTorch prefers it on sm90 from cuDNN 9.15, bundled with torch
+2.11 and later), whose published H100 SXM5 bf16 figures (FlashAttention-3 paper, Shah et al. 2024;
+16k tokens per batch, hidden 2048) are, for causal forward at head dim 128, 315 / 410 / 484 / 518 /
+529 / 539 TFLOP/s at 512 / 1k / 2k / 4k / 8k / 16k keys: ``552 * s / (s + 385)`` within 4%.  Its
+backward is published without the causal mask only (305 ... 516, long-key 530); times the forward's
+causal / full ratio at long keys (539 / 595): 480.  The H200 has the H100's SMs and clocks (attention
+is compute bound), so the figures carry over; other GPUs scale them by their ``bf16_tflops``.
 
 Sources of the other built-ins, all public spec sheets, adjusted the same way as the measured
 H200 (achievable dense bf16 ~ 0.78x of the spec sheet, pinned PCIe ~ 87% of the link):
@@ -58,7 +76,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HardwareProfile", "PROFILES", "get_profile", "layer_flops", "FORMAT", "VERSION"]
+__all__ = ["BlockTiming", "HardwareProfile", "PROFILES", "get_profile", "layer_flops", "FORMAT", "VERSION"]
 
 FORMAT = "lazytrain.hardware"
 VERSION = 1
@@ -66,13 +84,63 @@ GiB = 2**30
 MiB = 2**20
 
 
-def layer_flops(params: int, batch: int, seq: int, hidden: int, *, causal: bool = True) -> float:
-    """Forward FLOPs of one transformer layer: ``2*params*tokens + 4*batch*seq**2*hidden`` (halved if causal).
+def attention_flops(batch: int, seq: int, hidden: int, *, causal: bool = True, backward: bool = False) -> float:
+    """FLOPs of a fused attention over ``seq`` queries and keys: ``4*batch*seq**2*hidden`` forward, halved if
+    causal, 2.5x that backward (``hidden``: the query width, ``n_heads * head_dim``)."""
+    forward = 4.0 * batch * seq * seq * hidden / (2 if causal else 1)
+    return forward * 2.5 if backward else forward
 
-    ``hidden`` is the query width (``n_heads * head_dim``). Backward is twice this.
-    """
-    attention = 4.0 * batch * seq * seq * hidden
-    return 2.0 * params * batch * seq + (attention / 2 if causal else attention)
+
+def layer_flops(params: int, batch: int, seq: int, hidden: int, *, causal: bool = True) -> float:
+    """Forward FLOPs of one transformer layer: ``2*params*tokens`` of matmuls + ``attention_flops``."""
+    return 2.0 * params * batch * seq + attention_flops(batch, seq, hidden, causal=causal)
+
+
+#: the attention rate by head dimension relative to 128, (forward, backward), from the same published cuDNN
+#: figures on the H100: head dim 64 reaches 413 / 595 TFLOP/s forward and ~0.85 of 128's backward; 256
+#: reaches 509 / 539 forward (backward taken equal).  Between the points: linear in log2(head dim).
+ATTENTION_HEAD_DIM_FACTOR = {64: (0.69, 0.85), 128: (1.0, 1.0), 256: (0.94, 0.94)}
+
+
+def head_dim_factor(head_dim: int, backward: bool) -> float:
+    """``ATTENTION_HEAD_DIM_FACTOR`` at ``head_dim``: interpolated in log2, held at the ends."""
+    import math
+    points = sorted(ATTENTION_HEAD_DIM_FACTOR.items())
+    k = 1 if backward else 0
+    if head_dim <= points[0][0]:
+        return points[0][1][k]
+    for (d0, f0), (d1, f1) in zip(points, points[1:]):
+        if head_dim <= d1:
+            t = (math.log2(head_dim) - math.log2(d0)) / (math.log2(d1) - math.log2(d0))
+            return f0[k] + t * (f1[k] - f0[k])
+    return points[-1][1][k]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockTiming:
+    """Measured seconds of one block program on this machine (``lazytrain profile --model``): forward,
+    backward and recompute of one micro-batch, each the median over ``samples`` runs in LazyTrain's own
+    runtime.  ``signature`` (``ModelGraph.block_signature``) names the block's structure, sequence length
+    and dtype; ``block`` the block it was timed on, for people."""
+
+    signature: str
+    block: str
+    micro_batch: int
+    seq_len: int
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    samples: int
+
+    @classmethod
+    def from_json(cls, d) -> BlockTiming:
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(d, dict) or set(d) != names:
+            raise ValueError(f"a block timing needs exactly the fields {sorted(names)}, got {d!r}")
+        for k in ("forward_s", "backward_s", "recompute_s"):
+            if isinstance(d[k], bool) or not isinstance(d[k], (int, float)) or not d[k] > 0:
+                raise ValueError(f"block timing {d.get('block')!r}: {k} must be a positive number, got {d[k]!r}")
+        return cls(**{**d, **{k: float(d[k]) for k in ("forward_s", "backward_s", "recompute_s")}})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,10 +170,21 @@ class HardwareProfile:
     #: keep the GPU ahead of Python (0: not modelled; older profile files lack them)
     op_dispatch_s: float = 0.0
     op_dispatch_bwd_s: float = 0.0
+    #: fused causal attention at long keys and head dim 128, forward and backward (FLOPs counted as the
+    #: kernel does them), and the key length at which it reaches half that (0: priced like the block)
+    attn_fwd_tflops: float = 0.0
+    attn_bwd_tflops: float = 0.0
+    attn_half_len: float = 0.0
+    #: measured block programs (``BlockTiming``); the cost model prefers them to the figures above
+    calibration: tuple = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.calibration, tuple) or not all(isinstance(t, BlockTiming) for t in self.calibration):
+            raise ValueError("hardware profile field calibration must be a tuple of BlockTiming")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "calibration":
+                continue
             if field.type == "str":
                 if not isinstance(value, str):
                     raise ValueError(f"hardware profile field {field.name} must be text, got {value!r}")
@@ -114,7 +193,8 @@ class HardwareProfile:
                 raise ValueError(f"hardware profile field {field.name} must be a number, got {value!r}")
             if field.type == "int" and not isinstance(value, int):
                 raise ValueError(f"hardware profile field {field.name} must be a whole number, got {value!r}")
-            if field.name in ("kernel_overhead_s", "op_dispatch_s", "op_dispatch_bwd_s"):
+            if field.name in ("kernel_overhead_s", "op_dispatch_s", "op_dispatch_bwd_s", "attn_fwd_tflops",
+                              "attn_bwd_tflops", "attn_half_len"):
                 ok = value >= 0
             else:
                 ok = value > 0
@@ -136,13 +216,44 @@ class HardwareProfile:
         """A big dense bf16 matmul at the peak rate ``bf16_tflops``."""
         return flops / (self.bf16_tflops * 1e12)
 
-    def block_seconds(self, flops: float, launches: int = 1, ops: int = 0, backward: bool = False) -> float:
+    def block_seconds(self, flops: float, launches: int = 1, ops: int = 0, backward: bool = False,
+                      attn_flops: float = 0.0, head_dim: int = 128, kv_len: int = 0) -> float:
         """Eager transformer work: ``flops`` at ``compute_efficiency`` plus ``launches`` fixed overheads,
         but never less than issuing the block's ``ops`` from Python: kernels run asynchronously, so a
         block is as slow as the slower of its kernels and its dispatch (small micro-batches, short
-        sequences, narrow layers are dispatch bound)."""
-        kernels = flops / (self.bf16_tflops * 1e12 * self.compute_efficiency) + launches * self.kernel_overhead_s
+        sequences, narrow layers are dispatch bound).  ``attn_flops`` of ``flops`` are fused attention,
+        priced by ``attention_seconds``."""
+        matmul = flops - attn_flops
+        kernels = (matmul / (self.bf16_tflops * 1e12 * self.compute_efficiency)
+                   + self.attention_seconds(attn_flops, head_dim, kv_len, backward) + launches * self.kernel_overhead_s)
         return max(kernels, ops * (self.op_dispatch_bwd_s if backward else self.op_dispatch_s))
+
+    def attention_rate(self, head_dim: int, kv_len: int, backward: bool = False) -> float:
+        """TFLOP/s of fused causal attention over ``kv_len`` keys (module docstring); 0 if not modelled."""
+        peak = self.attn_bwd_tflops if backward else self.attn_fwd_tflops
+        if not peak or kv_len <= 0:
+            return 0.0
+        return peak * head_dim_factor(head_dim, backward) * kv_len / (kv_len + self.attn_half_len)
+
+    def attention_seconds(self, flops: float, head_dim: int, kv_len: int, backward: bool = False) -> float:
+        """Fused attention of ``flops``; at the block rate where the profile has no attention figures."""
+        if not flops:
+            return 0.0
+        rate = self.attention_rate(head_dim, kv_len, backward)
+        return flops / ((rate or self.bf16_tflops * self.compute_efficiency) * 1e12)
+
+    def measured(self, signature: str, micro_batch: int) -> BlockTiming | None:
+        """The measured timing of a block with this signature at this micro-batch, if there is one."""
+        for t in self.calibration:
+            if t.signature == signature and t.micro_batch == micro_batch:
+                return t
+        return None
+
+    def with_timings(self, timings) -> HardwareProfile:
+        """This profile with ``timings`` added (replacing any of the same block and micro-batch)."""
+        new = {(t.signature, t.micro_batch): t for t in timings}
+        kept = tuple(t for t in self.calibration if (t.signature, t.micro_batch) not in new)
+        return dataclasses.replace(self, calibration=kept + tuple(new.values()))
 
     def h2d_seconds(self, nbytes: float, *, pinned: bool = True) -> float:
         return nbytes / ((self.h2d_gbps if pinned else self.pageable_h2d_gbps) * 1e9)
@@ -193,9 +304,12 @@ class HardwareProfile:
             if missing:
                 parts.append(f"missing fields {missing}")
             raise ValueError(f"bad hardware profile: {'; '.join(parts)}")
+        if not isinstance(data.get("calibration", []), list):
+            raise ValueError("bad hardware profile: calibration must be a list of block timings")
+        data["calibration"] = tuple(BlockTiming.from_json(t) for t in data.get("calibration", []))
         # JSON has one number type; accept 139.0 for an int field, 5 for a float one
         for f in dataclasses.fields(cls):
-            if f.name not in data:
+            if f.name not in data or f.name == "calibration":
                 continue
             value = data[f.name]
             if f.type == "int" and isinstance(value, float) and value.is_integer():
@@ -270,13 +384,20 @@ def _cpu_profile() -> HardwareProfile:
     )
 
 
-#: fitted to DESIGN §6's eager Qwen2.5-3B layer (forward 2.77 ms, fwd+bwd 8.48 ms at micro-batch 8)
-EAGER_LAYER_EFFICIENCY = 0.667
+#: fitted to DESIGN §6's eager Qwen2.5-3B layer (forward 2.77 ms, fwd+bwd 8.48 ms at micro-batch 8), its
+#: attention priced at the rates below (module docstring)
+EAGER_LAYER_EFFICIENCY = 0.677
+EAGER_LAYER_OVERHEAD_S = 0.365e-3
+#: published cuDNN attention on the H100 SXM5 (module docstring): causal forward and backward TFLOP/s at
+#: long keys, head dim 128, and the key length at which they are halved -- modelled, not measured
+HOPPER_ATTENTION = {"attn_fwd_tflops": 552.0, "attn_bwd_tflops": 480.0, "attn_half_len": 385.0}
 #: LazyTrain's blocks are the torch.export'ed Hugging Face layers plus the chunked-loss head.  Measured on
 #: the H200 (qwen2.5-3b, seq 1024, 24 GiB, is_causal attention), GPU busy per step against the eager-layer
 #: fit: megatrain b32 1.992 s / 1.783, milp b32 1.789-1.871 / 1.665, megatrain b8 0.505-0.540 / 0.461,
-#: milp b8 0.471-0.524 / 0.413: 1.12x on average (the explicit-mask attention it replaced was 1.16x)
-EXPORTED_BLOCK_SLOWDOWN = 1.12
+#: milp b8 0.471-0.524 / 0.413: 1.12x on average (the explicit-mask attention it replaced was 1.16x).  That fit
+#: counted attention as FlopCounterMode does (full square, backward 2x); with attention apart at its own rate
+#: the same plans predict 2.7% less GPU work (megatrain b32 1.736 s vs 1.785, b8 0.455 vs 0.467): 1.12 / 0.973
+EXPORTED_BLOCK_SLOWDOWN = 1.15
 
 #: Dispatch floor, measured in LazyTrain's runtime on the H200 host (qwen2.5-0.5b, batch 32, seq 88, all
 #: blocks resident so no op waits for a transfer): a 54-op Qwen2 layer's forward took 1.644 ms and its
@@ -287,17 +408,31 @@ DISPATCH_BWD_S = 63e-6
 
 _H200 = HardwareProfile(
     name="h200", gpu_name="NVIDIA H200", gpu_memory_bytes=139 * GiB, host_memory_bytes=128 * GiB, cpu_cores=16,
-    bf16_tflops=770.0, compute_efficiency=EAGER_LAYER_EFFICIENCY / EXPORTED_BLOCK_SLOWDOWN, kernel_overhead_s=0.36e-3,
+    bf16_tflops=770.0, compute_efficiency=EAGER_LAYER_EFFICIENCY / EXPORTED_BLOCK_SLOWDOWN,
+    kernel_overhead_s=EAGER_LAYER_OVERHEAD_S,
     h2d_gbps=55.4, d2h_gbps=55.4, duplex_gbps=99.6, pageable_h2d_gbps=8.9, pageable_d2h_gbps=15.7,
     cpu_adam_gparams=5.5, cpu_adam8_gparams=5.0, nvme_read_gbps=1.6, nvme_write_gbps=1.6,
-    op_dispatch_s=DISPATCH_FWD_S, op_dispatch_bwd_s=DISPATCH_BWD_S,
-    source="measured on the lent H200 machine (DESIGN §6); efficiency and overhead fitted to one eager "
-    "Qwen2.5-3B layer (0.667), then scaled by the 1.157x that LazyTrain's exported blocks measured slower "
-    "(GPU busy 2.066 s vs 1.783 s predicted, qwen2.5-3b megatrain batch 32); 8-bit optimizer rate measured "
+    op_dispatch_s=DISPATCH_FWD_S, op_dispatch_bwd_s=DISPATCH_BWD_S, **HOPPER_ATTENTION,
+    source="measured on the lent H200 machine (DESIGN §6); matmul efficiency and overhead fitted to one eager "
+    f"Qwen2.5-3B layer ({EAGER_LAYER_EFFICIENCY}), then scaled by the {EXPORTED_BLOCK_SLOWDOWN}x that LazyTrain's "
+    "exported blocks measured slower (GPU busy per step, qwen2.5-3b seq 1024); attention rates modelled from "
+    "published cuDNN figures on the H100 (not measured); 8-bit optimizer rate measured "
     "inside LazyTrain's runtime on that machine, 14 threads, while the GPU streams: 5.07 G/s (qwen2.5-3b, 3.09 B "
     "params in 0.609 s), 5.40 G/s (qwen2.5-7b, 7.61 B in 1.411 s), 4.6-5.1 in other runs; 5.98 G/s for the "
     "kernel alone",
 )
+
+#: how the built-ins other than h200 take their compute figures
+_AS_CALIBRATED = ("efficiency as calibrated on H200; attention: H200's modelled rates scaled by the matmul rate; "
+                  "8-bit rate assumed = fp32")
+
+
+def _scaled_attention(bf16_tflops: float) -> dict:
+    """The H200's modelled attention rates scaled to a GPU with this matmul rate (attention is compute bound)."""
+    scale = bf16_tflops / _H200.bf16_tflops
+    return {k: v * scale if k != "attn_half_len" else v for k, v in HOPPER_ATTENTION.items()}
+
+
 _H100 = dataclasses.replace(
     _H200, name="h100", gpu_name="NVIDIA H100 80GB HBM3 (SXM5)", gpu_memory_bytes=81559 * MiB,
     host_memory_bytes=256 * GiB, cpu_cores=24, bf16_tflops=770.0,
@@ -305,7 +440,7 @@ _H100 = dataclasses.replace(
     cpu_adam_gparams=7.5, cpu_adam8_gparams=7.5, nvme_read_gbps=6.5, nvme_write_gbps=3.5,
     source="built-in from spec sheets: H100 SXM5 989 TFLOP/s dense bf16 spec, achievable as measured on "
     "the same die (H200); PCIe gen5 x16 as measured on the H200 HGX host; host = 1/8 of an HGX node "
-    "(24 cores, 256 GiB); datacenter gen4 NVMe; efficiency as calibrated on H200; 8-bit rate assumed = fp32",
+    "(24 cores, 256 GiB); datacenter gen4 NVMe; " + _AS_CALIBRATED,
 )
 PROFILES: dict[str, HardwareProfile] = {
     "h200": _H200,
@@ -316,31 +451,36 @@ PROFILES: dict[str, HardwareProfile] = {
     ),
     "a100-80g": dataclasses.replace(
         _H200, name="a100-80g", gpu_name="NVIDIA A100-SXM4-80GB", gpu_memory_bytes=81920 * MiB,
-        host_memory_bytes=128 * GiB, cpu_cores=16, bf16_tflops=250.0, compute_efficiency=0.667,
-        kernel_overhead_s=0.36e-3, h2d_gbps=25.0, d2h_gbps=25.0, duplex_gbps=42.0,
+        host_memory_bytes=128 * GiB, cpu_cores=16, bf16_tflops=250.0, compute_efficiency=EAGER_LAYER_EFFICIENCY,
+        kernel_overhead_s=EAGER_LAYER_OVERHEAD_S,
+        **_scaled_attention(250.0),
+        h2d_gbps=25.0, d2h_gbps=25.0, duplex_gbps=42.0,
         pageable_h2d_gbps=8.0, pageable_d2h_gbps=10.0, cpu_adam_gparams=4.5, cpu_adam8_gparams=4.5,
         nvme_read_gbps=6.0, nvme_write_gbps=3.0,
         source="built-in from spec sheets: A100 SXM4 312 TFLOP/s dense bf16 spec (~250 achievable), PCIe "
-        "gen4 x16 ~25 GB/s pinned; host 16 cores 128 GiB; efficiency as calibrated on H200; 8-bit rate assumed = fp32",
+        "gen4 x16 ~25 GB/s pinned; host 16 cores 128 GiB; " + _AS_CALIBRATED,
     ),
     "rtx3090": dataclasses.replace(
         _H200, name="rtx3090", gpu_name="NVIDIA GeForce RTX 3090", gpu_memory_bytes=24576 * MiB,
-        host_memory_bytes=64 * GiB, cpu_cores=8, bf16_tflops=62.0, compute_efficiency=0.667,
-        kernel_overhead_s=0.36e-3, h2d_gbps=24.0, d2h_gbps=24.0, duplex_gbps=40.0,
+        host_memory_bytes=64 * GiB, cpu_cores=8, bf16_tflops=62.0, compute_efficiency=EAGER_LAYER_EFFICIENCY,
+        kernel_overhead_s=EAGER_LAYER_OVERHEAD_S,
+        **_scaled_attention(62.0),
+        h2d_gbps=24.0, d2h_gbps=24.0, duplex_gbps=40.0,
         pageable_h2d_gbps=8.0, pageable_d2h_gbps=8.0, cpu_adam_gparams=1.2, cpu_adam8_gparams=1.2,
         nvme_read_gbps=3.5, nvme_write_gbps=2.5,
         source="built-in from spec sheets: RTX 3090 71 TFLOP/s dense bf16 (fp32 accumulate) spec, ~62 achievable; "
-        "PCIe gen4 x16; consumer host 8 cores 64 GiB DDR4; efficiency as calibrated on H200; 8-bit rate assumed = fp32",
+        "PCIe gen4 x16; consumer host 8 cores 64 GiB DDR4; " + _AS_CALIBRATED,
     ),
     "rtx4090": dataclasses.replace(
         _H200, name="rtx4090", gpu_name="NVIDIA GeForce RTX 4090", gpu_memory_bytes=24564 * MiB,
-        host_memory_bytes=64 * GiB, cpu_cores=16, bf16_tflops=150.0, compute_efficiency=0.667,
-        kernel_overhead_s=0.36e-3, h2d_gbps=25.0, d2h_gbps=25.0, duplex_gbps=40.0,
+        host_memory_bytes=64 * GiB, cpu_cores=16, bf16_tflops=150.0, compute_efficiency=EAGER_LAYER_EFFICIENCY,
+        kernel_overhead_s=EAGER_LAYER_OVERHEAD_S,
+        **_scaled_attention(150.0),
+        h2d_gbps=25.0, d2h_gbps=25.0, duplex_gbps=40.0,
         pageable_h2d_gbps=10.0, pageable_d2h_gbps=10.0, cpu_adam_gparams=2.0, cpu_adam8_gparams=2.0,
         nvme_read_gbps=6.0, nvme_write_gbps=4.0,
         source="built-in from spec sheets: RTX 4090 165 TFLOP/s dense bf16 (fp32 accumulate) spec, ~150 achievable; "
-        "PCIe gen4 x16; consumer host 16 cores 64 GiB DDR5, gen4 NVMe; efficiency as calibrated on H200; "
-        "8-bit rate assumed = fp32",
+        "PCIe gen4 x16; consumer host 16 cores 64 GiB DDR5, gen4 NVMe; " + _AS_CALIBRATED,
     ),
     "cpu": _cpu_profile(),
 }

@@ -109,7 +109,10 @@ def export_hf(clone: nn.Module, seq_len: int, run):
     attention function up in ``AttentionInterface``, but a model that compares the name with ``"sdpa"``
     itself takes another path under the new name (Falcon: its eager attention, adding a ``None`` mask;
     with ALiBi the bias would be lost).  Such a model, or one whose export fails with the flag, is
-    exported again with its own mask (``"sdpa"``)."""
+    exported again with its own mask (``"sdpa"``).  Rotary tables that depend on the sequence length
+    are fixed at ``seq_len`` first (``rope.fix_rope_length``)."""
+    from .rope import fix_rope_length
+    fix_rope_length(clone, seq_len)
     cfg = clone.config
     original = cfg._attn_implementation
     if not use_causal_flag(clone, seq_len):

@@ -251,7 +251,7 @@ def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
                 for j in range(s, e):
                     em(OpKind.RECOMPUTE, j, mb=mb,
                        tensor=_tid(TensorKind.ACT, j + 1, mb) if j + 1 < e else _tid(TensorKind.SAVED, j, mb),
-                       save=True, resource=Resource.GPU, seconds=cost.fwd_s(j))
+                       save=True, resource=Resource.GPU, seconds=cost.recompute_s(j))
                     em(OpKind.FREE, j, mb=mb, tensor=_tid(TensorKind.ACT, j, mb), src=G)
             for j in range(e - 1, s - 1, -1):
                 em(OpKind.BACKWARD, j, mb=mb, tensor=_tid(TensorKind.GRAD_ACT, j, mb) if j > 0 else None,

@@ -5,11 +5,15 @@ several repeats after a warm-up:
 
 - pinned host->GPU, GPU->host, and both at once (two CUDA streams; duplex = the sum of the two),
   then pageable copies; with CUDA events, 256 MB buffers (64 MB with ``quick``);
-- the dense bf16 matmul rate (8192^3 GEMMs), and ``compute_efficiency``/``kernel_overhead_s`` from a
-  transformer-like block (QKV and output projections, causal SDPA, a 4x MLP) run forward+backward
-  at micro-batch 8 and 4 x 1024, fitted to ``3 * flops / (rate * efficiency) + 2 * overhead`` as
-  the built-in H200 calibration is (FLOPs counted by ``layer_flops``, backward = 2x forward). The
-  block has no norms or rotary embeddings, so it is a little more efficient than a real layer;
+- the dense bf16 matmul rate (8192^3 GEMMs);
+- fused causal attention (SDPA, head dim 128, 16 heads, 16k tokens a batch as the published figures
+  are; smaller on the CPU) forward and backward at a short and a long key length, fitted to
+  ``rate * s / (s + half_len)`` (``attn_fwd_tflops``, ``attn_bwd_tflops``, ``attn_half_len``);
+- ``compute_efficiency``/``kernel_overhead_s`` from a transformer-like block (QKV and output
+  projections, causal SDPA, a 4x MLP) run forward+backward at micro-batch 8 and 4 x 1024, fitted to
+  ``3 * matmul_flops / (rate * efficiency) + attention + 2 * overhead`` as the built-in H200
+  calibration is (attention at the rates just measured). The block has no norms or rotary
+  embeddings, so it is a little more efficient than a real layer;
 - fused fp32 AdamW on the host (``torch.optim.AdamW(fused=True)``, else ``foreach``) over 48M
   parameters (12M with ``quick``); the 8-bit rate is taken equal to it (no 8-bit kernel is measured);
 - sequential write (with fsync) and read of a 256 MB temp file (64 MB with ``quick``) in
@@ -21,10 +25,18 @@ Without CUDA the "GPU" is the CPU: matmul and the block run on the CPU in fp32 (
 computes in; ``bf16_tflops`` then holds the fp32 rate), transfers are memcpy rates, and
 ``source`` says so. With ``quick=True`` this takes well under 30 s on a small CPU machine.
 Progress goes to stderr.
+
+Every figure is checked against physical limits (``implausible``: a copy cannot beat the bus, both
+directions at once lie between one-after-the-other and the sum of the two, attention cannot beat the
+matmul peak, ...); a figure that fails is measured again, up to ``RETRIES`` times (a noisy neighbour,
+a clock ramping up), and ``measure`` raises if it still fails rather than write a profile that would
+mislead every plan compiled with it.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import statistics
 import sys
@@ -34,7 +46,8 @@ from collections.abc import Callable
 
 import torch
 
-from .hardware import HardwareProfile, _cpu_cores, _host_memory_bytes, layer_flops
+from .hardware import HardwareProfile, _cpu_cores, _host_memory_bytes, attention_flops
+from .plausible import measure_checked
 
 __all__ = ["measure"]
 
@@ -123,7 +136,7 @@ def _matmul_tflops(device: torch.device, dtype: torch.dtype, size: int, repeats:
 
 def _block_seconds(device: torch.device, dtype: torch.dtype, batch: int, seq: int, hidden: int,
                    repeats: int) -> tuple[float, float]:
-    """Forward+backward seconds of a transformer-like block, and its forward FLOPs by ``layer_flops``."""
+    """Forward+backward seconds of a transformer-like block, and its forward matmul FLOPs."""
     heads = max(1, hidden // 128)
     shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, 4 * hidden), (4 * hidden, hidden)]
     weights = [(torch.randn(shape, device=device, dtype=dtype) * 0.02).requires_grad_() for shape in shapes]
@@ -138,26 +151,84 @@ def _block_seconds(device: torch.device, dtype: torch.dtype, batch: int, seq: in
         y.sum().backward()
 
     params = sum(w.numel() for w in weights)
-    return _median_seconds(step, repeats, device), layer_flops(params, batch, seq, hidden)
+    return _median_seconds(step, repeats, device), 2.0 * params * batch * seq
 
 
 def _fit_block(device: torch.device, dtype: torch.dtype, batch: int, seq: int, hidden: int, repeats: int,
-               tflops: float) -> tuple[float, float]:
+               tflops: float, attention: dict) -> tuple[float, float]:
     """``(compute_efficiency, kernel_overhead_s)`` fitted like the built-in calibration.
 
     Forward+backward at micro-batch ``batch`` and ``batch // 2`` is modelled as
-    ``3 * flops / (tflops * efficiency) + 2 * overhead``; two sizes give the slope (efficiency) and the
-    intercept (overhead). If noise makes the fit meaningless, overhead is 0 and efficiency comes
-    from the larger size alone.
+    ``3 * matmul_flops / (tflops * efficiency) + attention + 2 * overhead``, the attention at the rates in
+    ``attention`` (``HardwareProfile`` fields); two sizes give the slope (efficiency) and the intercept
+    (overhead). If noise makes the fit meaningless, overhead is 0 and efficiency comes from the larger
+    size alone.
     """
-    big_s, big_flops = _block_seconds(device, dtype, batch, seq, hidden, repeats)
-    small_s, small_flops = _block_seconds(device, dtype, batch // 2, seq, hidden, repeats)
+    probe = HardwareProfile(**{**_PROBE, **attention, "bf16_tflops": tflops})
+
+    def matmul_seconds(b: int) -> tuple[float, float]:
+        total, flops = _block_seconds(device, dtype, b, seq, hidden, repeats)
+        attn = sum(probe.attention_seconds(attention_flops(b, seq, hidden, backward=bwd), 128, seq, bwd)
+                   for bwd in (False, True))
+        return max(total - attn, 1e-9), flops
+
+    big_s, big_flops = matmul_seconds(batch)
+    small_s, small_flops = matmul_seconds(batch // 2)
     peak = tflops * 1e12
     slope = (big_s - small_s) / (3 * (big_flops - small_flops))  # seconds per counted FLOP
     overhead = (big_s - 3 * big_flops * slope) / 2
     if slope <= 0 or overhead < 0 or 1 / (slope * peak) > 1:
         return min(1.0, 3 * big_flops / big_s / peak), 0.0
     return 1 / (slope * peak), overhead
+
+
+#: placeholder figures for a profile used only to evaluate ``attention_seconds`` while measuring
+_PROBE = dict(name="probe", gpu_name="probe", gpu_memory_bytes=1, host_memory_bytes=1, cpu_cores=1, bf16_tflops=1.0,
+              compute_efficiency=1.0, kernel_overhead_s=0.0, h2d_gbps=1.0, d2h_gbps=1.0, duplex_gbps=1.0,
+              pageable_h2d_gbps=1.0, pageable_d2h_gbps=1.0, cpu_adam_gparams=1.0, cpu_adam8_gparams=1.0,
+              nvme_read_gbps=1.0, nvme_write_gbps=1.0, source="probe")
+
+
+def _attention_seconds(device: torch.device, dtype: torch.dtype, tokens: int, seq: int, heads: int,
+                       repeats: int) -> tuple[float, float]:
+    """(forward, backward) seconds of causal SDPA over ``tokens`` (``tokens // seq`` sequences of ``seq``)."""
+    batch = max(1, tokens // seq)
+    q, k, v = (torch.randn(batch, heads, seq, 128, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(batch, heads, seq, 128, device=device, dtype=dtype)
+
+    def forward() -> None:
+        with torch.no_grad():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def both() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    fwd = _median_seconds(forward, repeats, device)
+    return fwd, max(_median_seconds(both, repeats, device) - fwd, 1e-9)
+
+
+def _attention_rates(device: torch.device, dtype: torch.dtype, tokens: int, lengths: tuple[int, int], heads: int,
+                     repeats: int, matmul_tflops: float) -> dict[str, float]:
+    """``attn_fwd_tflops``, ``attn_bwd_tflops`` and ``attn_half_len`` from causal attention at two key lengths:
+    ``1 / rate = (1 + half_len / s) / peak`` is a line in ``1 / s`` through the two points (the forward
+    fixes ``half_len``, which the backward shares).  The peak is at most the matmul rate (attention is
+    matmuls and a softmax): where the line extrapolates past it (a CPU far from its peak at the lengths
+    measured), the curve goes through the long length at that peak.  Noise that makes the short length
+    faster: no length term, the long length's rate."""
+    rates = {}
+    for s in lengths:
+        fwd_s, bwd_s = _attention_seconds(device, dtype, tokens, s, heads, repeats)
+        flops = attention_flops(max(1, tokens // s), s, heads * 128)
+        rates[s] = (flops / fwd_s / 1e12, 2.5 * flops / bwd_s / 1e12)
+    short, long_ = lengths
+    slope = (1 / rates[short][0] - 1 / rates[long_][0]) / (1 / short - 1 / long_)
+    intercept = 1 / rates[long_][0] - slope / long_
+    half = max(0.0, slope / intercept) if intercept > 0 else math.inf
+    if rates[long_][0] * (long_ + half) / long_ > matmul_tflops:
+        half = long_ * (matmul_tflops / rates[long_][0] - 1)
+    scale = (long_ + half) / long_
+    return {"attn_fwd_tflops": rates[long_][0] * scale, "attn_bwd_tflops": min(rates[long_][1] * scale, matmul_tflops),
+            "attn_half_len": half}
 
 
 def _dispatch_seconds(device: torch.device, repeats: int) -> tuple[float, float]:
@@ -240,60 +311,74 @@ def measure(device: str | torch.device | None = None, quick: bool = False, disk_
     on_gpu = device.type == "cuda"
     repeats = 3 if quick else 7
     cores, host_memory = _cpu_cores(), _host_memory_bytes()
-    _log(verbose, f"{'quick ' if quick else ''}measurement of {device} ({cores} host cores)")
+    log = functools.partial(_log, verbose)
+    log(f"{'quick ' if quick else ''}measurement of {device} ({cores} host cores)")
 
     if on_gpu:
         props = torch.cuda.get_device_properties(device)
         gpu_name, gpu_memory = props.name, props.total_memory
         copy_bytes = (64 if quick else 256) * 2**20
-        _log(verbose, f"PCIe copies, {copy_bytes >> 20} MB each ...")
-        rates = _transfers(device, copy_bytes, repeats)
+        log(f"PCIe copies, {copy_bytes >> 20} MB each ...")
+        rates = measure_checked("PCIe copies", lambda: _transfers(device, copy_bytes, repeats), log)
         dtype, mm_size = torch.bfloat16, 8192
         batch, seq, hidden = 8, 1024, 2048
+        attn_tokens, attn_lengths, attn_heads = 16384, ((1024, 4096) if quick else (1024, 16384)), 16
     else:
         gpu_name, gpu_memory = HardwareProfile.NO_GPU, host_memory
-        _log(verbose, "no CUDA: the 'GPU' figures are this CPU's (fp32 matmul, memcpy for transfers)")
+        log("no CUDA: the 'GPU' figures are this CPU's (fp32 matmul, memcpy for transfers)")
         rate = _memcpy_gbps((64 if quick else 256) * 2**20, repeats)
         rates = dict.fromkeys(("h2d_gbps", "d2h_gbps", "duplex_gbps", "pageable_h2d_gbps", "pageable_d2h_gbps"), rate)
         dtype, mm_size = torch.float32, (1024 if quick else 2048)
         batch, seq, hidden = (4, 256, 256) if quick else (4, 512, 512)
-    _log(verbose, "  " + ", ".join(f"{k[:-5]} {v:.1f} GB/s" for k, v in rates.items()))
+        attn_tokens, attn_lengths, attn_heads = (512, (64, 256), 2) if quick else (4096, (256, 2048), 4)
+    log("  " + ", ".join(f"{k[:-5]} {v:.1f} GB/s" for k, v in rates.items()))
 
-    _log(verbose, f"{dtype} matmul {mm_size}^3 ...")
-    tflops = _matmul_tflops(device, dtype, mm_size, repeats)
-    _log(verbose, f"  {tflops:.2f} TFLOP/s")
+    log(f"{dtype} matmul {mm_size}^3 ...")
+    tflops = measure_checked("matmul", lambda: {"bf16_tflops": _matmul_tflops(device, dtype, mm_size, repeats)},
+                             log)["bf16_tflops"]
+    log(f"  {tflops:.2f} TFLOP/s")
 
-    _log(verbose, f"transformer-like block, micro-batch {batch} and {batch // 2} x {seq}, hidden {hidden}, "
-         "forward+backward ...")
-    efficiency, overhead = _fit_block(device, dtype, batch, seq, hidden, repeats, tflops)
-    _log(verbose, f"  efficiency {efficiency:.3f}, overhead {overhead * 1e6:.0f} us/launch")
+    log(f"causal attention, head dim 128, {attn_heads} heads, {attn_tokens} tokens, keys {attn_lengths} ...")
+    attention = measure_checked(
+        "attention", lambda: {"bf16_tflops": tflops, **_attention_rates(device, dtype, attn_tokens, attn_lengths,
+                                                                          attn_heads, repeats, tflops)},
+        log, long_len=attn_lengths[1])
+    attention.pop("bf16_tflops")
+    log(f"  forward {attention['attn_fwd_tflops']:.3g}, backward {attention['attn_bwd_tflops']:.3g} TFLOP/s at "
+        f"long keys, half at {attention['attn_half_len']:.0f}")
 
-    dispatch = (0.0, 0.0)
+    log(f"transformer-like block, micro-batch {batch} and {batch // 2} x {seq}, hidden {hidden}, "
+        "forward+backward ...")
+    fit = measure_checked("block fit", lambda: dict(zip(("compute_efficiency", "kernel_overhead_s"), _fit_block(
+        device, dtype, batch, seq, hidden, repeats, tflops, attention))), log)
+    log(f"  efficiency {fit['compute_efficiency']:.3f}, overhead {fit['kernel_overhead_s'] * 1e6:.0f} us/launch")
+
+    dispatch = {"op_dispatch_s": 0.0, "op_dispatch_bwd_s": 0.0}
     if on_gpu:      # on the CPU, issuing an op and running it are the same thread's time: in the efficiency
-        _log(verbose, "dispatch floor (a tiny model through the runtime) ...")
-        dispatch = _dispatch_seconds(device, repeats)
-        _log(verbose, f"  {dispatch[0] * 1e6:.1f} us per op forward, {dispatch[1] * 1e6:.1f} backward")
+        log("dispatch floor (a tiny model through the runtime) ...")
+        dispatch = measure_checked("dispatch", lambda: dict(zip(dispatch, _dispatch_seconds(device, repeats))), log)
+        log(f"  {dispatch['op_dispatch_s'] * 1e6:.1f} us per op forward, {dispatch['op_dispatch_bwd_s'] * 1e6:.1f} "
+            "backward")
 
     adam_params = (12 if quick else 48) * 2**20
-    _log(verbose, f"host AdamW over {adam_params / 1e6:.0f}M params ...")
+    log(f"host AdamW over {adam_params / 1e6:.0f}M params ...")
     adam, adam_kind = _adam_gparams(adam_params, repeats)
-    _log(verbose, f"  {adam:.2f} G params/s ({adam_kind})")
+    log(f"  {adam:.2f} G params/s ({adam_kind})")
 
     disk_bytes = (64 if quick else 256) * 2**20
-    _log(verbose, f"disk, {disk_bytes >> 20} MB file in {disk_dir or tempfile.gettempdir()} ...")
+    log(f"disk, {disk_bytes >> 20} MB file in {disk_dir or tempfile.gettempdir()} ...")
     disk_read, disk_write = _disk_gbps(disk_dir, disk_bytes)
-    _log(verbose, f"  read {disk_read:.2f} GB/s, write {disk_write:.2f} GB/s")
+    log(f"  read {disk_read:.2f} GB/s, write {disk_write:.2f} GB/s")
 
     where = (f"measured on {gpu_name}" if on_gpu else
              "measured on the CPU without CUDA: GPU figures are the CPU's (fp32 matmul, memcpy transfers)")
     profile = HardwareProfile(
         name="measured", gpu_name=gpu_name, gpu_memory_bytes=int(gpu_memory), host_memory_bytes=int(host_memory),
-        cpu_cores=cores, bf16_tflops=tflops, compute_efficiency=efficiency, kernel_overhead_s=overhead,
-        **rates, cpu_adam_gparams=adam, cpu_adam8_gparams=adam, nvme_read_gbps=disk_read, nvme_write_gbps=disk_write,
-        op_dispatch_s=dispatch[0], op_dispatch_bwd_s=dispatch[1],
+        cpu_cores=cores, bf16_tflops=tflops, **fit, **rates, **attention, **dispatch,
+        cpu_adam_gparams=adam, cpu_adam8_gparams=adam, nvme_read_gbps=disk_read, nvme_write_gbps=disk_write,
         source=f"{where} by lazytrain profile{' (quick)' if quick else ''}, torch {torch.__version__}; "
         f"{adam_kind} AdamW; 8-bit optimizer rate assumed equal to fp32 (not measured); "
         f"disk = {disk_dir or tempfile.gettempdir()}",
     )
-    _log(verbose, str(profile))
+    log(str(profile))
     return profile

@@ -10,7 +10,11 @@ are amortised rather than counted once per sample:
 - workspace: the forward's peak of live values (fx liveness, plus what autograd has saved so far)
   above what survives it (saved + outputs), or the largest single op's gradient footprint
   (its output and inputs), whichever is larger; the head adds one chunk of logits (model dtype,
-  fp32, fp32 gradient).  Attention is costed as a fused kernel (O(seq) saved per head).
+  fp32, fp32 gradient).  Attention is costed as a fused kernel (O(seq) saved per head, an fp32 dQ
+  accumulator in its backward's footprint);
+- attention FLOPs apart (``attention.AttentionCount``): causal attention as half the square, backward
+  2.5x forward (the kernel recomputes the scores); they are part of the block's FLOPs, and the block
+  records them with the head dimension and key length the cost model prices them by.
 Structurally identical layers are measured once (``Split.meta["replicated_from"]``).
 """
 
@@ -23,10 +27,11 @@ import time
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir import Block, ModelGraph, ParamSpec, TensorSpec
 from ..ir.graph import DTYPE_BYTES
+from .attention import DQ_ACCUMULATOR_BYTES, AttentionCount, is_attention
 from .program import DEFAULT_CHUNK, build_split
 from .trace_export import Split, TraceError
 
@@ -113,10 +118,10 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
     edges = sorted({(produced[n] - 1, j) for j, b in enumerate(sp.blocks) for n in b.input_names
                     if produced.get(n, 0) > 0 and j > produced[n]})
 
-    cache: dict[tuple, tuple[int, int, int, int]] = {}
+    cache: dict[tuple, tuple] = {}
     blocks = []
     for j, b in enumerate(sp.blocks):
-        figs = (0, 0, 0, 0, 0)
+        figs = (0, 0, 0, 0, 0, AttentionCount())
         if measure:
             key = (id(b.gm), b.loss is not None)
             if key not in cache:
@@ -128,7 +133,7 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
                     raise TraceError(f"measuring block {j} ({b.name}) failed: {type(e).__name__}: "
                                      f"{str(e).splitlines()[0] if str(e) else ''}") from None
             figs = cache[key]
-        saved, ws, fixed, ff, bf = figs
+        saved, ws, fixed, ff, bf, attn = figs
         outputs = tuple(spec(n) for n in b.output_names)
         if b.loss is not None or b.user_loss:
             outputs = (TensorSpec(name="loss_sum", shape=(), dtype="float32", requires_grad=True),
@@ -138,7 +143,9 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
             params=tuple(ParamSpec(name=n, shape=shapes[n][0], owner=owner[n]) for n in b.param_names),
             inputs=tuple(spec(n) for n in b.input_names), outputs=outputs,
             saved_bytes=math.ceil(saved / mb), workspace_bytes=math.ceil(ws / mb), workspace_fixed_bytes=fixed,
-            fwd_flops=math.ceil(ff / mb), bwd_flops=math.ceil(bf / mb), fwd_ops=_op_count(b.gm)))
+            fwd_flops=math.ceil(ff / mb), bwd_flops=math.ceil(bf / mb), fwd_ops=_op_count(b.gm),
+            attn_fwd_flops=math.ceil(attn.fwd_flops / mb), attn_bwd_flops=math.ceil(attn.bwd_flops / mb),
+            attn_head_dim=attn.head_dim, attn_kv_len=attn.kv_len))
     meta = {"architecture": type(model).__name__, "config": _config_summary(model), "traced_micro_batch": mb,
             "replicated_layers": bool(sp.meta.get("replicated_from")),
             "unused_params": list(sp.meta.get("unused_params", []))}
@@ -157,19 +164,6 @@ def _op_count(gm) -> int:
         elif node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.fx.GraphModule):
             n += _op_count(getattr(gm, node.target))
     return n
-
-
-def _flash_cpu_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query, key, value)
-
-
-def _flash_cpu_bwd_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out, query, key, value)
-
-
-# the fused attention used on meta (see trace_export.sdpa) has no formula in FlopCounterMode
-_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu_flops,
-          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_bwd_flops}
 
 
 def _storage_key(t: torch.Tensor):
@@ -205,13 +199,15 @@ class _Liveness(fx.Interpreter):
                      if isinstance(t, torch.Tensor) and t.is_floating_point())
             fp += sum(_tbytes(self.env[a]) for a in ins if isinstance(self.env[a], torch.Tensor)
                       and self.env[a].is_floating_point() and _storage_key(self.env[a]) not in self.exclude)
+            if is_attention(n.target) and ins and isinstance(self.env[ins[0]], torch.Tensor):
+                fp += self.env[ins[0]].numel() * DQ_ACCUMULATOR_BYTES    # the backward's fp32 dQ accumulator
             self.op_peak = max(self.op_peak, fp)
         return out
 
 
 def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: int):
-    """(saved bytes, workspace bytes, fixed workspace bytes, fwd FLOPs, bwd FLOPs) of one block at
-    micro-batch ``mb``; the fixed part does not scale with the micro-batch (a loss chunk)."""
+    """(saved bytes, workspace bytes, fixed workspace bytes, fwd FLOPs, bwd FLOPs, attention count) of
+    one block at micro-batch ``mb``; the fixed part does not scale with the micro-batch (a loss chunk)."""
     from .program import chunked_next_token_loss
     params = {}
     for n in b.param_names:
@@ -235,7 +231,8 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
     args = [params[n] for n in b.param_names] + [inputs[n] for n in b.input_names]
     interp = _Liveness(b.gm, saved, pkeys | in_keys)
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    with hooks, FlopCounterMode(display=False, custom_mapping=_FLOPS) as fc:
+    attn = AttentionCount()
+    with hooks, FlopCounterMode(display=False, custom_mapping=attn.mapping()) as fc:
         outs = interp.run(*args)
         if b.loss is not None:
             lh = b.loss
@@ -256,7 +253,7 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
         # of the weight's gradient (runtime.memtrack measures both)
         fixed = DEFAULT_CHUNK * w.shape[0] * (w.element_size() + 10) + w.numel() * 4
     grad_outs = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
-    with FlopCounterMode(display=False, custom_mapping=_FLOPS) as fc2:
+    with FlopCounterMode(display=False, custom_mapping=attn.mapping()) as fc2:
         if grad_outs:
             torch.autograd.backward(grad_outs, [torch.ones_like(t) for t in grad_outs])
-    return sum(saved.values()), ws, fixed, fwd, fc2.get_total_flops()
+    return sum(saved.values()), ws, fixed, fwd, fc2.get_total_flops(), attn

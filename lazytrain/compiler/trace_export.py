@@ -405,7 +405,13 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
             raise TraceError(f"value {n.name} crossing a block boundary is not a tensor ({type(val).__name__})")
         values[name] = (tuple(val.shape), val.dtype, bool(param_dep[n] and val.is_floating_point()))
 
-    bufs = buffers or {}
+    bufs = dict(buffers or {})
+    # a lifted constant with its values (a tensor attribute, a table ``rope.fix_rope_length`` fixed) is
+    # what the graph was traced with, even where the model has a buffer of the same name
+    for target in getattr(sig, "inputs_to_lifted_tensor_constants", {}).values():
+        t = ep.constants.get(target)
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            bufs[target] = t
     blocks = []
     for b in range(n_blocks):
         needed, outs, ext, hroots = plan[b]

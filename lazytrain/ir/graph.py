@@ -69,6 +69,12 @@ class Block:
     bwd_flops: int                # per sample
     workspace_fixed_bytes: int = 0   # transient that does not grow with the micro-batch (a loss chunk)
     fwd_ops: int = 0              # ops of the forward program: each is issued from Python (dispatch floor)
+    # the fused attention's share of fwd_flops / bwd_flops (per sample, as the kernel computes them: causal
+    # is half the square, backward 2.5x forward), and the head dimension and key length its rate depends on
+    attn_fwd_flops: int = 0
+    attn_bwd_flops: int = 0
+    attn_head_dim: int = 0
+    attn_kv_len: int = 0
 
     @property
     def param_numel(self) -> int:
@@ -117,6 +123,13 @@ class ModelGraph:
         return sum(b.owned_numel for b in self.blocks)
 
     @property
+    def attention_model_flops(self) -> int:
+        """Per-sample attention FLOPs of one training step as the model defines them (not as a kernel
+        runs them): each block's attention forward and a backward of twice it, causal as half the square,
+        no recomputation.  Added to ``6 * total_params * seq`` for the model FLOPs with attention."""
+        return 3 * sum(b.attn_fwd_flops for b in self.blocks)
+
+    @property
     def dataflow(self) -> nx.DiGraph:
         """Blocks as nodes, an edge for each producer -> consumer pair (the chain plus skips)."""
         g = nx.DiGraph()
@@ -134,6 +147,19 @@ class ModelGraph:
         A plan carries it and refuses a model whose structure differs."""
         desc = [(b.kind, b.name, [(p.name, list(p.shape), p.owner) for p in b.params]) for b in self.blocks]
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+    def block_signature(self, j: int) -> str:
+        """What a block's measured time depends on, without its name: kind, parameter shapes, the shapes
+        and dtypes it reads and writes, its per-sample FLOPs, bytes and op count, the sequence length
+        and dtype.  Structurally identical blocks (the middle layers, a model traced with fewer layers)
+        share it, so one measurement serves them all (``hardware.BlockTiming``)."""
+        b = self.blocks[j]
+
+        def specs(ts):
+            return [(list(t.shape), t.dtype, t.requires_grad) for t in ts]
+        desc = [b.kind, [list(p.shape) for p in b.params], specs(b.inputs), specs(b.outputs), b.saved_bytes,
+                b.workspace_bytes, b.fwd_flops, b.bwd_flops, b.fwd_ops, self.seq_len, self.dtype]
+        return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -26,6 +26,41 @@ def _resident_text(plan) -> str:
     return f"blocks {names}: {Sizes.of_plan(plan).resident_bytes() / GiB:.2f} GiB, updated on the GPU"
 
 
+def measured_blocks(plan) -> list[int]:
+    """Blocks whose compute times the plan took from measurements of their programs (the hardware
+    profile's ``calibration`` at the plan's micro-batch), not from the FLOP model."""
+    hw = plan.hardware if isinstance(plan.hardware, dict) else {}
+    cal = hw.get("calibration")
+    timed = {(t.get("signature"), t.get("micro_batch")) for t in cal if isinstance(t, dict)} \
+        if isinstance(cal, (list, tuple)) else set()
+    return [j for j in range(plan.graph.n_blocks) if (plan.graph.block_signature(j), plan.micro_batch) in timed]
+
+
+def _compute_source_text(plan) -> str:
+    measured, n = measured_blocks(plan), plan.graph.n_blocks
+    gpu = plan.hardware.get("gpu_name", "?") if isinstance(plan.hardware, dict) else "?"
+    if not measured:
+        return f"modelled from FLOPs (no block of this model timed at micro-batch {plan.micro_batch} on {gpu})"
+    text = f"measured on {gpu} for {len(measured)} of {n} blocks (forward, backward, recompute)"
+    return text + ("" if len(measured) == n else "; the rest modelled from FLOPs")
+
+
+def _hardware_text(hw) -> str:
+    """The profile's name and where its figures come from (the first clause of its ``source``)."""
+    hw = hw if isinstance(hw, dict) else {}
+    return f"{hw.get('name', '?')}: {str(hw.get('source', '')).split(';')[0]}"
+
+
+def model_tflops_text(pred: dict) -> str:
+    """Model TFLOPS as ``6 * params * tokens / step``, and, where the model has attention, with its FLOPs
+    added (forward plus a backward of twice it, causal as half the square): at long sequences the two differ
+    by the attention's quadratic share."""
+    text = f"{pred.get('model_tflops', 0):.1f} (6·N·tokens)"
+    if pred.get("model_attn_tflops", 0) > pred.get("model_tflops", 0) * 1.0005:
+        text += f"; {pred['model_attn_tflops']:.1f} with attention (causal half, backward 2x forward)"
+    return text
+
+
 def summary_rows(plan) -> list[list]:
     d = plan.decisions
     pred = plan.predicted
@@ -44,7 +79,9 @@ def summary_rows(plan) -> list[list]:
     if pred:
         rows += [
             ["predicted step", f"{pred.get('step_time_s', 0):.4f} s"],
-            ["predicted model TFLOPS", f"{pred.get('model_tflops', 0):.1f}"],
+            ["block compute times", _compute_source_text(plan)],
+            ["hardware figures", _hardware_text(plan.hardware)],
+            ["predicted model TFLOPS", model_tflops_text(pred)],
             ["peak GPU / host / NVMe", f"{pred.get('peak_gpu_bytes', 0) / GiB:.2f} / "
                                        f"{pred.get('peak_host_bytes', 0) / GiB:.2f} / "
                                        f"{pred.get('peak_nvme_bytes', 0) / GiB:.2f} GiB"],

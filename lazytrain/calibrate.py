@@ -1,0 +1,177 @@
+"""Calibration on the real blocks: time the model's own block programs in LazyTrain's runtime.
+
+The cost model prices a block from its FLOPs at rates fitted to one model's layer; a model with wider
+layers, another attention kernel or another sequence length runs at other rates (issue 20: 7B predicted
+16% slow at seq 1024, 35% at 32k before attention was modelled).  Measuring removes the guess:
+
+1. a *timing model*: the model's structure with random weights, cut to its first, second and last
+   layer when all layers are alike (``trace_export.reducible``; their programs are the same code, so
+   the middle layer's time is every middle layer's), on the CPU, buffers rebuilt from the config (or
+   copied from the model where they are real);
+2. a recompute-all plan for it at the plan's micro-batch and sequence length, ``N_MICRO`` micro-batches
+   a step, every block streamed (so forward, recompute and backward each run for every block);
+3. ``WARMUP`` + ``repeats`` steps with ``Trainer(profile=True)``: each op is timed on its stream as a plan
+   runs it (CUDA events after its waits, so a transfer it waits for is not counted; in CPU mode,
+   wall time);
+4. per distinct block (``ModelGraph.block_signature``), the median forward, backward and recompute
+   over every sample -> ``hardware.BlockTiming``, added to the hardware profile.
+
+The cost model then uses the measured seconds for every block with that signature at that micro-batch
+(``CostModel.measured``), and ``plan.summary()`` says which blocks are measured and which modelled.
+
+``compile_calibrated`` is ``compile(..., calibrate=True)``: compile, time the blocks at the micro-batch
+the plan chose if they are not in the profile yet, and compile again at that micro-batch with the
+measured times (the choice of micro-batch itself was made on modelled times: comparing one measured
+micro-batch with modelled others would favour whichever model errs low), then write the profile back
+when it came from a file.  ``lazytrain profile --model M --seq S``
+does the same into ``-o``.  Host memory: the timing model's parameters with fp32 AdamW state, ~16 bytes
+each (a 7B model cut to three layers: 1.8 B parameters, 29 GB).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .compiler.hardware import BlockTiming, HardwareProfile, get_profile
+from .ir import OpKind
+from .ir.graph import ModelGraph
+
+#: micro-batches a step of the timing plan: each block's forward, recompute and backward run this often a step
+N_MICRO = 2
+#: steps run before timing (allocator warm-up, cuDNN autotuning, lazy initialisation)
+WARMUP = 1
+
+
+def _log(verbose: bool, text: str) -> None:
+    if verbose:
+        print(f"[lazytrain calibrate] {text}", file=sys.stderr, flush=True)
+
+
+def timing_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The model's structure with random weights on the CPU, cut to three layers when they are alike."""
+    from .compiler.trace_export import find_layers, meta_clone, reduce_layers, reducible
+    clone = meta_clone(model, dtype)
+    kept = None
+    if reducible(model):
+        prefix, layers = find_layers(model)
+        kept = {f"{prefix}.{i}.": f"{prefix}.{k}." for i, k in enumerate((0, 1, len(layers) - 1))}
+        reduce_layers(clone)
+    fresh: dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for m in clone.modules():
+            for name, p in list(m._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in fresh:      # tied parameters stay tied
+                    t = torch.empty(p.shape, dtype=p.dtype)   # times do not depend on the values
+                    t.normal_(0.0, 0.02) if t.dim() > 1 and t.is_floating_point() else t.fill_(1)
+                    fresh[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                m._parameters[name] = fresh[id(p)]
+    real = {n: b for n, b in model.named_buffers() if b.device.type != "meta"}
+    for name, _ in list(clone.named_buffers()):
+        source = name
+        for short, full in (kept or {}).items():
+            if name.startswith(short):
+                source = full + name[len(short):]
+        if source in real:      # else left on meta: the program rebuilds it from the config
+            owner, _, attr = name.rpartition(".")
+            clone.get_submodule(owner)._buffers[attr] = real[source].detach().clone()
+    return clone
+
+
+def _vocab(model: nn.Module) -> int:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb = emb or next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        raise ValueError("calibration needs a causal LM with a token embedding (input_ids, labels)")
+    return emb.num_embeddings
+
+
+def measure_blocks(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch: int, param_dtype: str,
+                   device=None, gpu_memory=None, host_memory=None, repeats: int = 3,
+                   verbose: bool = True) -> list[BlockTiming]:
+    """Forward, backward and recompute seconds of each distinct block of ``model`` at this micro-batch and
+    sequence length, measured in LazyTrain's runtime on ``device`` (module docstring)."""
+    from .compiler.api import compile_model
+    from .runtime.optim.torch_adamw import TorchAdamW
+    from .runtime.trainer import Trainer
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, param_dtype)
+    tm = timing_model(model, dtype)
+    batch = micro_batch * N_MICRO
+    plan = compile_model(tm, batch_size=batch, seq_len=seq_len, micro_batch=micro_batch, hardware=hw,
+                         gpu_memory=gpu_memory, host_memory=host_memory, policy="recompute-all", resident="none",
+                         param_dtype=param_dtype, optimizer="adamw")
+    _log(verbose, f"timing {plan.graph.n_blocks} blocks of a {type(model).__name__} on {device}: micro-batch "
+                  f"{micro_batch}, seq {seq_len}, {repeats} steps of {N_MICRO} micro-batches after {WARMUP}")
+    by_id = {op.id: op for op in plan.ops}
+    kinds = {OpKind.COMPUTE: "forward_s", OpKind.BACKWARD: "backward_s", OpKind.RECOMPUTE: "recompute_s"}
+    samples: dict[tuple[str, str], list[float]] = {}
+    vocab = _vocab(tm)
+    g = torch.Generator().manual_seed(0)
+    trainer = Trainer(tm, plan, optimizer=TorchAdamW(lr=0.0), device=device, profile=True, verbose=False)
+    try:
+        for step in range(WARMUP + repeats):
+            ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
+            trainer.step((ids, ids))
+            if step < WARMUP:
+                continue
+            for i, _res, t0, t1 in trainer.last_profile.trace:
+                op = by_id[i]
+                if op.kind in kinds:
+                    samples.setdefault((plan.graph.block_signature(op.block), kinds[op.kind]), []).append(t1 - t0)
+    finally:
+        trainer.close()
+    out = []
+    for j, b in enumerate(plan.graph.blocks):
+        sig = plan.graph.block_signature(j)
+        if any(t.signature == sig for t in out) or (sig, "forward_s") not in samples:
+            continue
+        fig = {k: statistics.median(samples[(sig, k)]) for k in kinds.values() if (sig, k) in samples}
+        fig.setdefault("recompute_s", fig["forward_s"])
+        out.append(BlockTiming(signature=sig, block=f"{b.name} ({b.kind}) of {type(model).__name__}",
+                               micro_batch=micro_batch, seq_len=seq_len, samples=len(samples[(sig, "forward_s")]),
+                               **{k: max(v, 1e-9) for k, v in fig.items()}))
+        _log(verbose, f"  {b.name}: forward {fig['forward_s'] * 1e3:.3f} ms, backward {fig['backward_s'] * 1e3:.3f}"
+                      f" ms, recompute {fig['recompute_s'] * 1e3:.3f} ms")
+    return out
+
+
+def missing(graph: ModelGraph, hw: HardwareProfile, micro_batch: int) -> list[int]:
+    """Blocks of ``graph`` with no measured timing at ``micro_batch`` in ``hw``."""
+    return [j for j in range(graph.n_blocks) if hw.measured(graph.block_signature(j), micro_batch) is None]
+
+
+def compile_calibrated(compile_fn, model, options: dict, *, verbose: bool = True):
+    """``compile_fn(model, **options)`` with the model's blocks measured on this machine at the micro-batch
+    the plan uses (module docstring); a profile given as a file gets the measurements written into it."""
+    from .compiler.presets import build_model
+    from .compiler.trace import trace
+    if isinstance(model, ModelGraph):
+        raise ValueError("calibrate=True needs the model (a module, preset or config), not a traced ModelGraph")
+    if isinstance(model, str):
+        model = build_model(model)
+    hardware = options.get("hardware", "h200")
+    hw = get_profile(hardware)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if hw.has_gpu != (device.type == "cuda"):
+        raise ValueError(f"calibrate=True times the blocks on this machine's {device.type}, but the hardware profile "
+                         f"{hw.name!r} is {'a GPU' if hw.has_gpu else 'the CPU'}'s: give this machine's profile "
+                         f"(`lazytrain profile -o hw.json`, or 'cpu' without a GPU)")
+    graph = trace(model, seq_len=options["seq_len"], dtype=options["param_dtype"])
+    plan = compile_fn(graph, **{**options, "hardware": hw})
+    if missing(graph, hw, plan.micro_batch):
+        mb = plan.micro_batch
+        hw = hw.with_timings(measure_blocks(model, hw, seq_len=options["seq_len"], micro_batch=mb,
+                                            param_dtype=options["param_dtype"], device=device,
+                                            gpu_memory=options.get("gpu_memory"),
+                                            host_memory=options.get("host_memory"), verbose=verbose))
+        plan = compile_fn(graph, **{**options, "hardware": hw, "micro_batch": mb})
+    if isinstance(hardware, (str, Path)) and Path(hardware).is_file():
+        hw.save(hardware)
+    return plan

@@ -1,0 +1,120 @@
+"""``compile(seq_len="max")``: the longest sequence whose plan fits the budgets at a given batch.
+
+Every figure of a block depends on the sequence length (activations and matmuls linearly, attention
+quadratically), so each length probed is traced again (a few seconds for a large model, on ``meta``).
+Memory only grows with the length, so feasibility is monotone: the search doubles from ``START``
+tokens until a length does not fit (or ``limit``), then bisects down to ``1 / RESOLUTION`` of the
+answer, rounded to a power of two times a whole number, as ``--batch max`` does for the batch.
+
+A length fits when the leanest plan the chosen policy has fits every budget: for the MILP, every block
+recomputed, every boundary on the host, the smallest micro-batch (that plan lies in the MILP's space,
+so the MILP then finds one at least as good); for a fixed policy, its own plan.  The length that
+does not fit names its binding constraint: the budget the leanest plan exceeds, and by how much.  The
+answer is then compiled as any length is, and the plan's notes carry the search's result.
+"""
+
+from __future__ import annotations
+
+from ..ir import GiB, PlanError
+from ..ir.graph import ModelGraph
+
+#: the search starts here and doubles: long enough that short lengths cost no probes
+START = 1024
+#: the smallest length searched, and the step below START
+MIN_SEQ = 128
+#: the answer is within 1/RESOLUTION of the longest feasible length (at least MIN_SEQ)
+RESOLUTION = 64
+#: the longest length searched: a million tokens, past any context the supported models are trained for
+LIMIT = 1 << 20
+
+
+def _step(seq: int) -> int:
+    """The bisection's resolution at ``seq``: a power of two about ``seq / RESOLUTION``, at least MIN_SEQ."""
+    return max(MIN_SEQ, 1 << max(0, seq.bit_length() - RESOLUTION.bit_length()))
+
+
+def _leanest(comp, policy: str, batch: int, micro_batch: int | None):
+    """The leanest plan ``policy`` has at this length, built without budgets: for the MILP, every block
+    recomputed and every boundary on the host; for a fixed policy, its own plan; at the smallest
+    micro-batch either way."""
+    from ..ir import Decisions, Place, Saved
+    from .solvers.heuristics import HEURISTICS
+    mb = micro_batch or 1
+    L = comp.graph.n_blocks
+    dec = HEURISTICS[policy](comp.graph, mb, batch // mb) if policy in HEURISTICS else Decisions(
+        policy="frugal", micro_batch=mb, n_micro=batch // mb, boundary=(Place.HOST,) * L, saved=(Saved.RECOMPUTE,) * L)
+    return comp.build(comp.with_resident(dec), batch, check_budget=False)
+
+
+def binding(plan, budgets: dict) -> str | None:
+    """The budget ``plan`` exceeds, with the figures (None: it fits them all)."""
+    pred = plan.predicted
+    for tier, key in (("GPU", "gpu_bytes"), ("host", "host_bytes"), ("NVMe", "nvme_bytes")):
+        need = pred[f"peak_{key}"]
+        cap = budgets.get(key) or 0
+        if need > cap:
+            left = (f" (what {budgets['gpu_total_bytes'] / GiB:.2f} GiB leaves after the "
+                    f"{budgets['gpu_reserve_bytes'] / GiB:.2f} GiB reserve)" if tier == "GPU" else "")
+            return (f"{tier} memory: its leanest plan ({plan.decisions.policy}, micro-batch {plan.micro_batch}) "
+                    f"peaks at {need / GiB:.2f} GiB, over the budget of {cap / GiB:.2f} GiB{left}")
+    return None
+
+
+def compile_max_seq(compile_fn, model, options: dict):
+    """``compile_fn(model, **options)`` at the longest feasible ``seq_len`` (module docstring)."""
+    from .api import POLICIES, BudgetError, Compiler, make_budgets
+    from .hardware import get_profile
+    from .presets import build_model
+    from .resident import resident_request
+    from .trace import trace
+    if isinstance(model, ModelGraph):
+        raise ValueError("seq_len='max' needs the model (a module, preset or config): a traced ModelGraph has one "
+                         "sequence length")
+    batch, policy = options["batch_size"], options["policy"]
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ValueError(f"seq_len='max' needs a fixed batch (a positive integer), got {batch!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    limit = LIMIT
+    if isinstance(model, str):
+        model = build_model(model)
+    hw = get_profile(options["hardware"])
+    budgets = make_budgets(hw, options["gpu_memory"], options["host_memory"], options["nvme_dir"],
+                           options["nvme_memory"], options["reserve"])
+    graphs: dict[int, ModelGraph] = {}
+    why: dict[int, str | None] = {}
+
+    def fits(seq: int) -> bool:
+        if seq not in why:
+            graphs[seq] = trace(model, seq_len=seq, dtype=options["param_dtype"])
+            fixed, _ = resident_request(graphs[seq], options["resident"])
+            comp = Compiler(graphs[seq], hw, budgets, param_dtype=options["param_dtype"],
+                            optimizer=options["optimizer"], clip=options["clip"], resident=fixed)
+            try:
+                why[seq] = binding(_leanest(comp, policy, batch, options["micro_batch"]), budgets)
+            except PlanError as e:
+                why[seq] = str(e)
+        return why[seq] is None
+
+    lo, hi = 0, START
+    while fits(hi):
+        lo = hi
+        if lo >= limit:
+            break
+        hi = min(2 * hi, limit)
+    while hi - lo > _step(lo):
+        mid = (lo + hi) // 2 // _step(lo) * _step(lo)
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    if lo == 0:
+        raise BudgetError(f"no sequence of {MIN_SEQ} tokens or more fits batch {batch} (seq {hi}: {why[hi]})")
+    # calibration times the model's blocks, so it needs the model; otherwise the probe's trace serves
+    plan = compile_fn(model if options.get("calibrate") else graphs[lo], **{**options, "seq_len": lo})
+    note = (f"longest feasible seq {lo} at batch {batch}; seq {hi} does not fit: {why[hi]}" if lo < limit
+            else f"seq {lo}: the search's limit; longer may fit")
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(max_pos, int) and lo > max_pos:
+        note += f" (beyond the model's max_position_embeddings {max_pos}: positions past it need rope scaling)"
+    plan.decisions.notes["seq_search"] = note
+    return plan

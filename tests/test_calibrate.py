@@ -1,0 +1,104 @@
+"""Calibration on the real blocks, in CPU mode: the model's own block programs are timed in the runtime,
+written into the hardware profile, and used by the cost model for every block of that structure."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.compiler.hardware import PROFILES, BlockTiming, HardwareProfile
+from lazytrain.ir import OpKind
+from lazytrain.ir.summary import measured_blocks
+
+pytest.importorskip("transformers")
+
+# six alike layers: the timing model keeps three (first, second, last), whose code serves all six
+CONFIG = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+          "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 97, "max_position_embeddings": 128}
+OPTIONS = dict(batch_size=4, seq_len=32, gpu_memory="2GiB", host_memory="4GiB", param_dtype="float32",
+               optimizer="adamw", policy="megatrain")
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    from lazytrain.compiler.presets import build_from_config
+    path = tmp_path_factory.mktemp("hw") / "hw.json"
+    PROFILES["cpu"].save(path)
+    model = build_from_config(CONFIG, device="cpu", dtype=torch.float32)
+    plan = lazytrain.compile(model, hardware=str(path), calibrate=True, **OPTIONS)
+    return model, plan, path
+
+
+def test_every_block_is_timed_and_the_plan_uses_the_times(calibrated):
+    _, plan, _ = calibrated
+    timings = [BlockTiming.from_json(t) for t in plan.hardware["calibration"]]
+    assert {t.block.split(" ")[1] for t in timings} == {"(embed)", "(layer)", "(head)"}   # one per structure
+    layer = next(t for t in timings if "(layer)" in t.block)
+    assert layer.samples == 3 * 2 * 3          # three layers x two micro-batches x three steps
+    assert layer.micro_batch == plan.micro_batch and layer.seq_len == 32
+    assert measured_blocks(plan) == list(range(plan.graph.n_blocks))
+    by_sig = {t.signature: t for t in timings}
+    field = {OpKind.COMPUTE: "forward_s", OpKind.BACKWARD: "backward_s", OpKind.RECOMPUTE: "recompute_s"}
+    seen = set()
+    for op in plan.ops:
+        if op.kind in field:
+            t = by_sig[plan.graph.block_signature(op.block)]
+            assert op.seconds == pytest.approx(getattr(t, field[op.kind]))
+            seen.add(op.kind)
+    assert seen == set(field)
+    assert "measured on CPU (no GPU) for 8 of 8 blocks" in plan.summary().replace("\n", " ").replace("  ", " ")
+
+
+def test_the_profile_file_keeps_the_times_for_the_next_compile(calibrated, capsys):
+    _, plan, path = calibrated
+    hw = HardwareProfile.load(path)
+    assert len(hw.calibration) == 3 and HardwareProfile.from_json(json.loads(json.dumps(hw.to_json()))) == hw
+    again = lazytrain.compile(plan.graph, hardware=str(path), micro_batch=plan.micro_batch, **OPTIONS)
+    assert measured_blocks(again) == list(range(again.graph.n_blocks))
+    assert again.predicted["step_time_s"] == pytest.approx(plan.predicted["step_time_s"])
+    # `lazytrain profile --model` into an existing file finds the times there and measures nothing again
+    from lazytrain.cli import main
+    cfg = path.parent / "config.json"
+    cfg.write_text(json.dumps(CONFIG))
+    assert main(["profile", "--model", str(cfg), "--seq", "32", "--batch", "4", "--micro-batch",
+                 str(plan.micro_batch), "--gpu-memory", "2GiB", "-o", str(path)]) == 0
+    out = capsys.readouterr()
+    assert "measured on CPU (no GPU) for 8 of 8 blocks" in out.out.replace("\n", " ").replace("  ", " ")
+    assert "[lazytrain calibrate] timing" not in out.err and len(HardwareProfile.load(path).calibration) == 3
+
+
+def test_modelled_plans_say_so_and_get_a_hint_on_a_gpu(calibrated, monkeypatch, capsys):
+    graph = calibrated[1].graph
+    plan = lazytrain.compile(graph, hardware="cpu", **OPTIONS)
+    assert measured_blocks(plan) == [] and "modelled from FLOPs" in plan.summary()
+    assert capsys.readouterr().err == ""                      # no GPU here: no hint
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lazytrain.compile(graph, hardware="h200", **{**OPTIONS, "gpu_memory": "24GiB", "host_memory": "64GiB"})
+    hint = capsys.readouterr().err.strip().splitlines()
+    assert len(hint) == 1 and "lazytrain profile --model MODEL --seq 32" in hint[0] and "calibrate=True" in hint[0]
+
+
+def test_calibration_refuses_a_profile_of_another_device_and_a_traced_graph(calibrated):
+    model, plan, _ = calibrated
+    with pytest.raises(ValueError, match="^calibrate=True times the blocks on this machine's cpu"):
+        lazytrain.compile(model, hardware="h200", calibrate=True, **OPTIONS)
+    with pytest.raises(ValueError, match="^calibrate=True needs the model"):
+        lazytrain.compile(plan.graph, hardware="cpu", calibrate=True, **OPTIONS)
+
+
+def test_block_timings_round_trip_and_bad_ones_are_refused():
+    t = BlockTiming(signature="abc", block="layer", micro_batch=2, seq_len=64, forward_s=1e-3, backward_s=2e-3,
+                    recompute_s=1e-3, samples=6)
+    hw = PROFILES["h200"].with_timings([t])
+    assert hw.measured("abc", 2) == t and hw.measured("abc", 4) is None
+    assert HardwareProfile.from_json(json.loads(json.dumps(hw.to_json()))) == hw
+    assert hw.with_timings([dataclasses.replace(t, forward_s=2e-3)]).measured("abc", 2).forward_s == 2e-3
+    bad = {**dataclasses.asdict(t), "forward_s": -1}
+    with pytest.raises(ValueError, match="forward_s must be a positive number"):
+        HardwareProfile.from_json({**hw.to_json(), "calibration": [bad]})
+    with pytest.raises(ValueError, match="calibration must be a list"):
+        HardwareProfile.from_json({**hw.to_json(), "calibration": {"a": 1}})

@@ -1,0 +1,82 @@
+"""``seq_len="max"``: the longest sequence whose plan fits, with the budget that binds named.
+
+The search traces the model at every length it probes; here the trace is a synthetic chain whose
+per-sample bytes grow with the length as a model's do (so each probe costs milliseconds, not an export),
+and the answer is checked against the definition: it fits, one resolution step more does not.
+"""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+import lazytrain
+from lazytrain.compiler import seq_search
+from lazytrain.compiler.api import BudgetError
+from lazytrain.compiler.synthetic import chain
+
+OPTIONS = dict(batch_size=2, hardware="h200", host_memory="64GiB", optimizer="adamw")
+
+
+class _Model(nn.Module):
+    """Stands for a model: the (patched) trace never looks inside."""
+
+    def __init__(self, max_pos: int = 4096):
+        super().__init__()
+        self.config = type("Config", (), {"max_position_embeddings": max_pos})()
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    seen = []
+
+    def trace(model, *, seq_len, dtype="bfloat16"):
+        seen.append(seq_len)
+        return chain(4, seq_len=seq_len, hidden=1024, layer_params=20_000_000, saved_per_token=200_000)
+    monkeypatch.setattr("lazytrain.compiler.trace.trace", trace)
+    return seen
+
+
+def _fits(seq: int, **budget) -> bool:
+    from lazytrain.compiler.api import Compiler, make_budgets
+    from lazytrain.compiler.hardware import get_profile
+    budgets = make_budgets(get_profile("h200"), budget.get("gpu_memory"), budget.get("host_memory"))
+    g = chain(4, seq_len=seq, hidden=1024, layer_params=20_000_000, saved_per_token=200_000)
+    comp = Compiler(g, get_profile("h200"), budgets, param_dtype="bfloat16", optimizer="adamw", clip=True)
+    return seq_search.binding(seq_search._leanest(comp, "milp", 2, None), budgets) is None
+
+
+@pytest.mark.parametrize("gpu", ["3GiB", "8GiB"])
+def test_the_answer_fits_and_one_step_more_does_not(traced, gpu):
+    plan = lazytrain.compile(_Model(), seq_len="max", gpu_memory=gpu, **OPTIONS)
+    seq = plan.seq_len
+    assert seq % seq_search._step(seq) == 0 and seq > 1024
+    assert _fits(seq, gpu_memory=gpu, host_memory="64GiB")
+    assert not _fits(seq + seq_search._step(seq), gpu_memory=gpu, host_memory="64GiB")
+    note = plan.decisions.notes["seq_search"]
+    assert note.startswith(f"longest feasible seq {seq} at batch 2; seq ") and "GPU memory: its leanest plan" in note
+    assert "beyond the model's max_position_embeddings 4096" in note
+    assert plan.predicted["peak_gpu_bytes"] <= plan.budgets["gpu_bytes"]
+    assert len(traced) <= 16          # doubling from 1024, then bisection to 1/64
+
+
+def test_host_memory_can_be_what_binds(traced):
+    plan = lazytrain.compile(_Model(1 << 20), seq_len="max", gpu_memory="80GiB",
+                             **{**OPTIONS, "host_memory": "3GiB"})
+    note = plan.decisions.notes["seq_search"]
+    assert "host memory" in note and "max_position_embeddings" not in note
+
+
+def test_nothing_fits_and_bad_requests_are_one_line_errors(traced):
+    with pytest.raises(BudgetError, match=r"^no sequence of 128 tokens or more fits batch 2 \(seq 128: GPU memory"):
+        lazytrain.compile(_Model(), seq_len="max", gpu_memory="1.6GiB", **OPTIONS)
+    with pytest.raises(ValueError, match="^seq_len='max' needs a fixed batch"):
+        lazytrain.compile(_Model(), seq_len="max", **{**OPTIONS, "batch_size": "max"})
+    with pytest.raises(ValueError, match="^seq_len='max' needs the model"):
+        lazytrain.compile(chain(2), seq_len="max", **OPTIONS)
+
+
+def test_the_command_line_takes_seq_max():
+    from lazytrain.cli import build_parser
+    a = build_parser().parse_args(["compile", "tiny", "--seq", "max", "--batch", "4"])
+    assert a.seq == "max" and a.batch == 4
