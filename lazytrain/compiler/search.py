@@ -22,12 +22,12 @@ from .solvers.milp import MilpOptions, coefficients, solve
 #: assignments one by one -- many for a short chain (cheap solves), few for a long one (symmetric layers)
 NO_GOOD_CUTS_SHORT, NO_GOOD_CUTS_LONG = 16, 3
 TIGHTENINGS = 3
-#: solver seconds one compile spends in all (its first solve may take most of them; every solve gets
-#: at least ``MIN_SOLVE_S``): a compile answers in seconds whatever the solver's luck, and a time limit
-#: returns the incumbent.  Chains up to ``SHORT_BUDGET_BLOCKS`` blocks (8B-class models) get less.
+#: solver seconds one compile spends in all, shared evenly by the micro-batches it tries (no-good
+#: re-solves draw on their micro-batch's share; every solve gets at least ``MIN_SOLVE_S``): a compile
+#: answers in seconds whatever the solver's luck, and a time limit returns the incumbent.  Chains up to
+#: ``SHORT_BUDGET_BLOCKS`` blocks (8B-class models) get less.
 SOLVER_BUDGET_S, SHORT_SOLVER_BUDGET_S, SHORT_BUDGET_BLOCKS = 12.0, 4.0, 48
 MIN_SOLVE_S = 0.5
-FIRST_SOLVE_SHARE = 0.6
 
 
 def _step(p: Plan) -> float:
@@ -51,14 +51,14 @@ class Search:
         L = comp.graph.n_blocks
         #: solver seconds left to this search (``SOLVER_BUDGET_S``); unused when the caller set a time limit
         self.solver_left = SHORT_SOLVER_BUDGET_S if L <= SHORT_BUDGET_BLOCKS else SOLVER_BUDGET_S
-        self._solves = 0
+        self._tries_left = 1      # micro-batches the MILP search still means to try (shares the budget)
 
     def time_limit(self) -> float:
-        """The next solve's limit: the caller's, else a share of the solver seconds left."""
+        """The next solve's limit: the caller's, else this micro-batch's share of the seconds left."""
         if self.comp.time_limit is not None:
             return self.comp.time_limit
-        share = FIRST_SOLVE_SHARE if self._solves == 0 else 0.5
-        return max(MIN_SOLVE_S, min(self.comp.solve_time_limit(), self.solver_left * share))
+        share = self.solver_left / max(1, self._tries_left)
+        return max(MIN_SOLVE_S, min(self.comp.solve_time_limit(), share))
 
     def out_of_time(self) -> bool:
         return self.comp.time_limit is None and self.solver_left <= 0
@@ -132,8 +132,9 @@ class Search:
         best: Plan | None = None
         extra = 0
         while tries or (larger and extra < 1):
-            if best is not None and self.out_of_time():
-                break            # the budget is spent: keep the best plan so far
+            if not tries and best is not None and self.out_of_time():
+                break            # the budget is spent: no larger micro-batch
+            self._tries_left = len(tries) + (1 if larger and extra < 1 else 0)
             mb, warm = tries.pop(0) if tries else (larger.pop(0), None)
             plan = self.milp_at(batch_size, mb, warm)
             if plan is None:
@@ -167,7 +168,6 @@ class Search:
                     dec, stats = solve(coef, opts(), micro_batch=mb, warm=warm.decisions if warm else None,
                                        exclude=tuple(excluded))
                 finally:
-                    self._solves += 1
                     self.solver_left -= time.perf_counter() - t_solve
             except isolated.SolverFailure as e:
                 self.failures += [f for f in e.failures if f not in self.failures]
