@@ -26,15 +26,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _as_graph(model, seq_len: int, param_dtype: str, history: list) -> ModelGraph:
+def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool = False) -> ModelGraph:
     if isinstance(model, ModelGraph):
+        if packed and not model.meta.get("packed"):
+            raise ValueError("packed=True but the ModelGraph given was traced unpacked: trace it with packed=True")
         return model
     from .trace import trace
     t = time.perf_counter()
     if isinstance(model, str):
         from .presets import build_model
         model = build_model(model)
-    graph = trace(model, seq_len=seq_len, dtype=param_dtype)
+    graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed)
     history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4)})
     return graph
 
@@ -309,7 +311,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                   hardware: str = "h200", policy: str = "milp", optimizer: str = "hybrid8bit",
                   param_dtype: str = "bfloat16", clip: bool = True, solver: str = "cbc",
                   time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16,
-                  resident="auto") -> Plan:
+                  resident="auto", packed: bool = False) -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
     to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
 
@@ -324,6 +326,9 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     update work off the host help -- the compiler searches how many leading blocks to keep, tied
     groups whole, and keeps the fastest predicted plan; the fixed policies stream everything, as the
     systems they stand for do), a number of leading blocks, or a list of block indices.
+
+    ``packed``: batches carry ``position_ids`` and hold several examples a row, each attending only to
+    itself (a Hugging Face causal LM; ``compiler/packing.py``).
     """
     from .hardware import get_profile
     if policy not in POLICIES:
@@ -337,7 +342,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     history: list[dict] = []
     t0 = time.perf_counter()
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
-    graph = _as_graph(model, seq_len, param_dtype, history)
+    graph = _as_graph(model, seq_len, param_dtype, history, packed)
 
     budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
     fixed, auto = resident_request(graph, resident)
