@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
@@ -69,8 +70,12 @@ def write_folder(target, weights: list[Weight], *, config: dict, dtype: torch.dt
             generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        for f in tmp.iterdir():
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():         # a model folder for others to read, not mkdtemp's private modes
+            os.chmod(f, 0o666 & ~umask)
             _fsync_file(f)
+        os.chmod(tmp, 0o777 & ~umask)
         _fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -8,12 +8,14 @@ stops at any of ``stop_ids`` (the eos, the chat template's end-of-turn token: ``
 after ``max_new_tokens``.  Prompts are sorted by length first, so a batch holds similar lengths.
 
 The answer compared is, by default, the last number in the reply and in the reference (``1,234`` is
-1234); ``answer_regex`` takes its first match instead (its first group, if it has one).  Where the
-reference has no such answer, the whole stripped texts are compared.
+1234); ``answer_regex`` takes its first match instead (its first group, if it has one).  A text
+without such an answer stands for itself, stripped (a bare reference ``B`` matches a reply whose
+regex match is ``B``).
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -36,6 +38,8 @@ def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, sto
     tokenizer's ids (a model may have more embedding rows than its tokenizer has tokens)."""
     device = next(model.parameters()).device
     stops = torch.tensor(sorted(set(stop_ids)), device=device)
+    # transformers 5 renamed the KV cache argument (and output) past_key_values -> cache
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[Reply | None] = [None] * len(prompts)
     for lo in range(0, len(order), batch_size):
@@ -67,8 +71,8 @@ def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, sto
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             pos = pos[:, -1:] + 1
-            res = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                        past_key_values=res.past_key_values, use_cache=True)
+            res = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
+                        **{arg: res["cache"] if "cache" in res.keys() else res.past_key_values})
         stop_set = set(stop_ids)
         for k, (toks, hit) in enumerate(zip(new.tolist(), stopped.tolist())):
             end = next(t for t, v in enumerate(toks) if v in stop_set) if hit else len(toks)
@@ -88,11 +92,14 @@ def extract(text: str, pattern: str | None = None) -> str | None:
     return m.group(1) if m.groups() else m.group(0)
 
 
+def answer(text: str, pattern: str | None = None) -> str:
+    """What exact match compares: the extracted answer, or the whole stripped text when there is none."""
+    found = extract(text, pattern)
+    return text.strip() if found is None else found
+
+
 def same_answer(reply: str, reference: str, pattern: str | None = None) -> bool:
-    want = extract(reference, pattern)
-    if want is None:
-        return reply.strip() == reference.strip()
-    return extract(reply, pattern) == want
+    return answer(reply, pattern) == answer(reference, pattern)
 
 
 @torch.no_grad()

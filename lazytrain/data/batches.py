@@ -110,11 +110,13 @@ class Batches:
         return collate([self.examples[r[0]] for r in rows], self.seq_len, self.pad_id)
 
     def padding(self) -> dict[str, float]:
-        """The fraction of padding tokens in an epoch, one example a row and packed."""
-        tokens = sum(len(e) for e in self.examples)
-        packed_rows = len(pack_rows([len(e) for e in self.examples], self.seq_len)) if not self.pack \
-            else self.rows_per_epoch
-        return {"unpacked": round(1 - tokens / (len(self.examples) * self.seq_len), 4),
+        """The fraction of padding tokens in an epoch, packed and one example a row, at this ``seq_len``; a
+        packed stream's unpacked figure is at the longest example's length (what an unpacked run would use)."""
+        lengths = [len(e) for e in self.examples]
+        tokens = sum(lengths)
+        packed_rows = self.rows_per_epoch if self.pack else len(pack_rows(lengths, self.seq_len))
+        unpacked_seq = max(lengths) if self.pack else self.seq_len
+        return {"unpacked": round(1 - tokens / (len(lengths) * unpacked_seq), 4),
                 "packed": round(1 - tokens / (packed_rows * self.seq_len), 4)}
 
 
