@@ -156,9 +156,10 @@ def files_fingerprint(*paths: str | None) -> str:
     return h.hexdigest()[:16]
 
 
-def max_positions(model) -> int | None:
-    c = getattr(model, "config", None)
-    n = getattr(c, "max_position_embeddings", None) or getattr(c, "max_seq", None)
+def max_positions(config) -> int | None:
+    """The positions a model config allows (a dict or a config object), or None when it does not say."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    n = get("max_position_embeddings") or get("n_positions") or get("max_seq")
     return int(n) if n else None
 
 

@@ -136,13 +136,15 @@ def run(cfg: TrainConfig) -> dict:
     src = _source(cfg, prev)
     tok = tokenizer_for(src, cfg.tokenizer)
     enc = Encoder(tok, cfg.loss_on, name=f"the tokenizer of {cfg.tokenizer or src.spec}")
-    t = time.perf_counter()
-    model = build(src, cfg.seed)
-    load_s = time.perf_counter() - t
-    data = prepare_data(enc, cfg.data, cfg.eval_data, seq=cfg.seq, max_positions=max_positions(model),
+    data = prepare_data(enc, cfg.data, cfg.eval_data, seq=cfg.seq, max_positions=max_positions(src.config),
                         truncate=cfg.truncate, eval_size=cfg.eval_size)
     if prev is not None and prev["data"]["fingerprint"] != data.fingerprint:
         raise ValueError(f"--resume {cfg.resume}: the data files changed since the run started; start a new run")
+    t = time.perf_counter()
+    model = build(src, cfg.seed)
+    load_s = time.perf_counter() - t
+    if (max_positions(model.config) or data.seq_len) < data.seq_len:
+        raise ValueError(f"--seq {data.seq_len} is longer than the model's {max_positions(model.config)} positions")
     check_vocab(model, data.train + data.eval, src.spec)
     stop_ids = enc.stop_ids(getattr(model, "generation_config", None))
     if prev is None:
