@@ -12,7 +12,7 @@ from ..data.encode import Example
 from ..generate import eval_loss, greedy_generate, placement, same_answer
 
 
-def evaluate(trainer, tok, examples: list[Example], *, seq_len: int, stop_ids: list[int], pad_id: int,
+def evaluate(trainer, tok, examples: list[Example], *, stop_ids: list[int], pad_id: int,
              max_new_tokens: int, device: torch.device, answer_regex: str | None = None, samples: int = 3,
              batch: int = 32) -> dict:
     """Exact match, eval loss and ``samples`` replies on ``examples`` with the trainer's weights (synced
@@ -31,7 +31,8 @@ def evaluate(trainer, tok, examples: list[Example], *, seq_len: int, stop_ids: l
                                   batch_size=batch * (4 if where.type == "cuda" else 1))
         texts = [tok.decode(r.tokens, skip_special_tokens=True) for r in replies]
         hits = [same_answer(t, e.reference, answer_regex) for t, e in zip(texts, asked)]
-        rows = [collate(examples[i:i + batch], seq_len, pad_id) for i in range(0, len(examples), batch)]
+        chunks = [examples[i:i + batch] for i in range(0, len(examples), batch)]
+        rows = [collate(c, max(len(e) for e in c), pad_id) for c in chunks]     # as long as the longest, not seq
         loss, n_tok = eval_loss(moved, rows)
     finally:
         if where.type != "cpu":

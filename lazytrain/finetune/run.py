@@ -183,7 +183,7 @@ def run(cfg: TrainConfig) -> dict:
     n_new = cfg.max_new_tokens or max_new_tokens(tok, data.eval)
 
     def run_eval(step: int) -> dict:
-        ev = evaluate(trainer, tok, data.eval, seq_len=data.seq_len, stop_ids=stop_ids, pad_id=pad_id(tok),
+        ev = evaluate(trainer, tok, data.eval, stop_ids=stop_ids, pad_id=pad_id(tok),
                       max_new_tokens=n_new, device=dev, answer_regex=cfg.answer_regex)
         return {"step": step, **ev}
 
