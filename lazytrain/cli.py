@@ -194,6 +194,7 @@ def _add_data_args(p) -> None:
     p.add_argument("--max-new-tokens", type=_positive, default=None, metavar="N",
                    help="longest reply generated in evaluation (default: 1.5x the longest reference + 8)")
     p.add_argument("--epochs", type=_positive_float, default=None, help="epochs when --steps is not given (default 1)")
+    p.add_argument("--no-eval", action="store_true", help="no evaluation before and after (throughput runs)")
     p.add_argument("--no-export", action="store_true", help="do not write OUTPUT/model/ (the Hugging Face folder)")
     p.add_argument("--export-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="dtype of the exported weights (default: that of the weights the model came with)")
@@ -292,7 +293,8 @@ def cmd_train(a) -> int:
         from .finetune import FinetuneConfig as cls
         extra = dict(data=a.data, eval_data=a.eval_data, tokenizer=a.tokenizer, loss_on=a.loss_on, truncate=a.truncate,
                      pack=a.pack, answer_regex=a.answer_regex, max_new_tokens=a.max_new_tokens,
-                     epochs=a.epochs or 1.0, export=not a.no_export, export_dtype=a.export_dtype)
+                     epochs=a.epochs or 1.0, evaluate=not a.no_eval, export=not a.no_export,
+                     export_dtype=a.export_dtype)
     d = cls()
     cfg = cls(model=a.model, difficulty=a.difficulty, batch=a.batch, seq=a.seq,
               steps=d.steps if a.steps is None else a.steps, lr=a.lr or d.lr,

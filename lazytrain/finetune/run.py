@@ -65,6 +65,7 @@ class FinetuneConfig(TrainConfig):
     answer_regex: str | None = None
     max_new_tokens: int | None = None      # default: 1.5x the longest reference reply + 8
     epochs: float = 1.0                    # when --steps is not given
+    evaluate: bool = True                  # False: no evaluation (throughput runs)
     export: bool = True
     export_dtype: str | None = None        # default: the dtype of the weights the model came with
     steps: int | None = None
@@ -138,6 +139,8 @@ def run(cfg: TrainConfig) -> dict:
     enc = Encoder(tok, cfg.loss_on, name=f"the tokenizer of {cfg.tokenizer or src.spec}")
     data = prepare_data(enc, cfg.data, cfg.eval_data, seq=cfg.seq, max_positions=max_positions(src.config),
                         truncate=cfg.truncate, eval_size=cfg.eval_size)
+    if not cfg.evaluate:
+        data.eval = []
     if prev is not None and prev["data"]["fingerprint"] != data.fingerprint:
         raise ValueError(f"--resume {cfg.resume}: the data files changed since the run started; start a new run")
     t = time.perf_counter()
