@@ -51,3 +51,43 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 def chat(q: str, a: str) -> dict:
     return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+
+def write_gguf(model, path: Path) -> Path:
+    """A Llama's weights as an F32 GGUF file the way llama.cpp lays them out (its tensor names, q and k
+    rows permuted), without tokenizer metadata."""
+    import gguf
+    import numpy as np
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_embedding_length(c.hidden_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_vocab_size(c.vocab_size)
+    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    names.update({f"model.layers.{i}.{a}.weight": f"blk.{i}.{b}.weight" for i in range(c.num_hidden_layers)
+                  for a, b in parts.items()})
+
+    def permute(t, heads):
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+    for n, p in model.named_parameters():
+        t = p.detach().float().numpy()
+        if names[n].endswith("attn_q.weight"):
+            t = permute(t, c.num_attention_heads)
+        elif names[n].endswith("attn_k.weight"):
+            t = permute(t, c.num_key_value_heads)
+        w.add_tensor(names[n], np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
