@@ -184,10 +184,17 @@ def run(cfg: TrainConfig) -> dict:
               f"{data.counts['dropped']} dropped, the rest truncated (--truncate {cfg.truncate})")
 
     n_new = cfg.max_new_tokens or max_new_tokens(tok, data.eval)
+    tuner = _thread_tuner(dev, cfg, opt)
 
     def run_eval(step: int) -> dict:
-        ev = evaluate(trainer, tok, data.eval, stop_ids=stop_ids, pad_id=pad_id(tok),
-                      max_new_tokens=n_new, device=dev, answer_regex=cfg.answer_regex)
+        threads = torch.get_num_threads()
+        if tuner is not None:           # the count last measured fastest, not whichever a probe left
+            torch.set_num_threads(_fastest(tuner) or threads)
+        try:
+            ev = evaluate(trainer, tok, data.eval, stop_ids=stop_ids, pad_id=pad_id(tok),
+                          max_new_tokens=n_new, device=dev, answer_regex=cfg.answer_regex)
+        finally:
+            torch.set_num_threads(threads)
         return {"step": step, **ev}
 
     evals = list(prev["eval_curve"]) if prev else []
@@ -198,7 +205,6 @@ def run(cfg: TrainConfig) -> dict:
         print(describe(evals[-1], 0))
     step, stop_reason, interrupted = start, "steps", False
     limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else None
-    tuner = _thread_tuner(dev, cfg, opt)
     t_train = time.perf_counter()
     bar = _progress(cfg, start)
     with _StopFlag() as flag:
@@ -314,6 +320,11 @@ def _export_dtype(cfg: FinetuneConfig, src: Source, param_dtype: str) -> torch.d
     return dt
 
 
+#: thread-count probing for fine-tuning steps: a pretrained model's CPU step takes seconds (SmolLM2-135M:
+#: 11-100 s on the shared 2-core machine), so a probe is 3 timed steps after 1 to settle, not the task's 12
+TUNER = {"probe": 3, "settle": 1, "every": 100}
+
+
 def _thread_tuner(dev: torch.device, cfg: FinetuneConfig, opt):
     if dev.type != "cpu" or cfg.threads:
         return None
@@ -323,7 +334,15 @@ def _thread_tuner(dev: torch.device, cfg: FinetuneConfig, opt):
     def set_threads(n: int) -> None:
         torch.set_num_threads(n)
         opt.num_threads = n
-    return ThreadTuner(_cpu_cores(), set_threads, start=torch.get_num_threads())
+    return ThreadTuner(_cpu_cores(), set_threads, start=torch.get_num_threads(), **TUNER)
+
+
+def _fastest(tuner) -> int | None:
+    """The thread count the tuner's last finished round measured fastest (None before one finished)."""
+    if not tuner.history:
+        return None
+    medians = tuner.history[-1][1]
+    return min(medians, key=medians.get)
 
 
 def _plot(path: Path, history: list[dict], evals: list[dict], name: str) -> None:
