@@ -82,16 +82,17 @@ def resolve(spec: str, log=print) -> Source:
                      f"preset")
 
 
-def build(src: Source, seed: int) -> torch.nn.Module:
-    """The model, fp32 on the CPU.  Configs and presets get random weights (``presets.random_model``:
-    N(0, 0.02) from a seeded pool, memory copies instead of a 7B's minutes of per-module init)."""
+def build(src: Source, seed: int, random_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model on the CPU: pretrained weights in fp32; configs and presets with random weights in
+    ``random_dtype`` (``presets.random_model``: N(0, 0.02) from a seeded pool, memory copies instead of a
+    7B's minutes of per-module init)."""
     from ..compiler.presets import random_model
     torch.manual_seed(seed)
     if src.kind in ("named", "pretrained"):
         return from_pretrained(src.path)
     if src.kind == "gguf":
         return load_gguf(src.path)
-    return random_model(str(src.path) if src.kind == "config" else src.spec, dtype=torch.float32)
+    return random_model(str(src.path) if src.kind == "config" else src.spec, dtype=random_dtype)
 
 
 def tokenizer_for(src: Source, override: str | None, log=print):
