@@ -132,9 +132,10 @@ def _minutes(text: str) -> float | None:
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
+    from .finetune import FinetuneConfig
     from .tasks import PRESETS as DIFFICULTIES
     from .train import TrainConfig
-    d = TrainConfig()
+    d, f = TrainConfig(), FinetuneConfig()
     p.add_argument("--model", default=d.model, metavar="M",
                    help=f"'task' (a small GPT sized for the task, default), a preset ({_presets()}), a local "
                         f"Hugging Face folder (config.json and *.safetensors: fine-tune its "
@@ -146,12 +147,13 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help=f"global batch size (default {d.batch})")
     p.add_argument("--seq", type=_positive, default=None, metavar="N",
                    help="sequence length in tokens, at least the difficulty's longest example (default: that)")
-    p.add_argument("--steps", type=_positive, default=d.steps, metavar="N",
-                   help=f"optimizer steps in all, counting those of a --resume'd run (default {d.steps}; "
-                        f"--time-limit-min may stop it sooner)")
-    p.add_argument("--lr", type=_positive_float, default=d.lr, help=f"peak learning rate (default {d.lr})")
-    p.add_argument("--warmup", type=_non_negative, default=d.warmup, metavar="N",
-                   help=f"warm-up steps (default {d.warmup})")
+    p.add_argument("--steps", type=_positive, default=None, metavar="N",
+                   help=f"optimizer steps in all, counting those of a --resume'd run (default {d.steps}; with --data: "
+                        f"--epochs; --time-limit-min may stop it sooner)")
+    p.add_argument("--lr", type=_positive_float, default=None,
+                   help=f"peak learning rate (default {d.lr}; with --data {f.lr})")
+    p.add_argument("--warmup", type=_non_negative, default=None, metavar="N",
+                   help=f"warm-up steps (default {d.warmup}; with --data {f.warmup})")
     p.add_argument("--gpu-memory", type=_size, default=None, metavar="SIZE",
                    help="GPU budget, e.g. 24GiB (default: the GPU's)")
     p.add_argument("--host-memory", type=_size, default=None, metavar="SIZE",
@@ -161,8 +163,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     _add_resident_arg(p, d.resident)
     p.add_argument("--eval-every", type=_non_negative, default=d.eval_every, metavar="N",
                    help="exact match on 200 eval problems every N steps (default: only at the end)")
-    p.add_argument("--eval-size", type=_positive, default=d.eval_size, metavar="N",
-                   help=f"held-out problems for the final exact match (default {d.eval_size})")
+    p.add_argument("--eval-size", type=_positive, default=None, metavar="N",
+                   help=f"held-out problems for the final exact match (default {d.eval_size}; with --data: at most "
+                        f"this many eval examples, default {f.eval_size})")
     p.add_argument("--seed", type=_seed, default=d.seed,
                    help=f"model initialisation and data order, 0 to 2**63 - 1 (default {d.seed})")
     p.add_argument("--time-limit-min", type=_minutes, default=d.time_limit_min, metavar="MIN",
@@ -184,6 +187,35 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=int, nargs="?", const=5, default=None, metavar="STEP",
                    help="time every op of step STEP (default 5): print how much of each transfer kind and of the "
                         "host update was hidden under compute; write profile.json, trace.json and memory.png")
+    _add_data_args(p.add_argument_group("fine-tune on your data (README: Fine-tune your model)"))
+
+
+def _add_data_args(p) -> None:
+    from .data import LOSS_ON
+    p.add_argument("--data", default=None, metavar="FILE",
+                   help="train on this JSONL / JSON file (messages, conversations, prompt/completion, alpaca or text "
+                        "records) instead of the built-in task; --model then names a pretrained model: "
+                        "smollm2-135m-instruct, a Hugging Face folder or a GGUF file")
+    p.add_argument("--eval-data", default=None, metavar="FILE",
+                   help="evaluate on this file (default: 5%% of --data held out, by a hash of each example)")
+    p.add_argument("--tokenizer", default=None, metavar="T", help="a tokenizer other than the model's (folder, GGUF "
+                                                                  "file or named model)")
+    p.add_argument("--loss-on", default="completion", choices=list(LOSS_ON),
+                   help="completion: only the completion / assistant turns carry a loss (default); all: every token")
+    p.add_argument("--truncate", default="truncate", choices=["truncate", "drop"],
+                   help="examples longer than --seq: cut them (default) or leave them out; counted in the report")
+    p.add_argument("--pack", action="store_true",
+                   help="several examples a row, each attending only to itself (same loss and gradients as unpacked)")
+    p.add_argument("--answer-regex", default=None, metavar="RE",
+                   help="exact match compares the first match of RE (its first group) in reply and reference "
+                        "(default: the last number)")
+    p.add_argument("--max-new-tokens", type=_positive, default=None, metavar="N",
+                   help="longest reply generated in evaluation (default: 1.5x the longest reference + 8)")
+    p.add_argument("--epochs", type=_positive_float, default=None, help="epochs when --steps is not given (default 1)")
+    p.add_argument("--no-eval", action="store_true", help="no evaluation before and after (throughput runs)")
+    p.add_argument("--no-export", action="store_true", help="do not write OUTPUT/model/ (the Hugging Face folder)")
+    p.add_argument("--export-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the exported weights (default: that of the weights the model came with)")
 
 
 def cmd_compile(a) -> int:
@@ -297,14 +329,29 @@ def _has_cuda() -> bool:
 
 def cmd_train(a) -> int:
     from .train import TrainConfig, run
-    cfg = TrainConfig(model=a.model, difficulty=a.difficulty, batch=a.batch, seq=a.seq, steps=a.steps, lr=a.lr,
-                      warmup=a.warmup, gpu_memory=a.gpu_memory, host_memory=a.host_memory, policy=a.policy,
-                      resident=a.resident,
-                      eval_every=a.eval_every, eval_size=a.eval_size, seed=a.seed,
-                      time_limit_min=a.time_limit_min, output=a.output, resume=a.resume,
-                      loss_on_prompt=not a.answer_only_loss, device=a.device, threads=a.threads, profile=a.profile,
-                      progress=not a.no_progress, allow_factory=a.allow_factory)
+    cls, extra = TrainConfig, {}
+    if a.data:
+        from .finetune import FinetuneConfig as cls
+        extra = dict(data=a.data, eval_data=a.eval_data, tokenizer=a.tokenizer, loss_on=a.loss_on, truncate=a.truncate,
+                     pack=a.pack, answer_regex=a.answer_regex, max_new_tokens=a.max_new_tokens,
+                     epochs=a.epochs or 1.0, evaluate=not a.no_eval, export=not a.no_export,
+                     export_dtype=a.export_dtype)
+    d = cls()
+    cfg = cls(model=a.model, difficulty=a.difficulty, batch=a.batch, seq=a.seq,
+              steps=d.steps if a.steps is None else a.steps, lr=a.lr or d.lr,
+              warmup=d.warmup if a.warmup is None else a.warmup, gpu_memory=a.gpu_memory, host_memory=a.host_memory,
+              policy=a.policy, resident=a.resident,
+              eval_every=a.eval_every, eval_size=a.eval_size or d.eval_size, seed=a.seed,
+              time_limit_min=a.time_limit_min, output=a.output, resume=a.resume,
+              loss_on_prompt=not a.answer_only_loss, device=a.device, threads=a.threads, profile=a.profile,
+              progress=not a.no_progress, allow_factory=a.allow_factory, **extra)
     run(cfg)
+    return 0
+
+
+def cmd_export(a) -> int:
+    from .finetune.export_cmd import export_checkpoint
+    print(f"wrote {export_checkpoint(a.source, a.output, config=a.config, tokenizer=a.tokenizer, dtype=a.dtype)}")
     return 0
 
 
@@ -364,6 +411,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "step in flight and saves; twice stops at once.")
     _add_train_args(p)
     p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("export", help="a checkpoint as a Hugging Face folder (config, sharded safetensors, tokenizer)")
+    p.add_argument("source", metavar="CHECKPOINT_DIR", help="a checkpoint folder, or the --output folder of a run")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="the model folder to write")
+    p.add_argument("--config", default=None, metavar="PATH",
+                   help="the model's config.json (or its folder; default: the run's)")
+    p.add_argument("--tokenizer", default=None, metavar="T",
+                   help="tokenizer to include: a folder, GGUF file or named model (default: the run's, if any)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the weights (default: the config's)")
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("bench", help="side-by-side benchmark: lazytrain, FSDP2 + CPU offload, plain PyTorch")
     from .bench import add_args as _add_bench_args
     _add_bench_args(p)

@@ -55,6 +55,8 @@ from pathlib import Path
 import torch
 
 from . import runfiles
+from .model_loading import from_pretrained as _from_pretrained
+from .model_loading import is_hf_folder as _is_hf_folder
 
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
 TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512, "rope": True}
@@ -155,53 +157,6 @@ def _hardware(dev: torch.device) -> str:
         if key != "cpu" and (key.replace("-", " ").split()[0] in name or prof.gpu_name.lower() in name):
             return key
     return "h200"
-
-
-def _is_hf_folder(spec: str) -> bool:
-    p = Path(spec)
-    return p.is_dir() and (p / "config.json").is_file() and _has_weights(p)
-
-
-def _has_weights(folder: Path) -> bool:
-    return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
-
-
-def _from_pretrained(folder: Path, *, check: bool = True) -> torch.nn.Module:
-    """The causal LM saved in ``folder`` (config.json + weights), fp32 on the CPU.
-
-    ``config.json`` is first checked the way ``lazytrain compile`` checks one (a supported
-    architecture, consistent shapes; on the meta device, so nothing is allocated), and every weight
-    the model has must come from the folder: a missing weight or one of another shape is an error
-    here, not a silently re-initialised layer.  Whatever transformers or safetensors raise becomes a
-    one-line ``ValueError`` naming the folder.
-    """
-    from .compiler.presets import _transformers, build_from_config, read_config
-    cfg = read_config(folder / "config.json")
-    if check:
-        build_from_config(cfg, device="meta", dtype=torch.float32, source=str(folder / "config.json"))
-    tf = _transformers()
-    verbosity = tf.logging.get_verbosity()
-    tf.logging.set_verbosity_error()        # its load report would be a table of every key; ours is one line
-    try:
-        kw = dict(dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True)
-        try:
-            model, info = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", **kw)
-        except ValueError as e:     # an architecture without SDPA support (e.g. softcapped attention)
-            if "attention implementation" not in str(e) and "sdpa" not in str(e).lower():
-                raise
-            model, info = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", **kw)
-    except Exception as e:  # noqa: BLE001 - transformers, huggingface_hub and safetensors raise many kinds
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ValueError(f"{folder}: cannot load the model: {type(e).__name__}: {first}") from None
-    finally:
-        tf.logging.set_verbosity(verbosity)
-    bad = [f"{k} (missing from the weights)" for k in sorted(info.get("missing_keys") or ())]
-    bad += [f"{m[0]} (weights {tuple(m[1])}, config {tuple(m[2])})" if isinstance(m, (tuple, list)) else str(m)
-            for m in sorted(info.get("mismatched_keys") or (), key=str)]
-    if bad:
-        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        raise ValueError(f"{folder}: the weights do not match config.json: {', '.join(bad[:3])}{more}")
-    return model
 
 
 def build_task_model(cfg: TrainConfig, seq: int, vocab: int) -> tuple[torch.nn.Module, dict]:
@@ -360,6 +315,10 @@ def check_config(cfg: TrainConfig, diff, seq: int) -> None:
 
 def run(cfg: TrainConfig) -> dict:
     """Train as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
+    from .finetune import is_finetune_run
+    from .finetune import run as finetune
+    if getattr(cfg, "data", None) or is_finetune_run(cfg.resume):    # --data FILE: fine-tune on it (finetune/)
+        return finetune(cfg)
     from . import compile as compile_plan
     from .runtime.optim import Hybrid8bitAdamW
     from .runtime.trainer import Trainer

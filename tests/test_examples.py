@@ -14,6 +14,7 @@ SMALL = {
     "plan_70b.py": (["--model", "tiny", "--batch", "8", "--seq", "256", "--gpu-memory", "4GiB", "--fast"],
                     "simulated step"),
     "custom_loop.py": (["--steps", "3", "--batch", "8"], "checkpoint resumed at step 3"),
+    "finetune_data_loop.py": (["--small", "--steps", "3", "--output", "out"], "exact match"),
 }
 
 
@@ -24,7 +25,7 @@ def test_every_example_is_tested():
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_example_runs(name, tmp_path):
     args, expect = SMALL[name]
-    if name == "finetune_hf_local.py":
+    if name in ("finetune_hf_local.py", "finetune_data_loop.py"):
         pytest.importorskip("transformers")
     r = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120)

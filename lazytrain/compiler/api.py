@@ -29,15 +29,17 @@ class BudgetError(PlanError):
     """No plan fits the memory budgets; the message states the smallest budget that would."""
 
 
-def _as_graph(model, seq_len: int, param_dtype: str, history: list) -> ModelGraph:
+def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool = False) -> ModelGraph:
     if isinstance(model, ModelGraph):
+        if packed and not model.meta.get("packed"):
+            raise ValueError("packed=True but the ModelGraph given was traced unpacked: trace it with packed=True")
         return model
     from .trace import trace
     t = time.perf_counter()
     if isinstance(model, str):
         from .presets import build_model
         model = build_model(model)
-    graph = trace(model, seq_len=seq_len, dtype=param_dtype)
+    graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed)
     history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4)})
     return graph
 
@@ -177,7 +179,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                   hardware: str = "h200", policy: str = "milp", optimizer: str = "hybrid8bit",
                   param_dtype: str = "bfloat16", clip: bool = True, solver: str = DEFAULT_SOLVER,
                   time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16,
-                  resident="auto", calibrate: bool = False) -> Plan:
+                  resident="auto", calibrate: bool = False, packed: bool = False) -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
     to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
 
@@ -201,6 +203,9 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     ``calibrate=True`` times the model's own blocks on this machine at the plan's micro-batch and
     sequence length and compiles with those times (``lazytrain.calibrate``; written into ``hardware``
     when it is a file).
+
+    ``packed``: batches carry ``position_ids`` and hold several examples a row, each attending only to
+    itself (a Hugging Face causal LM; ``compiler/packing.py``).
     """
     options = {k: v for k, v in locals().items() if k != "model"}
     if seq_len == "max":
@@ -222,7 +227,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     history: list[dict] = []
     t0 = time.perf_counter()
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
-    graph = _as_graph(model, seq_len, param_dtype, history)
+    graph = _as_graph(model, seq_len, param_dtype, history, packed)
 
     budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
     fixed, auto = resident_request(graph, resident)

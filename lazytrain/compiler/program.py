@@ -97,6 +97,7 @@ class BlockProgram:
     micro_batch: int = 1
     seq_len: int = 0
     loss_chunk_tokens: int = DEFAULT_CHUNK
+    packed: bool = False                # takes position_ids: examples packed into rows (``packing.py``)
 
     def run_block(self, j: int, params: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> dict:
         """Forward of block j with the given parameter tensors; inputs by name (extra keys ignored)."""
@@ -118,26 +119,33 @@ class BlockProgram:
     def param_names(self, j: int) -> list[str]:
         return [p.name for p in self.graph.blocks[j].params]
 
-    def batch_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The values of boundary 0 (the model's inputs) for one micro-batch."""
-        return {"input_ids": input_ids, "labels": labels}
+    def batch_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                     position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The values of boundary 0 (the model's inputs) for one micro-batch; a packed program's
+        ``position_ids`` default to one example a row (0, 1, 2, ...)."""
+        if not self.packed:
+            return {"input_ids": input_ids, "labels": labels}
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
 def build_program(model: nn.Module, *, micro_batch: int, seq_len: int, device: str | torch.device,
                   dtype: torch.dtype, example_inputs=None, loss_fn=None,
-                  loss_chunk_tokens: int = DEFAULT_CHUNK) -> BlockProgram:
+                  loss_chunk_tokens: int = DEFAULT_CHUNK, packed: bool = False) -> BlockProgram:
     """Export ``model`` (never touching its weights) and split it into per-block programs."""
     from .trace import graph_from_split
     sp = build_split(model, micro_batch=micro_batch, seq_len=seq_len, device=device, dtype=dtype,
-                     example_inputs=example_inputs, loss_fn=loss_fn)
+                     example_inputs=example_inputs, loss_fn=loss_fn, packed=packed)
     graph = graph_from_split(sp, model, seq_len=seq_len, dtype=dtype, micro_batch=micro_batch, measure=False)
     return BlockProgram(graph=graph, blocks=sp.blocks, micro_batch=micro_batch, seq_len=seq_len,
-                        loss_chunk_tokens=loss_chunk_tokens)
+                        loss_chunk_tokens=loss_chunk_tokens, packed=packed)
 
 
 def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dtype, example_inputs=None,
-                loss_fn=None) -> Split:
-    """Export (three layers when the layers are identical), split, and expand to the full depth."""
+                loss_fn=None, packed: bool = False) -> Split:
+    """Export (three layers when the layers are identical), split, and expand to the full depth;
+    ``packed``: with ``position_ids`` and the per-example mask (``packing.py``)."""
     sequential = isinstance(model, nn.Sequential)
     buffers = _real_buffers(model, device)
     clone = meta_clone(model, dtype)
@@ -145,13 +153,14 @@ def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dty
     if reducible(model):
         n_layers = len(find_layers(model)[1])
         clone = reduce_layers(clone)
-    ep, root = export(clone, micro_batch, seq_len, example_inputs, loss_fn)
+    ep, root = export(clone, micro_batch, seq_len, example_inputs, loss_fn, packed=packed)
     sp = split_graph(ep, root, device=device, buffers=buffers, sequential=sequential)
     if n_layers is not None:
         sp = expand(sp, n_layers)
     names = {n for b in sp.blocks for n in b.param_names}
     missing = [n for n, _ in model.named_parameters() if n not in names]
     sp.meta["unused_params"] = missing
+    sp.meta["packed"] = packed
     return sp
 
 

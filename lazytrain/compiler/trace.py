@@ -52,17 +52,19 @@ def _dname(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
 
-def trace(model: nn.Module, *, seq_len: int, dtype="bfloat16", example_inputs=None, loss_fn=None) -> ModelGraph:
+def trace(model: nn.Module, *, seq_len: int, dtype="bfloat16", example_inputs=None, loss_fn=None,
+          packed: bool = False) -> ModelGraph:
     """Blocks of ``model`` (embedding, each layer, head + loss) with per-sample costs at ``seq_len``.
 
     ``model``: our GPT, a Hugging Face Qwen2 / Llama / Qwen3 causal LM, or an ``nn.Sequential``
     (each child a block; ``example_inputs=(x, target)`` and ``loss_fn(output, target)`` required).
-    Real weights are never touched: everything runs on a meta clone.
+    Real weights are never touched: everything runs on a meta clone.  ``packed``: the program takes
+    ``position_ids`` and attends within each packed example (``packing.py``).
     """
     t0 = time.perf_counter()
     dt = _dtype(dtype)
     sp = build_split(model, micro_batch=TRACE_MICRO_BATCH, seq_len=seq_len, device="meta", dtype=dt,
-                     example_inputs=example_inputs, loss_fn=loss_fn)
+                     example_inputs=example_inputs, loss_fn=loss_fn, packed=packed)
     g = graph_from_split(sp, model, seq_len=seq_len, dtype=dt, micro_batch=TRACE_MICRO_BATCH, measure=True)
     g.meta["trace_seconds"] = round(time.perf_counter() - t0, 3)
     return g
@@ -149,6 +151,8 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
     meta = {"architecture": type(model).__name__, "config": _config_summary(model), "traced_micro_batch": mb,
             "replicated_layers": bool(sp.meta.get("replicated_from")),
             "unused_params": list(sp.meta.get("unused_params", []))}
+    if sp.meta.get("packed"):
+        meta["packed"] = True       # the Trainer builds the program with position_ids
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
     return ModelGraph(name=name, seq_len=seq_len, dtype=_dname(dtype), blocks=tuple(blocks),
                       boundary_bytes=tuple(boundary_bytes), boundary_values=tuple(tuple(v) for v in live),

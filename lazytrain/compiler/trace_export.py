@@ -172,8 +172,10 @@ def reduce_layers(clone: nn.Module, keep: int = 3) -> nn.Module:
 
 # ---------------------------------------------------------------------------------------- export
 
-def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None, loss_fn=None):
-    """``torch.export`` of the meta clone at (micro_batch, seq_len); returns (program, root module)."""
+def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None, loss_fn=None, packed: bool = False):
+    """``torch.export`` of the meta clone at (micro_batch, seq_len); returns (program, root module).
+    ``packed``: the model also takes ``position_ids`` and attends within each packed example only
+    (``compiler/packing.py``)."""
     if isinstance(clone, nn.Sequential):
         if example_inputs is None or loss_fn is None:
             raise TraceError("an nn.Sequential needs example_inputs=(x, target) and loss_fn(output, target)")
@@ -188,14 +190,20 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
         kwargs = {"input_ids": ids, "labels": torch.zeros_like(ids)}   # distinct, or export aliases them
         if is_hf(clone):
             kwargs["use_cache"] = False
+        if packed:
+            from .packing import packed_inputs
+            kwargs.update(packed_inputs(clone, ids))
 
     def run():
         with TensorsFromData():
             return torch.export.export(root, (), kwargs, strict=False)
     try:
-        ep = export_hf(clone, seq_len, run) if is_hf(clone) else run()
+        ep = export_hf(clone, seq_len, run) if is_hf(clone) and not packed else run()
     except Exception as e:  # noqa: BLE001 - re-raised with the failing module named
         raise TraceError(f"torch.export failed on {type(clone).__name__}: {_short(e)}") from None
+    if packed:
+        from .packing import check_document_mask
+        check_document_mask(ep, type(clone).__name__)
     return ep, root
 
 

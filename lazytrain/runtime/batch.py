@@ -98,3 +98,35 @@ def pad_batch(ids: torch.Tensor, labels: torch.Tensor, batch: int, seq: int) -> 
     out_ids[:b, :s] = ids
     out_labels[:b, :s] = labels
     return out_ids, out_labels
+
+
+def packed_keys(packed: bool) -> set[str]:
+    """Batch keys a packed plan takes beyond input_ids, labels and attention_mask."""
+    return {"position_ids"} if packed else set()
+
+
+def check_positions(positions, ids: torch.Tensor) -> torch.Tensor:
+    """``position_ids`` of a packed batch: integer, shaped like ``input_ids``, >= 0.  Each example of a row
+    counts from 0 (``compiler/packing.py``: a position that does not grow by one starts an example)."""
+    positions = torch.as_tensor(positions)
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise ValueError(f"position_ids must hold integer positions, got dtype {positions.dtype}")
+    if tuple(positions.shape) != tuple(ids.shape):
+        raise ValueError(f"position_ids has shape {tuple(positions.shape)}, input_ids {tuple(ids.shape)}")
+    if positions.numel() and int(positions.min()) < 0:
+        raise ValueError("position_ids must be >= 0 (each packed example counts from 0)")
+    return positions.long()
+
+
+def pad_positions(positions: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """``position_ids`` padded like ``pad_batch`` pads the ids: the padding of a row continues its last
+    example's count (ignored labels, and later than every real token, so no real token sees it); a
+    padding row counts from 0."""
+    b, s = positions.shape
+    if (b, s) == (batch, seq):
+        return positions
+    out = torch.arange(seq, dtype=torch.long).repeat(batch, 1)
+    out[:b, :s] = positions
+    if s < seq and b:
+        out[:b, s:] = positions[:, -1:] + torch.arange(1, seq - s + 1)
+    return out

@@ -27,7 +27,16 @@ import torch
 from ..ir import OpKind, Plan, PlanError
 from . import gradients as gr
 from . import handlers as h
-from .batch import as_tokens, check_shapes, check_tokens, pad_batch, token_limits
+from .batch import (
+    as_tokens,
+    check_positions,
+    check_shapes,
+    check_tokens,
+    packed_keys,
+    pad_batch,
+    pad_positions,
+    token_limits,
+)
 from .handlers import Ctx, HostCopy
 from .interpreter import run
 from .nvme import NvmeStore
@@ -95,7 +104,7 @@ class Trainer:
         param_dtype = _torch_dtype(plan.param_dtype)
         self._token_limits = token_limits(model, plan)
         self.program = build_program(model, micro_batch=plan.micro_batch, seq_len=plan.seq_len, device=self.device,
-                                     dtype=_torch_dtype(plan.graph.dtype))
+                                     dtype=_torch_dtype(plan.graph.dtype), packed=bool(plan.graph.meta.get("packed")))
         have = self.program.graph.fingerprint()
         if have != plan.fingerprint:
             raise PlanError(f"the plan was compiled for another model (plan {plan.graph.name}, fingerprint "
@@ -207,18 +216,19 @@ class Trainer:
         self.ctx.profiler = Profiler(self.device.type == "cuda") if on else None
 
     # ---- the step --------------------------------------------------------------------------------
-    def _batch(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = None
+    def _batch(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        mask = positions = None
         if isinstance(batch, dict):
             try:
                 ids, labels = batch["input_ids"], batch["labels"]
             except KeyError as e:
                 raise ValueError(f"batch dict needs 'input_ids' and 'labels' (missing {e.args[0]!r})") from None
-            extra = sorted(set(batch) - {"input_ids", "labels", "attention_mask"})
+            extra = sorted(set(batch) - {"input_ids", "labels", "attention_mask"} - packed_keys(self.program.packed))
             if extra:
                 raise ValueError(f"batch has keys the plan does not take: {', '.join(extra)} (a plan runs the model on "
-                                 "input_ids and labels, with an optional right-padding attention_mask)")
-            mask = batch.get("attention_mask")
+                                 "input_ids and labels, with an optional right-padding attention_mask; position_ids "
+                                 "need a plan compiled with packed=True)")
+            mask, positions = batch.get("attention_mask"), batch.get("position_ids")
         elif isinstance(batch, (tuple, list)) and len(batch) == 2:
             ids, labels = batch
         else:
@@ -228,13 +238,15 @@ class Trainer:
         check_shapes(ids, labels, B, S)
         if self._token_limits is not None:
             ids, labels = check_tokens(ids, labels, mask, *self._token_limits)
-        return pad_batch(ids.long(), labels.long(), B, S)
+        if positions is not None:
+            positions = pad_positions(check_positions(positions, ids), B, S)
+        return (*pad_batch(ids.long(), labels.long(), B, S), positions)
 
     def step(self, batch) -> StepStats:
         if self._broken is not None:
             raise RuntimeError("a previous step failed; the trainer's state is inconsistent: "
                                "build a new Trainer") from self._broken
-        ids, labels = self._batch(batch)
+        ids, labels, positions = self._batch(batch)
         ctx = self.ctx
         t0 = time.perf_counter()
         ctx.step_lr = getattr(self.optimizer, "lr", None)   # this step's gradients are applied at this rate
@@ -246,7 +258,8 @@ class Trainer:
         mb = self.plan.micro_batch
         batch_ids = []
         for m in range(self.plan.n_micro):
-            vals = self.program.batch_inputs(ids[m * mb:(m + 1) * mb], labels[m * mb:(m + 1) * mb])
+            vals = self.program.batch_inputs(ids[m * mb:(m + 1) * mb], labels[m * mb:(m + 1) * mb],
+                                             None if positions is None else positions[m * mb:(m + 1) * mb])
             t = h._tid(h.TensorKind.ACT, 0, m)
             ctx.put(t, h.H, {k: self._stage(v) for k, v in vals.items()})
             batch_ids.append(t)

@@ -1,0 +1,143 @@
+"""Reading a dataset file: JSONL (one example a line) or JSON (a list), in the common formats.
+
+The format of each record is told by its keys (other keys are ignored)::
+
+    {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}   chat
+    {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}       sharegpt
+    {"prompt": ..., "completion": ...}                                                     completion
+    {"instruction": ..., "input": ..., "output": ...}     alpaca ("input" may be missing or empty)
+    {"text": ...}                                                                          plain text
+
+Every record becomes a ``Record``: a chat (``messages``: sharegpt's roles mapped to user /
+assistant / system / tool, and an alpaca record as one user turn, instruction then input, and one
+assistant turn), or a ``prompt`` and ``completion`` (plain text: the prompt is empty).  Which
+tokens carry a loss, and how a chat is rendered, is ``encode.py``'s business.  Anything else is one
+error naming the file, the line and the accepted formats.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMATS = ("messages (role/content)", "conversations (from/value)", "prompt/completion",
+           "instruction/input/output (alpaca)", "text")
+ROLES = ("system", "user", "assistant", "tool")
+#: sharegpt speaker names -> chat roles
+_SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+             "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system",
+             "tool": "tool", "function": "tool", "observation": "tool", "function_response": "tool"}
+
+
+class DataError(ValueError):
+    """A dataset file that cannot be read as examples; the message names the file and the line."""
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One example: a chat (``messages``, tuples of (role, content)) or a prompt and its completion."""
+
+    where: str                                   # "FILE:LINE" (JSONL) or "FILE[INDEX]" (JSON list)
+    format: str                                  # messages | conversations | completion | alpaca | text
+    messages: tuple[tuple[str, str], ...] = ()
+    prompt: str = ""
+    completion: str = ""
+
+    @property
+    def is_chat(self) -> bool:
+        return bool(self.messages)
+
+    def key(self) -> str:
+        """The example's content, canonical: what the held-out split hashes."""
+        return json.dumps([self.messages, self.prompt, self.completion], ensure_ascii=False)
+
+
+def read_records(path: str | Path) -> list[Record]:
+    """Every example of a JSONL or JSON file, in file order."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read it ({e})") from None
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        rows = [(f"{path}[{i}]", obj) for i, obj in enumerate(items)]
+    else:
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"{path}:{n}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno}); a JSONL file holds "
+                                f"one JSON object a line") from None
+    if not rows:
+        raise DataError(f"{path}: no examples (an empty file)")
+    return [parse_record(obj, where) for where, obj in rows]
+
+
+def parse_record(obj, where: str) -> Record:
+    """One JSON value as a ``Record``, its format told by its keys."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: an example must be a JSON object, got {type(obj).__name__}; accepted formats: "
+                        f"{', '.join(FORMATS)}")
+    if "messages" in obj:
+        return Record(where, "messages", messages=_with_answer(_chat(obj["messages"], where, "messages"), where,
+                                                               "messages"))
+    if "conversations" in obj:
+        turns = _chat(obj["conversations"], where, "conversations")
+        return Record(where, "conversations", messages=_with_answer(turns, where, "conversations"))
+    if "prompt" in obj and "completion" in obj:
+        p, c = obj["prompt"], obj["completion"]
+        if isinstance(p, list) and isinstance(c, list):       # the conversational prompt/completion form
+            turns = _chat(p, where, "prompt") + _chat(c, where, "completion")
+            return Record(where, "completion", messages=_with_answer(turns, where, "completion"))
+        return Record(where, "completion", prompt=_text(p, where, "prompt"), completion=_text(c, where, "completion"))
+    if "instruction" in obj and "output" in obj:
+        ask = _text(obj["instruction"], where, "instruction")
+        extra = _text(obj.get("input") or "", where, "input")
+        user = f"{ask}\n\n{extra}" if extra.strip() else ask
+        return Record(where, "alpaca", messages=(("user", user), ("assistant", _text(obj["output"], where, "output"))))
+    if "text" in obj:
+        return Record(where, "text", completion=_text(obj["text"], where, "text"))
+    keys = ", ".join(sorted(map(str, obj))) or "none"
+    raise DataError(f"{where}: no known format (keys: {keys}); accepted formats: {', '.join(FORMATS)}")
+
+
+def _text(v, where: str, key: str) -> str:
+    if not isinstance(v, str):
+        raise DataError(f"{where}: {key!r} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _chat(turns, where: str, key: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: {key!r} must be a non-empty list of turns")
+    out = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise DataError(f"{where}: {key}[{i}] must be an object with role/content (or from/value)")
+        if "role" in t:
+            role, content = t["role"], t.get("content")
+        elif "from" in t:
+            role, content = _SPEAKERS.get(str(t["from"]).lower(), t["from"]), t.get("value")
+        else:
+            raise DataError(f"{where}: {key}[{i}] has neither role/content nor from/value")
+        if role not in ROLES:
+            raise DataError(f"{where}: {key}[{i}] has role {role!r}; accepted: {', '.join(ROLES)} (sharegpt: "
+                            f"human, gpt, system, ...)")
+        out.append((role, _text(content, where, f"{key}[{i}] content")))
+    return tuple(out)
+
+
+def _with_answer(turns: tuple[tuple[str, str], ...], where: str, key: str) -> tuple[tuple[str, str], ...]:
+    if not any(r == "assistant" for r, _ in turns):
+        raise DataError(f"{where}: {key!r} has no assistant turn, so nothing to learn")
+    return turns

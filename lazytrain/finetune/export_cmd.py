@@ -1,0 +1,78 @@
+"""``lazytrain export CHECKPOINT_DIR -o DIR``: any checkpoint as a Hugging Face folder (``export.py``).
+
+The checkpoint holds the weights; the config comes from ``--config``, else from the run the checkpoint
+belongs to (``OUTPUT/source/config.json`` of a ``--data`` run, or the config its ``metrics.json``
+recorded), and the tokenizer and generation config from ``--tokenizer`` or that run's ``source/``.
+The weights are checked against the model the config builds (on ``meta``: no memory) before anything
+is written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..export import ExportError, check_weights, checkpoint_weights, hf_config, write_folder
+from ..model_loading import has_tokenizer, read_config
+
+
+def export_checkpoint(source, output, *, config=None, tokenizer=None, dtype: str | None = None) -> Path:
+    from ..compiler.presets import build_from_config
+    from ..compiler.trace_export import is_hf
+    ckpt, run = _locate(Path(source))
+    cfg = _config(config, run, source)
+    model = build_from_config(cfg, device="meta", dtype=torch.float32, source=str(config or run or source))
+    if not is_hf(model):
+        raise ExportError(f"{source}: the model ({cfg.get('model_type')}) is not a Hugging Face architecture; "
+                          f"only those export to a Hugging Face folder")
+    weights = check_weights(checkpoint_weights(ckpt), model)
+    tok, gen = _tokenizer(tokenizer, run)
+    name = dtype or str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        dt = torch.float32
+    return write_folder(output, weights, config=hf_config(cfg, type(model).__name__), dtype=dt, tokenizer=tok,
+                        generation_config=gen)
+
+
+def _locate(src: Path) -> tuple[Path, Path | None]:
+    """(checkpoint folder, run folder or None)."""
+    if (src / "checkpoint.json").is_file() or (src.with_name(src.name + ".old") / "checkpoint.json").is_file():
+        return src, src.parent if (src.parent / "metrics.json").is_file() else None
+    if (src / "checkpoint").is_dir():
+        return src / "checkpoint", src
+    raise ExportError(f"{src}: neither a checkpoint folder (checkpoint.json) nor a run folder (checkpoint/)")
+
+
+def _config(config, run: Path | None, source) -> dict:
+    if config:
+        p = Path(config)
+        return read_config(p / "config.json" if p.is_dir() else p)
+    if run is not None and (run / "source" / "config.json").is_file():
+        return read_config(run / "source" / "config.json")
+    if run is not None:
+        try:
+            cfg = json.loads((run / "metrics.json").read_text())["model"]["config"]
+        except (OSError, ValueError, KeyError, TypeError):
+            cfg = None
+        if isinstance(cfg, dict):
+            return cfg
+    raise ExportError(f"{source}: no config found for the checkpoint (neither its run's source/config.json nor "
+                      f"metrics.json): pass --config path/to/config.json")
+
+
+def _tokenizer(spec, run: Path | None):
+    """(tokenizer or None, generation config or None) to include."""
+    from ..finetune.prepare import Source, tokenizer_for
+    src_dir = run / "source" if run is not None else None
+    gen = None
+    if src_dir is not None and (src_dir / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+        gen = GenerationConfig.from_pretrained(src_dir)
+    if spec is None and src_dir is not None and has_tokenizer(src_dir):
+        spec = str(src_dir)
+    if spec is None:
+        return None, gen
+    return tokenizer_for(Source(str(spec), "config", tokenizer=str(spec)), None), gen

@@ -1,0 +1,186 @@
+"""Before the first step of ``lazytrain train --data``: the model, its tokenizer, and the data as examples.
+
+``--model`` is a named model (``models/named.py``), a GGUF file, a Hugging Face folder with weights
+(fine-tuned), a folder or ``config.json`` without weights, or a preset (both random init: the shape
+alone, for throughput runs); ``--tokenizer`` gives the tokenizer when the model has none (or another
+one).  The run writes the config, tokenizer and generation config it trains with into
+``OUTPUT/source/``, so a resume or ``lazytrain export`` needs neither the original folder nor the
+registry.
+
+Data: ``--data`` (and ``--eval-data``) read by ``data/formats.py``, tokenized by ``data/encode.py``.
+Without ``--eval-data``, 5% of the examples (at most ``--eval-size``, at least one) are held out by a
+hash of their content (``data/batches.held_out``).  ``--seq`` defaults to the longest training example,
+within the model's positions; longer examples are cut or dropped (``--truncate``) and counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..data.batches import held_out
+from ..data.encode import Encoder, Example, fit
+from ..data.formats import DataError, read_records
+from ..model_loading import (
+    from_pretrained,
+    has_tokenizer,
+    has_weights,
+    is_gguf,
+    load_gguf,
+    load_tokenizer,
+    read_config,
+    weights_dtype,
+)
+
+#: share of the examples held out for evaluation when no --eval-data is given
+EVAL_SHARE = 0.05
+
+
+@dataclass
+class Source:
+    """What ``--model`` names: how to build the model, where its tokenizer is, what it was stored in."""
+
+    spec: str
+    kind: str                             # named | gguf | pretrained | config | preset
+    path: Path | None = None
+    tokenizer: str | None = None          # a folder or GGUF file with the tokenizer
+    dtype: torch.dtype | None = None      # the dtype of the weights it came with (the export keeps it)
+    config: dict = field(default_factory=dict)
+
+
+def resolve(spec: str, log=print) -> Source:
+    """The source ``--model`` names (a named model is fetched and cached here, on first use)."""
+    from ..compiler.presets import PRESETS
+    from ..models.named import NAMED, model_folder
+    if spec in NAMED:
+        folder = model_folder(spec, log=log)
+        return Source(spec, "named", folder, str(folder), weights_dtype(folder), read_config(folder / "config.json"))
+    path = Path(spec)
+    if is_gguf(path):
+        return Source(spec, "gguf", path, str(path))
+    if path.is_dir() and (path / "config.json").is_file():
+        tok = str(path) if has_tokenizer(path) else None
+        kind = "pretrained" if has_weights(path) else "config"
+        return Source(spec, kind, path, tok, weights_dtype(path) if kind == "pretrained" else None,
+                      read_config(path / "config.json"))
+    if path.is_file() and path.suffix == ".json":
+        tok = str(path.parent) if has_tokenizer(path.parent) else None
+        return Source(spec, "config", path, tok, None, read_config(path))
+    if spec in PRESETS:
+        return Source(spec, "preset", None, None, None, dict(PRESETS[spec]))
+    if spec == "task":
+        raise ValueError("--data needs a model with a tokenizer: --model smollm2-135m-instruct (fetched once), a "
+                         "Hugging Face folder, or a GGUF file (the task model has only the task's characters)")
+    if path.exists():
+        raise ValueError(f"--model {spec}: neither a Hugging Face folder (config.json + *.safetensors) nor a "
+                         f"GGUF file")
+    raise ValueError(f"--model {spec}: no such file or folder, and not a named model ({', '.join(NAMED)}) or a "
+                     f"preset")
+
+
+def build(src: Source, seed: int, random_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model on the CPU: pretrained weights in fp32; configs and presets with random weights in
+    ``random_dtype`` (``presets.random_model``: N(0, 0.02) from a seeded pool, memory copies instead of a
+    7B's minutes of per-module init)."""
+    from ..compiler.presets import random_model
+    torch.manual_seed(seed)
+    if src.kind in ("named", "pretrained"):
+        return from_pretrained(src.path)
+    if src.kind == "gguf":
+        return load_gguf(src.path)
+    return random_model(str(src.path) if src.kind == "config" else src.spec, dtype=random_dtype)
+
+
+def tokenizer_for(src: Source, override: str | None, log=print):
+    """The tokenizer: ``--tokenizer`` (a folder, GGUF file or named model) or the model's own."""
+    from ..models.named import NAMED, model_folder
+    spec = override or src.tokenizer
+    if spec is None:
+        raise ValueError(f"--model {src.spec} has no tokenizer: pass --tokenizer (a Hugging Face folder, a GGUF "
+                         f"file or a named model such as smollm2-135m-instruct)")
+    if spec in NAMED:
+        spec = str(model_folder(spec, log=log))
+    return load_tokenizer(spec)
+
+
+@dataclass
+class Data:
+    train: list[Example]
+    eval: list[Example]
+    seq_len: int
+    counts: dict                 # examples read, held out, truncated, dropped
+    fingerprint: str             # of the data files: a resumed run must see the same
+
+
+def prepare_data(enc: Encoder, data: str, eval_data: str | None, *, seq: int | None, max_positions: int | None,
+                 truncate: str, eval_size: int) -> Data:
+    """Read, split, tokenize and fit the examples (see the module docstring)."""
+    records = read_records(data)
+    if eval_data:
+        train_rec, eval_rec = records, read_records(eval_data)[:eval_size]
+    else:
+        n_eval = min(eval_size, max(1, round(EVAL_SHARE * len(records))))
+        if len(records) < 2:
+            raise DataError(f"{data}: one example cannot be split into train and eval; give more, or --eval-data")
+        train_rec, eval_rec = held_out(records, [r.key() for r in records], n_eval)
+        if not train_rec:
+            raise DataError(f"{data}: every example is a copy of the held-out ones; give more, or --eval-data")
+    train = [enc.encode(r) for r in train_rec]
+    evals = [enc.encode(r) for r in eval_rec]
+    longest = max(len(e) for e in train)
+    if seq is None:
+        seq = min(longest, max_positions or longest)
+    elif max_positions and seq > max_positions:
+        raise ValueError(f"--seq {seq} is longer than the model's {max_positions} positions")
+    kept = [fit(e, seq, truncate) for e in train]
+    counts = {"train_read": len(train), "eval": len(evals), "held_out": not eval_data,
+              "too_long": sum(len(e) > seq for e in train), "truncate": truncate,
+              "dropped": sum(k is None for k in kept)}
+    train = [k for k in kept if k is not None]
+    if not train:
+        raise DataError(f"{data}: no example fits --seq {seq} (the longest has {longest} tokens; --truncate "
+                        f"{truncate})")
+    evals = [k for k in (fit(e, seq, "truncate") for e in evals) if k is not None]
+    counts["train"] = len(train)
+    return Data(train, evals, seq, counts, files_fingerprint(data, eval_data))
+
+
+def files_fingerprint(*paths: str | None) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(b"-" if p is None else Path(p).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def max_positions(config) -> int | None:
+    """The positions a model config allows (a dict or a config object), or None when it does not say."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    n = get("max_position_embeddings") or get("n_positions") or get("max_seq")
+    return int(n) if n else None
+
+
+def check_vocab(model, examples: list[Example], name: str) -> None:
+    """Every token id fits the model's embedding (a tokenizer of another model would not)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(emb, "num_embeddings", None)
+    top = max((max(e.ids) for e in examples if e.ids), default=-1)
+    if rows is not None and top >= rows:
+        raise ValueError(f"the tokenizer gives token ids up to {top}, but {name}'s embedding has {rows} rows: "
+                         f"use the model's own tokenizer (or a model with vocab_size > {top})")
+
+
+def pad_id(tok) -> int:
+    for i in (tok.pad_token_id, tok.eos_token_id, 0):
+        if i is not None:
+            return int(i)
+    return 0
+
+
+def max_new_tokens(tok, examples: list[Example]) -> int:
+    """Room for the longest reference reply, with slack for a model that words it differently."""
+    longest = max((len(tok(e.reference, add_special_tokens=False).input_ids) for e in examples), default=16)
+    return int(math.ceil(longest * 1.5)) + 8

@@ -1,0 +1,360 @@
+"""``lazytrain train --data FILE``: fine-tune a pretrained model on your examples, evaluate it by
+generation, and export it as a Hugging Face folder.
+
+    model + tokenizer (prepare.py) -> examples (data/) -> plan (packed with --pack) -> Trainer + Hybrid
+    8-bit AdamW (warm-up + cosine) -> eval before -> train (eval every --eval-every) -> checkpoint ->
+    eval after -> OUTPUT/model/ (export.py) + metrics.json + loss.png
+
+What is shared with the built-in task's ``train.py``: the device and thread choice (and the thread
+tuner on the CPU), the learning-rate schedule (by steps and by time, whichever is further), Ctrl-C
+handling, atomic writes.  What differs: the data is a file, one epoch by default (``--epochs``); the
+evaluation generates replies with the model's tokenizer and stop tokens; the result is also a model
+folder anyone can load.  A resumed run (``--resume OUTPUT``) takes its settings, tokenizer and config
+from the run (``OUTPUT/source/``) and refuses data files that changed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from ..train import (
+    TrainConfig,
+    _device,
+    _hardware,
+    _note,
+    _progress,
+    _StopFlag,
+    _write_json,
+    can_plot,
+    cpu_threads,
+    lr_at,
+)
+from .evaluation import describe, evaluate
+from .prepare import (
+    Source,
+    build,
+    check_vocab,
+    max_new_tokens,
+    max_positions,
+    pad_id,
+    prepare_data,
+    resolve,
+    tokenizer_for,
+)
+
+FORMAT = "lazytrain.finetune-metrics/1"
+
+
+@dataclass
+class FinetuneConfig(TrainConfig):
+    """``TrainConfig`` and what fine-tuning on a file adds; defaults for a pretrained model."""
+
+    data: str | None = None
+    eval_data: str | None = None
+    tokenizer: str | None = None           # another tokenizer than the model's (a folder, GGUF or named model)
+    loss_on: str = "completion"            # completion | all
+    truncate: str = "truncate"             # truncate | drop
+    pack: bool = False
+    answer_regex: str | None = None
+    max_new_tokens: int | None = None      # default: 1.5x the longest reference reply + 8
+    epochs: float = 1.0                    # when --steps is not given
+    evaluate: bool = True                  # False: no evaluation (throughput runs)
+    export: bool = True
+    export_dtype: str | None = None        # default: the dtype of the weights the model came with
+    steps: int | None = None
+    lr: float = 1e-4
+    warmup: int = 10
+    eval_size: int = 200
+
+
+#: settings a resumed run keeps from the run it resumes
+RESUMED = ("model", "tokenizer", "data", "eval_data", "loss_on", "truncate", "pack", "batch", "seq", "seed",
+           "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "policy", "gpu_memory", "host_memory",
+           "resident", "eval_size", "answer_regex", "epochs")
+
+
+def is_finetune_run(folder) -> bool:
+    """Is ``folder`` the output of a ``--data`` run (its metrics say so)?"""
+    m = Path(folder or "", "metrics.json")
+    try:
+        return bool(folder) and json.loads(m.read_text()).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def _resume(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict]:
+    src = Path(cfg.resume)
+    try:
+        prev = json.loads((src / "metrics.json").read_text())
+        saved, done = prev["settings"], int(prev["steps_done"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--resume {src}: not the output folder of a `lazytrain train --data` run ({e})") from None
+    defaults = (FinetuneConfig(), TrainConfig())
+    for k in RESUMED:
+        asked = getattr(cfg, k)
+        if k in saved and asked != saved[k] and all(asked != getattr(d, k) for d in defaults):
+            raise ValueError(f"--resume {src}: --{k.replace('_', '-')} {asked} differs from the run's ({saved[k]}); "
+                             f"a resumed run keeps its settings (leave the flag out, or start a new run)")
+        if k in saved:
+            setattr(cfg, k, saved[k])
+    cfg.steps = cfg.steps or saved.get("steps")
+    if cfg.steps is not None and cfg.steps < done:
+        raise ValueError(f"--resume {src}: the run is already at step {done}; --steps is the total to reach "
+                         f"(ask for more than {done})")
+    cfg.tokenizer = str(src / "source")
+    return cfg, prev
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Fine-tune as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
+    from .. import compile as compile_plan
+    from ..data.batches import Batches
+    from ..data.encode import Encoder
+    from ..runtime.optim import Hybrid8bitAdamW
+    from ..runtime.trainer import Trainer
+
+    if not isinstance(cfg, FinetuneConfig):       # `lazytrain train --resume DIR` of a --data run
+        known = {f.name for f in fields(FinetuneConfig)}
+        cfg = FinetuneConfig(**{k: v for k, v in asdict(cfg).items() if k in known})
+    prev = None
+    if cfg.resume:
+        cfg, prev = _resume(cfg)
+    if not cfg.data:
+        raise ValueError("lazytrain train --data FILE: no data file given")
+    dev = _device(cfg)
+    if dev.type == "cpu":
+        torch.set_num_threads(cfg.threads or cpu_threads())
+    out = _output(cfg.output)
+    t_start = time.perf_counter()
+
+    src = _source(cfg, prev)
+    tok = tokenizer_for(src, cfg.tokenizer)
+    enc = Encoder(tok, cfg.loss_on, name=f"the tokenizer of {cfg.tokenizer or src.spec}")
+    data = prepare_data(enc, cfg.data, cfg.eval_data, seq=cfg.seq, max_positions=max_positions(src.config),
+                        truncate=cfg.truncate, eval_size=cfg.eval_size)
+    if not cfg.evaluate:
+        data.eval = []
+    if prev is not None and prev["data"]["fingerprint"] != data.fingerprint:
+        raise ValueError(f"--resume {cfg.resume}: the data files changed since the run started; start a new run")
+    t = time.perf_counter()
+    model = build(src, cfg.seed, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    load_s = time.perf_counter() - t
+    if (max_positions(model.config) or data.seq_len) < data.seq_len:
+        raise ValueError(f"--seq {data.seq_len} is longer than the model's {max_positions(model.config)} positions")
+    check_vocab(model, data.train + data.eval, src.spec)
+    stop_ids = enc.stop_ids(getattr(model, "generation_config", None))
+    if prev is None:
+        _write_source(out / "source", model, tok, stop_ids)
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    hardware = _hardware(dev)
+    opt = Hybrid8bitAdamW(lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+                          num_threads=torch.get_num_threads() if dev.type == "cpu" else None)
+    batches = Batches(data.train, cfg.batch, data.seq_len, pad_id(tok), pack=cfg.pack, seed=cfg.seed)
+    if cfg.steps is None:
+        cfg.steps = max(1, math.ceil(cfg.epochs * batches.steps_per_epoch))
+    t = time.perf_counter()
+    if prev is not None:
+        trainer = Trainer.load_checkpoint(Path(cfg.resume) / "checkpoint", model, optimizer=opt, device=dev)
+        plan, start = trainer.plan, trainer.steps
+    else:
+        plan = compile_plan(model, batch_size=cfg.batch, seq_len=data.seq_len, hardware=hardware,
+                            gpu_memory=cfg.gpu_memory, host_memory=cfg.host_memory, policy=cfg.policy,
+                            optimizer="hybrid8bit", param_dtype=param_dtype, resident=cfg.resident, packed=cfg.pack)
+        trainer = Trainer(model, plan, optimizer=opt, device=dev)
+        start = 0
+    if dev.type == "cuda":
+        # the trainer's host store holds the fp32 masters; the model is only what evaluation runs (in bf16 on
+        # the GPU), so it need not hold a second fp32 copy: a 7B's host memory is 15 GB less
+        model.to(torch.bfloat16)
+    compile_s = time.perf_counter() - t
+    where = f"cpu, {torch.get_num_threads()} threads" if dev.type == "cpu" else dev.type
+    pad = batches.padding()
+    print(f"model {src.spec}: {n_params / 1e6:.1f} M parameters on {where} ({param_dtype}, loaded in {load_s:.0f} s); "
+          f"{data.counts['train']} train / {len(data.eval)} eval examples, seq {data.seq_len}, "
+          f"{'packed' if cfg.pack else 'one example a row'} (padding {pad['packed' if cfg.pack else 'unpacked']:.0%}"
+          f", {'unpacked' if cfg.pack else 'packed'} it would be {pad['unpacked' if cfg.pack else 'packed']:.0%}); "
+          f"{batches.steps_per_epoch} steps an epoch; plan: {plan.decisions.policy}, micro-batch {plan.micro_batch} x "
+          f"{plan.n_micro}, compiled in {compile_s:.1f} s")
+    if data.counts["too_long"]:
+        print(f"{data.counts['too_long']} examples longer than {data.seq_len} tokens: "
+              f"{data.counts['dropped']} dropped, the rest truncated (--truncate {cfg.truncate})")
+
+    n_new = cfg.max_new_tokens or max_new_tokens(tok, data.eval)
+    tuner = _thread_tuner(dev, cfg, opt)
+
+    def run_eval(step: int) -> dict:
+        threads = torch.get_num_threads()
+        if tuner is not None:           # the count last measured fastest, not whichever a probe left
+            torch.set_num_threads(_fastest(tuner) or threads)
+        try:
+            ev = evaluate(trainer, tok, data.eval, stop_ids=stop_ids, pad_id=pad_id(tok),
+                          max_new_tokens=n_new, device=dev, answer_regex=cfg.answer_regex)
+        finally:
+            torch.set_num_threads(threads)
+        return {"step": step, **ev}
+
+    evals = list(prev["eval_curve"]) if prev else []
+    history = list(prev["loss_curve"]) if prev else []
+    tokens = int(prev["tokens"]) if prev else 0
+    if prev is None and data.eval:
+        evals.append(run_eval(0))
+        print(describe(evals[-1], 0))
+    step, stop_reason, interrupted = start, "steps", False
+    limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else None
+    t_train = time.perf_counter()
+    bar = _progress(cfg, start)
+    with _StopFlag() as flag:
+        while step < cfg.steps:
+            elapsed = time.perf_counter() - t_train
+            if limit_s is not None and elapsed >= limit_s:
+                stop_reason = "time limit"
+                break
+            progress = step / cfg.steps
+            if limit_s is not None:
+                progress = max(progress, (start + (cfg.steps - start) * elapsed / limit_s) / cfg.steps)
+            opt.lr = lr_at(cfg, step, progress)
+            stats = trainer.step(batches.batch(step))
+            step += 1
+            if tuner is not None:
+                tuner.observe(stats.step_s)
+            tokens += stats.tokens
+            history.append({"step": step, "loss": round(stats.loss, 5), "lr": opt.lr, "tokens": stats.tokens,
+                            "grad_norm": round(stats.grad_norm, 4), "step_s": round(stats.step_s, 4),
+                            "t": round(time.perf_counter() - t_start, 2)})
+            if bar is not None:
+                bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens / stats.step_s:,.0f}",
+                                lr=f"{opt.lr:.1e}", refresh=False)
+                bar.update(1)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and data.eval:
+                evals.append(run_eval(step))
+                _note(bar, describe(evals[-1], step))
+            if flag.set:
+                interrupted, stop_reason = True, "interrupted"
+                break
+        if bar is not None:
+            bar.close()
+        train_s = time.perf_counter() - t_train
+        ckpt = trainer.save_checkpoint(out / "checkpoint") or out / "checkpoint"
+        if not interrupted and data.eval:
+            evals.append(run_eval(step))
+            print(describe(evals[-1], step))
+        exported = None
+        if cfg.export and not interrupted:
+            from ..export import hf_config, trainer_weights, write_folder
+            from ..models.named import generation_config
+            dtype = _export_dtype(cfg, src, param_dtype)
+            exported = str(write_folder(out / "model", trainer_weights(trainer),
+                                        config=hf_config(model.config, type(model).__name__), dtype=dtype,
+                                        tokenizer=tok, generation_config=generation_config(model, stop_ids, tok)))
+        metrics = {
+            "format": FORMAT,
+            "settings": {k: v for k, v in asdict(cfg).items() if k not in ("progress", "extra")},
+            "model": {"source": src.spec, "kind": src.kind, "config": hf_config_dict(model)},
+            "params": n_params, "device": dev.type, "threads": torch.get_num_threads(), "hardware": hardware,
+            "param_dtype": param_dtype,
+            "data": {**data.counts, "seq": data.seq_len, "fingerprint": data.fingerprint,
+                     "steps_per_epoch": batches.steps_per_epoch, "padding": pad,
+                     "stop_ids": stop_ids, "max_new_tokens": n_new},
+            "plan": {"policy": plan.decisions.policy, "micro_batch": plan.micro_batch, "n_micro": plan.n_micro,
+                     "packed": bool(plan.graph.meta.get("packed")),
+                     "predicted_step_s": plan.predicted.get("step_time_s"), "compile_s": round(compile_s, 2)},
+            "steps_done": step, "tokens": tokens, "stop_reason": stop_reason, "interrupted": interrupted,
+            "exact_match_before": next((e["exact_match"] for e in evals if e["step"] == 0), None),
+            "exact_match": evals[-1]["exact_match"] if evals and not interrupted else None,
+            "eval_curve": evals, "loss_curve": history,
+            "train_s": round(train_s + (prev["train_s"] if prev else 0.0), 2),
+            "wall_s": round(time.perf_counter() - t_start, 2), "load_average": list(os.getloadavg()),
+            "checkpoint": str(ckpt), "export": exported, "resumed_from": cfg.resume,
+        }
+        _write_json(out / "metrics.json", metrics)
+        _plot(out / "loss.png", history, evals, src.spec)
+    trainer.close()
+    print(f"wrote {out / 'metrics.json'}, {ckpt}" + (f" and {exported}" if exported else ""))
+    return metrics
+
+
+def hf_config_dict(model) -> dict:
+    from ..export import hf_config
+    return hf_config(model.config, type(model).__name__)
+
+
+def _output(path: str) -> Path:
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out}: a file of that name exists; --output is a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output {out}: cannot create the folder ({e.strerror or e})") from None
+    return out
+
+
+def _source(cfg: FinetuneConfig, prev: dict | None) -> Source:
+    """The model's source; a resumed run rebuilds it from the config it saved (its checkpoint holds every
+    weight), with the tokenizer it saved."""
+    if prev is None:
+        return resolve(cfg.model)
+    return Source(cfg.model, "config", Path(cfg.resume) / "source" / "config.json", str(Path(cfg.resume) / "source"),
+                  None, prev["model"]["config"])
+
+
+def _write_source(folder: Path, model, tok, stop_ids: list[int]) -> None:
+    """Config, tokenizer and generation config of the run (for resume and ``lazytrain export``)."""
+    from ..export import _write_json as write
+    from ..models.named import generation_config
+    folder.mkdir(parents=True, exist_ok=True)
+    write(folder / "config.json", hf_config_dict(model))
+    tok.save_pretrained(folder)
+    generation_config(model, stop_ids, tok).save_pretrained(folder)
+
+
+def _export_dtype(cfg: FinetuneConfig, src: Source, param_dtype: str) -> torch.dtype:
+    name = cfg.export_dtype or (str(src.dtype).removeprefix("torch.") if src.dtype else param_dtype)
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise ValueError(f"--export-dtype {name}: not a floating dtype (float32, bfloat16, float16)")
+    return dt
+
+
+#: thread-count probing for fine-tuning steps: a pretrained model's CPU step takes seconds (SmolLM2-135M:
+#: 11-100 s on the shared 2-core machine), so a probe is 3 timed steps after 1 to settle, not the task's 12
+TUNER = {"probe": 3, "settle": 1, "every": 100}
+
+
+def _thread_tuner(dev: torch.device, cfg: FinetuneConfig, opt):
+    if dev.type != "cpu" or cfg.threads:
+        return None
+    from ..compiler.hardware import _cpu_cores
+    from ..threads import ThreadTuner
+
+    def set_threads(n: int) -> None:
+        torch.set_num_threads(n)
+        opt.num_threads = n
+    return ThreadTuner(_cpu_cores(), set_threads, start=torch.get_num_threads(), **TUNER)
+
+
+def _fastest(tuner) -> int | None:
+    """The thread count the tuner's last finished round measured fastest (None before one finished)."""
+    if not tuner.history:
+        return None
+    medians = tuner.history[-1][1]
+    return min(medians, key=medians.get)
+
+
+def _plot(path: Path, history: list[dict], evals: list[dict], name: str) -> None:
+    if not can_plot():
+        return
+    from ..compiler.timeline import plot_loss
+    last = evals[-1] if evals else None
+    title = f"fine-tuning {name}" + (f": exact match {last['exact_match']:.1%} at step {last['step']}"
+                                     if last and last["exact_match"] is not None else "")
+    plot_loss(path, {"train loss": [(h["step"], h["loss"]) for h in history],
+                     "eval loss": [(e["step"], e["eval_loss"]) for e in evals]}, title=title)

@@ -1,0 +1,94 @@
+"""Export to a Hugging Face folder: transformers loads it and its logits equal the trained weights',
+from a trainer and from a checkpoint (``lazytrain export``); tied weights, dtypes and the architecture
+are kept, shards are written one by one, and a folder that is not a model is never replaced."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.cli import main
+from lazytrain.export import ExportError, Weight, hf_config, trainer_weights, write_folder
+
+pytest.importorskip("transformers")
+from ft_fixtures import tiny_folder, tiny_tokenizer  # noqa: E402
+
+
+def _trained(folder, steps: int = 2):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    plan = lazytrain.compile(model, batch_size=2, seq_len=8, hardware="cpu", gpu_memory="2GiB", param_dtype="float32",
+                             optimizer="adamw", policy="megatrain")
+    tr = lazytrain.Trainer(model, plan, optimizer=lazytrain.optim.TorchAdamW(lr=1e-2), device="cpu", verbose=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ids = torch.randint(0, 100, (2, 8), generator=g)
+        tr.step({"input_ids": ids, "labels": ids})
+    return model, tr
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("model_type, tied", [("llama", True), ("qwen2", False)])
+def test_a_trained_model_round_trips_through_transformers(tmp_path, model_type, tied):
+    from transformers import AutoModelForCausalLM
+    src = tiny_folder(tmp_path / "src", model_type=model_type, tied=tied)
+    model, tr = _trained(src)
+    out = write_folder(tmp_path / "out", trainer_weights(tr), config=hf_config(model.config, type(model).__name__),
+                       dtype=torch.float32, tokenizer=tiny_tokenizer(), max_shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert ("lm_head.weight" in index["weight_map"]) == (not tied)
+    tr.sync_to_model()
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(loaded) is type(model) and loaded.config.tie_word_embeddings == tied
+    ids = torch.randint(0, 100, (2, 12))
+    assert torch.equal(_logits(loaded, ids), _logits(model, ids))      # fp32 out: bit for bit
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+    assert not list(tmp_path.glob("out.tmp-*"))
+    tr.close()
+
+
+def test_export_from_a_checkpoint_keeps_the_folders_dtype(tmp_path):
+    from transformers import AutoModelForCausalLM
+    src = tiny_folder(tmp_path / "src", dtype=torch.bfloat16)
+    model, tr = _trained(src)
+    tr.save_checkpoint(tmp_path / "ckpt")
+    tr.sync_to_model()
+    tr.close()
+    assert main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out"), "--config", str(src),
+                 "--tokenizer", str(src)]) == 0
+    out = tmp_path / "out"
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert next(loaded.parameters()).dtype == torch.bfloat16
+    ids = torch.randint(0, 100, (2, 12))
+    torch.testing.assert_close(_logits(loaded.float(), ids), _logits(model.to(torch.bfloat16).float(), ids))
+
+
+def test_what_is_not_exported(tmp_path, capsys):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    w = [Weight("a", (2,), lambda: torch.zeros(2))]
+    with pytest.raises(ExportError, match="not a model folder"):
+        write_folder(tmp_path / "notes", w, config={}, dtype=torch.float32)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    assert main(["export", str(tmp_path / "notes"), "-o", str(tmp_path / "x")]) == 2
+    assert "neither a checkpoint folder" in capsys.readouterr().err
+    src = tiny_folder(tmp_path / "src")
+    _, tr = _trained(src, steps=1)
+    tr.save_checkpoint(tmp_path / "ckpt")
+    tr.close()
+    assert main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "y")]) == 2
+    assert "pass --config" in capsys.readouterr().err
+    other = tiny_folder(tmp_path / "other", layers=3, tokenizer=False)
+    assert main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "y"), "--config", str(other)]) == 2
+    assert "lack model.layers.2" in capsys.readouterr().err
