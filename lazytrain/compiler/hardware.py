@@ -18,8 +18,9 @@ How compute time is modelled (the cost pass must count FLOPs the same way; use `
   no less than its ops times ``op_dispatch_s`` (forward) or ``op_dispatch_bwd_s`` (backward): Python
   issues every op, so small blocks (short sequences, small micro-batches) are dispatch bound.
 
-Calibration of ``h200`` (DESIGN §6): one Qwen2.5-3B layer (77,076,992 params, hidden 2048), seq
-1024, eager bf16 + SDPA: forward 2.77 ms and forward+backward 8.48 ms at micro-batch 8, forward+
+Calibration of ``h200`` (measured: ``benchmarks/results/h200_reference.md``): one Qwen2.5-3B layer
+(77,076,992 params, hidden 2048), seq 1024, eager bf16 + SDPA: forward 2.77 ms and forward+backward
+8.48 ms at micro-batch 8, forward+
 backward 4.62 ms at micro-batch 4. Forward FLOPs at micro-batch 8 = 1.263e12 (weights) + 0.034e12
 (causal attention) = 1.297e12. A least-squares fit of (efficiency, overhead) to the relative error
 of those three times gives ``compute_efficiency = 0.667`` and ``kernel_overhead_s = 0.36 ms``,
@@ -270,7 +271,8 @@ def _cpu_profile() -> HardwareProfile:
     )
 
 
-#: fitted to DESIGN §6's eager Qwen2.5-3B layer (forward 2.77 ms, fwd+bwd 8.48 ms at micro-batch 8)
+#: fitted to the eager Qwen2.5-3B layer (forward 2.77 ms, fwd+bwd 8.48 ms at micro-batch 8) of
+#: benchmarks/results/h200_reference.md
 EAGER_LAYER_EFFICIENCY = 0.667
 #: LazyTrain's blocks are the torch.export'ed Hugging Face layers plus the chunked-loss head.  Measured on
 #: the H200 (qwen2.5-3b, seq 1024, 24 GiB, is_causal attention), GPU busy per step against the eager-layer
@@ -291,7 +293,8 @@ _H200 = HardwareProfile(
     h2d_gbps=55.4, d2h_gbps=55.4, duplex_gbps=99.6, pageable_h2d_gbps=8.9, pageable_d2h_gbps=15.7,
     cpu_adam_gparams=5.5, cpu_adam8_gparams=5.0, nvme_read_gbps=1.6, nvme_write_gbps=1.6,
     op_dispatch_s=DISPATCH_FWD_S, op_dispatch_bwd_s=DISPATCH_BWD_S,
-    source="measured on the lent H200 machine (DESIGN §6); efficiency and overhead fitted to one eager "
+    source="measured on the lent H200 machine (benchmarks/results/h200_reference.md); efficiency and overhead "
+    "fitted to one eager "
     "Qwen2.5-3B layer (0.667), then scaled by the 1.157x that LazyTrain's exported blocks measured slower "
     "(GPU busy 2.066 s vs 1.783 s predicted, qwen2.5-3b megatrain batch 32); 8-bit optimizer rate measured "
     "inside LazyTrain's runtime on that machine, 14 threads, while the GPU streams: 5.07 G/s (qwen2.5-3b, 3.09 B "
