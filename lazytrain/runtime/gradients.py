@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..ir import Op, Resource, TensorKind
-from .handlers import G, Step, _tid
+from .context import G, Step, _tid
 from .store import HostStore
 
 

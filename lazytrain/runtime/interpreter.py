@@ -33,7 +33,7 @@ from ..ir.order import cross_period
 from ..ir.semantics import Sizes
 from . import gradients as gr
 from . import handlers as h
-from .handlers import Step
+from .context import Step, describe
 from .updates import Updates, update
 
 HANDLERS: dict[OpKind, Callable[[Step, Op], None]] = {
@@ -64,7 +64,7 @@ def run(ctx: Step) -> None:
         try:
             HANDLERS[op.kind](ctx, op)
         except Exception as e:
-            raise RuntimeError(f"while executing op #{op.id} ({h.describe(op)}): {e}") from e
+            raise RuntimeError(f"while executing op #{op.id} ({describe(op)}): {e}") from e
         if op.resource is Resource.GPU:
             ev = ctx.done.get(op.id)
             if ev is not None and not isinstance(ev, Future):

@@ -25,13 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ir import Plan, PlanError, Tier, verify
+from ..ir import Plan, PlanError, TensorId, TensorKind, Tier, verify
 from ..ir.order import UpdateOrder
 from ..ir.semantics import Sizes
-from . import handlers as h
 from . import interpreter
 from .batch import check_tokens, pad_batch, token_limits
-from .handlers import HostCopy, Run, Step
+from .context import GpuParams, H, HostCopy, Run, Step, _tid
 from .interpreter import Schedule
 from .nvme import NvmeStore
 from .optim.clipping import GradNormTracker
@@ -185,7 +184,7 @@ class Trainer:
             self._broken = e
             raise
         for t in batch_ids:
-            for v in step.copies.pop((t, h.H)).values():
+            for v in step.copies.pop((t, H)).values():
                 if isinstance(v, HostCopy):
                     run.pool.release(v.buf)
         leftovers = [f"{t} on {tier.value}" for t, tier in step.copies]
@@ -207,14 +206,14 @@ class Trainer:
                          grad_norm=float("nan") if norm is None else norm, skipped=skipped,
                          tokens_per_s=B * S / step_s)
 
-    def _stage_batch(self, step: Step, ids: torch.Tensor, labels: torch.Tensor) -> list[h.TensorId]:
+    def _stage_batch(self, step: Step, ids: torch.Tensor, labels: torch.Tensor) -> list[TensorId]:
         """The batch's micro-batches onto the host, as ``act[0] mbM`` (what ``reload act[0]`` copies)."""
         mb = self.plan.micro_batch
         out = []
         for m in range(self.plan.n_micro):
             vals = self.program.batch_inputs(ids[m * mb:(m + 1) * mb], labels[m * mb:(m + 1) * mb])
-            t = h._tid(h.TensorKind.ACT, 0, m)
-            step.put(t, h.H, {k: self._stage(v) for k, v in vals.items()})
+            t = _tid(TensorKind.ACT, 0, m)
+            step.put(t, H, {k: self._stage(v) for k, v in vals.items()})
             out.append(t)
         return out
 
@@ -363,7 +362,7 @@ def _resident(lays: list[BlockLayout], gpu_params: dict[int, torch.Tensor], devi
     """Resident blocks' parameters, gradient targets and accumulators: own parameters are views of the
     block's GPU buffer, tied links views of the owner's; gradients add into the owner's accumulator."""
     grads = {j: torch.zeros(lays[j].owned_numel, dtype=torch.float32, device=device) for j in gpu_params}
-    params: dict[int, h.GpuParams] = {}
+    params: dict[int, GpuParams] = {}
     targets: dict[int, dict[str, torch.Tensor]] = {}
     for j, flat in gpu_params.items():
         lay = lays[j]
@@ -377,7 +376,7 @@ def _resident(lays: list[BlockLayout], gpu_params: dict[int, torch.Tensor], devi
             targets[j][seg.name] = grads[owner][off:off + seg.numel]
             if all(t is not gpu_params[owner] for t in extra):
                 extra.append(gpu_params[owner])
-        params[j] = h.GpuParams(flat, views, tuple(extra))
+        params[j] = GpuParams(flat, views, tuple(extra))
     return params, targets, grads
 
 

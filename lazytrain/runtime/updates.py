@@ -28,8 +28,8 @@ import torch
 
 from ..ir import Op, PlanError, Resource
 from ..ir.order import UpdateOrder
+from .context import Step
 from .gradients import TiedGrads
-from .handlers import Step
 from .optim.base import HostOptimizer
 from .optim.clipping import GradNormTracker
 from .store import HostStore
