@@ -18,10 +18,10 @@ Grammar of a plan (one op per line, ``#id kind tensor move bytes ms after deps``
 
 One list is one period of the steady state: an ``update`` placed before its block's
 ``grad_offload`` is *lagged*: it applies the previous step's gradients and must finish before the
-block's parameters are loaded again (``docs/architecture.md``, "The plan contract").  A *resident* block (``Decisions.resident``) keeps its
-parameters, optimizer state and gradient accumulator on the GPU for the whole run: it has no
-``load``, ``free params`` or ``grad_offload``; its ``update`` runs on the GPU stream at the start of
-the next step, before any forward reads it.
+block's parameters are loaded again (``docs/architecture.md``, "The plan contract").  A *resident*
+block (``Decisions.resident``) keeps its parameters, optimizer state and gradient accumulator on the
+GPU for the whole run: it has no ``load``, ``free params`` or ``grad_offload``; its ``update`` runs
+on the GPU stream at the start of the next step, before any forward reads it.
 """
 
 from .decisions import Decisions, Place, Saved
