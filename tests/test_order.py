@@ -19,8 +19,8 @@ from lazytrain.compiler.presets import build_from_config
 from lazytrain.compiler.synthetic import chain
 from lazytrain.compiler.trace import trace
 from lazytrain.ir import Decisions, GiB, OpKind, Place, Plan, PlanError, Resource, Saved, verify
-from lazytrain.ir.order import UpdateOrder, hazard_deps
-from lazytrain.ir.semantics import Sizes
+from lazytrain.ir.order import HazardWalk, UpdateOrder
+from lazytrain.ir.semantics import Sizes, effects
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 from lazytrain.runtime.trainer import Trainer
 
@@ -131,8 +131,8 @@ def _updates_last(plan: Plan) -> Plan:
     moved = [o for o in plan.ops if o.kind is not OpKind.UPDATE] + [o for o in plan.ops if o.kind is OpKind.UPDATE]
     new = {o.id: i for i, o in enumerate(moved)}
     ops = [dataclasses.replace(o, id=i, deps=tuple(new[d] for d in o.deps)) for i, o in enumerate(moved)]
-    sizes = Sizes.of_plan(plan)
-    ops = [dataclasses.replace(o, deps=tuple(sorted({*o.deps, *hz}))) for o, hz in zip(ops, hazard_deps(ops, sizes))]
+    sizes, walk = Sizes.of_plan(plan), HazardWalk()
+    ops = [dataclasses.replace(o, deps=tuple(sorted({*o.deps, *walk.deps(o, effects(o, sizes), ops)}))) for o in ops]
     return Plan(**{**plan.__dict__, "ops": ops})
 
 

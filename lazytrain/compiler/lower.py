@@ -16,18 +16,17 @@ program-order walk is the memory the runtime sees.  The schedule, in named steps
   ``free params`` per block; without clipping, each update right after its last gradient.
 
 Dependencies: the two the schedule chooses for memory (a compute waits for the offload of the
-micro-batch two before it; a load waits for the latest parameter free) are written as it emits;
-every other one is a hazard on a value, derived from ``effects`` once the list is complete
-(``ir.order.hazard_deps``).
+micro-batch two before it; a load waits for the latest parameter free), and every hazard on a value
+with an earlier op (``ir.order.HazardWalk``, from ``effects``), found as each op is emitted.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 
 from ..ir import Decisions, Op, OpKind, Place, Resource, Saved, TensorId, TensorKind, Tier
-from ..ir.order import hazard_deps
+from ..ir.order import HazardWalk
+from ..ir.semantics import effects
 from .cost import CostModel
 
 _T = {Place.GPU: Tier.GPU, Place.HOST: Tier.HOST, Place.NVME: Tier.NVME}
@@ -44,7 +43,7 @@ def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
     low.start()
     low.forward()
     low.backward()
-    return low.finish()
+    return low.ops
 
 
 class _Lowering:
@@ -54,7 +53,7 @@ class _Lowering:
         self.L, self.M = g.n_blocks, dec.n_micro
         self.resident = cost.resident
         self.ops: list[Op] = []
-        self.memory_deps: list[tuple[int, ...]] = []     # per op: the schedule's own dependencies
+        self.hazards = HazardWalk()
         self.window = 0
         self.owns = [g.blocks[j].owned_numel > 0 for j in range(self.L)]
         self.updated: set[int] = set()
@@ -73,16 +72,13 @@ class _Lowering:
                     self.updates_after[min(g.readers(o))].append(o)
 
     def emit(self, kind: OpKind, block: int, *, deps: tuple[int, ...] = (), **fields) -> int:
+        """Append an op; its dependencies are ``deps`` (the schedule's own) and every hazard's."""
         i = len(self.ops)
-        self.ops.append(Op(id=i, kind=kind, block=block, window=self.window, **fields))
-        self.memory_deps.append(deps)
+        op = Op(id=i, kind=kind, block=block, window=self.window, **fields)
+        need = self.hazards.deps(op, effects(op, self.cost.sizes), self.ops)
+        self.ops.append(Op(id=i, kind=kind, block=block, window=self.window, deps=tuple(sorted(need.union(deps))),
+                           **fields))
         return i
-
-    def finish(self) -> list[Op]:
-        """The ops with their dependencies: the schedule's own plus every hazard's."""
-        sizes = self.cost.sizes
-        return [dataclasses.replace(op, deps=tuple(sorted({*mine, *hz})))
-                for op, mine, hz in zip(self.ops, self.memory_deps, hazard_deps(self.ops, sizes))]
 
     # ---- pieces ------------------------------------------------------------------------------------
     def update(self, j: int) -> None:

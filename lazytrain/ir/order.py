@@ -4,7 +4,7 @@ Within one period (the op list, one training step) two ops that touch the same c
 *hazard* when one of them writes it: read after write, write (or drop, or in-place write) after read,
 write after write or drop.  Each resource runs its ops in list order, so a hazard between two ops of
 one resource is ordered already; every other hazard must be a dependency in ``op.deps``.  The
-lowering writes them there (``hazard_deps``), ``verify`` refuses a plan that lacks one, and the
+lowering writes them there (``HazardWalk.deps``), ``verify`` refuses a plan that lacks one, and the
 interpreter and the simulator read nothing but ``op.deps``: the plan file is the whole contract.
 
 Updates add two rules of their own (``UpdateOrder``): an ``update`` placed before its gradients'
@@ -19,13 +19,13 @@ describes the whole of it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .ops import Op, OpKind, Resource
-from .semantics import Effects, Sizes, Value, effects
+from .semantics import Effects, Sizes, Value
 
 
-@dataclass(frozen=True, slots=True)
-class Hazard:
+class Hazard(NamedTuple):
     """Op ``before`` (earlier in the list) must finish before the op this hazard belongs to starts.
 
     ``kind``: ``"read"`` (the op reads ``value``, which ``before`` wrote), ``"write"`` (it writes, drops
@@ -38,47 +38,62 @@ class Hazard:
     kind: str
 
 
-def hazards(ops: list[Op], sizes: Sizes, effs: list[Effects] | None = None) -> list[tuple[Hazard, ...]]:
-    """Per op, every earlier op it must follow (on any resource), in program order (``effs``: the
-    ops' effects, when the caller has them already)."""
-    writer: dict[Value, int] = {}                   # value -> last op that wrote, dropped or overwrote it
-    readers: dict[Value, dict[Resource, int]] = {}  # value -> resource -> last op there that read it since
-    last_grad_offload = -1
-    out: list[tuple[Hazard, ...]] = []
-    for op, eff in zip(ops, effs if effs is not None else (effects(op, sizes) for op in ops)):
-        found = [Hazard(writer[v], v, "read") for v in eff.reads if v in writer]
-        changed = (*eff.writes, *eff.drops, *eff.mutates)
-        for v in changed:
-            found.extend(Hazard(r, v, "write") for r in readers.get(v, {}).values())
-            if v in writer:
-                found.append(Hazard(writer[v], v, "overwrite"))
+class HazardWalk:
+    """The hazards of ops taken in program order, one op at a time: the lowering asks as it emits
+    (``deps``), ``verify`` as it checks a list (``step``)."""
+
+    def __init__(self):
+        # keyed by (kind, index, mb, tier): hashed in C, where a TensorId hashes in Python
+        self.writer: dict[tuple, int] = {}              # value -> last op that wrote, dropped or overwrote it
+        self.readers: dict[tuple, dict[Resource, int]] = {}  # value -> resource -> last op there that read it since
+        self.last_grad_offload = -1
+
+    def step(self, op: Op, eff: Effects) -> list[Hazard]:
+        """The hazards of ``op`` (the next op of the list, with its effects) on the ops before it."""
+        writer, readers = self.writer, self.readers
+        found = []
+        reads = [((t.kind, t.index, t.mb, tier), (t, tier)) for t, tier in eff.reads]
+        for key, v in reads:
+            w = writer.get(key)
+            if w is not None:
+                found.append(Hazard(w, v, "read"))
+        changed = [((t.kind, t.index, t.mb, tier), (t, tier)) for t, tier in (*eff.writes, *eff.drops, *eff.mutates)]
+        for key, v in changed:
+            r = readers.get(key)
+            if r:
+                found.extend(Hazard(x, v, "write") for x in r.values())
+            w = writer.get(key)
+            if w is not None:
+                found.append(Hazard(w, v, "overwrite"))
         # a host update in the step of its gradients (every gradient it reads was offloaded in this
         # list) may apply the step's clip coefficient: the norm is complete once the D2H stream has
         # run every grad_offload so far, i.e. once the last one is done
-        if op.kind is OpKind.UPDATE and op.resource is not Resource.GPU and last_grad_offload >= 0 \
-                and eff.reads and all(v in writer for v in eff.reads):
-            found.append(Hazard(last_grad_offload, None, "norm"))
-        for v in eff.reads:
-            readers.setdefault(v, {})[op.resource] = op.id
-        for v in changed:
-            writer[v] = op.id
-            readers[v] = {}
+        if op.kind is OpKind.UPDATE and op.resource is not Resource.GPU and self.last_grad_offload >= 0 \
+                and reads and all(key in writer for key, _ in reads):
+            found.append(Hazard(self.last_grad_offload, None, "norm"))
+        for key, _ in reads:
+            r = readers.get(key)
+            if r is None:
+                readers[key] = {op.resource: op.id}
+            else:
+                r[op.resource] = op.id
+        for key, _ in changed:
+            writer[key] = op.id
+            readers[key] = {}
         if op.kind is OpKind.GRAD_OFFLOAD:
-            last_grad_offload = op.id
-        out.append(tuple(found))
-    return out
+            self.last_grad_offload = op.id
+        return found
+
+
+    def deps(self, op: Op, eff: Effects, ops: list[Op]) -> set[int]:
+        """``step``, as the dependencies the hazards need (``ops``: the ops before ``op``)."""
+        return {h.before for h in self.step(op, eff) if needs_dep(op, ops[h.before])}
 
 
 def needs_dep(op: Op, before: Op) -> bool:
     """Is a hazard between ``before`` and ``op`` left unordered without a dependency?  Yes unless both
     run on one resource, whose FIFO orders them (a ``free`` has no resource and no FIFO)."""
     return op.resource is Resource.NONE or before.resource is not op.resource
-
-
-def hazard_deps(ops: list[Op], sizes: Sizes) -> list[tuple[int, ...]]:
-    """Per op, the dependencies its hazards need (what the lowering adds to ``op.deps``)."""
-    return [tuple(sorted({h.before for h in found if needs_dep(op, ops[h.before])}))
-            for op, found in zip(ops, hazards(ops, sizes))]
 
 
 @dataclass(frozen=True)
@@ -124,6 +139,11 @@ def cross_period(ops: list[Op], sizes: Sizes, *, clip: bool) -> dict[int, list[i
     order = UpdateOrder.of(ops, sizes)
     step_end = [op.id for op in ops if op.kind in (OpKind.GRAD_OFFLOAD, OpKind.BACKWARD)]
     grad_off = order.grad_offloads
+    first_load: dict[int, int] = {}             # owner -> the first load of a block reading its parameters
+    for op in ops:
+        if op.kind is OpKind.LOAD:
+            for o in sizes.owners(op.block):
+                first_load.setdefault(o, op.id)
     extra: dict[int, list[int]] = {}
     for owner, u in order.updates.items():
         if owner in sizes.resident:
@@ -132,8 +152,6 @@ def cross_period(ops: list[Op], sizes: Sizes, *, clip: bool) -> dict[int, list[i
         gs = [grad_off[r] for r in sizes.readers(owner) if r in grad_off]
         if owner in order.lagged:
             extra.setdefault(u, []).extend(step_end if clip else gs)
-        elif gs:
-            first = next((op for op in ops if op.kind is OpKind.LOAD and owner in sizes.owners(op.block)), None)
-            if first is not None:
-                extra.setdefault(first.id, []).append(u)
+        elif gs and owner in first_load:
+            extra.setdefault(first_load[owner], []).append(u)
     return extra

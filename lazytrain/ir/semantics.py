@@ -46,10 +46,12 @@ class Sizes:
 
     @classmethod
     def of_plan(cls, plan) -> Sizes:
-        """The sizes a plan's ops imply (its graph, micro-batch, dtype, resident blocks, optimizer)."""
+        """The sizes a plan's ops imply (its graph, micro-batch, dtype, resident blocks, optimizer; an
+        optimizer the file does not name as one of ``DEVICE_STATE_BYTES`` counts as the 8-bit one)."""
+        opt = plan.options.get("optimizer")
+        per = DEVICE_STATE_BYTES.get(opt, None) if isinstance(opt, str) else None
         return cls(plan.graph, plan.micro_batch, plan.param_dtype, resident=plan.decisions.resident_blocks,
-                   device_state_bytes=DEVICE_STATE_BYTES.get(plan.options.get("optimizer"),
-                                                             DEVICE_STATE_BYTES["hybrid8bit"]))
+                   device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit"] if per is None else per)
 
     def resident_bytes(self) -> int:
         """GPU bytes held for the whole run by resident blocks: parameters, optimizer state and

@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .ops import GiB, Op, OpKind, Resource, TensorId, TensorKind, Tier
-from .order import Hazard, UpdateOrder, hazards
+from .order import Hazard, HazardWalk, UpdateOrder
 from .plan import PLAN_FORMAT, Plan, PlanError
 from .semantics import Effects, Sizes, effects, tie_closure
 
@@ -44,9 +44,9 @@ def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
     sizes = Sizes.of_plan(plan)
     _check_ids(plan)
     order = _check_updates(plan, sizes)
-    effs = [effects(op, sizes) for op in plan.ops]
+    effs: list[Effects] = []          # filled by the walk (which may stop early), reused by the ordering
     report = _walk(plan, sizes, effs, order, early_exit)
-    _check_order(plan, sizes, effs)
+    _check_order(plan, effs)
     for name, used, key in (("GPU", report.peak_gpu_bytes, "gpu_bytes"), ("host", report.peak_host_bytes, "host_bytes"),
                             ("NVMe", report.peak_nvme_bytes, "nvme_bytes")):
         cap = plan.budgets.get(key)
@@ -84,6 +84,11 @@ def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
         raise PlanError(f"blocks {sorted(tie_closure(plan.graph, resident) - resident)} share tied parameters with "
                         f"resident blocks but are not resident (a tie group is resident as a whole)")
     grad_off = {op.block: op.id for op in ops if op.kind is OpKind.GRAD_OFFLOAD}
+    first_load: dict[int, Op] = {}              # owner -> the first load of a block reading its parameters
+    for op in ops:
+        if op.kind is OpKind.LOAD:
+            for o in sizes.owners(op.block):
+                first_load.setdefault(o, op)
     for owner in sorted({p.owner for b in plan.graph.blocks for p in b.params}):
         if owner not in updates:
             raise PlanError(f"block {owner} owns parameters but is never updated")
@@ -97,7 +102,7 @@ def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
                 raise PlanError(f"block {r}'s gradients never leave the GPU (no grad_offload)")
         before = [grad_off[r] < u.id for r in readers]
         if not any(before):      # lagged: last step's gradients, applied before the parameters load again
-            first = next((op for op in ops if op.kind is OpKind.LOAD and owner in sizes.owners(op.block)), None)
+            first = first_load.get(owner)
             if first is not None and first.id < u.id:
                 raise _fail(first, f"loads parameters of block {owner} before its lagged update #{u.id}")
         elif not all(before):
@@ -128,7 +133,8 @@ def _static(t: TensorId, tier: Tier, batch: set[TensorId]) -> bool:
 
 def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, early_exit: bool) -> MemoryReport:
     """Residency and memory in program order: every read and drop finds its copy, no copy is written
-    twice, the step ends as it began (the batch and the pending host gradients), and the peak per tier."""
+    twice, the step ends as it began (the batch and the pending host gradients), and the peak per tier.
+    Appends each op's effects to ``effs``."""
     ops, graph = plan.ops, plan.graph
     resident = sizes.resident
     where: dict[TensorId, dict[Tier, int]] = defaultdict(dict)   # tensor -> tier -> producer op id
@@ -148,12 +154,14 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
     gpu_cap = plan.budgets.get("gpu_bytes")
     # a tied reader's host gradient is read by several updates and dropped by the last of them
     grad_readers: dict[TensorId, int] = defaultdict(int)
-    for op, eff in zip(ops, effs):
+    for op in ops:
         if op.kind is OpKind.UPDATE:
-            for t, _ in eff.reads:
+            for t, _ in effects(op, sizes).reads:
                 grad_readers[t] += 1
 
-    for op, eff in zip(ops, effs):
+    for op in ops:
+        eff = effects(op, sizes)
+        effs.append(eff)
         if op.kind is OpKind.UPDATE:
             for t, _ in eff.reads:
                 grad_readers[t] -= 1
@@ -206,11 +214,12 @@ def _ordered(ops: list[Op], op: Op, before: int) -> bool:
     return res is op.resource or any(ops[d].resource is res and d > before for d in op.deps)
 
 
-def _check_order(plan: Plan, sizes: Sizes, effs: list[Effects]) -> None:
+def _check_order(plan: Plan, effs: list[Effects]) -> None:
     """Every hazard (``ir.order``) is ordered by a dependency or a resource's FIFO."""
     ops = plan.ops
-    for op, found in zip(ops, hazards(ops, sizes, effs)):
-        for h in found:
+    walk = HazardWalk()
+    for op, eff in zip(ops, effs):
+        for h in walk.step(op, eff):
             if not _ordered(ops, op, h.before):
                 raise _fail(op, f"{_unordered(op, h)} (compile the plan again)")
 
