@@ -18,13 +18,17 @@ from lazytrain.compiler.presets import build_model
 from lazytrain.compiler.trace import trace
 from lazytrain.ir import PlanError
 
+#: the grid: GPU budgets (GiB) and batches per model; each cell compiles every (policy, resident) below
+MODELS, GPU_GIB, BATCHES = ("qwen2.5-7b", "qwen2.5-32b"), (24, 80), (32, 72)
+POLICIES = (("milp", "none"), ("megatrain", "none"), ("recompute-all", "none"), ("default", "auto"))
+
 
 def row(graph, model: str, gb: int, batch: int) -> list:
     """One model / budget / batch: the MILP with every block streamed (the solver's own quality: its
     gap and time), the heuristics, and the default compile (the MILP with resident blocks when the
     search finds them worth their memory)."""
     out = {}
-    for pol, res in (("milp", "none"), ("megatrain", "none"), ("recompute-all", "none"), ("default", "auto")):
+    for pol, res in POLICIES:
         t = time.perf_counter()
         try:
             out[pol] = (compile_model(graph, batch_size=batch, gpu_memory=f"{gb}GiB", host_memory="1TiB",
@@ -51,14 +55,14 @@ def row(graph, model: str, gb: int, batch: int) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-o", "--output", default=None)
-    ap.add_argument("--models", default="qwen2.5-7b,qwen2.5-32b")
+    ap.add_argument("--models", default=",".join(MODELS))
     a = ap.parse_args()
     from tabulate import tabulate
     rows = []
     for model in a.models.split(","):
         g = trace(build_model(model), seq_len=1024)
-        for gb in (24, 80):
-            for batch in (32, 72):
+        for gb in GPU_GIB:
+            for batch in BATCHES:
                 rows.append(row(g, model, gb, batch))
                 print(rows[-1], flush=True)
     table = tabulate(rows, headers=["model", "GPU", "batch", "MILP step s", "megatrain step s", "recompute-all step s",

@@ -15,19 +15,23 @@ from lazytrain.compiler.presets import build_model
 from lazytrain.compiler.trace import trace
 from lazytrain.ir import GiB, PlanError
 
+#: the compile-time row: (model, batch, GPU memory, host memory), default policy (the MILP, resident "auto")
+BIG = ("qwen2.5-72b", 72, "80GiB", "1TiB")
 COMPILE_72B = ("import time, resource; t = time.time(); from lazytrain.compiler.api import compile_model; "
-               "compile_model('qwen2.5-72b', batch_size=72, gpu_memory='80GiB', host_memory='1TiB'); "
-               "print(f'qwen2.5-72b batch 72 at 80 GiB: compiled in {time.time() - t:.1f} s, max RSS '"
+               f"compile_model({BIG[0]!r}, batch_size={BIG[1]}, gpu_memory={BIG[2]!r}, host_memory={BIG[3]!r}); "
+               f"print(f'{BIG[0]} batch {BIG[1]} at {BIG[2]}: compiled in {{time.time() - t:.1f}} s, max RSS '"
                "f'{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB')")
+#: the table's rows: every (model, batch, policy), at 24 GiB
+MODELS, BATCHES, POLICIES = ("qwen2.5-3b", "qwen2.5-7b"), (8, 32), ("megatrain", "recompute-all", "keep-all", "milp")
 
 
 def main() -> None:
     print("| model | batch | policy | predicted step s | micro-batch | peak GPU GiB | model TFLOPS |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for model in ("qwen2.5-3b", "qwen2.5-7b"):
+    for model in MODELS:
         g = trace(build_model(model), seq_len=1024)
-        for batch in (8, 32):
-            for policy in ("megatrain", "recompute-all", "keep-all", "milp"):
+        for batch in BATCHES:
+            for policy in POLICIES:
                 try:
                     p = compile_model(g, batch_size=batch, gpu_memory="24GiB", policy=policy)
                     print(f"| {model} | {batch} | {policy} | {p.predicted['step_time_s']:.3f} | {p.micro_batch} | "

@@ -5,7 +5,8 @@
 
 Writes ``<out>.md`` (one row per run: step time measured and predicted, model TFLOPS, peak GPU memory
 measured and predicted, host RSS, exposed update, hidden transfer fractions) and ``<out>.png``
-(model TFLOPS per run, with the peers DESIGN §6 measured on the same machine as reference bars).
+(model TFLOPS per run, with the peers measured on the same machine as reference bars:
+benchmarks/results/h200_reference.md).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-#: DESIGN §6, the same H200 machine, qwen2.5-3b shape, seq 1024 (model TFLOPS)
+#: benchmarks/results/h200_reference.md, the same H200 machine, qwen2.5-3b shape, seq 1024 (model TFLOPS)
 PEERS = {"MegaTrain b8": 46.8, "MegaTrain b32": 128.9, "FSDP2 offload b8": 48.4, "FSDP2 offload b32": 135.1,
          "plain PyTorch b8 (whole GPU)": 362.9}
 
@@ -48,7 +49,7 @@ def markdown(runs: list[dict], sources: list[str], commands: list[str] = ()) -> 
     lines += [f"- `{c}`" for c in commands] + ([""] if commands else [])
     lines += ["| " + " | ".join(HEADER) + " |", "| " + " | ".join("---" for _ in HEADER) + " |"]
     lines += ["| " + " | ".join(row(r)) + " |" for r in runs]
-    lines += ["", "Peers on the same machine (DESIGN §6), model TFLOPS: "
+    lines += ["", "Peers on the same machine (h200_reference.md), model TFLOPS: "
               + "; ".join(f"{k} {v}" for k, v in PEERS.items()) + "."]
     return "\n".join(lines) + "\n"
 

@@ -40,7 +40,8 @@ def test_h200_is_the_design_measurement():
     [(8, 2.77, 8.48), (4, None, 4.62)],
 )
 def test_h200_calibration_reproduces_one_qwen_layer(micro_batch, forward_ms, forward_backward_ms):
-    """DESIGN §6: one eager Qwen2.5-3B layer at micro-batch 8 x 1024, forward 2.77 ms, fwd+bwd 8.48 ms."""
+    """benchmarks/results/h200_reference.md: one eager Qwen2.5-3B layer at micro-batch 8 x 1024, forward
+    2.77 ms, fwd+bwd 8.48 ms."""
     p = dataclasses.replace(PROFILES["h200"], compute_efficiency=EAGER_LAYER_EFFICIENCY)
     matmuls = 2 * QWEN3B_LAYER_PARAMS * micro_batch * 1024
     attn, attn_bwd = (attention_flops(micro_batch, 1024, 2048, backward=b) for b in (False, True))

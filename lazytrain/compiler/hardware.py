@@ -27,7 +27,7 @@ How compute time is modelled (the cost pass must count FLOPs the same way; ``lay
   diagonal tiles and the launch), times a head-dimension factor (``ATTENTION_HEAD_DIM_FACTOR``).  A profile
   without these figures (0, older files) prices attention like the rest of the block.
 
-Calibration of ``h200`` (DESIGN §6): one Qwen2.5-3B layer (77,076,992 params, hidden 2048, head dim 128),
+Calibration of ``h200`` (benchmarks/results/h200_reference.md): one Qwen2.5-3B layer (77,076,992 params, hidden 2048, head dim 128),
 seq 1024, eager bf16 + SDPA: forward 2.77 ms and forward+backward 8.48 ms at micro-batch 8, forward+
 backward 4.62 ms at micro-batch 4. Forward FLOPs at micro-batch 8: 1.263e12 of matmuls and 0.034e12 of
 causal attention (0.086e12 in its backward), the attention priced at the rates below. A least-squares
@@ -384,7 +384,7 @@ def _cpu_profile() -> HardwareProfile:
     )
 
 
-#: fitted to DESIGN §6's eager Qwen2.5-3B layer (forward 2.77 ms, fwd+bwd 8.48 ms at micro-batch 8), its
+#: fitted to benchmarks/results/h200_reference.md's eager Qwen2.5-3B layer (forward 2.77 ms, fwd+bwd 8.48 ms at micro-batch 8), its
 #: attention priced at the rates below (module docstring)
 EAGER_LAYER_EFFICIENCY = 0.677
 EAGER_LAYER_OVERHEAD_S = 0.365e-3
@@ -413,7 +413,7 @@ _H200 = HardwareProfile(
     h2d_gbps=55.4, d2h_gbps=55.4, duplex_gbps=99.6, pageable_h2d_gbps=8.9, pageable_d2h_gbps=15.7,
     cpu_adam_gparams=5.5, cpu_adam8_gparams=5.0, nvme_read_gbps=1.6, nvme_write_gbps=1.6,
     op_dispatch_s=DISPATCH_FWD_S, op_dispatch_bwd_s=DISPATCH_BWD_S, **HOPPER_ATTENTION,
-    source="measured on the lent H200 machine (DESIGN §6); matmul efficiency and overhead fitted to one eager "
+    source="measured on the lent H200 machine (benchmarks/results/h200_reference.md); matmul efficiency and overhead fitted to one eager "
     f"Qwen2.5-3B layer ({EAGER_LAYER_EFFICIENCY}), then scaled by the {EXPORTED_BLOCK_SLOWDOWN}x that LazyTrain's "
     "exported blocks measured slower (GPU busy per step, qwen2.5-3b seq 1024); attention rates modelled from "
     "published cuDNN figures on the H100 (not measured); 8-bit optimizer rate measured "

@@ -1,19 +1,18 @@
 """Event simulation of an op list: predicted step time, busy time per resource, the timeline.
 
 Each resource (GPU stream, H2D, D2H, host CPU, NVMe) runs its ops in list order; an op starts
-when its resource is free and its dependencies have finished.  The plan is one period of a
-steady state, so the simulation runs several periods back to back, adding the dependencies that
-cross a period boundary (a lagged update waits for last period's gradients -- with exact clipping
-for all of them and the end of the backward, since it needs the global norm; a parameter load
-waits for its block's update of the period before), and reports the last period: its duration
-is the step time.
+when its resource is free and its dependencies (``op.deps``, nothing else) have finished.  The plan
+is one period of a steady state, so the simulation runs several periods back to back, adding the
+dependencies that cross a period boundary (``ir.order.cross_period``), and reports the last period:
+its duration is the step time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ir import OpKind, Plan, Resource, Tier
+from ..ir import Plan, Resource, TensorKind, Tier
+from ..ir.order import cross_period
 from ..ir.semantics import Sizes, effects
 
 
@@ -29,42 +28,10 @@ class SimResult:
     peak_gpu_bytes: int = 0
 
 
-def _cross_period_deps(plan: Plan) -> dict[int, list[int]]:
-    """op id -> ids in the *previous* period it must wait for."""
-    ops = plan.ops
-    grad_off = {op.block: op.id for op in ops if op.kind is OpKind.GRAD_OFFLOAD}
-    update = {op.block: op.id for op in ops if op.kind is OpKind.UPDATE}
-    readers: dict[int, list[int]] = {}
-    for b in plan.graph.blocks:
-        for p in b.params:
-            readers.setdefault(p.owner, [])
-            if b.index not in readers[p.owner]:
-                readers[p.owner].append(b.index)
-    extra: dict[int, list[int]] = {}
-    resident = plan.decisions.resident_blocks
-    # with exact clipping a lagged update needs the global norm: the whole of last step's backward
-    # and gradient offloads (the runtime takes it once the step's device work is done)
-    step_end = [op.id for op in ops if op.kind in (OpKind.GRAD_OFFLOAD, OpKind.BACKWARD)]
-    clip = bool(plan.options.get("clip", True))
-    for owner, u in update.items():
-        if owner in resident:          # on the GPU stream, after last step's clip coefficient
-            extra[u] = step_end if clip else list(grad_off.values())
-            continue
-        gs = [grad_off[r] for r in readers.get(owner, [owner]) if r in grad_off]
-        if gs and all(g > u for g in gs):          # lagged: needs last period's gradients
-            extra.setdefault(u, []).extend(step_end if clip else gs)
-        elif gs:                                   # same step: next period's loads wait for it
-            for op in ops:
-                if op.kind is OpKind.LOAD and any(p.owner == owner for p in plan.graph.blocks[op.block].params):
-                    extra.setdefault(op.id, []).append(u)
-                    break
-    return extra
-
-
 def simulate(plan: Plan, periods: int = 3) -> SimResult:
     ops = plan.ops
     n = len(ops)
-    extra = _cross_period_deps(plan)
+    extra = cross_period(ops, Sizes.of_plan(plan), clip=bool(plan.options.get("clip", True)))
     free_at = {r: 0.0 for r in Resource}
     prev_end: list[float] = [0.0] * n
     period_end = [0.0]
@@ -108,7 +75,7 @@ def _memory_curve(plan: Plan, start: list[float], end: list[float], t0: float) -
         eff = effects(op, sizes)
         for t, tier in eff.writes:
             if tier is Tier.GPU:
-                if t.kind.value == "grads":
+                if t.kind is TensorKind.GRADS:
                     if t.index in seen_grads:
                         continue
                     seen_grads.add(t.index)

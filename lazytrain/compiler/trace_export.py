@@ -1,7 +1,7 @@
 """torch.export front end: a model -> one fx ``GraphModule`` per block (the code the runtime runs).
 
-How it works (DESIGN §3): the model is cloned onto the ``meta`` device (no weights are copied),
-exported with ``torch.export`` (``strict=False``), and every node is assigned to a block by its
+How it works (``docs/architecture.md``, "Front end"): the model is cloned onto the ``meta`` device
+(no weights are copied), exported with ``torch.export`` (``strict=False``), and every node is assigned to a block by its
 ``nn_module_stack``: nodes inside layer ``k`` of the repeated ``ModuleList`` belong to that layer's
 block, nodes before the first layer to the embedding block, nodes after the last layer to the head
 block, and root-level nodes between layers to the partition in progress.  Parameters are lifted to

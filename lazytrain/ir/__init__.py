@@ -13,14 +13,15 @@ Grammar of a plan (one op per line, ``#id kind tensor move bytes ms after deps``
                | update      block[j]             optimizer step on the host (cpu), or on the GPU (gpu)
                                                   for a resident block
                | free        tensor on tier       drops one copy
-    deps     ::= op ids that must finish first (always earlier ops)
+    deps     ::= op ids that must finish first (always earlier ops): every hazard on a value between
+                 two resources (``ir.order``), so the list states all the ordering the runtime keeps
 
 One list is one period of the steady state: an ``update`` placed before its block's
 ``grad_offload`` is *lagged*: it applies the previous step's gradients and must finish before the
-block's parameters are loaded again.  A *resident* block (``Decisions.resident``) keeps its
-parameters, optimizer state and gradient accumulator on the GPU for the whole run: it has no
-``load``, ``free params`` or ``grad_offload``; its ``update`` runs on the GPU stream at the start of
-the next step, before any forward reads it.
+block's parameters are loaded again (``docs/architecture.md``, "The plan contract").  A *resident*
+block (``Decisions.resident``) keeps its parameters, optimizer state and gradient accumulator on the
+GPU for the whole run: it has no ``load``, ``free params`` or ``grad_offload``; its ``update`` runs
+on the GPU stream at the start of the next step, before any forward reads it.
 """
 
 from .decisions import Decisions, Place, Saved

@@ -10,11 +10,9 @@ recomputing from an earlier kept boundary (a recompute *segment*).  Per block j 
 what happens to what its backward needs: KEEP it on the GPU, offload to HOST or NVME and reload,
 or RECOMPUTE it in the backward from the nearest kept boundary at or before j.
 
-Transfers and updates carry the window they are issued in: ``offload_window[j]`` /
-``reload_window[j]`` for saved activations (a tuple of (window, micro-batches) so a transfer can
-spread over windows), ``update_window[j]`` for the host update of block j.  An update window in
-``F_*`` means the update runs lazily during the next step's forward (it must precede the load of
-block j there); ``None`` lets the lowering pick the earliest legal window.
+When transfers and updates run is the lowering's: each offload right after the forward that made
+it, each reload one backward segment ahead, and each update at the earliest legal window (with exact
+clipping: lagged into the next step's start, since the global norm is known only after the backward).
 
 ``resident[j]`` keeps block j on the GPU for the whole run: its parameters, its optimizer state
 and its gradient accumulator live there, nothing of it crosses PCIe, and its update runs on the GPU
@@ -43,9 +41,6 @@ class Saved(str, Enum):
     RECOMPUTE = "recompute"
 
 
-Spread = tuple[tuple[int, int], ...]   # ((window, n_micro_batches), ...)
-
-
 @dataclass(frozen=True, kw_only=True)
 class Decisions:
     policy: str
@@ -53,10 +48,6 @@ class Decisions:
     n_micro: int
     boundary: tuple[Place, ...]
     saved: tuple[Saved, ...]
-    update_window: tuple[int | None, ...] = ()
-    offload_window: tuple[Spread | None, ...] = ()
-    reload_window: tuple[Spread | None, ...] = ()
-    prefetch: int = 1
     resident: tuple[bool, ...] = ()
     notes: dict = field(default_factory=dict)
 
@@ -101,28 +92,17 @@ class Decisions:
                     and self.saved[j - 1] is not Saved.RECOMPUTE:
                 raise ValueError(f"block {j} is recomputed from boundary {j}, which is not kept, "
                                  f"and block {j - 1} is not recomputed")
-        for name in ("update_window", "offload_window", "reload_window", "resident"):
-            v = getattr(self, name)
-            if v and len(v) != L:
-                raise ValueError(f"{name} has {len(v)} entries, expected {L}")
+        if self.resident and len(self.resident) != L:
+            raise ValueError(f"resident has {len(self.resident)} entries, expected {L}")
 
     def to_json(self) -> dict:
         return {"policy": self.policy, "micro_batch": self.micro_batch, "n_micro": self.n_micro,
                 "boundary": [p.value for p in self.boundary], "saved": [s.value for s in self.saved],
-                "update_window": list(self.update_window),
-                "offload_window": [None if s is None else [list(x) for x in s] for s in self.offload_window],
-                "reload_window": [None if s is None else [list(x) for x in s] for s in self.reload_window],
-                "prefetch": self.prefetch, "resident": [bool(r) for r in self.resident], "notes": self.notes}
+                "resident": [bool(r) for r in self.resident], "notes": self.notes}
 
     @staticmethod
     def from_json(d: dict) -> Decisions:
-        def spread(v):
-            return None if v is None else tuple((int(a), int(b)) for a, b in v)
         return Decisions(policy=str(d["policy"]), micro_batch=int(d["micro_batch"]), n_micro=int(d["n_micro"]),
                          boundary=tuple(Place(x) for x in d["boundary"]),
                          saved=tuple(Saved(x) for x in d["saved"]),
-                         update_window=tuple(None if x is None else int(x) for x in d.get("update_window", ())),
-                         offload_window=tuple(spread(x) for x in d.get("offload_window", ())),
-                         reload_window=tuple(spread(x) for x in d.get("reload_window", ())),
-                         prefetch=int(d.get("prefetch", 1)),
                          resident=tuple(bool(x) for x in d.get("resident", ())), notes=dict(d.get("notes", {})))

@@ -86,10 +86,6 @@ class Block:
         """Elements this block updates."""
         return sum(p.numel for p in self.params if p.owner == self.index)
 
-    @property
-    def output_bytes(self) -> int:
-        return sum(t.nbytes for t in self.outputs)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelGraph:
@@ -121,6 +117,17 @@ class ModelGraph:
     def total_params(self) -> int:
         """Distinct parameters (tied ones counted once)."""
         return sum(b.owned_numel for b in self.blocks)
+
+    def readers(self, owner: int) -> tuple[int, ...]:
+        """The blocks that read block ``owner``'s parameters, in block order: ``owner`` itself and every
+        block a tied parameter links to it.  Their gradients are what ``owner``'s update consumes, and
+        their loads copy what that update writes."""
+        return tuple(b.index for b in self.blocks if b.index == owner or any(p.owner == owner for p in b.params))
+
+    def owners(self, block: int) -> tuple[int, ...]:
+        """The blocks whose parameters ``block`` reads (itself included), in block order: the inverse of
+        ``readers``, what its ``load`` copies from."""
+        return tuple(sorted({p.owner for p in self.blocks[block].params} | {block}))
 
     @property
     def attention_model_flops(self) -> int:

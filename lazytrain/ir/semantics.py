@@ -1,5 +1,6 @@
-"""What each op reads, writes and drops: the one definition that verify, the simulator and the
-runtime's memory accounting share.  Sizes come from the graph, the micro-batch and the dtypes."""
+"""What each op reads, writes, drops and changes in place: the one definition that the lowering's
+dependencies, verify, the simulator and the runtime's memory accounting share (``docs/architecture.md``,
+"Effects").  Sizes come from the graph, the micro-batch and the dtypes."""
 
 from __future__ import annotations
 
@@ -27,9 +28,7 @@ def tie_closure(graph: ModelGraph, blocks) -> frozenset[int]:
     todo = list(out)
     while todo:
         j = todo.pop()
-        linked = {p.owner for p in graph.blocks[j].params} | {
-            b.index for b in graph.blocks if any(p.owner == j for p in b.params)}
-        for k in linked - out:
+        for k in {*graph.owners(j), *graph.readers(j)} - out:
             out.add(k)
             todo.append(k)
     return frozenset(out)
@@ -47,10 +46,12 @@ class Sizes:
 
     @classmethod
     def of_plan(cls, plan) -> Sizes:
-        """The sizes a plan's ops imply (its graph, micro-batch, dtype, resident blocks, optimizer)."""
+        """The sizes a plan's ops imply (its graph, micro-batch, dtype, resident blocks, optimizer; an
+        optimizer the file does not name as one of ``DEVICE_STATE_BYTES`` counts as the 8-bit one)."""
+        opt = plan.options.get("optimizer")
+        per = DEVICE_STATE_BYTES.get(opt, None) if isinstance(opt, str) else None
         return cls(plan.graph, plan.micro_batch, plan.param_dtype, resident=plan.decisions.resident_blocks,
-                   device_state_bytes=DEVICE_STATE_BYTES.get(plan.options.get("optimizer"),
-                                                             DEVICE_STATE_BYTES["hybrid8bit"]))
+                   device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit"] if per is None else per)
 
     def resident_bytes(self) -> int:
         """GPU bytes held for the whole run by resident blocks: parameters, optimizer state and
@@ -82,14 +83,21 @@ class Sizes:
             return b[t.index].saved_bytes * self.micro_batch
         raise ValueError(t)
 
-    def contributors(self, owner: int) -> tuple[int, ...]:
-        """Blocks whose gradients feed ``owner``'s update: itself and blocks reading its tied params."""
-        return self._contributors[owner]
+    def readers(self, owner: int) -> tuple[int, ...]:
+        """``ModelGraph.readers``, computed once per block (``effects`` asks for it on every op)."""
+        return self._readers[owner]
+
+    def owners(self, block: int) -> tuple[int, ...]:
+        """``ModelGraph.owners``, computed once per block."""
+        return self._owners[block]
 
     @cached_property
-    def _contributors(self) -> dict[int, tuple[int, ...]]:
-        return {o: tuple(b.index for b in self.graph.blocks if b.index == o or any(p.owner == o for p in b.params))
-                for o in range(self.graph.n_blocks)}
+    def _readers(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.graph.readers(o) for o in range(self.graph.n_blocks))
+
+    @cached_property
+    def _owners(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.graph.owners(j) for j in range(self.graph.n_blocks))
 
     def workspace(self, block: int) -> int:
         b = self.graph.blocks[block]
@@ -108,16 +116,26 @@ class Sizes:
         return host if host != gpu else 0
 
 
+Value = tuple[TensorId, Tier]    # one copy of a tensor: the unit that is resident, read, written
+
+
 @dataclass(frozen=True, slots=True)
 class Effects:
-    reads: tuple[tuple[TensorId, Tier], ...]
-    writes: tuple[tuple[TensorId, Tier], ...]
-    drops: tuple[tuple[TensorId, Tier], ...]
-    transient: int = 0    # bytes on the GPU only while the op runs
+    reads: tuple[Value, ...]
+    writes: tuple[Value, ...]      # copies the op creates (or, for a GPU gradient, adds into)
+    drops: tuple[Value, ...]       # copies the op releases
+    transient: int = 0             # bytes on the GPU only while the op runs
+    #: copies the op overwrites in place, neither creating nor releasing them: the host parameters an
+    #: ``update`` writes (and every later ``load`` of a block reading them copies)
+    mutates: tuple[Value, ...] = ()
 
 
 def effects(op: Op, sizes: Sizes) -> Effects:
-    """Reads, writes, drops of one op (the op list's operational semantics)."""
+    """Reads, writes, drops and in-place writes of one op (the op list's operational semantics).
+
+    The host parameters ``params[o] on host`` are the host store's load buffers: resident for the whole
+    run (not counted as plan memory), read by every ``load`` of a block that reads block o's
+    parameters and overwritten by o's ``update``; only their order matters."""
     L = sizes.graph.n_blocks
     j, m, k = op.block, op.mb, op.kind
     G = Tier.GPU
@@ -125,7 +143,8 @@ def effects(op: Op, sizes: Sizes) -> Effects:
     resident = j in sizes.resident          # its parameters and gradients are not plan tensors
     pread = () if resident else ((params, G),)
     if k is OpKind.LOAD:
-        return Effects((), ((params, G),), ())
+        host = tuple((TensorId(kind=TensorKind.PARAMS, index=o), Tier.HOST) for o in sizes.owners(j))
+        return Effects(host, ((params, G),), ())
     if k in (OpKind.COMPUTE, OpKind.RECOMPUTE):
         reads = (*pread, (TensorId(kind=TensorKind.ACT, index=j, mb=m), G))
         writes = []
@@ -155,8 +174,8 @@ def effects(op: Op, sizes: Sizes) -> Effects:
     if k is OpKind.UPDATE:   # consumes the host gradients of every block that reads j's parameters
         if resident:         # ... or, on the GPU, the accumulator it owns for the whole run
             return Effects((), (), ())
-        gs = tuple((TensorId(kind=TensorKind.GRADS, index=c), Tier.HOST) for c in sizes.contributors(j))
-        return Effects(gs, (), gs)
+        gs = tuple((TensorId(kind=TensorKind.GRADS, index=c), Tier.HOST) for c in sizes.readers(j))
+        return Effects(gs, (), gs, mutates=((params, Tier.HOST),))
     if k is OpKind.FREE:
         return Effects((), (), ((op.tensor, op.src),))
     raise ValueError(f"unknown op kind {k}")

@@ -1,10 +1,11 @@
 """``verify(plan)``: check a plan from its ops alone, without trusting the solver that made it.
 
-It walks the op list in program order and checks that every input is resident where it is read,
-that an op reading another resource's output depends on its producer (so the runtime's events
-order them; no silent race), that a ``free`` waits for every reader, that every block is updated
-exactly once per step after all its gradients are on the host, and that peak memory per tier
-(recomputed here) is within the budgets.  Any failure is a ``PlanError`` naming the op.
+In four named steps: the ids and ranges; the updates (every block updated exactly once per step,
+after all its gradients are on the host, or lagged before all of them); the residency and memory walk
+(every input resident where it is read, nothing left behind, peak memory per tier recomputed in
+program order); and the ordering (``ir.order``: every hazard between two resources is a dependency,
+so the runtime, which reads nothing but ``op.deps``, cannot race).  Then the budgets.  Any failure is
+a ``PlanError`` naming the op.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .ops import GiB, Op, OpKind, Resource, TensorId, TensorKind, Tier
+from .order import Hazard, HazardWalk, UpdateOrder
 from .plan import PLAN_FORMAT, Plan, PlanError
 from .semantics import Effects, Sizes, effects, tie_closure
 
@@ -36,13 +38,81 @@ def _fail(op: Op, msg: str) -> PlanError:
     return PlanError(f"op #{op.id} ({op}): {msg}")
 
 
-def _contributors(plan: Plan) -> dict[int, set[int]]:
-    """Block -> blocks whose gradients feed its update (itself plus tied readers)."""
-    out: dict[int, set[int]] = defaultdict(set)
-    for b in plan.graph.blocks:
-        for p in b.params:
-            out[p.owner].add(b.index)
-    return out
+def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
+    """Check ``plan``; returns its memory report or raises PlanError.  With ``early_exit`` the
+    walk stops at the first point over the GPU budget (used when screening candidates)."""
+    sizes = Sizes.of_plan(plan)
+    _check_ids(plan)
+    order = _check_updates(plan, sizes)
+    effs: list[Effects] = []          # filled by the walk (which may stop early), reused by the ordering
+    report = _walk(plan, sizes, effs, order, early_exit)
+    _check_order(plan, effs)
+    for name, used, key in (("GPU", report.peak_gpu_bytes, "gpu_bytes"), ("host", report.peak_host_bytes, "host_bytes"),
+                            ("NVMe", report.peak_nvme_bytes, "nvme_bytes")):
+        cap = plan.budgets.get(key)
+        if cap is not None and used > cap:
+            raise PlanError(f"peak {name} memory {used / GiB:.2f} GiB exceeds the budget of {cap / GiB:.2f} GiB")
+    return report
+
+
+def _check_ids(plan: Plan) -> None:
+    L, M = plan.graph.n_blocks, plan.n_micro
+    for i, op in enumerate(plan.ops):
+        if op.id != i:
+            raise PlanError(f"op at position {i} has id {op.id}; ids must be 0..n-1 in order")
+        if not 0 <= op.block < L:
+            raise _fail(op, f"block {op.block} out of range 0..{L - 1}")
+        if op.mb is not None and not 0 <= op.mb < M:
+            raise _fail(op, f"micro-batch {op.mb} out of range 0..{M - 1}")
+        for d in op.deps:
+            if not 0 <= d < i:
+                raise _fail(op, f"depends on #{d}, which is not an earlier op (dependencies must point back)")
+
+
+def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
+    """Every owner updated exactly once: after every gradient of its readers is on the host, or
+    (lagged) before all of them and before any load of its parameters; a resident block on the GPU."""
+    ops = plan.ops
+    updates: dict[int, Op] = {}
+    for op in ops:
+        if op.kind is OpKind.UPDATE:
+            if op.block in updates:
+                raise _fail(op, f"block {op.block} is updated twice in one step (first at #{updates[op.block].id})")
+            updates[op.block] = op
+    resident = sizes.resident
+    if resident and tie_closure(plan.graph, resident) != resident:
+        raise PlanError(f"blocks {sorted(tie_closure(plan.graph, resident) - resident)} share tied parameters with "
+                        f"resident blocks but are not resident (a tie group is resident as a whole)")
+    grad_off = {op.block: op.id for op in ops if op.kind is OpKind.GRAD_OFFLOAD}
+    first_load: dict[int, Op] = {}              # owner -> the first load of a block reading its parameters
+    for op in ops:
+        if op.kind is OpKind.LOAD:
+            for o in sizes.owners(op.block):
+                first_load.setdefault(o, op)
+    for owner in sorted({p.owner for b in plan.graph.blocks for p in b.params}):
+        if owner not in updates:
+            raise PlanError(f"block {owner} owns parameters but is never updated")
+        u = updates[owner]
+        readers = sizes.readers(owner)
+        if owner in resident:
+            _check_resident_update(plan, u, readers)
+            continue
+        for r in readers:
+            if r not in grad_off:
+                raise PlanError(f"block {r}'s gradients never leave the GPU (no grad_offload)")
+        before = [grad_off[r] < u.id for r in readers]
+        if not any(before):      # lagged: last step's gradients, applied before the parameters load again
+            first = first_load.get(owner)
+            if first is not None and first.id < u.id:
+                raise _fail(first, f"loads parameters of block {owner} before its lagged update #{u.id}")
+        elif not all(before):
+            raise _fail(u, "update runs between the gradients of its contributors (some before, some after)")
+    for op in ops:
+        if op.block in resident and op.kind in (OpKind.LOAD, OpKind.GRAD_OFFLOAD) or (
+                op.kind is OpKind.FREE and op.block in resident and op.tensor is not None
+                and op.tensor.kind in (TensorKind.PARAMS, TensorKind.GRADS)):
+            raise _fail(op, f"block {op.block} is resident: its parameters and gradients never move")
+    return UpdateOrder.of(ops, sizes)
 
 
 def _check_resident_update(plan: Plan, u: Op, readers) -> None:
@@ -56,168 +126,121 @@ def _check_resident_update(plan: Plan, u: Op, readers) -> None:
         raise _fail(first, f"reads resident block {u.block}'s parameters before its update #{u.id}")
 
 
-def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
-    """Check ``plan``; returns its memory report or raises PlanError.  With ``early_exit`` the
-    walk stops at the first point over the GPU budget (used when screening candidates)."""
-    ops = plan.ops
-    L = plan.graph.n_blocks
-    M = plan.n_micro
-    sizes = Sizes.of_plan(plan)
-    by_id = ops
-    for i, op in enumerate(ops):
-        if op.id != i:
-            raise PlanError(f"op at position {i} has id {op.id}; ids must be 0..n-1 in order")
-        if not 0 <= op.block < L:
-            raise _fail(op, f"block {op.block} out of range 0..{L - 1}")
-        if op.mb is not None and not 0 <= op.mb < M:
-            raise _fail(op, f"micro-batch {op.mb} out of range 0..{M - 1}")
-        for d in op.deps:
-            if not 0 <= d < i:
-                raise _fail(op, f"depends on #{d}, which is not an earlier op (dependencies must point back)")
+def _static(t: TensorId, tier: Tier, batch: set[TensorId]) -> bool:
+    """Copies that are not plan memory: host gradients and parameters (the host store) and the batch."""
+    return tier is Tier.HOST and (t.kind in (TensorKind.GRADS, TensorKind.PARAMS) or t in batch)
 
-    # ---- updates: exactly once, after every contributing gradient ------------------------
-    contrib = _contributors(plan)
-    grad_off = {op.block: op.id for op in ops if op.kind is OpKind.GRAD_OFFLOAD}
-    updates: dict[int, Op] = {}
-    for op in ops:
-        if op.kind is OpKind.UPDATE:
-            if op.block in updates:
-                raise _fail(op, f"block {op.block} is updated twice in one step (first at #{updates[op.block].id})")
-            updates[op.block] = op
-    lagged: set[int] = set()
-    first_fwd_load: dict[int, Op] = {}           # owner -> first forward load reading its params
-    for op in ops:
-        if op.kind is OpKind.LOAD and op.window < L:
-            for p in plan.graph.blocks[op.block].params:
-                first_fwd_load.setdefault(p.owner, op)
+
+def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, early_exit: bool) -> MemoryReport:
+    """Residency and memory in program order: every read and drop finds its copy, no copy is written
+    twice, the step ends as it began (the batch and the pending host gradients), and the peak per tier.
+    Appends each op's effects to ``effs``."""
+    ops, graph = plan.ops, plan.graph
     resident = sizes.resident
-    if resident and tie_closure(plan.graph, resident) != resident:
-        raise PlanError(f"blocks {sorted(tie_closure(plan.graph, resident) - resident)} share tied parameters with "
-                        f"resident blocks but are not resident (a tie group is resident as a whole)")
-    for owner, readers in contrib.items():
-        if owner not in updates:
-            raise PlanError(f"block {owner} owns parameters but is never updated")
-        u = updates[owner]
-        if owner in resident:
-            _check_resident_update(plan, u, readers)
-            continue
-        for r in readers:
-            if r not in grad_off:
-                raise PlanError(f"block {r}'s gradients never leave the GPU (no grad_offload)")
-        before = [grad_off[r] < u.id for r in readers]
-        if all(before):
-            missing = [grad_off[r] for r in readers if grad_off[r] not in u.deps]
-            if missing:
-                raise _fail(u, f"update must depend on grad_offload #{missing[0]}")
-        elif not any(before):
-            lagged.add(owner)
-            # a lagged update applies last step's gradients: it must finish before the params load
-            op = first_fwd_load.get(owner)
-            if op is not None and (op.id < u.id or u.id not in op.deps):
-                raise _fail(op, f"loads parameters of block {owner} before/without waiting for "
-                                f"its lagged update #{u.id}")
-        else:
-            raise _fail(u, "update runs between the gradients of its contributors (some before, some after)")
-
-    for op in ops:
-        if op.block in resident and op.kind in (OpKind.LOAD, OpKind.GRAD_OFFLOAD) or (
-                op.kind is OpKind.FREE and op.block in resident and op.tensor is not None
-                and op.tensor.kind in (TensorKind.PARAMS, TensorKind.GRADS)):
-            raise _fail(op, f"block {op.block} is resident: its parameters and gradients never move")
-
-    # ---- residency walk --------------------------------------------------------------------
     where: dict[TensorId, dict[Tier, int]] = defaultdict(dict)   # tensor -> tier -> producer op id
-    readers: dict[tuple[TensorId, Tier], list[int]] = defaultdict(list)
-    pending = {c for b in lagged for c in contrib[b]}
+    # at the start of the step: the gradients lagged updates apply, the host parameters, and the batch
+    pending = {c for o in order.lagged - resident for c in sizes.readers(o)}
     for b in pending:
         where[TensorId(kind=TensorKind.GRADS, index=b)][Tier.HOST] = -1
-    batch = {TensorId(kind=TensorKind.ACT, index=0, mb=m) for m in range(M)}
-    for t in batch:                      # the batch arrives on the host before the step
+    for j in range(graph.n_blocks):
+        if j not in resident:
+            where[TensorId(kind=TensorKind.PARAMS, index=j)][Tier.HOST] = -1
+    batch = {TensorId(kind=TensorKind.ACT, index=0, mb=m) for m in range(plan.n_micro)}
+    for t in batch:
         where[t][Tier.HOST] = -1
     use = {Tier.GPU: sizes.resident_bytes(), Tier.HOST: 0, Tier.NVME: 0}
     peak = dict(use)
     curve = []
-    static_host = host_static_bytes(plan)
     gpu_cap = plan.budgets.get("gpu_bytes")
-
+    # a tied reader's host gradient is read by several updates and dropped by the last of them
     grad_readers: dict[TensorId, int] = defaultdict(int)
     for op in ops:
         if op.kind is OpKind.UPDATE:
             for t, _ in effects(op, sizes).reads:
                 grad_readers[t] += 1
 
-    def ordered(op: Op, producer: int) -> bool:
-        """Is ``producer`` certain to finish before ``op`` starts?  Yes if it is a dependency, runs
-        earlier on the same resource (FIFO), or precedes a dependency on its own resource."""
-        if producer < 0 or producer in op.deps:
-            return True
-        p = by_id[producer]
-        if p.resource is Resource.NONE:
-            return True              # frees take no time and order nothing
-        if p.resource is op.resource:
-            return True
-        return any(by_id[d].resource is p.resource and d > producer for d in op.deps)
-
     for op in ops:
         eff = effects(op, sizes)
-        if op.kind is OpKind.UPDATE:   # a tied reader's host gradient is dropped by the last update reading it
+        effs.append(eff)
+        if op.kind is OpKind.UPDATE:
             for t, _ in eff.reads:
                 grad_readers[t] -= 1
             eff = Effects(eff.reads, eff.writes, tuple(d for d in eff.drops if grad_readers[d[0]] == 0))
-        for t, tier in eff.reads:
-            prod = where.get(t, {}).get(tier)
-            if prod is None:
+        for t, tier in (*eff.reads, *eff.mutates):
+            if tier not in where.get(t, {}):
                 raise _fail(op, f"reads {t} on {tier.value}, which is not resident there")
-            if not ordered(op, prod):
-                raise _fail(op, f"reads {t} on {tier.value} produced by #{prod} on another resource "
-                                f"without depending on it")
-            readers[(t, tier)].append(op.id)
-        transient = eff.transient
         for t, tier in eff.writes:
             if tier in where[t]:
                 if t.kind is TensorKind.GRADS and tier is Tier.GPU:
-                    where[t][tier] = op.id   # accumulation: readers must wait for the last one
+                    where[t][tier] = op.id   # accumulation
                     continue
                 raise _fail(op, f"writes {t} on {tier.value}, which is already there (leak or double load)")
             where[t][tier] = op.id
-            readers[(t, tier)] = []
-            if (tier is not Tier.HOST or t.kind is not TensorKind.GRADS) and not (t in batch and tier is Tier.HOST):
+            if not _static(t, tier, batch):
                 use[tier] += sizes.of(t, tier)
-        peak[Tier.GPU] = max(peak[Tier.GPU], use[Tier.GPU] + transient)
+        peak[Tier.GPU] = max(peak[Tier.GPU], use[Tier.GPU] + eff.transient)
         if early_exit and gpu_cap is not None and peak[Tier.GPU] > gpu_cap:
             raise _fail(op, f"GPU memory {peak[Tier.GPU] / GiB:.2f} GiB exceeds the budget of {gpu_cap / GiB:.2f} GiB")
         for t, tier in eff.drops:
             if tier not in where.get(t, {}):
                 raise _fail(op, f"drops {t} on {tier.value}, which is not resident there")
-            if op.kind is OpKind.FREE:
-                late = [r for r in readers[(t, tier)] if not ordered(op, r)]
-                if late:
-                    raise _fail(op, f"frees {t} on {tier.value} without waiting for its reader #{late[0]}")
             del where[t][tier]
-            if (tier is not Tier.HOST or t.kind is not TensorKind.GRADS) and not (t in batch and tier is Tier.HOST):
+            if not _static(t, tier, batch):
                 use[tier] -= sizes.of(t, tier)
         for tier in (Tier.HOST, Tier.NVME):
             peak[tier] = max(peak[tier], use[tier])
         curve.append(use[Tier.GPU])
 
-    leftovers = [f"{t} on {tier.value}" for t, tiers in where.items() for tier in tiers
-                 if not (t.kind is TensorKind.GRADS and tier is Tier.HOST) and not (t in batch and tier is Tier.HOST)]
+    leftovers = [f"{t} on {tier.value}" for t, tiers in where.items() for tier in tiers if not _static(t, tier, batch)]
     if leftovers:
         raise PlanError(f"the step ends with tensors still resident: {', '.join(leftovers[:5])}"
                         f"{' …' if len(leftovers) > 5 else ''} (every step must start from the same state)")
     host_grads = {t.index for t, tiers in where.items() if t.kind is TensorKind.GRADS and Tier.HOST in tiers}
     if host_grads != pending:
         raise PlanError(f"gradients of blocks {sorted(host_grads ^ pending)} are left pending at the end of the step")
+    static_host = host_static_bytes(plan)
+    return MemoryReport(peak_gpu_bytes=peak[Tier.GPU], peak_host_bytes=static_host + peak[Tier.HOST],
+                        peak_nvme_bytes=peak[Tier.NVME], host_static_bytes=static_host, gpu_curve=tuple(curve))
 
-    report = MemoryReport(peak_gpu_bytes=peak[Tier.GPU], peak_host_bytes=static_host + peak[Tier.HOST],
-                          peak_nvme_bytes=peak[Tier.NVME], host_static_bytes=static_host, gpu_curve=tuple(curve))
-    budgets = plan.budgets
-    for name, used, key in (("GPU", report.peak_gpu_bytes, "gpu_bytes"), ("host", report.peak_host_bytes, "host_bytes"),
-                            ("NVMe", report.peak_nvme_bytes, "nvme_bytes")):
-        cap = budgets.get(key)
-        if cap is not None and used > cap:
-            raise PlanError(f"peak {name} memory {used / GiB:.2f} GiB exceeds the budget of {cap / GiB:.2f} GiB")
-    return report
+
+def _ordered(ops: list[Op], op: Op, before: int) -> bool:
+    """Is op ``before`` certain to finish before ``op`` starts?  Yes if it is a dependency, runs earlier
+    on the same resource (each resource is FIFO), or precedes a dependency on its own resource."""
+    if before in op.deps:
+        return True
+    res = ops[before].resource
+    if res is Resource.NONE:        # a free has no FIFO: only a direct dependency orders it
+        return False
+    return res is op.resource or any(ops[d].resource is res and d > before for d in op.deps)
+
+
+def _check_order(plan: Plan, effs: list[Effects]) -> None:
+    """Every hazard (``ir.order``) is ordered by a dependency or a resource's FIFO."""
+    ops = plan.ops
+    walk = HazardWalk()
+    for op, eff in zip(ops, effs):
+        for h in walk.step(op, eff):
+            if not _ordered(ops, op, h.before):
+                raise _fail(op, f"{_unordered(op, h)} (compile the plan again)")
+
+
+def _unordered(op: Op, h: Hazard) -> str:
+    """What an unordered hazard means, in the plan's words."""
+    if h.kind == "norm":
+        return f"takes the step's gradient norm without depending on grad_offload #{h.before}"
+    t, tier = h.value
+    if h.kind == "read" and op.kind is OpKind.UPDATE:
+        return f"update must depend on grad_offload #{h.before}"
+    if h.kind == "read" and op.kind is OpKind.LOAD:
+        return f"loads parameters of block {t.index} without waiting for its update #{h.before}"
+    if h.kind == "read":
+        return f"reads {t} on {tier.value} produced by #{h.before} on another resource without depending on it"
+    if op.kind is OpKind.FREE:
+        who = "its reader" if h.kind == "write" else "its producer"
+        return f"frees {t} on {tier.value} without waiting for {who} #{h.before}"
+    if h.kind == "write":
+        return f"changes {t} on {tier.value} while its reader #{h.before} may still run, without depending on it"
+    return f"writes {t} on {tier.value} after #{h.before} changed it on another resource, without depending on it"
 
 
 # ---- JSON shape check (before building objects, so bad files give a PlanError) ------------

@@ -23,7 +23,7 @@ Figures (``StepProfile``):
   ``memtrack.track(trainer)``, and the curve is empty otherwise.  Transients inside an op (freed
   before it returns) are not seen.
 
-Nothing here runs unless profiling is on (``Ctx.profiler`` is None otherwise).  ``StepProfile.save``
+Nothing here runs unless profiling is on (``Step.profiler`` is None otherwise).  ``StepProfile.save``
 writes versioned JSON that names the plan it was measured on (``plan_digest``) so a trace is never
 drawn from another plan's profile (``StepProfile.check``).
 """

@@ -1,9 +1,9 @@
 """Streams and completion handles: how an op's ``deps`` become waits.
 
-One compute stream, one H2D and one D2H stream (DESIGN §5), plus two host workers (CPU for
+One compute stream, one H2D and one D2H stream (``docs/architecture.md``, "The runtime"), plus two host workers (CPU for
 ``update``, NVME for file I/O), each running its ops in list order (FIFO), as the plan assumes.
 
-Every op leaves a *completion handle* in ``Ctx.done[op.id]``:
+Every op leaves a *completion handle* in ``handlers.Step.done[op.id]``:
 
 - a ``torch.cuda.Event`` recorded on its stream right after its work was enqueued (GPU resources),
 - a ``concurrent.futures.Future`` (host workers), or

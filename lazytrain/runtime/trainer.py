@@ -1,10 +1,11 @@
 """``Trainer``: runs a plan, step after step, with parameters and optimizer state on the host.
 
-One ``step`` = stage the batch on the host, run the op list (``interpreter.run``), then wait for
-the device, read the loss and finish the global gradient norm.  The op list is one period of the
-steady state: an ``update`` placed before its block's ``grad_offload`` is *lagged* and applies the
-previous step's gradients (nothing on the first step); ``flush()`` applies what is still pending
-(call it before evaluating or saving; ``sync_to_model`` does).
+One ``step`` = stage the batch on the host, run the op list (``interpreter.run``) with a fresh
+``handlers.Step``, then wait for the device, read the loss and finish the global gradient norm.  The
+op list is one period of the steady state: an ``update`` placed before its block's ``grad_offload``
+is *lagged* and applies the previous step's gradients (nothing on the first step); ``flush()``
+applies what is still pending (call it before evaluating or saving; ``sync_to_model`` does).  All of
+that is ``updates.Updates``'s; the trainer builds the run (``handlers.Run``) in named steps.
 
 Exactness: with the same optimizer the parameters after n steps + ``flush`` equal those of eager
 PyTorch training to rounding: gradients accumulate in fp32 per block over micro-batches, the head's
@@ -24,25 +25,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ir import OpKind, Plan, PlanError
-from . import gradients as gr
-from . import handlers as h
-from .batch import (
-    as_tokens,
-    check_positions,
-    check_shapes,
-    check_tokens,
-    packed_keys,
-    pad_batch,
-    pad_positions,
-    token_limits,
-)
-from .handlers import Ctx, HostCopy
-from .interpreter import run
+from ..ir import Plan, PlanError, TensorId, TensorKind, Tier, verify
+from ..ir.order import UpdateOrder
+from ..ir.semantics import Sizes
+from . import interpreter
+from .batch import (as_tokens, check_positions, check_shapes, check_tokens, packed_keys, pad_batch, pad_positions,
+                    token_limits)
+from .context import GpuParams, H, HostCopy, Run, Step, _tid
+from .interpreter import Schedule
 from .nvme import NvmeStore
 from .optim.clipping import GradNormTracker
 from .profiling import Profiler, StepProfile
-from .store import HostPool, HostStore, layouts
+from .store import BlockLayout, HostPool, HostStore, layouts
+from .streams import Streams
+from .updates import Updates, check_clipping
 from .validate import check_trainer_args
 
 log = logging.getLogger("lazytrain")
@@ -82,138 +78,55 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, plan: Plan, optimizer=None, device=None, nvme_dir=None,
                  profile: bool = False, verbose: bool = True):
         """``verbose``: print the host memory estimate (before allocating) to stderr."""
-        from ..compiler.program import build_program
         check_trainer_args(model, plan, optimizer, device)
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if self.device.type == "cuda":
-            _expandable_segments()
-        from ..ir import verify
+        self.device = _device(device)
         verify(plan)                  # a plan read back from a file or checkpoint is checked like a fresh one
         self.plan = plan
         self.model = model
-        uses_nvme = any("nvme" in (op.src and op.src.value, op.dst and op.dst.value) for op in plan.ops)
-        # the NVMe folder is checked (writable, room for the plan's NVMe peak) before anything is allocated
-        nvme = NvmeStore(nvme_dir or plan.budgets.get("nvme_dir"),
-                         need_bytes=int(plan.predicted.get("peak_nvme_bytes", 0))) if uses_nvme else None
+        nvme = _nvme_store(plan, nvme_dir)
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("the model's parameters are on the meta device: build it with real weights to train")
         param_dtype = _torch_dtype(plan.param_dtype)
         self._token_limits = token_limits(model, plan)
-        self.program = build_program(model, micro_batch=plan.micro_batch, seq_len=plan.seq_len, device=self.device,
-                                     dtype=_torch_dtype(plan.graph.dtype), packed=bool(plan.graph.meta.get("packed")))
-        have = self.program.graph.fingerprint()
-        if have != plan.fingerprint:
-            raise PlanError(f"the plan was compiled for another model (plan {plan.graph.name}, fingerprint "
-                            f"{plan.fingerprint}; this model's fingerprint is {have}): compile a plan for this model")
+        self.program = _program(model, plan, self.device)
         if optimizer is None:
             from .optim.torch_adamw import TorchAdamW
             optimizer = TorchAdamW(lr=1e-5)
         self.optimizer = optimizer
-        # frozen parameters get no gradient: a zero gradient leaves AdamW's state at zero and the weight
-        # as it is, unless weight decay shrinks it (eager AdamW skips them), so that case is refused
-        frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
-        if frozen and getattr(optimizer, "weight_decay", 0.0):
-            names = sorted(frozen)
-            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-            raise ValueError(f"the model has frozen parameters ({', '.join(names[:3])}{more}) "
-                             f"and the optimizer decays weights (weight_decay={optimizer.weight_decay}): the "
-                             "plan's update would shrink them; use weight_decay=0, or unfreeze them")
-        g = plan.graph
-        L = g.n_blocks
-        # which updates are lagged, and is the global norm known before every update?
-        pos = {op.block: op.id for op in plan.ops if op.kind is OpKind.GRAD_OFFLOAD}
-        last_grad = max(pos.values(), default=-1)
-        lagged, norm_first = {}, True
+        frozen = _frozen(model, optimizer)
+        order = UpdateOrder.of(plan.ops, Sizes.of_plan(plan))
+        check_clipping(order, optimizer.max_grad_norm)
+        lays = layouts(plan.graph, _canonical_names(model))
         resident = plan.decisions.resident_blocks
-        for op in plan.ops:
-            if op.kind is OpKind.UPDATE and op.block in resident:
-                lagged[op.block] = True          # at the next step's start, on the GPU
-            elif op.kind is OpKind.UPDATE:
-                contrib = [b.index for b in g.blocks if any(p.owner == op.block for p in b.params)]
-                lagged[op.block] = all(pos[c] > op.id for c in contrib)
-                if not lagged[op.block] and op.id < last_grad:
-                    norm_first = False
-        if optimizer.max_grad_norm is not None and not norm_first:
-            raise PlanError("the optimizer clips gradients (max_grad_norm set) but this plan updates some blocks "
-                            "before the whole backward is done, when the global norm is not known yet: compile "
-                            "the plan with clip=True")
-        lays = layouts(g, _canonical_names(model))
-        pin = self.device.type == "cuda"
-        pred = plan.predicted
-        act_bytes = max(0, int(pred.get("peak_host_bytes", 0)) - int(pred.get("host_static_bytes", 0)))
-        pb = torch.empty((), dtype=param_dtype).element_size()
-        opt_bpp = max(0.0, float(getattr(optimizer, "host_bytes_per_param", 16.0)) - 2 * min(pb, 2))
-        self.store = HostStore(lays, param_dtype, pin=pin, optimizer_bytes_per_param=opt_bpp,
-                               activation_bytes=act_bytes, resident=resident,
-                               announce=(lambda line: print(line, file=sys.stderr)) if verbose else None)
+        self.store = _host_store(plan, lays, param_dtype, optimizer, pin=self.device.type == "cuda", verbose=verbose)
         # a resident block's "load buffer" is its parameters on the GPU: the optimizer keeps its state
         # next to it and updates it in place there
         gpu_params = {j: torch.empty(lay.owned_numel, dtype=param_dtype, device=self.device)
                       for j, lay in enumerate(lays) if j in resident}
-        named = dict(model.named_parameters(remove_duplicate=False))
-        sd = None
-        for j, lay in enumerate(lays):
-            if not lay.owned_numel:
-                continue
-            init = torch.empty(lay.owned_numel, dtype=torch.float32)
-            for s in lay.segments:
-                if s.offset >= lay.owned_numel:
-                    break
-                src = named.get(s.name)
-                if src is None:
-                    sd = sd if sd is not None else model.state_dict()
-                    src = sd[s.name]
-                init[s.offset:s.offset + s.numel].copy_(src.detach().reshape(-1))
-            buf = gpu_params.get(j, self.store.load[j])
-            buf.copy_(init)
-            optimizer.setup(j, init, buf, lay.opt_segments())
-        from .streams import Streams
-        rg = {t.name for b in self.program.graph.blocks for t in (*b.inputs, *b.outputs) if t.requires_grad}
-        self.ctx = Ctx(plan=plan, program=self.program, device=self.device, streams=Streams(self.device),
-                       store=self.store, pool=HostPool(pin), nvme=nvme, optimizer=optimizer,
-                       tracker=GradNormTracker(optimizer.max_grad_norm), lagged=lagged, norm_first=norm_first,
-                       requires_grad=rg, frozen=frozen,
-                       profiler=Profiler(self.device.type == "cuda") if profile else None)
-        self._setup_resident(gpu_params)
+        _init_parameters(model, lays, optimizer, {j: gpu_params.get(j, self.store.load[j]) for j in range(len(lays))})
+        params, targets, grads = _resident(lays, gpu_params, self.device)
+        streams = Streams(self.device)
+        tracker = GradNormTracker(optimizer.max_grad_norm)
+        updates = Updates(order, streams=streams, optimizer=optimizer, tracker=tracker, store=self.store,
+                          resident_grad=grads)
+        rg = frozenset(t.name for b in self.program.graph.blocks for t in (*b.inputs, *b.outputs) if t.requires_grad)
+        self.ctx = Run(plan=plan, program=self.program, device=self.device, streams=streams, store=self.store,
+                       pool=HostPool(self.device.type == "cuda"), nvme=nvme, optimizer=optimizer, tracker=tracker,
+                       requires_grad=rg, frozen=frozen, resident=params, resident_targets=targets, updates=updates,
+                       schedule=Schedule(plan, updates))
+        self._profiler = Profiler(self.device.type == "cuda") if profile else None
         self.steps = 0
         self.last_profile: StepProfile | None = None
         self._broken: Exception | None = None
-        self._L = L
-
-    def _setup_resident(self, gpu_params: dict[int, torch.Tensor]) -> None:
-        """Views and gradient targets of resident blocks: own parameters are views of the block's
-        GPU buffer, tied links views of the owner's; gradients add into the owner's accumulator."""
-        ctx, lays = self.ctx, self.store.layouts
-        for j in gpu_params:
-            ctx.resident_grad[j] = torch.zeros(lays[j].owned_numel, dtype=torch.float32, device=self.device)
-        for j in gpu_params:
-            lay = lays[j]
-            flat = gpu_params[j]
-            views = {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in lay.segments
-                     if s.offset < lay.owned_numel}
-            targets = {s.name: ctx.resident_grad[j][s.offset:s.offset + s.numel] for s in lay.segments
-                       if s.offset < lay.owned_numel}
-            extra = []
-            for seg, owner, off in lay.links:
-                views[seg.name] = gpu_params[owner][off:off + seg.numel].view(seg.shape)
-                targets[seg.name] = ctx.resident_grad[owner][off:off + seg.numel]
-                if all(t is not gpu_params[owner] for t in extra):
-                    extra.append(gpu_params[owner])
-            ctx.resident[j] = h.GpuParams(flat, views, tuple(extra))
-            ctx.resident_targets[j] = targets
 
     @property
     def profile(self) -> bool:
-        return self.ctx.profiler is not None
+        return self._profiler is not None
 
     @profile.setter
     def profile(self, on: bool) -> None:
         """Turn per-op timing on or off between steps (``last_profile`` keeps the last measured step)."""
-        self.ctx.profiler = Profiler(self.device.type == "cuda") if on else None
+        self._profiler = Profiler(self.device.type == "cuda") if on else None
 
     # ---- the step --------------------------------------------------------------------------------
     def _batch(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -247,60 +160,60 @@ class Trainer:
             raise RuntimeError("a previous step failed; the trainer's state is inconsistent: "
                                "build a new Trainer") from self._broken
         ids, labels, positions = self._batch(batch)
-        ctx = self.ctx
+        run = self.ctx
         t0 = time.perf_counter()
-        ctx.step_lr = getattr(self.optimizer, "lr", None)   # this step's gradients are applied at this rate
-        # an assembled tied gradient is last step's: only a lagged update (of last step's) may use it
-        ctx.tied_ready = {o for o in ctx.tied_ready if ctx.lagged[o]}
-        if ctx.profiler is not None:
-            ctx.profiler.begin_step()
+        run.updates.begin_step(getattr(self.optimizer, "lr", None))
+        step = Step(run=run, profiler=self._profiler)
+        if step.profiler is not None:
+            step.profiler.begin_step()
             t0 = time.perf_counter()
-        mb = self.plan.micro_batch
-        batch_ids = []
-        for m in range(self.plan.n_micro):
-            vals = self.program.batch_inputs(ids[m * mb:(m + 1) * mb], labels[m * mb:(m + 1) * mb],
-                                             None if positions is None else positions[m * mb:(m + 1) * mb])
-            t = h._tid(h.TensorKind.ACT, 0, m)
-            ctx.put(t, h.H, {k: self._stage(v) for k, v in vals.items()})
-            batch_ids.append(t)
-        ctx.done, ctx.grad_sq, ctx.loss_parts, ctx.rng_states = {}, {}, {}, {}
-        ctx.inv_tokens, ctx.coef, ctx.norm_done = None, None, False
+        batch_ids = self._stage_batch(step, ids, labels, positions)
         try:
-            run(ctx, self.plan.ops)
-            ctx.streams.synchronize()     # the step's device work (updates may still run on the host)
-            for i in ctx.schedule.host_io:   # NVMe work of this step (writes, deletes) must be done
-                fut = ctx.done.get(i)
+            interpreter.run(step)
+            run.streams.synchronize()     # the step's device work (updates may still run on the host)
+            for i in run.schedule.host_io:   # NVMe work of this step (writes, deletes) must be done
+                fut = step.done.get(i)
                 if fut is not None:
                     fut.result()
-            coef = gr.finish_norm(ctx)
+            coef = run.updates.coefficient(step)
         except Exception as e:
             self._broken = e
             raise
         for t in batch_ids:
-            for v in ctx.copies.pop((t, h.H)).values():
+            for v in step.copies.pop((t, H)).values():
                 if isinstance(v, HostCopy):
-                    ctx.pool.release(v.buf)
-        leftovers = [f"{t} on {tier.value}" for t, tier in ctx.copies]
+                    run.pool.release(v.buf)
+        leftovers = [f"{t} on {tier.value}" for t, tier in step.copies]
         if leftovers:
             self._broken = RuntimeError(f"step ended with copies still resident: {leftovers[:5]}")
             raise self._broken
-        lagged_owners = {b for b, lag in ctx.lagged.items() if lag}
-        skipped = coef is None and ctx.norm_first
-        ctx.pending = set() if coef is None else lagged_owners
-        ctx.pending_coef, ctx.pending_lr = coef, ctx.step_lr
+        skipped = run.updates.end_step(coef)
         parts = torch.stack([torch.as_tensor(x, device=self.device).to(torch.float64)
-                             for pair in ctx.loss_parts.values() for x in pair]).tolist()   # one read
+                             for pair in step.loss_parts.values() for x in pair]).tolist()   # one read
         loss_sum, n_tok = sum(parts[0::2]), int(sum(parts[1::2]))
         step_s = time.perf_counter() - t0
         self.steps += 1
         B, S = self.plan.batch_size, self.plan.seq_len
-        if ctx.profiler is not None:
-            self.last_profile = ctx.profiler.finish(step_s)
-        norm = ctx.tracker.last_norm
+        if step.profiler is not None:
+            self.last_profile = step.profiler.finish(step_s)
+        norm = run.tracker.last_norm
         return StepStats(loss=loss_sum / max(n_tok, 1), tokens=n_tok, step_s=step_s,
                          model_tflops=6 * self.plan.graph.total_params * B * S / step_s / 1e12,
                          grad_norm=float("nan") if norm is None else norm, skipped=skipped,
                          tokens_per_s=B * S / step_s)
+
+    def _stage_batch(self, step: Step, ids: torch.Tensor, labels: torch.Tensor,
+                     positions: torch.Tensor | None) -> list[TensorId]:
+        """The batch's micro-batches onto the host, as ``act[0] mbM`` (what ``reload act[0]`` copies)."""
+        mb = self.plan.micro_batch
+        out = []
+        for m in range(self.plan.n_micro):
+            part = slice(m * mb, (m + 1) * mb)
+            vals = self.program.batch_inputs(ids[part], labels[part], None if positions is None else positions[part])
+            t = _tid(TensorKind.ACT, 0, m)
+            step.put(t, H, {k: self._stage(v) for k, v in vals.items()})
+            out.append(t)
+        return out
 
     def _stage(self, v):
         """A batch value into a (pinned) pool buffer on the host: what ``reload act[0]`` copies."""
@@ -315,20 +228,7 @@ class Trainer:
     # ---- between steps ---------------------------------------------------------------------------
     def flush(self) -> None:
         """Apply the pending lagged updates (last step's gradients) now and wait for every update."""
-        ctx = self.ctx
-        if ctx.pending and ctx.pending_coef is not None:
-            from ..ir import Op, Resource
-            for o in sorted(ctx.pending):
-                if o in ctx.resident_grad:
-                    gr.resident_update(ctx, o, ctx.pending_coef, ctx.pending_lr)
-                    continue
-                op = Op(id=-1 - o, kind=OpKind.UPDATE, block=o, resource=Resource.CPU)
-                gr.run_update(ctx, op, o, ctx.pending_coef, ctx.pending_lr)
-            ctx.streams.synchronize()
-        ctx.pending = set()
-        for fut in list(ctx.update_futures.values()):
-            fut.result()
-        ctx.update_futures.clear()
+        self.ctx.updates.flush()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Current fp32 master weights by parameter name (pending updates applied first)."""
@@ -367,9 +267,7 @@ class Trainer:
     def close(self) -> None:
         self.flush()
         self.ctx.streams.close()
-        if self.ctx.host_pool is not None:
-            self.ctx.host_pool.shutdown()
-            self.ctx.host_pool = None
+        self.ctx.updates.close()
         if self.ctx.nvme is not None:
             self.ctx.nvme.close()
 
@@ -380,11 +278,111 @@ class Trainer:
         self.close()
 
 
+# ---- the trainer's construction, in steps ----------------------------------------------------------
+def _device(device) -> torch.device:
+    """The compute device (CUDA when available), with the caching allocator set up on CUDA."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.device(device)
+    if out.type == "cuda" and out.index is None:
+        out = torch.device("cuda", torch.cuda.current_device())
+    if out.type == "cuda":
+        _expandable_segments()
+    return out
+
+
+def _nvme_store(plan: Plan, nvme_dir) -> NvmeStore | None:
+    """The NVMe folder, checked (writable, room for the plan's NVMe peak) before anything is allocated."""
+    if not any(Tier.NVME in (op.src, op.dst) for op in plan.ops):
+        return None
+    return NvmeStore(nvme_dir or plan.budgets.get("nvme_dir"), need_bytes=int(plan.predicted.get("peak_nvme_bytes", 0)))
+
+
+def _program(model: torch.nn.Module, plan: Plan, device: torch.device):
+    """The model's per-block program (``compiler.program``), refused unless it is the plan's model."""
+    from ..compiler.program import build_program
+    program = build_program(model, micro_batch=plan.micro_batch, seq_len=plan.seq_len, device=device,
+                            dtype=_torch_dtype(plan.graph.dtype), packed=bool(plan.graph.meta.get("packed")))
+    have = program.graph.fingerprint()
+    if have != plan.fingerprint:
+        raise PlanError(f"the plan was compiled for another model (plan {plan.graph.name}, fingerprint "
+                        f"{plan.fingerprint}; this model's fingerprint is {have}): compile a plan for this model")
+    return program
+
+
+def _frozen(model: torch.nn.Module, optimizer) -> frozenset[str]:
+    """Parameters with requires_grad=False.  They get no gradient: a zero gradient leaves AdamW's state at
+    zero and the weight as it is, unless weight decay shrinks it (eager AdamW skips them): refused."""
+    frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
+    if frozen and getattr(optimizer, "weight_decay", 0.0):
+        names = sorted(frozen)
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        raise ValueError(f"the model has frozen parameters ({', '.join(names[:3])}{more}) "
+                         f"and the optimizer decays weights (weight_decay={optimizer.weight_decay}): the "
+                         "plan's update would shrink them; use weight_decay=0, or unfreeze them")
+    return frozen
+
+
+def _host_store(plan: Plan, lays: list[BlockLayout], param_dtype: torch.dtype, optimizer, *, pin: bool,
+                verbose: bool) -> HostStore:
+    """The host buffers, sized for the optimizer and the plan's offloaded activations (checked first)."""
+    pred = plan.predicted
+    act_bytes = max(0, int(pred.get("peak_host_bytes", 0)) - int(pred.get("host_static_bytes", 0)))
+    pb = torch.empty((), dtype=param_dtype).element_size()
+    opt_bpp = max(0.0, float(getattr(optimizer, "host_bytes_per_param", 16.0)) - 2 * min(pb, 2))
+    return HostStore(lays, param_dtype, pin=pin, optimizer_bytes_per_param=opt_bpp, activation_bytes=act_bytes,
+                     resident=plan.decisions.resident_blocks,
+                     announce=(lambda line: print(line, file=sys.stderr)) if verbose else None)
+
+
+def _init_parameters(model: torch.nn.Module, lays: list[BlockLayout], optimizer, buffers: dict[int, torch.Tensor]):
+    """Each block's owned parameters into its load buffer (``buffers``: host, or a resident block's GPU
+    buffer), and the optimizer's state for it."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    sd = None
+    for j, lay in enumerate(lays):
+        if not lay.owned_numel:
+            continue
+        init = torch.empty(lay.owned_numel, dtype=torch.float32)
+        for s in lay.segments:
+            if s.offset >= lay.owned_numel:
+                break
+            src = named.get(s.name)
+            if src is None:
+                sd = sd if sd is not None else model.state_dict()
+                src = sd[s.name]
+            init[s.offset:s.offset + s.numel].copy_(src.detach().reshape(-1))
+        buffers[j].copy_(init)
+        optimizer.setup(j, init, buffers[j], lay.opt_segments())
+
+
+def _resident(lays: list[BlockLayout], gpu_params: dict[int, torch.Tensor], device: torch.device):
+    """Resident blocks' parameters, gradient targets and accumulators: own parameters are views of the
+    block's GPU buffer, tied links views of the owner's; gradients add into the owner's accumulator."""
+    grads = {j: torch.zeros(lays[j].owned_numel, dtype=torch.float32, device=device) for j in gpu_params}
+    params: dict[int, GpuParams] = {}
+    targets: dict[int, dict[str, torch.Tensor]] = {}
+    for j, flat in gpu_params.items():
+        lay = lays[j]
+        views = {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in lay.segments
+                 if s.offset < lay.owned_numel}
+        targets[j] = {s.name: grads[j][s.offset:s.offset + s.numel] for s in lay.segments
+                      if s.offset < lay.owned_numel}
+        extra = []
+        for seg, owner, off in lay.links:
+            views[seg.name] = gpu_params[owner][off:off + seg.numel].view(seg.shape)
+            targets[j][seg.name] = grads[owner][off:off + seg.numel]
+            if all(t is not gpu_params[owner] for t in extra):
+                extra.append(gpu_params[owner])
+        params[j] = GpuParams(flat, views, tuple(extra))
+    return params, targets, grads
+
+
 def _expandable_segments() -> None:
     """Ask the CUDA caching allocator for expandable segments unless the user configured it: blocks
-    of many sizes (parameters, activations, loss chunks) otherwise fragment it, and a plan near its
-    budget met 1.6 GiB of reserved-but-unusable memory on the H200.  Only effective before the
-    process's first CUDA allocation; harmless after."""
+    of many sizes (parameters, activations, loss chunks) otherwise fragment it (up to 1.6 GiB reserved
+    but unusable at a 24 GiB budget on the H200).  Only effective before the process's first CUDA
+    allocation; harmless after."""
     import os
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
         return

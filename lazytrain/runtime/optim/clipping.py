@@ -1,4 +1,4 @@
-"""Global gradient-norm clipping, folded into the optimizer step (DESIGN.md §5, "Fast gradient clipping").
+"""Global gradient-norm clipping, folded into the optimizer step (``docs/architecture.md``, "The update path").
 
 Each block's gradient squared norm is reduced where the gradient is produced (on the GPU, right after
 that block's backward), so no extra pass over host memory is needed; :class:`GradNormTracker` sums

@@ -1,7 +1,7 @@
 """Hybrid 8-bit AdamW: block-wise 8-bit moments, fp32 moments for small tensors, a bf16+16-bit master.
 
-Memory (DESIGN.md §5): with the runtime's bf16 load buffer (2 B) and bf16 gradient buffer (2 B), the
-optimizer adds per parameter
+Memory (``docs/architecture.md``, "The runtime"): with the runtime's bf16 load buffer (2 B) and bf16
+gradient buffer (2 B), the optimizer adds per parameter
 - 2 B: the low 16 bits of the fp32 master.  The load buffer holds the *round-to-nearest* bf16 of the
   master (what the GPU should compute with) and ``lo = bits(master) - (bf16_bits << 16)``, an int16
   in [-2^15, 2^15); ``(hi << 16) + lo`` gives the fp32 master back exactly, so the master costs

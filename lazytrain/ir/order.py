@@ -1,0 +1,157 @@
+"""The ordering a plan states: what each op waits for, derived once from ``effects``.
+
+Within one period (the op list, one training step) two ops that touch the same copy of a value are a
+*hazard* when one of them writes it: read after write, write (or drop, or in-place write) after read,
+write after write or drop.  Each resource runs its ops in list order, so a hazard between two ops of
+one resource is ordered already; every other hazard must be a dependency in ``op.deps``.  The
+lowering writes them there (``HazardWalk.deps``), ``verify`` refuses a plan that lacks one, and the
+interpreter and the simulator read nothing but ``op.deps``: the plan file is the whole contract.
+
+Updates add two rules of their own (``UpdateOrder``): an ``update`` placed before its gradients'
+``grad_offload`` is *lagged* (it applies the previous step's gradients), and a same-step host update
+takes the step's gradient norm, which is complete once the last ``grad_offload`` before it is done
+(the clip coefficient's wait).  Across the period boundary (``cross_period``) a lagged update waits
+for the previous step's gradients, and a block's first load waits for the previous step's same-step
+update of each block whose parameters it reads.  ``docs/architecture.md`` ("The plan contract")
+describes the whole of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .ops import Op, OpKind, Resource
+from .semantics import Effects, Sizes, Value
+
+
+class Hazard(NamedTuple):
+    """Op ``before`` (earlier in the list) must finish before the op this hazard belongs to starts.
+
+    ``kind``: ``"read"`` (the op reads ``value``, which ``before`` wrote), ``"write"`` (it writes, drops
+    or overwrites ``value``, which ``before`` read), ``"overwrite"`` (``before`` wrote or dropped it
+    too), ``"norm"`` (a same-step update takes the step's gradient norm: ``before`` is the last
+    ``grad_offload`` so far; ``value`` is None)."""
+
+    before: int
+    value: Value | None
+    kind: str
+
+
+class HazardWalk:
+    """The hazards of ops taken in program order, one op at a time: the lowering asks as it emits
+    (``deps``), ``verify`` as it checks a list (``step``)."""
+
+    def __init__(self):
+        # keyed by (kind, index, mb, tier): hashed in C, where a TensorId hashes in Python
+        self.writer: dict[tuple, int] = {}              # value -> last op that wrote, dropped or overwrote it
+        self.readers: dict[tuple, dict[Resource, int]] = {}  # value -> resource -> last op there that read it since
+        self.last_grad_offload = -1
+
+    def step(self, op: Op, eff: Effects) -> list[Hazard]:
+        """The hazards of ``op`` (the next op of the list, with its effects) on the ops before it."""
+        writer, readers = self.writer, self.readers
+        found = []
+        reads = [((t.kind, t.index, t.mb, tier), (t, tier)) for t, tier in eff.reads]
+        for key, v in reads:
+            w = writer.get(key)
+            if w is not None:
+                found.append(Hazard(w, v, "read"))
+        changed = [((t.kind, t.index, t.mb, tier), (t, tier)) for t, tier in (*eff.writes, *eff.drops, *eff.mutates)]
+        for key, v in changed:
+            r = readers.get(key)
+            if r:
+                found.extend(Hazard(x, v, "write") for x in r.values())
+            w = writer.get(key)
+            if w is not None:
+                found.append(Hazard(w, v, "overwrite"))
+        # a host update in the step of its gradients (every gradient it reads was offloaded in this
+        # list) may apply the step's clip coefficient: the norm is complete once the D2H stream has
+        # run every grad_offload so far, i.e. once the last one is done
+        if op.kind is OpKind.UPDATE and op.resource is not Resource.GPU and self.last_grad_offload >= 0 \
+                and reads and all(key in writer for key, _ in reads):
+            found.append(Hazard(self.last_grad_offload, None, "norm"))
+        for key, _ in reads:
+            r = readers.get(key)
+            if r is None:
+                readers[key] = {op.resource: op.id}
+            else:
+                r[op.resource] = op.id
+        for key, _ in changed:
+            writer[key] = op.id
+            readers[key] = {}
+        if op.kind is OpKind.GRAD_OFFLOAD:
+            self.last_grad_offload = op.id
+        return found
+
+
+    def deps(self, op: Op, eff: Effects, ops: list[Op]) -> set[int]:
+        """``step``, as the dependencies the hazards need (``ops``: the ops before ``op``)."""
+        return {h.before for h in self.step(op, eff) if needs_dep(op, ops[h.before])}
+
+
+def needs_dep(op: Op, before: Op) -> bool:
+    """Is a hazard between ``before`` and ``op`` left unordered without a dependency?  Yes unless both
+    run on one resource, whose FIFO orders them (a ``free`` has no resource and no FIFO)."""
+    return op.resource is Resource.NONE or before.resource is not op.resource
+
+
+@dataclass(frozen=True)
+class UpdateOrder:
+    """Where each block's update sits relative to its gradients in one period."""
+
+    updates: dict[int, int]          # owner block -> op id of its update
+    grad_offloads: dict[int, int]    # block -> op id of its grad_offload
+    #: owners whose update comes before every grad_offload of their readers: it applies the previous
+    #: step's gradients (a resident block's update, on the GPU at the step's start, always does)
+    lagged: frozenset[int]
+    #: no same-step host update runs before the step's last grad_offload, so each of them can apply the
+    #: step's clip coefficient (the runtime then takes the global norm before the first of them)
+    norm_first: bool
+
+    @classmethod
+    def of(cls, ops: list[Op], sizes: Sizes) -> UpdateOrder:
+        grad_off = {op.block: op.id for op in ops if op.kind is OpKind.GRAD_OFFLOAD}
+        updates = {op.block: op.id for op in ops if op.kind is OpKind.UPDATE}
+        last = max(grad_off.values(), default=-1)
+        lagged, norm_first = set(), True
+        for owner, u in updates.items():
+            gs = [grad_off[r] for r in sizes.readers(owner) if r in grad_off]
+            if owner in sizes.resident or (gs and all(g > u for g in gs)):
+                lagged.add(owner)
+            elif u < last:
+                norm_first = False
+        return cls(updates=updates, grad_offloads=grad_off, lagged=frozenset(lagged), norm_first=norm_first)
+
+    def takes_norm(self, op: Op) -> bool:
+        """A same-step host update of a norm-first plan: it applies this step's clip coefficient."""
+        return self.norm_first and op.kind is OpKind.UPDATE and op.block not in self.lagged \
+            and op.resource is not Resource.GPU
+
+
+def cross_period(ops: list[Op], sizes: Sizes, *, clip: bool) -> dict[int, list[int]]:
+    """op id -> ids in the *previous* period it must wait for (the list repeats every step).
+
+    A lagged update applies the previous step's gradients: with exact clipping it needs that step's
+    global norm, so the whole of its backward and gradient offloads, else its own gradients' offloads
+    (a resident block's: every gradient offload).  A same-step update writes the host parameters that
+    the next step's first load of a block reading them copies."""
+    order = UpdateOrder.of(ops, sizes)
+    step_end = [op.id for op in ops if op.kind in (OpKind.GRAD_OFFLOAD, OpKind.BACKWARD)]
+    grad_off = order.grad_offloads
+    first_load: dict[int, int] = {}             # owner -> the first load of a block reading its parameters
+    for op in ops:
+        if op.kind is OpKind.LOAD:
+            for o in sizes.owners(op.block):
+                first_load.setdefault(o, op.id)
+    extra: dict[int, list[int]] = {}
+    for owner, u in order.updates.items():
+        if owner in sizes.resident:
+            extra[u] = step_end if clip else list(grad_off.values())
+            continue
+        gs = [grad_off[r] for r in sizes.readers(owner) if r in grad_off]
+        if owner in order.lagged:
+            extra.setdefault(u, []).extend(step_end if clip else gs)
+        elif gs and owner in first_load:
+            extra.setdefault(first_load[owner], []).append(u)
+    return extra

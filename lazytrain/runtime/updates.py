@@ -1,0 +1,181 @@
+"""The update path, in one place: which updates are lagged, the gradients they still have to apply,
+the clip coefficient and its wait, and ``flush``.
+
+The op list is one period of the steady state (``ir.order.UpdateOrder``):
+
+- a *lagged* update (placed before its gradients' ``grad_offload``; every update with exact
+  clipping, and a resident block's always) applies the *previous* step's gradients with that step's
+  clip coefficient and learning rate: ``end_step`` records them as *pending*, the next step's
+  update applies them, ``flush`` applies them between steps.  The first step, a skipped step
+  (non-finite norm) and a flush leave nothing pending: the update then does nothing;
+- a *same-step* update applies this step's gradients: with the step's clip coefficient when the
+  plan is *norm-first* (every same-step update follows the last ``grad_offload``; the global norm is
+  then taken before the first of them, and ``Trainer`` refuses a clipping optimizer otherwise),
+  else with none.  Its host work runs on the CPU worker; the next step's first load of a block
+  reading its parameters waits for it (``future``).
+
+The global norm (``coefficient``): the device norms ``grad_offload`` took, the resident blocks'
+accumulators, and the tied parameters' shares summed on the host (``gradients.TiedGrads``), once
+per step, after every gradient offload; ``GradNormTracker`` turns it into the coefficient (None:
+skip the step).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from ..ir import Op, PlanError, Resource
+from ..ir.order import UpdateOrder
+from .context import Step
+from .gradients import TiedGrads
+from .optim.base import HostOptimizer
+from .optim.clipping import GradNormTracker
+from .store import HostStore
+from .streams import Streams
+
+
+def check_clipping(order: UpdateOrder, max_grad_norm: float | None) -> None:
+    """Refuse a clipping optimizer when an update runs before the global norm is known."""
+    if max_grad_norm is not None and not order.norm_first:
+        raise PlanError("the optimizer clips gradients (max_grad_norm set) but this plan updates some blocks "
+                        "before the whole backward is done, when the global norm is not known yet: compile "
+                        "the plan with clip=True")
+
+
+class Updates:
+    """Owns everything about ``update`` ops for one trainer (see the module docstring)."""
+
+    def __init__(self, order: UpdateOrder, *, streams: Streams, optimizer: HostOptimizer, tracker: GradNormTracker,
+                 store: HostStore, resident_grad: dict[int, torch.Tensor]):
+        self.order = order
+        self.lagged = order.lagged                # owners whose update applies the previous step's gradients
+        self.norm_first = order.norm_first
+        self.streams, self.optimizer, self.tracker, self.store = streams, optimizer, tracker, store
+        self.resident_grad = resident_grad        # owner -> fp32 GPU accumulator of a resident block
+        self.tied = TiedGrads(store)
+        # ---- carried across steps
+        self.pending: set[int] = set()            # owners whose last-step gradients await their lagged update
+        self.pending_coef: float | None = None
+        self.pending_lr: float | None = None      # the optimizer's lr when the pending gradients' step began
+        self.step_lr: float | None = None         # ... when this step began
+        self._futures: dict[int, Future] = {}     # update op id -> its latest host work
+
+    def takes_norm(self, op: Op) -> bool:
+        """Does ``op`` take the step's global norm on the issuing thread (a same-step host update)?"""
+        return self.order.takes_norm(op)
+
+    def future(self, op_id: int) -> Future | None:
+        """The host work of update ``op_id`` last submitted (the previous step's, until this one's)."""
+        return self._futures.get(op_id)
+
+    # ---- a step -----------------------------------------------------------------------------------
+    def begin_step(self, lr: float | None) -> None:
+        self.step_lr = lr                         # this step's gradients are applied at this rate
+        # an assembled tied gradient is last step's: only a lagged update (of last step's) may use it
+        self.tied.ready &= self.lagged
+
+    def run(self, step: Step, op: Op) -> None:
+        """The ``update`` handler."""
+        o = op.block
+        if o in self.resident_grad:
+            apply = o in self.pending
+            self.pending.discard(o)
+            step.begin(op, Resource.GPU)
+            self._resident_step(o, self.pending_coef if apply else None, self.pending_lr)
+            step.end(op, Resource.GPU)
+            return
+        if o in self.lagged:
+            if o not in self.pending:             # first step, a skipped step, or after flush(): nothing to apply
+                step.done[op.id] = None
+                return
+            self.pending.discard(o)
+            coef, lr = self.pending_coef, self.pending_lr
+        else:
+            coef, lr = (self.coefficient(step) if self.norm_first else 1.0), self.step_lr
+        if coef is None:                          # non-finite gradient norm: the step is skipped
+            step.done[op.id] = None
+            return
+        step.submit(self.streams.cpu, op, lambda: self.optimizer.step(o, self.tied.grad(o), coef, lr))
+        self._futures[op.id] = step.done[op.id]
+
+    def coefficient(self, step: Step) -> float | None:
+        """The step's clip coefficient (its global gradient norm, taken once): device norms plus tied
+        parameters' on the host.  None when the step must be skipped (non-finite norm)."""
+        if step.norm_done:
+            return step.coef
+        Streams.wait_on_host([step.done.get(i) for i in self.order.grad_offloads.values()])
+        self.tracker.begin_step()
+        with self.streams.on(Resource.GPU):   # resident accumulators hold whole gradients, tied shares included
+            for o, acc in self.resident_grad.items():
+                step.grad_sq[o] = torch.linalg.vector_norm(acc).square()
+        on_device = [j for j in range(len(self.store.layouts)) if step.grad_sq.get(j) is not None]
+        sqs = dict(zip(on_device, torch.stack([step.grad_sq[j] for j in on_device]).tolist())) if on_device else {}
+        for j, lay in enumerate(self.store.layouts):      # one device->host read for every block's norm
+            sq = sqs.get(j)
+            total = 0.0 if sq is None else sq
+            tied = bool(lay.shared) and j not in self.resident_grad
+            if tied:
+                # with a global norm the owner's update comes after this and reuses the sum; without
+                # one it may be running now on the update worker, reading the buffer: use a new one
+                _, seg_sq = self.tied.sum(j, reuse=self.norm_first)
+                if self.norm_first:
+                    self.tied.ready.add(j)
+                total += sum(seg_sq)
+            if sq is not None or tied:
+                self.tracker.add(j, total)
+        step.coef = self.tracker.finish_step()
+        step.norm_done = True
+        return step.coef
+
+    def end_step(self, coef: float | None) -> bool:
+        """Record this step's gradients for the lagged updates of the next; returns whether the step's
+        updates were skipped (a non-finite norm in a norm-first plan)."""
+        skipped = coef is None and self.norm_first
+        self.pending = set() if coef is None else set(self.lagged)
+        self.pending_coef, self.pending_lr = coef, self.step_lr
+        return skipped
+
+    # ---- between steps ----------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Apply the pending lagged updates now and wait for every update."""
+        coef, lr = self.pending_coef, self.pending_lr
+        if self.pending and coef is not None:
+            futures = []
+            for o in sorted(self.pending):
+                if o in self.resident_grad:
+                    self._resident_step(o, coef, lr)
+                else:
+                    futures.append(self.streams.cpu.submit(self._host_step, o, coef, lr))
+            self.streams.synchronize()
+            for f in futures:
+                f.result()
+        self.pending = set()
+        for fut in list(self._futures.values()):
+            fut.result()
+        self._futures.clear()
+
+    def close(self) -> None:
+        self.tied.close()
+
+    def _host_step(self, o: int, coef: float, lr: float | None) -> None:
+        try:
+            self.optimizer.step(o, self.tied.grad(o), coef, lr)
+        except Exception as e:
+            raise RuntimeError(f"while applying block {o}'s pending update (flush): {e}") from e
+
+    def _resident_step(self, o: int, coef: float | None, lr: float | None) -> None:
+        """A resident block's update on the GPU stream, from its GPU accumulator, which is then zeroed
+        for this step's backward.  ``coef`` None (first step, skipped step): nothing to apply, but the
+        accumulator is cleared all the same (it may hold a skipped step's non-finite gradients)."""
+        acc = self.resident_grad[o]
+        with self.streams.on(Resource.GPU):
+            if coef is not None:
+                self.optimizer.step(o, acc, coef, lr)
+            acc.zero_()
+
+
+def update(ctx: Step, op: Op) -> None:
+    """The ``update`` handler: ``Updates.run``."""
+    ctx.run.updates.run(ctx, op)
