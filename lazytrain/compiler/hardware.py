@@ -27,45 +27,45 @@ How compute time is modelled (the cost pass must count FLOPs the same way; ``lay
   diagonal tiles and the launch), times a head-dimension factor (``ATTENTION_HEAD_DIM_FACTOR``).  A profile
   without these figures (0, older files) prices attention like the rest of the block.
 
-Calibration of ``h200`` (benchmarks/results/h200_reference.md): one Qwen2.5-3B layer (77,076,992 params, hidden 2048, head dim 128),
-seq 1024, eager bf16 + SDPA: forward 2.77 ms and forward+backward 8.48 ms at micro-batch 8, forward+
-backward 4.62 ms at micro-batch 4. Forward FLOPs at micro-batch 8: 1.263e12 of matmuls and 0.034e12 of
-causal attention (0.086e12 in its backward), the attention priced at the rates below. A least-squares
-fit of (efficiency, overhead) to the relative error of those three times gives ``compute_efficiency =
-0.677`` and ``kernel_overhead_s = 0.365 ms``, reproducing 2.87 ms (+4%), 8.32 ms (-2%) and 4.53 ms (-2%).
-(Efficiency alone, no overhead, misses micro-batch 4 by 9%: small micro-batches do pay a fixed cost.)
-The overhead is mostly eager-mode launches and memory-bound elementwise kernels (norms, rotary,
-activations); with ``torch.compile`` the same layer ran 1.37x faster.
+Calibration of ``h200`` (benchmarks/results/h200_reference.md): one Qwen2.5-3B layer (77,076,992
+params, hidden 2048, head dim 128), seq 1024, eager bf16 + SDPA: forward 2.77 ms and
+forward+backward 8.48 ms at micro-batch 8, forward+ backward 4.62 ms at micro-batch 4. Forward FLOPs
+at micro-batch 8: 1.263e12 of matmuls and 0.034e12 of causal attention (0.086e12 in its backward),
+the attention priced at the rates below. A least-squares fit of (efficiency, overhead) to the
+relative error of those three times gives ``compute_efficiency = 0.677`` and ``kernel_overhead_s =
+0.365 ms``, reproducing 2.87 ms (+4%), 8.32 ms (-2%) and 4.53 ms (-2%). (Efficiency alone, no
+overhead, misses micro-batch 4 by 9%: small micro-batches do pay a fixed cost.) The overhead is
+mostly eager-mode launches and memory-bound elementwise kernels (norms, rotary, activations); with
+``torch.compile`` the same layer ran 1.37x faster.
 
-The H200's attention rates are **modelled, not measured** (``lazytrain profile`` measures them): SDPA on
-Hopper runs cuDNN's fused attention (PyTorch prefers it on sm90 from cuDNN 9.15, bundled with torch
-2.11 and later), whose published H100 SXM5 bf16 figures (FlashAttention-3 paper, Shah et al. 2024;
-16k tokens per batch, hidden 2048) are, for causal forward at head dim 128, 315 / 410 / 484 / 518 /
-529 / 539 TFLOP/s at 512 / 1k / 2k / 4k / 8k / 16k keys: ``552 * s / (s + 385)`` within 4%.  Its
-backward is published without the causal mask only (305 ... 516, long-key 530); times the forward's
-causal / full ratio at long keys (539 / 595): 480.  The H200 has the H100's SMs and clocks (attention
-is compute bound), so the figures carry over; other GPUs scale them by their ``bf16_tflops``.
+The H200's attention rates are **modelled, not measured** (``lazytrain profile`` measures them):
+SDPA on Hopper runs cuDNN's fused attention (PyTorch prefers it on sm90 from cuDNN 9.15, bundled
+with torch 2.11 and later), whose published H100 SXM5 bf16 figures (FlashAttention-3 paper, Shah et
+al. 2024; 16k tokens per batch, hidden 2048) are, for causal forward at head dim 128, 315 / 410 /
+484 / 518 / 529 / 539 TFLOP/s at 512 / 1k / 2k / 4k / 8k / 16k keys: ``552 * s / (s + 385)`` within
+4%. Its backward is published without the causal mask only (305 ... 516, long-key 530); times the
+forward's causal / full ratio at long keys (539 / 595): 480. The H200 has the H100's SMs and clocks
+(attention is compute bound), so the figures carry over; other GPUs scale them by their
+``bf16_tflops``.
 
-Sources of the other built-ins, all public spec sheets, adjusted the same way as the measured
-H200 (achievable dense bf16 ~ 0.78x of the spec sheet, pinned PCIe ~ 87% of the link):
+Sources of the other built-ins, all public spec sheets, adjusted the same way as the measured H200
+(achievable dense bf16 ~ 0.78x of the spec sheet, pinned PCIe ~ 87% of the link):
 
-- ``h100``: H100 SXM5 80 GB HBM3, 989 TFLOP/s dense bf16 spec (NVIDIA H100 datasheet), PCIe gen5
-  x16 (64 GB/s per direction); host = one GPU's share of an 8-GPU HGX node (AWS p5: 192 vCPU and
-  2 TiB per 8 GPUs).
-- ``h800``: the China-market H100 SXM: same die, memory and PCIe; only NVLink is cut (400 GB/s),
-  which a one-GPU trainer does not use, so the figures equal ``h100``.
-- ``a100-80g``: A100 SXM4 80 GB, 312 TFLOP/s dense bf16 spec (A100 datasheet), PCIe gen4 x16
-  (32 GB/s per direction, ~25 measured pinned); host = one GPU's share of a DGX A100 (256 cores, 2 TB
-  per 8 GPUs, rounded down to what cloud instances give: 16 cores, 128 GiB).
-- ``rtx3090``: 24 GB GDDR6X, 71 TFLOP/s dense bf16 with fp32 accumulate (NVIDIA Ampere GA102
-  whitepaper), PCIe gen4; consumer host (8 cores, 64 GiB, dual-channel DDR4, consumer NVMe).
-- ``rtx4090``: 24 GB GDDR6X, 165 TFLOP/s dense bf16 with fp32 accumulate (Ada AD102 whitepaper),
-  PCIe gen4; consumer host (16 cores, 64 GiB, dual-channel DDR5, gen4 NVMe).
-- Host figures other than H200's (pageable copies, CPU AdamW, NVMe) are estimates: fused AdamW
-  reads and writes ~28 bytes per parameter, so its rate follows host memory bandwidth and cores
-  (H200 host: 5.5 G params/s on 16 cores); pageable copies run at ~1/5 (H2D) and ~1/3 (D2H) of pinned
-  as on the H200 host. The 8-bit optimizer rate is not measured anywhere yet, so every built-in
-  assumes it equals the fp32 rate (the optimizer's target); a measured profile overrides it.
+- ``h100``: H100 SXM5 80 GB HBM3, 989 TFLOP/s dense bf16 spec (NVIDIA H100 datasheet), PCIe gen5 x16
+(64 GB/s per direction); host = one GPU's share of an 8-GPU HGX node (AWS p5: 192 vCPU and 2 TiB per
+8 GPUs). - ``h800``: the China-market H100 SXM: same die, memory and PCIe; only NVLink is cut (400
+GB/s), which a one-GPU trainer does not use, so the figures equal ``h100``. - ``a100-80g``: A100
+SXM4 80 GB, 312 TFLOP/s dense bf16 spec (A100 datasheet), PCIe gen4 x16 (32 GB/s per direction, ~25
+measured pinned); host = one GPU's share of a DGX A100 (256 cores, 2 TB per 8 GPUs, rounded down to
+what cloud instances give: 16 cores, 128 GiB). - ``rtx3090``: 24 GB GDDR6X, 71 TFLOP/s dense bf16
+with fp32 accumulate (NVIDIA Ampere GA102 whitepaper), PCIe gen4; consumer host (8 cores, 64 GiB,
+dual-channel DDR4, consumer NVMe). - ``rtx4090``: 24 GB GDDR6X, 165 TFLOP/s dense bf16 with fp32
+accumulate (Ada AD102 whitepaper), PCIe gen4; consumer host (16 cores, 64 GiB, dual-channel DDR5,
+gen4 NVMe). - Host figures other than H200's (pageable copies, CPU AdamW, NVMe) are estimates: fused
+AdamW reads and writes ~28 bytes per parameter, so its rate follows host memory bandwidth and cores
+(H200 host: 5.5 G params/s on 16 cores); pageable copies run at ~1/5 (H2D) and ~1/3 (D2H) of pinned
+as on the H200 host. The 8-bit optimizer rate is not measured anywhere yet, so every built-in
+assumes it equals the fp32 rate (the optimizer's target); a measured profile overrides it.
 """
 
 from __future__ import annotations
@@ -384,8 +384,8 @@ def _cpu_profile() -> HardwareProfile:
     )
 
 
-#: fitted to benchmarks/results/h200_reference.md's eager Qwen2.5-3B layer (forward 2.77 ms, fwd+bwd 8.48 ms at micro-batch 8), its
-#: attention priced at the rates below (module docstring)
+#: fitted to the eager Qwen2.5-3B layer of benchmarks/results/h200_reference.md (forward 2.77 ms, fwd+bwd
+#: 8.48 ms at micro-batch 8), its attention priced at the rates below (module docstring)
 EAGER_LAYER_EFFICIENCY = 0.677
 EAGER_LAYER_OVERHEAD_S = 0.365e-3
 #: published cuDNN attention on the H100 SXM5 (module docstring): causal forward and backward TFLOP/s at
@@ -413,7 +413,8 @@ _H200 = HardwareProfile(
     h2d_gbps=55.4, d2h_gbps=55.4, duplex_gbps=99.6, pageable_h2d_gbps=8.9, pageable_d2h_gbps=15.7,
     cpu_adam_gparams=5.5, cpu_adam8_gparams=5.0, nvme_read_gbps=1.6, nvme_write_gbps=1.6,
     op_dispatch_s=DISPATCH_FWD_S, op_dispatch_bwd_s=DISPATCH_BWD_S, **HOPPER_ATTENTION,
-    source="measured on the lent H200 machine (benchmarks/results/h200_reference.md); matmul efficiency and overhead fitted to one eager "
+    source="measured on the lent H200 machine (benchmarks/results/h200_reference.md); matmul efficiency and "
+    "overhead fitted to one eager "
     f"Qwen2.5-3B layer ({EAGER_LAYER_EFFICIENCY}), then scaled by the {EXPORTED_BLOCK_SLOWDOWN}x that LazyTrain's "
     "exported blocks measured slower (GPU busy per step, qwen2.5-3b seq 1024); attention rates modelled from "
     "published cuDNN figures on the H100 (not measured); 8-bit optimizer rate measured "

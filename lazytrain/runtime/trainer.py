@@ -29,8 +29,16 @@ from ..ir import Plan, PlanError, TensorId, TensorKind, Tier, verify
 from ..ir.order import UpdateOrder
 from ..ir.semantics import Sizes
 from . import interpreter
-from .batch import (as_tokens, check_positions, check_shapes, check_tokens, packed_keys, pad_batch, pad_positions,
-                    token_limits)
+from .batch import (
+    as_tokens,
+    check_positions,
+    check_shapes,
+    check_tokens,
+    packed_keys,
+    pad_batch,
+    pad_positions,
+    token_limits,
+)
 from .context import GpuParams, H, HostCopy, Run, Step, _tid
 from .interpreter import Schedule
 from .nvme import NvmeStore
