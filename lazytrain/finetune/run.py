@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..runfiles import write_json as _write_json
 from ..train import (
     TrainConfig,
     _device,
@@ -31,7 +32,6 @@ from ..train import (
     _note,
     _progress,
     _StopFlag,
-    _write_json,
     can_plot,
     cpu_threads,
     lr_at,
