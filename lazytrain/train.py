@@ -107,6 +107,15 @@ def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
     return cfg.lr * warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
 
 
+def schedule_progress(step: int, start: int, steps: int, elapsed_s: float, limit_s: float | None) -> float:
+    """How far the learning-rate schedule is: by steps, or, under a time limit, by this invocation's
+    share of the remaining schedule in time, whichever is further (so the schedule anneals by the clock)."""
+    progress = step / steps
+    if limit_s is not None:
+        progress = max(progress, (start + (steps - start) * elapsed_s / limit_s) / steps)
+    return progress
+
+
 def _device(cfg: TrainConfig) -> torch.device:
     if cfg.device:
         dev = torch.device(cfg.device)
@@ -396,10 +405,7 @@ def run(cfg: TrainConfig) -> dict:
             if limit_s is not None and elapsed >= limit_s:
                 stop_reason = "time limit"
                 break
-            progress = step / cfg.steps
-            if limit_s is not None:     # this invocation's share of the remaining schedule, by time
-                progress = max(progress, (start + (cfg.steps - start) * elapsed / limit_s) / cfg.steps)
-            opt.lr = lr_at(cfg, step, progress)
+            opt.lr = lr_at(cfg, step, schedule_progress(step, start, cfg.steps, elapsed, limit_s))
             b = next(batches)
             profiled = cfg.profile is not None and step + 1 == max(cfg.profile, start + 1)
             trainer.profile = profiled

@@ -35,6 +35,7 @@ from ..train import (
     can_plot,
     cpu_threads,
     lr_at,
+    schedule_progress,
 )
 from .evaluation import describe, evaluate
 from .prepare import (
@@ -217,10 +218,7 @@ def run(cfg: TrainConfig) -> dict:
             if limit_s is not None and elapsed >= limit_s:
                 stop_reason = "time limit"
                 break
-            progress = step / cfg.steps
-            if limit_s is not None:
-                progress = max(progress, (start + (cfg.steps - start) * elapsed / limit_s) / cfg.steps)
-            opt.lr = lr_at(cfg, step, progress)
+            opt.lr = lr_at(cfg, step, schedule_progress(step, start, cfg.steps, elapsed, limit_s))
             stats = trainer.step(batches.batch(step))
             step += 1
             if tuner is not None:
