@@ -149,28 +149,34 @@ def config(log: Log, tmp: Path) -> None:
         log.attempt("config", f"bytes {raw[:12]!r}...", lambda path=path: build_model(str(path)), 30)
 
 
-def _paths(d, prefix=""):
-    """Dotted paths of a JSON object, depth first (lists by index, at most the first 2 items)."""
+def _paths(d, prefix=()):
+    """Key paths of a JSON object, depth first (lists by index, at most the first 2 items); not into the
+    plan (tests/test_fuzz_plan.py fuzzes plans)."""
     items = d.items() if isinstance(d, dict) else list(enumerate(d))[:2] if isinstance(d, list) else ()
     for k, v in items:
-        p = f"{prefix}.{k}" if prefix else str(k)
+        p = (*prefix, k)
         yield p
-        if p != "plan" and not (isinstance(v, list) and len(v) > 8):
+        if p != ("plan",) and not (isinstance(v, list) and len(v) > 8):
             yield from _paths(v, p)
 
 
-def _set(d, path: str, value) -> None:
-    *head, last = path.split(".")
-    for k in head:
-        d = d[int(k)] if isinstance(d, list) else d[k]
-    key = int(last) if isinstance(d, list) else last
+def _set(d, path: tuple, value) -> None:
+    for k in path[:-1]:
+        d = d[k]
     if value == "delete":
-        if isinstance(d, list):
-            d.pop(key)
-        else:
-            d.pop(key)
+        d.pop(path[-1])
     else:
-        d[key] = value
+        d[path[-1]] = value
+
+
+def _name(path: tuple, v) -> str:
+    return ".".join(map(str, path)) + ("" if v == "delete" else f"={v!r}") + (" deleted" if v == "delete" else "")
+
+
+def _load(d: Path) -> None:
+    """Load the checkpoint at ``d`` into a fresh trainer (and close it)."""
+    Trainer.load_checkpoint(d, small_gpt(), optimizer=Hybrid8bitAdamW(lr=1e-3, block_size=256, min_8bit_numel=64),
+                            device="cpu").close()
 
 
 def manifest(log: Log, tmp: Path, saved: Path) -> None:
@@ -183,8 +189,7 @@ def manifest(log: Log, tmp: Path, saved: Path) -> None:
             m = json.loads((d / "checkpoint.json").read_text())
             _set(m, path, v)
             (d / "checkpoint.json").write_text(json.dumps(m))
-            log.attempt("manifest", f"{path}={v!r}", lambda d=d: Trainer.load_checkpoint(
-                d, small_gpt(), optimizer=Hybrid8bitAdamW(lr=1e-3, block_size=256, min_8bit_numel=64), device="cpu"))
+            log.attempt("manifest", _name(path, v), lambda d=d: _load(d))
 
 
 def metrics(log: Log, tmp: Path, run: Path) -> None:
@@ -199,7 +204,7 @@ def metrics(log: Log, tmp: Path, run: Path) -> None:
             m = json.loads((r / "checkpoint" / "metrics.json").read_text())
             _set(m, path, v)
             (r / "checkpoint" / "metrics.json").write_text(json.dumps(m))
-            log.attempt("metrics", f"{path}={v!r}", lambda r=r: runfiles.load_resume(TrainConfig(resume=str(r),
+            log.attempt("metrics", _name(path, v), lambda r=r: runfiles.load_resume(TrainConfig(resume=str(r),
                                                                                              steps=10)))
 
 
@@ -262,8 +267,7 @@ def flips(log: Log, tmp: Path, saved: Path, n: int, rng: random.Random) -> None:
         pos = rng.randrange(len(data))
         data[pos] ^= 1 << rng.randrange(8)
         f.write_bytes(bytes(data))
-        log.attempt("flips", f"{f.name} byte {pos}", lambda d=d: Trainer.load_checkpoint(
-            d, small_gpt(), optimizer=Hybrid8bitAdamW(lr=1e-3, block_size=256, min_8bit_numel=64), device="cpu"))
+        log.attempt("flips", f"{f.name} byte {pos}", lambda d=d: _load(d))
 
 
 def kills(log: Log, tmp: Path, plan, n_proc: int, rng: random.Random) -> None:
@@ -288,22 +292,37 @@ def kills(log: Log, tmp: Path, plan, n_proc: int, rng: random.Random) -> None:
         for k, s in enumerate(states, 1):
             log.add("kills", f"commit 2 killed at call {k}", "ok" if s[:2] == (2, 2) else "lost", str(s[:3]))
     tr.close()
-    for i in range(n_proc):     # a real process, killed at a random moment of a short run
+    # a real process: a run at step 2 resumed to step 4 in its own folder, SIGKILLed at a random moment
+    # of that resume (compile, replay, steps, both commits); the folder keeps step 2 or step 4, complete
+    base = tmp / "proc_base"
+    _quiet(["train", *TRAIN, "--steps", "2", "--output", str(base)])
+    cmd = [sys.executable, "-m", "lazytrain.cli", "train", *TRAIN, "--steps", "4"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    t = time.perf_counter()
+    shutil.copytree(base, tmp / "proc_full")
+    subprocess.run([*cmd, "--resume", str(tmp / "proc_full"), "--output", str(tmp / "proc_full")], env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    whole = time.perf_counter() - t
+    for i in range(n_proc):
         out = tmp / f"proc{i}"
-        p = subprocess.Popen([sys.executable, "-m", "lazytrain.cli", "train", *TRAIN, "--steps", "6", "--output",
-                              str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        time.sleep(rng.uniform(3.0, 14.0))
+        shutil.copytree(base, out)
+        p = subprocess.Popen([*cmd, "--resume", str(out), "--output", str(out)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        at = rng.uniform(0.0, whole)
+        time.sleep(at)
         p.send_signal(signal.SIGKILL)
         p.wait()
-        if not (out / "checkpoint").exists() and not (out / "checkpoint.old").exists():
-            log.add("kills", f"train SIGKILLed #{i} before its first commit", "ok", "nothing to resume")
-            continue
         try:
-            folder, meta = _read(out)
-            log.add("kills", f"train SIGKILLed #{i} at step {meta['step']}", "ok")
+            _, meta = _read(out)
+            log.add("kills", f"resume SIGKILLed at {at:.1f} of {whole:.1f} s",
+                    "ok" if meta["step"] in (2, 4) else "lost", f"step {meta['step']}")
         except Exception as e:  # noqa: BLE001
-            log.add("kills", f"train SIGKILLed #{i}", "lost", f"{type(e).__name__}: {e}")
+            log.add("kills", f"resume SIGKILLed at {at:.1f} of {whole:.1f} s", "lost", f"{type(e).__name__}: {e}")
+
+
+def _quiet(args: list[str]) -> None:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(args) == 0
 
 
 def _read(out: Path):
@@ -354,7 +373,7 @@ def code(log: Log, tmp: Path, run: Path) -> None:
 def main_(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the rows and counts here (JSON)")
-    ap.add_argument("--kills", type=int, default=6, help="lazytrain train processes to SIGKILL")
+    ap.add_argument("--kills", type=int, default=12, help="lazytrain train resumes to SIGKILL")
     ap.add_argument("--flips", type=int, default=40, help="random single-bit flips in tensor files")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -370,8 +389,7 @@ def main_(argv=None) -> dict:
     tr.save_checkpoint(tmp / "saved")
     tr.close()
     run = tmp / "run"
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        assert main(["train", *TRAIN, "--steps", "2", "--output", str(run)]) == 0
+    _quiet(["train", *TRAIN, "--steps", "2", "--output", str(run)])
     for name, fn in (("cli", lambda: cli(log, tmp)), ("config", lambda: config(log, tmp)),
                      ("manifest", lambda: manifest(log, tmp, tmp / "saved")),
                      ("metrics", lambda: metrics(log, tmp, run)),

@@ -2,14 +2,16 @@
 
 A Hybrid 8-bit AdamW checkpoint holds, per parameter, the fp32 master weight and two 8-bit moments
 (~6 bytes).  This writes one file per block, as ``runtime/checkpoint.py`` does (safetensors + fsync),
-for the 3B shape (36 layers of 77.1 M parameters and a 311 M tied embedding: ~18.6 GB), three ways:
+for the 3B shape (36 layers of 77.1 M parameters and a 311 M tied embedding: ~18.6 GB), two ways:
 
     plain     save_file + fsync per file (format 1)
     hashed    the same, each file hashed on a worker thread while the next is written (format 2)
 
-and reads them back: ``load_file`` (format 1) against read + hash + deserialize with the next file
-prefetched (format 2, ``manifest.read_verified``).  One layer's tensors are reused for every layer
-(the cost does not depend on the values), so the store needs one layer of memory, not 18 GB.
+and reads them back, each tensor copied once as into the host store: ``load_file`` (format 1) against
+read + hash + deserialize with the next file prefetched (format 2, ``manifest.read_verified``).  Read
+right after writing, the files are in the page cache: the load figures are the CPU cost, not the disk.
+One layer's tensors are reused for every layer (the cost does not depend on the values), so the store
+needs one layer of memory, not 18 GB.
 
     python benchmarks/checkpoint_hash_cost.py --dir /path/with/20GB/free [--layers 36] [--reps 2]
 """
@@ -65,9 +67,10 @@ def save(folder: Path, files: list[tuple[str, dict]], hashed: bool) -> tuple[flo
 
 def load(folder: Path, names: list[str], entries: dict | None) -> float:
     t = time.perf_counter()
-    if entries is None:
+    if entries is None:         # load_file maps the file lazily: the copy into the store reads it
         for name in names:
-            load_file(str(folder / name))
+            for v in load_file(str(folder / name)).values():
+                v.clone()
         return time.perf_counter() - t
     with hashing_pool() as pool:
         pending = prefetch(pool, folder / names[0])
@@ -75,7 +78,8 @@ def load(folder: Path, names: list[str], entries: dict | None) -> float:
             nxt = prefetch(pool, folder / names[i + 1]) if i + 1 < len(names) else None
             e = entries[name]
             expected = {k: (DTYPES[v["dtype"]], tuple(v["shape"])) for k, v in e["tensors"].items()}
-            read_verified(folder / name, e, expected, pending)
+            for v in read_verified(folder / name, e, expected, pending).values():
+                v.clone()       # the copy into the store, as for format 1
             pending = nxt
     return time.perf_counter() - t
 

@@ -61,9 +61,9 @@ from .model_loading import is_hf_folder as _is_hf_folder
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
 TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512, "rope": True}
 #: token ids in one batch of the task (batch x seq): the batch is generated on the host every step, at
-#: ~30 us a row on the 2-core machine, and its ids and labels (int64) take 16 bytes a token; this bound
-#: keeps a batch under 64 MiB (the default, 32 x 88, is 2,816 tokens)
-MAX_BATCH_TOKENS = 1 << 22
+#: ~0.3 ms a row of 88 tokens on the 2-core machine, so a batch at this bound takes ~3.4 s to generate
+#: and its ids and labels (int64) 16 MiB (the default, 32 x 88, is 2,816 tokens)
+MAX_BATCH_TOKENS = 1 << 20
 
 
 @dataclass
@@ -317,8 +317,8 @@ def check_config(cfg: TrainConfig, diff, seq: int) -> None:
         raise ValueError(f"--seed must be a whole number in [0, 2**63), got {cfg.seed}")
     cores = _cpu_cores()
     if cfg.threads is not None and not 1 <= cfg.threads <= cores:
-        raise ValueError(f"--threads {cfg.threads}: this machine gives this process {cores} cores; more threads than "
-                         f"cores only wait for each other (1,000 on 2 cores ran 3.8x slower): at most {cores}")
+        raise ValueError(f"--threads {cfg.threads}: this machine gives this process {cores} cores, and "
+                         f"more threads than cores only wait for each other: at most {cores}")
     check_eval_size(cfg.eval_size, diff)
 
 
@@ -455,8 +455,8 @@ def run(cfg: TrainConfig) -> dict:
         }
         # commit 1, before the eval: an eval that fails (out of memory) or is killed loses no training
         ckpt = runfiles.commit(trainer, out, metrics)
-        if not interrupted:
-            em = _final_eval(trainer, evals, dev, flag)
+        if not interrupted:         # (a Ctrl-C during commit 1 skips the eval too)
+            em = None if flag.set else _final_eval(trainer, evals, dev, flag)
             if em is None:
                 metrics.update(final_eval="skipped (interrupted)", interrupted=True)
             else:

@@ -21,9 +21,8 @@ import torch
 from conftest import small_gpt
 from safetensors.torch import load_file, save_file
 
-from lazytrain import runfiles
 from lazytrain.runtime import checkpoint
-from lazytrain.runtime.checkpoint import META, CheckpointError, read_extra, read_meta
+from lazytrain.runtime.checkpoint import META, CheckpointError
 from lazytrain.runtime.optim.hybrid8bit import Hybrid8bitAdamW
 from lazytrain.runtime.trainer import Trainer
 
@@ -55,6 +54,7 @@ def _metrics(step: int, final_eval: str = "pending") -> dict:
 def _state(out: Path) -> tuple[int, int, str, dict]:
     """(manifest step, metrics step, metrics' final eval, file entries) of the committed state, every
     tensor file checked against its recorded SHA-256."""
+    from lazytrain.runtime.checkpoint import read_extra, read_meta
     folder, meta = read_meta(out / "checkpoint")
     metrics = json.loads(read_extra(folder, meta, "metrics.json"))
     for name, entry in meta["files"].items():
@@ -108,6 +108,7 @@ def _kill_at_every_call(monkeypatch, tmp_path: Path, before: Path, commit) -> li
 
 
 def test_a_kill_at_any_write_leaves_the_old_or_the_new_state(trainer, tmp_path, monkeypatch):
+    from lazytrain import runfiles
     before = tmp_path / "before"
     _step(trainer)
     runfiles.commit(trainer, before, _metrics(trainer.steps))                       # state A

@@ -86,8 +86,8 @@ def test_every_distinct_eval_problem_can_be_asked_for():
 ])
 def test_absurd_sizes_are_refused_before_any_work(args, message, capsys, tmp_path):
     t = time.perf_counter()
-    err = _error([*args, "--hardware", "cpu"] if args[0] == "compile" else [*args, "--output", str(tmp_path)],
-                 capsys, 10)
+    out = ["--hardware", "cpu", "-o", str(tmp_path / "p.json")] if args[0] == "compile" else ["--output", str(tmp_path)]
+    err = _error([*args, *out], capsys, 10)
     assert message in err and time.perf_counter() - t < 5, err
 
 
@@ -141,6 +141,7 @@ QWEN = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 48, "num_
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
     ({"attention_dropout": 1.5}, "attention_dropout is a probability"),
     ({"num_hidden_layers": 10**9}, "num_hidden_layers 1,000,000,000 is larger than LazyTrain builds"),
+    ({"max_position_embeddings": 10**30}, "max_position_embeddings .* is larger than LazyTrain builds"),
 ])
 def test_bad_hf_config_fields_are_one_line_errors(change, message, tmp_path, capsys):
     path = tmp_path / "config.json"
@@ -148,7 +149,8 @@ def test_bad_hf_config_fields_are_one_line_errors(change, message, tmp_path, cap
     with pytest.raises(ValueError, match=message) as e:
         build_model(str(path))
     assert str(path) in str(e.value)
-    assert message.split()[0] in _error(["compile", str(path), "--seq", "16", "--hardware", "cpu"], capsys)
+    assert message.split()[0] in _error(["compile", str(path), "--seq", "16", "--hardware", "cpu", "-o",
+                                         str(tmp_path / "p.json")], capsys)
 
 
 @pytest.mark.parametrize("change, message", [({"rope": "yes"}, "rope must be true or false"),
@@ -162,7 +164,8 @@ def test_bad_gpt_config_fields(change, message):
 def test_config_that_is_not_utf8_names_the_file(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_bytes(b'{"model_type": "\xff\xfe"}')
-    assert f"{path}: not a text file" in _error(["compile", str(path), "--hardware", "cpu"], capsys)
+    assert f"{path}: not a text file" in _error(["compile", str(path), "--hardware", "cpu", "-o", str(tmp_path / "p")],
+                                                capsys)
 
 
 def test_empty_or_unreadable_batches(plan):
@@ -215,7 +218,7 @@ def test_nvme_dir_that_climbs_out_is_refused_at_compile(capsys, tmp_path):
 
 
 def test_more_threads_than_cores_is_refused(capsys, tmp_path):
-    assert "more threads than cores" in _error(["train", *TINY, "--threads", "1000", "--output", str(tmp_path)],
+    assert "more threads than cores only wait" in _error(["train", *TINY, "--threads", "1000", "--output", str(tmp_path)],
                                                capsys)
 
 

@@ -116,6 +116,7 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
     if missing:
         raise ValueError(f"{source}: {model_type} config is missing {', '.join(missing)}")
     _check_ints(shape, [k for k, v in shape.items() if v is not None], source)
+    _check_ints(cfg, [k for k in ("max_position_embeddings", "n_positions") if cfg.get(k) is not None], source)
     heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"] or shape["num_attention_heads"]
     if heads % kv:
         raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")

@@ -292,8 +292,7 @@ def eval_examples(n: int, difficulty: str | Difficulty = "easy", *, seed: int = 
 # ---- how many eval problems a difficulty has -------------------------------------------------------
 
 #: the largest eval set: exact match's standard error is at most 0.5 / sqrt(n), 0.5% at 10,000 problems,
-#: and evaluating takes ~25 ms a problem with the task GPT on the 2-core machine (500 in 12 s), so the
-#: final eval of 10,000 takes about 4 minutes there
+#: and the task GPT evaluated 500 problems in 12-24 s on the 2-core machine, so 10,000 take 4-8 minutes
 MAX_EVAL_SIZE = 10_000
 
 
