@@ -69,7 +69,7 @@ class _Lowering:
         if not clip:
             for o in range(self.L):
                 if o not in self.resident:
-                    self.updates_after[min(g.readers(o))].append(o)
+                    self.updates_after[min(cost.sizes.readers(o))].append(o)
 
     def emit(self, kind: OpKind, block: int, *, deps: tuple[int, ...] = (), **fields) -> int:
         """Append an op; its dependencies are ``deps`` (the schedule's own) and every hazard's."""

@@ -122,7 +122,15 @@ class ModelGraph:
         """The blocks that read block ``owner``'s parameters, in block order: ``owner`` itself and every
         block a tied parameter links to it.  Their gradients are what ``owner``'s update consumes, and
         their loads copy what that update writes."""
-        return tuple(b.index for b in self.blocks if b.index == owner or any(p.owner == owner for p in b.params))
+        return self.all_readers()[owner]
+
+    def all_readers(self) -> tuple[tuple[int, ...], ...]:
+        """``readers`` of every block, in one pass over the parameters."""
+        out: list[set[int]] = [{j} for j in range(len(self.blocks))]
+        for b in self.blocks:
+            for p in b.params:
+                out[p.owner].add(b.index)
+        return tuple(tuple(sorted(r)) for r in out)
 
     def owners(self, block: int) -> tuple[int, ...]:
         """The blocks whose parameters ``block`` reads (itself included), in block order: the inverse of

@@ -51,39 +51,42 @@ class HazardWalk:
     def step(self, op: Op, eff: Effects) -> list[Hazard]:
         """The hazards of ``op`` (the next op of the list, with its effects) on the ops before it."""
         writer, readers = self.writer, self.readers
-        found = []
-        reads = [((t.kind, t.index, t.mb, tier), (t, tier)) for t, tier in eff.reads]
-        for key, v in reads:
+        found: list[Hazard] = []
+        same_step = bool(eff.reads)     # every value it reads was written in this list
+        for v in eff.reads:
+            t, tier = v
+            key = (t.kind, t.index, t.mb, tier)
             w = writer.get(key)
-            if w is not None:
+            if w is None:
+                same_step = False
+            else:
                 found.append(Hazard(w, v, "read"))
-        changed = [((t.kind, t.index, t.mb, tier), (t, tier)) for t, tier in (*eff.writes, *eff.drops, *eff.mutates)]
-        for key, v in changed:
-            r = readers.get(key)
-            if r:
-                found.extend(Hazard(x, v, "write") for x in r.values())
-            w = writer.get(key)
-            if w is not None:
-                found.append(Hazard(w, v, "overwrite"))
-        # a host update in the step of its gradients (every gradient it reads was offloaded in this
-        # list) may apply the step's clip coefficient: the norm is complete once the D2H stream has
-        # run every grad_offload so far, i.e. once the last one is done
-        if op.kind is OpKind.UPDATE and op.resource is not Resource.GPU and self.last_grad_offload >= 0 \
-                and reads and all(key in writer for key, _ in reads):
-            found.append(Hazard(self.last_grad_offload, None, "norm"))
-        for key, _ in reads:
             r = readers.get(key)
             if r is None:
                 readers[key] = {op.resource: op.id}
             else:
                 r[op.resource] = op.id
-        for key, _ in changed:
-            writer[key] = op.id
-            readers[key] = {}
-        if op.kind is OpKind.GRAD_OFFLOAD:
+        for group in (eff.writes, eff.drops, eff.mutates):
+            for v in group:
+                t, tier = v
+                key = (t.kind, t.index, t.mb, tier)
+                r = readers.get(key)
+                if r:
+                    found.extend(Hazard(x, v, "write") for x in r.values() if x != op.id)
+                w = writer.get(key)
+                if w is not None and w != op.id:
+                    found.append(Hazard(w, v, "overwrite"))
+                writer[key] = op.id
+                readers[key] = {}
+        # a host update in the step of its gradients (every gradient it reads was offloaded in this
+        # list) may apply the step's clip coefficient: the norm is complete once the D2H stream has
+        # run every grad_offload so far, i.e. once the last one is done
+        if op.kind is OpKind.UPDATE and same_step and self.last_grad_offload >= 0 \
+                and op.resource is not Resource.GPU:
+            found.append(Hazard(self.last_grad_offload, None, "norm"))
+        elif op.kind is OpKind.GRAD_OFFLOAD:
             self.last_grad_offload = op.id
         return found
-
 
     def deps(self, op: Op, eff: Effects, ops: list[Op]) -> set[int]:
         """``step``, as the dependencies the hazards need (``ops``: the ops before ``op``)."""

@@ -71,12 +71,12 @@ class Sizes:
     def of(self, t: TensorId, tier: Tier = Tier.GPU) -> int:
         b = self.graph.blocks
         if t.kind is TensorKind.PARAMS:
-            return b[t.index].param_numel * self.param_bytes
+            return self._param_numel[t.index] * self.param_bytes
         if t.kind is TensorKind.GRADS:
             per = GRAD_ACCUM_BYTES if tier is Tier.GPU else GRAD_WIRE_BYTES
             if self.param_bytes == 4:   # fp32 training keeps fp32 gradients everywhere
                 per = 4
-            return b[t.index].param_numel * per
+            return self._param_numel[t.index] * per
         if t.kind in (TensorKind.ACT, TensorKind.GRAD_ACT):
             return self.graph.boundary_bytes[t.index] * self.micro_batch
         if t.kind is TensorKind.SAVED:
@@ -92,8 +92,12 @@ class Sizes:
         return self._owners[block]
 
     @cached_property
+    def _param_numel(self) -> tuple[int, ...]:
+        return tuple(b.param_numel for b in self.graph.blocks)
+
+    @cached_property
     def _readers(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(self.graph.readers(o) for o in range(self.graph.n_blocks))
+        return self.graph.all_readers()
 
     @cached_property
     def _owners(self) -> tuple[tuple[int, ...], ...]:
@@ -107,7 +111,7 @@ class Sizes:
         """Backward returns all of a block's parameter gradients at once (``autograd.grad``), in the
         parameter dtype, before they are added into the fp32 accumulator: one params-sized transient
         (measured: 0.58 GiB for qwen2.5-3b's embedding, 0.14 GiB per layer)."""
-        return self.graph.blocks[block].param_numel * self.param_bytes
+        return self._param_numel[block] * self.param_bytes
 
     def grad_cast_transient(self, block: int) -> int:
         """``grad_offload`` casts the fp32 accumulator to the host gradient dtype on the GPU first."""
