@@ -26,7 +26,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _as_graph(model, seq_len: int, param_dtype: str, history: list) -> ModelGraph:
+def _as_graph(model, seq_len: int, param_dtype: str, history: list, seq_tile: int | None = None) -> ModelGraph:
     if isinstance(model, ModelGraph):
         return model
     from .trace import trace
@@ -34,7 +34,7 @@ def _as_graph(model, seq_len: int, param_dtype: str, history: list) -> ModelGrap
     if isinstance(model, str):
         from .presets import build_model
         model = build_model(model)
-    graph = trace(model, seq_len=seq_len, dtype=param_dtype)
+    graph = trace(model, seq_len=seq_len, dtype=param_dtype, seq_tile=seq_tile)
     history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4)})
     return graph
 
@@ -311,7 +311,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                   hardware: str = "h200", policy: str = "milp", optimizer: str = "hybrid8bit",
                   param_dtype: str = "bfloat16", clip: bool = True, solver: str = "cbc",
                   time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16,
-                  resident="auto", calibrate: bool = False) -> Plan:
+                  resident="auto", calibrate: bool = False, seq_tile: int | str | None = "auto") -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
     to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
 
@@ -331,11 +331,18 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     ``calibrate=True`` times the model's own blocks on this machine at the plan's micro-batch and
     sequence length and compiles with those times (``lazytrain.calibrate``; written into ``hardware``
     when it is a file).
+
+    ``seq_tile``: run the layers' position-wise tails (output projection, norm, MLP) in chunks of that
+    many tokens, recomputed in backward (``tiling.py``); ``"auto"`` (default) does so, in chunks of
+    ``tiling.TILE_TOKENS``, only when no plan fits without; ``None``: never.
     """
     options = {k: v for k, v in locals().items() if k != "model"}
     if seq_len == "max":
         from .seq_search import compile_max_seq
         return compile_max_seq(compile_model, model, options)
+    if seq_tile == "auto":
+        from .tiling import compile_auto_tiled
+        return compile_auto_tiled(compile_model, model, options)
     if calibrate:
         from ..calibrate import compile_calibrated
         return compile_calibrated(compile_model, model, {k: v for k, v in options.items() if k != "calibrate"})
@@ -351,7 +358,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     history: list[dict] = []
     t0 = time.perf_counter()
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
-    graph = _as_graph(model, seq_len, param_dtype, history)
+    graph = _as_graph(model, seq_len, param_dtype, history, seq_tile)
 
     budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
     fixed, auto = resident_request(graph, resident)

@@ -93,7 +93,8 @@ class Trainer:
         param_dtype = _torch_dtype(plan.param_dtype)
         self._token_limits = token_limits(model, plan)
         self.program = build_program(model, micro_batch=plan.micro_batch, seq_len=plan.seq_len, device=self.device,
-                                     dtype=_torch_dtype(plan.graph.dtype))
+                                     dtype=_torch_dtype(plan.graph.dtype),
+                                     seq_tile=(plan.graph.meta.get("seq_tile") or {}).get("tokens"))
         have = self.program.graph.fingerprint()
         if have != plan.fingerprint:
             raise PlanError(f"the plan was compiled for another model (plan {plan.graph.name}, fingerprint "
