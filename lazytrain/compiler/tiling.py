@@ -150,6 +150,8 @@ def find_tail(gm: fx.GraphModule, mb: int, seq: int) -> list[fx.Node]:
             return []
         if _kind(t, mb, seq) == "act" and list(t.shape).count(seq) != 1:
             return []
+        if _kind(t, mb, seq) == "flat":     # a chunk's rows of [batch * seq, ...] are not one slice
+            return []
     return [] if _draws_random(region) else tail
 
 
@@ -188,7 +190,10 @@ class TiledTail(nn.Module):
         super().__init__()
         self.mb, self.seq, self.tokens = mb, seq, tokens
         self.n_chunks = math.ceil(seq / tokens)
-        self._gm, self._tail = gm, tail
+        # the block's untiled graph and the tail's nodes in it: to rewrite the code for other chunk lengths
+        # (plain attributes, not submodules: the block's constants must not be registered twice)
+        object.__setattr__(self, "_gm", gm)
+        object.__setattr__(self, "_tail", tail)
         self._by_len: dict[int, fx.GraphModule] = {}
         full, ext, _ = _region(gm, tail, mb, seq, seq)
         self.n_act = sum(_kind(_val(a), mb, seq) == "act" for a in ext)
