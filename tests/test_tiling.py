@@ -85,6 +85,11 @@ def test_blocks_are_tiled_only_when_no_plan_fits_without(monkeypatch):
     assert "without tiling no plan fits: needs at least 30 GiB" in " ".join(long_.summary().split())
 
 
+def test_a_bad_tile_size_is_one_line():
+    with pytest.raises(ValueError, match="^seq_tile must be a positive number of tokens, 'auto' or None, got 0"):
+        lazytrain.compile("tiny", seq_len=64, seq_tile=0)
+
+
 def test_a_tail_that_draws_random_numbers_is_left_untiled():
     from lazytrain.compiler.program import build_split
     model = build_from_config(dict(GPT2, resid_pdrop=0.1), device="cpu", dtype=torch.float32)

@@ -355,6 +355,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         raise ValueError(f"seq_len must be a positive integer or 'max', got {seq_len!r}")
     if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch < 1):
         raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
+    if seq_tile is not None and (not isinstance(seq_tile, int) or isinstance(seq_tile, bool) or seq_tile < 1):
+        raise ValueError(f"seq_tile must be a positive number of tokens, 'auto' or None, got {seq_tile!r}")
     history: list[dict] = []
     t0 = time.perf_counter()
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
