@@ -93,7 +93,7 @@ def _vocab(model: nn.Module) -> int:
 
 
 def measure_blocks(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch: int, param_dtype: str,
-                   device=None, gpu_memory=None, host_memory=None, repeats: int = 3,
+                   device=None, gpu_memory=None, host_memory=None, seq_tile: int | None = None, repeats: int = 3,
                    verbose: bool = True) -> list[BlockTiming]:
     """Forward, backward and recompute seconds of each distinct block of ``model`` at this micro-batch and
     sequence length, measured in LazyTrain's runtime on ``device`` (module docstring)."""
@@ -106,7 +106,7 @@ def measure_blocks(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro
     batch = micro_batch * N_MICRO
     plan = compile_model(tm, batch_size=batch, seq_len=seq_len, micro_batch=micro_batch, hardware=hw,
                          gpu_memory=gpu_memory, host_memory=host_memory, policy="recompute-all", resident="none",
-                         param_dtype=param_dtype, optimizer="adamw")
+                         param_dtype=param_dtype, optimizer="adamw", seq_tile=seq_tile)
     _log(verbose, f"timing {plan.graph.n_blocks} blocks of a {type(model).__name__} on {device}: micro-batch "
                   f"{micro_batch}, seq {seq_len}, {repeats} steps of {N_MICRO} micro-batches after {WARMUP}")
     by_id = {op.id: op for op in plan.ops}
@@ -163,13 +163,14 @@ def compile_calibrated(compile_fn, model, options: dict, *, verbose: bool = True
         raise ValueError(f"calibrate=True times the blocks on this machine's {device.type}, but the hardware profile "
                          f"{hw.name!r} is {'a GPU' if hw.has_gpu else 'the CPU'}'s: give this machine's profile "
                          f"(`lazytrain profile -o hw.json`, or 'cpu' without a GPU)")
-    graph = trace(model, seq_len=options["seq_len"], dtype=options["param_dtype"])
+    tile = options.get("seq_tile") if isinstance(options.get("seq_tile"), int) else None
+    graph = trace(model, seq_len=options["seq_len"], dtype=options["param_dtype"], seq_tile=tile)
     plan = compile_fn(graph, **{**options, "hardware": hw})
     if missing(graph, hw, plan.micro_batch):
         mb = plan.micro_batch
         hw = hw.with_timings(measure_blocks(model, hw, seq_len=options["seq_len"], micro_batch=mb,
                                             param_dtype=options["param_dtype"], device=device,
-                                            gpu_memory=options.get("gpu_memory"),
+                                            gpu_memory=options.get("gpu_memory"), seq_tile=tile,
                                             host_memory=options.get("host_memory"), verbose=verbose))
         plan = compile_fn(graph, **{**options, "hardware": hw, "micro_batch": mb})
     if isinstance(hardware, (str, Path)) and Path(hardware).is_file():

@@ -71,7 +71,15 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=_positive_float, default=None,
                    help="MILP time limit per solve, seconds (default: the compile's solver budget, a few seconds)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype")
+    p.add_argument("--seq-tile", type=_seq_tile, default="auto", metavar="auto|none|N",
+                   help="run the layers' position-wise tails in chunks of N tokens, recomputed in backward; auto "
+                        "(default): in chunks of 4096 only when no plan fits without")
     _add_resident_arg(p)
+
+
+def _seq_tile(text: str):
+    """'auto', 'none' or a number of tokens."""
+    return None if text == "none" else "auto" if text == "auto" else _positive(text)
 
 
 def _resident(text: str):
@@ -228,7 +236,7 @@ def cmd_compile(a) -> int:
                          gpu_memory=a.gpu_memory, host_memory=a.host_memory, nvme_dir=a.nvme_dir,
                          nvme_memory=a.nvme_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,
                          solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype, resident=a.resident,
-                         calibrate=a.calibrate)
+                         calibrate=a.calibrate, seq_tile=a.seq_tile)
     if not a.calibrate:
         from .compiler.cost import hint_uncalibrated
         hint_uncalibrated(plan, a.model)

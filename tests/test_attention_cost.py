@@ -19,37 +19,36 @@ from lazytrain.compiler.hardware import PROFILES, attention_flops, head_dim_fact
 
 pytest.importorskip("transformers")
 
-HIDDEN = 256      # 2 heads of 128
+HIDDEN = 2048                   # qwen2.5-3b: 16 query heads of 128
+LAYER_WEIGHTS = 77_070_336       # its matrices: 77,076,992 parameters less 2 norms (2 x 2048), qkv biases (2560)
 
 
 @pytest.fixture(scope="module")
-def tiny_traces():
-    from lazytrain.compiler.presets import build_from_config
+def qwen3b():
+    from lazytrain.compiler.presets import build_model
     from lazytrain.compiler.trace import trace
-    cfg = {"model_type": "qwen2", "hidden_size": HIDDEN, "intermediate_size": 512, "num_hidden_layers": 2,
-           "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 1000, "max_position_embeddings": 65536}
-    model = build_from_config(cfg, device="meta")
+    model = build_model("qwen2.5-3b")
     return {s: trace(model, seq_len=s) for s in (1024, 32768)}
 
 
 @pytest.mark.parametrize("seq", [1024, 32768])
-def test_layer_flops_follow_the_formula(tiny_traces, seq):
-    layer = tiny_traces[seq].blocks[1]
-    weights = sum(p.numel for p in layer.params if len(p.shape) == 2)     # norms and biases multiply nothing
-    assert layer.fwd_flops - layer.attn_fwd_flops == 2 * weights * seq
-    assert layer.bwd_flops - layer.attn_bwd_flops == 4 * weights * seq
+def test_layer_flops_follow_the_formula(qwen3b, seq):
+    layer = qwen3b[seq].blocks[1]
+    assert sum(p.numel for p in layer.params if len(p.shape) == 2) == LAYER_WEIGHTS   # norms, biases multiply nothing
+    assert layer.fwd_flops - layer.attn_fwd_flops == 2 * LAYER_WEIGHTS * seq
+    assert layer.bwd_flops - layer.attn_bwd_flops == 4 * LAYER_WEIGHTS * seq
     assert layer.attn_fwd_flops == attention_flops(1, seq, HIDDEN) == 2 * seq * seq * HIDDEN   # causal: half
     assert layer.attn_bwd_flops == attention_flops(1, seq, HIDDEN, backward=True) == 2.5 * layer.attn_fwd_flops
     assert (layer.attn_head_dim, layer.attn_kv_len) == (128, seq)
 
 
-def test_attention_grows_with_the_square_and_saved_bytes_do_not(tiny_traces):
-    short, long_ = (tiny_traces[s].blocks[1] for s in (1024, 32768))
+def test_attention_grows_with_the_square_and_saved_bytes_do_not(qwen3b):
+    short, long_ = (qwen3b[s].blocks[1] for s in (1024, 32768))
     assert long_.attn_fwd_flops == 32 ** 2 * short.attn_fwd_flops
     assert long_.fwd_flops - long_.attn_fwd_flops == 32 * (short.fwd_flops - short.attn_fwd_flops)
     # a fused kernel saves O(s) per head (output, log-sum-exp): per token the same at both lengths
     assert long_.saved_bytes / 32768 == pytest.approx(short.saved_bytes / 1024, rel=0.01)
-    assert tiny_traces[32768].attention_model_flops == 3 * 2 * long_.attn_fwd_flops   # two layers, fwd + 2x bwd
+    assert qwen3b[32768].attention_model_flops == 3 * 36 * long_.attn_fwd_flops   # 36 layers, fwd + 2x bwd
 
 
 def test_attention_rate_by_length_and_head_dim():
@@ -69,19 +68,11 @@ def test_attention_rate_by_length_and_head_dim():
     assert plain.block_seconds(flops, attn_flops=flops, kv_len=32768) == pytest.approx(plain.block_seconds(flops))
 
 
-@pytest.fixture(scope="module")
-def qwen3b():
-    from lazytrain.compiler.presets import build_model
-    return build_model("qwen2.5-3b")
-
-
 def test_qwen25_3b_at_32k_predicts_the_measured_step(qwen3b):
     """Measured on the H200 (24 GiB cap, batch 1): 3.285 s a step, recompute-all, which the old model
     predicted as 5.086 s; now within 10% of the measurement."""
     import lazytrain
-    from lazytrain.compiler.trace import trace
-    graph = trace(qwen3b, seq_len=32768)
-    plan = lazytrain.compile(graph, batch_size=1, gpu_memory="24GiB", hardware="h200", policy="recompute-all")
+    plan = lazytrain.compile(qwen3b[32768], batch_size=1, gpu_memory="24GiB", hardware="h200", policy="recompute-all")
     assert plan.predicted["step_time_s"] == pytest.approx(3.285, rel=0.10)
     # 36 layers x (fwd + 2x bwd) x 2 s**2 x 2048 against 6 x 3.09 B x s: attention adds 78%
     assert plan.predicted["model_attn_tflops"] / plan.predicted["model_tflops"] == pytest.approx(1.78, abs=0.01)
@@ -94,9 +85,7 @@ def test_qwen25_3b_at_1k_keeps_its_calibration(qwen3b):
     """At seq 1024 attention is ~3% of the FLOPs: the GPU work of the megatrain plan at batch 32 stays the
     1.992 s measured on the H200."""
     import lazytrain
-    from lazytrain.compiler.trace import trace
-    graph = trace(qwen3b, seq_len=1024)
-    plan = lazytrain.compile(graph, batch_size=32, micro_batch=16, gpu_memory="24GiB", hardware="h200",
+    plan = lazytrain.compile(qwen3b[1024], batch_size=32, micro_batch=16, gpu_memory="24GiB", hardware="h200",
                              policy="megatrain")
     assert plan.predicted["busy_s"]["gpu"] == pytest.approx(1.992, rel=0.03)
     assert torch.isclose(torch.tensor(plan.predicted["model_attn_tflops"] / plan.predicted["model_tflops"]),

@@ -39,13 +39,12 @@ _PER_LAYER = {"layer_types": ["sliding_attention", "full_attention"], "head_dim"
               "rope_parameters": {"full_attention": {**SCALINGS["dynamic"], "rope_theta": 10000.0},
                                   "sliding_attention": {**SCALINGS["longrope"], "rope_theta": 10000.0}}}
 # ~3 s each (two exports and a Trainer): the length-dependent kinds past the pretrained length, where they
-# switch; YaRN in transformers 5's spelling (rope_parameters, theta inside); llama3 on Llama; per-layer rope
-# (Gemma-3: one table per attention kind).  Below that length: test_length_dependent_tables_...
+# switch, and per-layer rope (Gemma-3: one table per attention kind, in transformers 5's spelling,
+# rope_parameters with the theta inside).  Below that length, and the kinds fixed at construction (linear,
+# YaRN, llama3: the same buffer path as plain rope): test_length_dependent_tables_are_fixed_at_the_plan_length
 CASES = {"qwen2-dynamic": ("qwen2", {"rope_scaling": SCALINGS["dynamic"]}),
          # Phi-3 takes the pretrained length from its own field (default 4096) into the rope dict
          "phi3-longrope": ("phi3", {"rope_scaling": SCALINGS["longrope"], "original_max_position_embeddings": 8}),
-         "qwen2-yarn-rope_parameters": ("qwen2", {"rope_parameters": {**SCALINGS["yarn"], "rope_theta": 10000.0}}),
-         "llama-llama3": ("llama", {"rope_scaling": SCALINGS["llama3"]}),
          "gemma3-dynamic-and-longrope": ("gemma3_text", _PER_LAYER)}
 SEQ = 24
 
@@ -99,3 +98,7 @@ def test_length_dependent_tables_are_fixed_at_the_plan_length():
     for kind in ("yarn", "llama3", "linear"):
         clone = meta_clone(build_from_config(_config("qwen2", kind), device="cpu"), torch.float32)
         assert fix_rope_length(clone, 24) == []
+    # transformers 5's spelling, the theta inside: the same decision
+    spelled = {"model_type": "qwen2", **_BASE, "rope_parameters": {**SCALINGS["dynamic"], "rope_theta": 10000.0}}
+    clone = meta_clone(build_from_config(spelled, device="cpu"), torch.float32)
+    assert fix_rope_length(clone, 24) == ["model.rotary_emb"]

@@ -30,7 +30,7 @@ class _Model(nn.Module):
 def traced(monkeypatch):
     seen = []
 
-    def trace(model, *, seq_len, dtype="bfloat16"):
+    def trace(model, *, seq_len, dtype="bfloat16", seq_tile=None):
         seen.append(seq_len)
         return chain(4, seq_len=seq_len, hidden=1024, layer_params=20_000_000, saved_per_token=200_000)
     monkeypatch.setattr("lazytrain.compiler.trace.trace", trace)
@@ -57,7 +57,7 @@ def test_the_answer_fits_and_one_step_more_does_not(traced, gpu):
     assert note.startswith(f"longest feasible seq {seq} at batch 2; seq ") and "GPU memory: its leanest plan" in note
     assert "beyond the model's max_position_embeddings 4096" in note
     assert plan.predicted["peak_gpu_bytes"] <= plan.budgets["gpu_bytes"]
-    assert len(traced) <= 16          # doubling from 1024, then bisection to 1/64
+    assert len(set(traced)) <= 16     # lengths probed: doubling from 1024, then bisection to 1/64
 
 
 def test_host_memory_can_be_what_binds(traced):
@@ -79,4 +79,6 @@ def test_nothing_fits_and_bad_requests_are_one_line_errors(traced):
 def test_the_command_line_takes_seq_max():
     from lazytrain.cli import build_parser
     a = build_parser().parse_args(["compile", "tiny", "--seq", "max", "--batch", "4"])
-    assert a.seq == "max" and a.batch == 4
+    assert a.seq == "max" and a.batch == 4 and a.seq_tile == "auto"
+    assert build_parser().parse_args(["compile", "tiny", "--seq-tile", "none"]).seq_tile is None
+    assert build_parser().parse_args(["compile", "tiny", "--seq-tile", "2048"]).seq_tile == 2048

@@ -29,7 +29,8 @@ class BudgetError(PlanError):
     """No plan fits the memory budgets; the message states the smallest budget that would."""
 
 
-def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool = False) -> ModelGraph:
+def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool = False,
+              seq_tile: int | None = None) -> ModelGraph:
     if isinstance(model, ModelGraph):
         if packed and not model.meta.get("packed"):
             raise ValueError("packed=True but the ModelGraph given was traced unpacked: trace it with packed=True")
@@ -39,7 +40,7 @@ def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool
     if isinstance(model, str):
         from .presets import build_model
         model = build_model(model)
-    graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed)
+    graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile)
     history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4)})
     return graph
 
@@ -179,7 +180,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                   hardware: str = "h200", policy: str = "milp", optimizer: str = "hybrid8bit",
                   param_dtype: str = "bfloat16", clip: bool = True, solver: str = DEFAULT_SOLVER,
                   time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16,
-                  resident="auto", calibrate: bool = False, packed: bool = False) -> Plan:
+                  resident="auto", calibrate: bool = False, packed: bool = False,
+                  seq_tile: int | str | None = "auto") -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
     to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
 
@@ -206,11 +208,18 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
 
     ``packed``: batches carry ``position_ids`` and hold several examples a row, each attending only to
     itself (a Hugging Face causal LM; ``compiler/packing.py``).
+
+    ``seq_tile``: run the layers' position-wise tails (output projection, norm, MLP) in chunks of that
+    many tokens, recomputed in backward (``tiling.py``); ``"auto"`` (default) does so, in chunks of
+    ``tiling.TILE_TOKENS``, only when no plan fits without; ``None``: never.
     """
     options = {k: v for k, v in locals().items() if k != "model"}
     if seq_len == "max":
         from .seq_search import compile_max_seq
         return compile_max_seq(compile_model, model, options)
+    if seq_tile == "auto":
+        from .tiling import compile_auto_tiled
+        return compile_auto_tiled(compile_model, model, options)
     if calibrate:
         from ..calibrate import compile_calibrated
         return compile_calibrated(compile_model, model, {k: v for k, v in options.items() if k != "calibrate"})
@@ -223,11 +232,13 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         raise ValueError(f"seq_len must be a positive integer or 'max', got {seq_len!r}")
     if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch < 1):
         raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
+    if seq_tile is not None and (not isinstance(seq_tile, int) or isinstance(seq_tile, bool) or seq_tile < 1):
+        raise ValueError(f"seq_tile must be a positive number of tokens, 'auto' or None, got {seq_tile!r}")
     check_compile_args(model, batch_size=batch_size, seq_len=seq_len, micro_batch=micro_batch, nvme_dir=nvme_dir)
     history: list[dict] = []
     t0 = time.perf_counter()
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
-    graph = _as_graph(model, seq_len, param_dtype, history, packed)
+    graph = _as_graph(model, seq_len, param_dtype, history, packed, seq_tile)
 
     budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
     fixed, auto = resident_request(graph, resident)

@@ -132,20 +132,24 @@ class BlockProgram:
 
 def build_program(model: nn.Module, *, micro_batch: int, seq_len: int, device: str | torch.device,
                   dtype: torch.dtype, example_inputs=None, loss_fn=None,
-                  loss_chunk_tokens: int = DEFAULT_CHUNK, packed: bool = False) -> BlockProgram:
-    """Export ``model`` (never touching its weights) and split it into per-block programs."""
+                  loss_chunk_tokens: int = DEFAULT_CHUNK, packed: bool = False,
+                  seq_tile: int | None = None) -> BlockProgram:
+    """Export ``model`` (never touching its weights) and split it into per-block programs; ``seq_tile``:
+    layers' position-wise tails run in chunks of that many tokens (``tiling.py``); ``packed``: with
+    ``position_ids`` and the per-example mask (``packing.py``)."""
     from .trace import graph_from_split
     sp = build_split(model, micro_batch=micro_batch, seq_len=seq_len, device=device, dtype=dtype,
-                     example_inputs=example_inputs, loss_fn=loss_fn, packed=packed)
+                     example_inputs=example_inputs, loss_fn=loss_fn, packed=packed, seq_tile=seq_tile)
     graph = graph_from_split(sp, model, seq_len=seq_len, dtype=dtype, micro_batch=micro_batch, measure=False)
     return BlockProgram(graph=graph, blocks=sp.blocks, micro_batch=micro_batch, seq_len=seq_len,
                         loss_chunk_tokens=loss_chunk_tokens, packed=packed)
 
 
 def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dtype, example_inputs=None,
-                loss_fn=None, packed: bool = False) -> Split:
-    """Export (three layers when the layers are identical), split, and expand to the full depth;
-    ``packed``: with ``position_ids`` and the per-example mask (``packing.py``)."""
+                loss_fn=None, packed: bool = False, seq_tile: int | None = None) -> Split:
+    """Export (three layers when the layers are identical), split, expand to the full depth, and tile the
+    layers' position-wise tails when ``seq_tile`` is given; ``packed``: with ``position_ids`` and the
+    per-example mask (``packing.py``)."""
     sequential = isinstance(model, nn.Sequential)
     buffers = _real_buffers(model, device)
     clone = meta_clone(model, dtype)
@@ -161,6 +165,11 @@ def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dty
     missing = [n for n, _ in model.named_parameters() if n not in names]
     sp.meta["unused_params"] = missing
     sp.meta["packed"] = packed
+    if seq_tile:
+        from .tiling import tile_split
+        tiled = tile_split(sp, seq_tile, micro_batch, seq_len, dict(model.named_parameters()))
+        if tiled:
+            sp.meta["seq_tile"] = {"tokens": seq_tile, "blocks": tiled}
     return sp
 
 

@@ -9,8 +9,10 @@ answer, rounded to a power of two times a whole number, as ``--batch max`` does 
 A length fits when the leanest plan the chosen policy has fits every budget: for the MILP, every block
 recomputed, every boundary on the host, the smallest micro-batch (that plan lies in the MILP's space,
 so the MILP then finds one at least as good); for a fixed policy, its own plan.  The length that
-does not fit names its binding constraint: the budget the leanest plan exceeds, and by how much.  The
-answer is then compiled as any length is, and the plan's notes carry the search's result.
+does not fit names its binding constraint: the budget the leanest plan exceeds, and by how much.  With
+``seq_tile="auto"`` a length that does not fit is probed again with the layers' tails tiled
+(``tiling.py``).  The answer is then compiled as any length is, and the plan's notes carry the search's
+result.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def compile_max_seq(compile_fn, model, options: dict):
     from .hardware import get_profile
     from .presets import build_model
     from .resident import resident_request
+    from .tiling import TILE_TOKENS
     from .trace import trace
     if isinstance(model, ModelGraph):
         raise ValueError("seq_len='max' needs the model (a module, preset or config): a traced ModelGraph has one "
@@ -84,16 +87,27 @@ def compile_max_seq(compile_fn, model, options: dict):
     graphs: dict[int, ModelGraph] = {}
     why: dict[int, str | None] = {}
 
+    tile = options.get("seq_tile")
+    tiles = [None, TILE_TOKENS] if tile == "auto" else [tile]
+
     def fits(seq: int) -> bool:
-        if seq not in why:
-            graphs[seq] = trace(model, seq_len=seq, dtype=options["param_dtype"])
-            fixed, _ = resident_request(graphs[seq], options["resident"])
-            comp = Compiler(graphs[seq], hw, budgets, param_dtype=options["param_dtype"],
-                            optimizer=options["optimizer"], clip=options["clip"], resident=fixed)
+        """Does the leanest plan fit at ``seq``: untiled, else (``seq_tile="auto"``) with the tails tiled?"""
+        if seq in why:
+            return why[seq] is None
+        for t in [t for t in tiles if t is None or seq > t] or [None]:
+            graph = trace(model, seq_len=seq, dtype=options["param_dtype"], seq_tile=t)
+            if t is not None and not graph.meta.get("seq_tile") and seq in why:
+                continue        # nothing to tile: the untiled probe stands
+            fixed, _ = resident_request(graph, options["resident"])
+            comp = Compiler(graph, hw, budgets, param_dtype=options["param_dtype"], optimizer=options["optimizer"],
+                            clip=options["clip"], resident=fixed)
             try:
                 why[seq] = binding(_leanest(comp, policy, batch, options["micro_batch"]), budgets)
             except PlanError as e:
                 why[seq] = str(e)
+            graphs[seq] = graph
+            if why[seq] is None:
+                break
         return why[seq] is None
 
     lo, hi = 0, START

@@ -33,6 +33,7 @@ from ..ir import Block, ModelGraph, ParamSpec, TensorSpec
 from ..ir.graph import DTYPE_BYTES
 from .attention import DQ_ACCUMULATOR_BYTES, AttentionCount, is_attention
 from .program import DEFAULT_CHUNK, build_split
+from .tiling import TiledTail, run_tail
 from .trace_export import Split, TraceError
 
 TRACE_MICRO_BATCH = 2
@@ -53,18 +54,19 @@ def _dname(d: torch.dtype) -> str:
 
 
 def trace(model: nn.Module, *, seq_len: int, dtype="bfloat16", example_inputs=None, loss_fn=None,
-          packed: bool = False) -> ModelGraph:
+          packed: bool = False, seq_tile: int | None = None) -> ModelGraph:
     """Blocks of ``model`` (embedding, each layer, head + loss) with per-sample costs at ``seq_len``.
 
     ``model``: our GPT, a Hugging Face Qwen2 / Llama / Qwen3 causal LM, or an ``nn.Sequential``
     (each child a block; ``example_inputs=(x, target)`` and ``loss_fn(output, target)`` required).
     Real weights are never touched: everything runs on a meta clone.  ``packed``: the program takes
-    ``position_ids`` and attends within each packed example (``packing.py``).
+    ``position_ids`` and attends within each packed example (``packing.py``).  ``seq_tile``: the
+    layers' position-wise tails run in chunks of that many tokens (``tiling.py``), and are measured so.
     """
     t0 = time.perf_counter()
     dt = _dtype(dtype)
     sp = build_split(model, micro_batch=TRACE_MICRO_BATCH, seq_len=seq_len, device="meta", dtype=dt,
-                     example_inputs=example_inputs, loss_fn=loss_fn, packed=packed)
+                     example_inputs=example_inputs, loss_fn=loss_fn, packed=packed, seq_tile=seq_tile)
     g = graph_from_split(sp, model, seq_len=seq_len, dtype=dt, micro_batch=TRACE_MICRO_BATCH, measure=True)
     g.meta["trace_seconds"] = round(time.perf_counter() - t0, 3)
     return g
@@ -153,6 +155,8 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
             "unused_params": list(sp.meta.get("unused_params", []))}
     if sp.meta.get("packed"):
         meta["packed"] = True       # the Trainer builds the program with position_ids
+    if sp.meta.get("seq_tile"):
+        meta["seq_tile"] = dict(sp.meta["seq_tile"])
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
     return ModelGraph(name=name, seq_len=seq_len, dtype=_dname(dtype), blocks=tuple(blocks),
                       boundary_bytes=tuple(boundary_bytes), boundary_values=tuple(tuple(v) for v in live),
@@ -160,13 +164,17 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
 
 
 def _op_count(gm) -> int:
-    """Calls a block's forward issues (tuple indexing is not one); nested graphs count their own."""
+    """Calls a block's forward issues (tuple indexing is not one); nested graphs count their own, a tiled
+    tail once per chunk."""
     n = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is not operator.getitem:
+        if node.op == "call_function" and node.target is not operator.getitem and node.target is not run_tail:
             n += 1
         elif node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.fx.GraphModule):
             n += _op_count(getattr(gm, node.target))
+        elif node.op == "get_attr" and isinstance(getattr(gm, node.target, None), TiledTail):
+            tail = getattr(gm, node.target)
+            n += tail.n_chunks * _op_count(tail.full_graph)
     return n
 
 
@@ -187,6 +195,7 @@ class _Liveness(fx.Interpreter):
     def __init__(self, gm, saved: dict, exclude: set):
         super().__init__(gm, garbage_collect_values=True)
         self.saved, self.exclude, self.peak, self.op_peak = saved, exclude, 0, 0
+        self.tails: list = []   # (tiled tail, footprint of its call) seen
 
     def run_node(self, n):
         out = super().run_node(n)
@@ -205,8 +214,30 @@ class _Liveness(fx.Interpreter):
                       and self.env[a].is_floating_point() and _storage_key(self.env[a]) not in self.exclude)
             if is_attention(n.target) and ins and isinstance(self.env[ins[0]], torch.Tensor):
                 fp += self.env[ins[0]].numel() * DQ_ACCUMULATOR_BYTES    # the backward's fp32 dQ accumulator
+            if n.target is run_tail:             # one chunk's backward is added after the run (``_measure``)
+                self.tails.append((self.env[n.args[0]], fp))
             self.op_peak = max(self.op_peak, fp)
         return out
+
+
+def _tail_transient(tail: TiledTail) -> tuple[int, int]:
+    """(bytes, fixed bytes) of a tiled tail's backward of one chunk: the chunk's share of what the whole tail
+    saves and of its largest op's footprint, and fp32 accumulators of its parameters' gradients."""
+    inputs = [torch.empty(t.shape, dtype=t.dtype, device="meta", requires_grad=t.is_floating_point())
+              for t in tail.ext_vals]
+    keys = {_storage_key(t) for t in inputs}
+    saved: dict = {}
+
+    def pack(t):
+        if _storage_key(t) not in keys:
+            saved[_storage_key(t)] = _tbytes(t)
+        return t
+    interp = _Liveness(tail.full_graph, saved, keys)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        interp.run(*inputs)
+    share = min(tail.tokens, tail.seq) / tail.seq
+    accum = sum(t.numel() * 4 for t in tail.ext_vals[tail.n_act:] if t.is_floating_point())
+    return math.ceil((sum(saved.values()) + interp.op_peak) * share), accum
 
 
 def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: int):
@@ -245,12 +276,15 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
                                               softcap=lh.softcap, scale=lh.scale)
             outs = (loss,)
     fwd = fc.get_total_flops()
+    fixed = 0
+    for tail, fp in interp.tails:    # measured outside the FLOP count and the saved-tensor hooks
+        chunk, accum = _tail_transient(tail)
+        interp.op_peak, fixed = max(interp.op_peak, fp + chunk), max(fixed, accum)
     keep = dict(saved)
     for t in outs:
         if isinstance(t, torch.Tensor):
             keep[_storage_key(t)] = _tbytes(t)
     ws = max(interp.peak - sum(keep.values()), interp.op_peak, 0)
-    fixed = 0
     if b.loss is not None:   # one chunk of logits whatever the micro-batch: a fixed cost.  Per logit: the
         w = params[b.loss.weight]   # model-dtype product, its fp32 copy, log-softmax, and in backward two fp32
         # gradients (12 bytes measured in bf16 on the CPU, 8 on the H200); plus backward's fp32 accumulator

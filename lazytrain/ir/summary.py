@@ -45,6 +45,22 @@ def _compute_source_text(plan) -> str:
     return text + ("" if len(measured) == n else "; the rest modelled from FLOPs")
 
 
+#: decisions the compiler explains in the plan's notes, shown with the summary
+NOTES = {"batch_search": "batch search", "seq_search": "sequence search", "seq_tile": "why tiled"}
+
+
+def _search_rows(plan) -> list[list]:
+    """Sequence tiles (which layers, how many tokens a chunk) and what the compiler's searches decided."""
+    rows = []
+    tile = plan.graph.meta.get("seq_tile") if isinstance(plan.graph.meta, dict) else None
+    if isinstance(tile, dict) and tile.get("blocks"):
+        rows.append(["sequence tiles", f"{len(tile['blocks'])} layers run their position-wise tail (after attention) "
+                                       f"in chunks of {tile.get('tokens')} tokens, recomputed in backward"])
+    notes = plan.decisions.notes if isinstance(plan.decisions.notes, dict) else {}
+    rows += [[label, str(notes[key])] for key, label in NOTES.items() if key in notes]
+    return rows
+
+
 def _hardware_text(hw) -> str:
     """The profile's name and where its figures come from (the first clause of its ``source``)."""
     hw = hw if isinstance(hw, dict) else {}
@@ -91,6 +107,7 @@ def summary_rows(plan) -> list[list]:
         ]
         if "megatrain_step_time_s" in pred:
             rows.append(["gain over megatrain", f"{pred['megatrain_step_time_s'] / pred['step_time_s']:.3f}x"])
+    rows += _search_rows(plan)
     if plan.solver:
         st = plan.solver
         objective = f"{st.objective:.4f}" if isinstance(st.objective, (int, float)) else st.objective
