@@ -16,6 +16,8 @@ from ..ir.schema import check_nvme_dir
 
 #: config fields that declare how many positions a model handles (GPT-2 writes n_positions)
 POSITION_FIELDS = ("max_seq", "max_position_embeddings", "n_positions")
+#: config fields of a rotary scaling (transformers 5 spells it rope_parameters)
+ROPE_FIELDS = ("rope_scaling", "rope_parameters")
 
 
 def _whole(v, name: str, hi: int) -> int:
@@ -52,7 +54,19 @@ def _config_of(model) -> dict | None:
     if cfg is None:
         return None
     return cfg if isinstance(cfg, dict) else {k: getattr(cfg, k, None) for k in
-                                               (*POSITION_FIELDS, "n_layer", "num_hidden_layers")}
+                                               (*POSITION_FIELDS, *ROPE_FIELDS, "n_layer", "num_hidden_layers")}
+
+
+def _scaled_rope(cfg: dict | None) -> bool:
+    """Whether the config scales its rotary embedding (dynamic NTK, YaRN, longrope, linear, llama3):
+    such a model is configured to run past the length it was pretrained at."""
+    def scaled(v) -> bool:
+        if not isinstance(v, dict):
+            return False
+        if (v.get("rope_type") or v.get("type")) not in (None, "default"):
+            return True
+        return any(scaled(x) for x in v.values() if isinstance(x, dict))    # per attention kind (Gemma-3)
+    return any(scaled((cfg or {}).get(key)) for key in ROPE_FIELDS)
 
 
 def declared_positions(model) -> int | None:
@@ -67,9 +81,10 @@ def declared_positions(model) -> int | None:
 
 def check_positions(model, seq_len: int, name: str = "the model") -> None:
     """A sequence longer than the positions the model declares fails at its first step (a learned
-    position table is indexed past its end) or extrapolates rotary angles it was never trained on."""
+    position table is indexed past its end) or extrapolates rotary angles it was never trained on --
+    unless its config scales its rotary embedding for longer sequences, which is what that is for."""
     have = declared_positions(model)
-    if have is not None and seq_len > have:
+    if have is not None and seq_len > have and not _scaled_rope(_config_of(model)):
         raise ValueError(f"seq_len {seq_len:,} is beyond the positions {name} handles ({have:,}): use a shorter "
                          f"sequence, or a model configured for more positions")
 
