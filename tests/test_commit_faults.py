@@ -220,3 +220,34 @@ def test_a_manifest_with_a_5000_digit_integer(saved, tmp_path):
     (d / META).write_text(re.sub(r'"step": \d+', '"step": ' + "7" * 5000, (d / META).read_text(), count=1))
     with pytest.raises(CheckpointError, match="is not a checkpoint manifest"):
         _load(d)
+
+
+# ---- the compiled kernel cache ------------------------------------------------------------------------------
+def test_kernel_cache_is_private_keyed_and_verified(tmp_path, monkeypatch):
+    """Loading a cached library runs its code: it is keyed by source + compiler, kept in a 0700 folder, and
+    its SHA-256 is checked before every load (a tampered file is rebuilt; a folder others can write is not
+    used).  The build itself is faked here: what is checked is which file would be loaded."""
+    import stat
+
+    from lazytrain.runtime.optim import ckernel
+    builds = []
+
+    def fake_build(cc, folder, name):
+        path = Path(folder) / name
+        path.write_bytes(b"library")
+        (Path(folder) / (name + ".sha256")).write_text(ckernel._sha256(str(path)))
+        builds.append(folder)
+        return str(path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(ckernel, "_build", fake_build)
+    monkeypatch.setattr(ckernel, "_compiler", lambda: ("cc", "cc 1.0"))
+    folder = tmp_path / "lazytrain" / "kernels"
+    path = Path(ckernel.library_path())
+    assert path.parent == folder and stat.S_IMODE(folder.stat().st_mode) == 0o700 and len(builds) == 1
+    assert Path(ckernel.library_path()) == path and len(builds) == 1        # cached and verified
+    path.write_bytes(b"tampered")
+    assert Path(ckernel.library_path()) == path and path.read_bytes() == b"library" and len(builds) == 2
+    monkeypatch.setattr(ckernel, "_compiler", lambda: ("cc", "cc 2.0"))       # another compiler, another key
+    assert Path(ckernel.library_path()) != path and len(builds) == 3
+    folder.chmod(0o777)                                                       # others could plant a library
+    assert Path(ckernel.library_path()).parent != folder and len(builds) == 4

@@ -218,8 +218,8 @@ def test_nvme_dir_that_climbs_out_is_refused_at_compile(capsys, tmp_path):
 
 
 def test_more_threads_than_cores_is_refused(capsys, tmp_path):
-    args = ["train", *TINY, "--threads", "1000", "--output", str(tmp_path)]
-    assert "more threads than cores only wait" in _error(args, capsys)
+    err = _error(["train", *TINY, "--threads", "1000", "--output", str(tmp_path)], capsys)
+    assert "more threads than cores only wait" in err
 
 
 # ---- security: resume runs no code ------------------------------------------------------------------------

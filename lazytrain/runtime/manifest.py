@@ -9,7 +9,7 @@ so a flipped byte (a weight that became 13,784.8) or a retyped tensor is refused
 Why SHA-256: with the SHA extensions (x86 ``sha_ni``, ARMv8 crypto) it hashes 1.6 GB/s on one core of
 the 2-core CI machine, twice BLAKE2b's 0.8; ``hashlib`` releases the GIL on large buffers, so saving
 hashes each file on a worker thread while the next one is written, and loading hashes the next file
-while the current one is deserialized.
+while the current one is loaded (measured on a Qwen2.5-3B-sized store: ``benchmarks/checkpoint_hash_cost.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load as load_bytes
+from safetensors.torch import load_file
 
 from ..jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape
 
@@ -91,9 +91,11 @@ def check_manifest(meta, path: Path) -> dict:
 # ---- hashing ------------------------------------------------------------------------------------------
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 
@@ -107,38 +109,32 @@ def hashing_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=2, thread_name_prefix="lazytrain-sha256")
 
 
-def _read_and_hash(path: Path) -> tuple[bytes, str]:
-    data = path.read_bytes()
-    h = hashlib.sha256()
-    view = memoryview(data)
-    for i in range(0, len(data), _CHUNK):
-        h.update(view[i:i + _CHUNK])
-    return data, h.hexdigest()
-
-
 def prefetch(pool: ThreadPoolExecutor, path: Path) -> Future:
-    """Read and hash ``path`` on a worker thread (``read_verified`` takes the result)."""
-    return pool.submit(_read_and_hash, path)
+    """Hash ``path`` on a worker thread (``read_verified`` takes the digest): the file's pages are read
+    into the page cache once, and the load that follows maps them without another copy."""
+    return pool.submit(sha256_file, path)
 
 
 def read_verified(path: Path, entry: dict, expected: dict[str, tuple[torch.dtype, tuple]], pending: Future
                   ) -> dict[str, torch.Tensor]:
     """The tensors of ``path`` after checking its size, sha256 and every tensor's dtype and shape against
-    the manifest ``entry`` and against ``expected`` (what the model and optimizer hold)."""
+    the manifest ``entry`` and against ``expected`` (what the model and optimizer hold).  The file is
+    hashed, then mapped: a checkpoint's files are never rewritten in place (a save writes a new folder)."""
     if not path.is_file():
         raise CheckpointError(f"{path}: missing, the checkpoint recorded {entry['bytes']} bytes")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{path}: {size} bytes, the checkpoint recorded {entry['bytes']}: truncated or "
+                              f"corrupted")
     try:
-        data, digest = pending.result()
+        digest = pending.result()
     except OSError as e:
         raise CheckpointError(f"{path} cannot be read: {e.strerror or e}") from None
-    if len(data) != entry["bytes"]:
-        raise CheckpointError(f"{path}: {len(data)} bytes, the checkpoint recorded {entry['bytes']}: truncated or "
-                              f"corrupted")
     if digest != entry["sha256"]:
         raise CheckpointError(f"{path}: sha256 {digest[:16]}... differs from the {entry['sha256'][:16]}... the "
                               f"checkpoint recorded: the file is corrupted (or was edited)")
     try:
-        tensors = load_bytes(data)
+        tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read: {e}") from None
     recorded = {k: (DTYPES[v["dtype"]], tuple(v["shape"])) for k, v in entry["tensors"].items()}
