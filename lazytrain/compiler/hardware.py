@@ -304,7 +304,7 @@ class HardwareProfile:
             if missing:
                 parts.append(f"missing fields {missing}")
             raise ValueError(f"bad hardware profile: {'; '.join(parts)}")
-        if not isinstance(data.get("calibration", []), list):
+        if not isinstance(data.get("calibration", []), (list, tuple)):
             raise ValueError("bad hardware profile: calibration must be a list of block timings")
         data["calibration"] = tuple(BlockTiming.from_json(t) for t in data.get("calibration", []))
         # JSON has one number type; accept 139.0 for an int field, 5 for a float one
