@@ -38,13 +38,11 @@ SCALINGS = {
 _PER_LAYER = {"layer_types": ["sliding_attention", "full_attention"], "head_dim": 8, "sliding_window": 8,
               "rope_parameters": {"full_attention": {**SCALINGS["dynamic"], "rope_theta": 10000.0},
                                   "sliding_attention": {**SCALINGS["longrope"], "rope_theta": 10000.0}}}
-# ~3 s each (two exports and a Trainer): the length-dependent kinds past the pretrained length, where they
-# switch, and per-layer rope (Gemma-3: one table per attention kind, in transformers 5's spelling,
-# rope_parameters with the theta inside).  Below that length, and the kinds fixed at construction (linear,
-# YaRN, llama3: the same buffer path as plain rope): test_length_dependent_tables_are_fixed_at_the_plan_length
+# ~3 s each (two exports and a Trainer): dynamic NTK past the pretrained length, and per-layer rope
+# (Gemma-3: dynamic NTK for full attention, longrope for sliding, in transformers 5's spelling,
+# rope_parameters with the theta inside).  Below that length, Phi-3's longrope, and the kinds fixed at
+# construction (linear, YaRN, llama3: the buffer path of plain rope): test_length_dependent_tables_...
 CASES = {"qwen2-dynamic": ("qwen2", {"rope_scaling": SCALINGS["dynamic"]}),
-         # Phi-3 takes the pretrained length from its own field (default 4096) into the rope dict
-         "phi3-longrope": ("phi3", {"rope_scaling": SCALINGS["longrope"], "original_max_position_embeddings": 8}),
          "gemma3-dynamic-and-longrope": ("gemma3_text", _PER_LAYER)}
 SEQ = 24
 
@@ -98,6 +96,15 @@ def test_length_dependent_tables_are_fixed_at_the_plan_length():
     for kind in ("yarn", "llama3", "linear"):
         clone = meta_clone(build_from_config(_config("qwen2", kind), device="cpu"), torch.float32)
         assert fix_rope_length(clone, 24) == []
+    # Phi-3 (longrope's usual home) takes the pretrained length from its own field into the rope dict
+    phi3 = {"model_type": "phi3", **_BASE, "rope_scaling": dict(SCALINGS["longrope"]),
+            "original_max_position_embeddings": 8}
+    built = build_from_config(phi3, device="cpu", dtype=torch.float32)
+    clone = meta_clone(built, torch.float32)
+    assert fix_rope_length(clone, 24) == ["model.rotary_emb"]
+    long_, short = (torch.tensor(SCALINGS["longrope"][f"{k}_factor"]) for k in ("long", "short"))
+    torch.testing.assert_close(clone.model.rotary_emb.inv_freq * long_,
+                               built.model.rotary_emb.original_inv_freq * short)
     # transformers 5's spelling, the theta inside: the same decision
     spelled = {"model_type": "qwen2", **_BASE, "rope_parameters": {**SCALINGS["dynamic"], "rope_theta": 10000.0}}
     clone = meta_clone(build_from_config(spelled, device="cpu"), torch.float32)

@@ -12,7 +12,8 @@ for the noise of a median over a few repeats:
   faster of them alone: ``duplex`` lies between the serial rate (twice the bytes over the sum of the
   two times) and ``h2d + d2h``;
 - no matmul beats ``MAX_TFLOPS``; fused attention, matmuls and a softmax, cannot beat the matmul
-  rate; its rate reaches half its peak within a few long lengths (``attn_half_len``);
+  rate (its length at half rate, ``attn_half_len``, has no limit but zero: a CPU's attention can be
+  far from its peak at every length measured, and the fitted curve still meets the measurements);
 - the fixed cost of a block launch, and Python's time to issue one op, lie in ``(1 us, 10 ms)`` /
   ``(1 us, 1 ms)``: outside, the fit or the timer is broken, not the machine.
 
@@ -31,8 +32,6 @@ TOLERANCE = 0.10
 MAX_LINK_GBPS = 1000.0
 #: above any dense bf16 rate shipping (B200: 2.25 PFLOP/s), with room to spare
 MAX_TFLOPS = 5000.0
-#: attention's rate at the longer measured length is at least 1/5 of its fitted peak
-MAX_HALF_LEN_RATIO = 4.0
 #: times a figure is measured again after the first try
 RETRIES = 2
 
@@ -41,9 +40,8 @@ class ImplausibleMeasurement(RuntimeError):
     """A measured figure crossed a physical limit on every try."""
 
 
-def problems(f: dict, *, long_len: int = 0) -> list[str]:
-    """The limits the figures in ``f`` (``HardwareProfile`` field names; absent ones are not checked)
-    cross; ``long_len``: the longer key length the attention rates were measured at."""
+def problems(f: dict) -> list[str]:
+    """The limits the figures in ``f`` (``HardwareProfile`` field names; absent ones are not checked) cross."""
     out = []
     slack = 1 + TOLERANCE
 
@@ -69,9 +67,8 @@ def problems(f: dict, *, long_len: int = 0) -> list[str]:
             if k in f:
                 need(0 < f[k] <= f["bf16_tflops"] * slack,
                      f"{k} {f[k]:.4g} is outside (0, bf16_tflops {f['bf16_tflops']:.4g}]")
-    if "attn_half_len" in f and long_len:
-        need(0 <= f["attn_half_len"] <= MAX_HALF_LEN_RATIO * long_len,
-             f"attn_half_len {f['attn_half_len']:.4g} is outside [0, {MAX_HALF_LEN_RATIO:g} x {long_len}]")
+    if "attn_half_len" in f:    # no upper limit: far from its peak at the lengths measured, the curve still
+        need(f["attn_half_len"] >= 0, f"attn_half_len {f['attn_half_len']:.4g} is negative")   # meets them
     if "compute_efficiency" in f:
         need(0 < f["compute_efficiency"] <= 1, f"compute_efficiency {f['compute_efficiency']:.3g} is outside (0, 1]")
     if "kernel_overhead_s" in f:
@@ -86,12 +83,11 @@ def problems(f: dict, *, long_len: int = 0) -> list[str]:
     return out
 
 
-def measure_checked(what: str, run: Callable[[], dict], log: Callable[[str], None] = lambda _: None,
-                    **limits) -> dict:
+def measure_checked(what: str, run: Callable[[], dict], log: Callable[[str], None] = lambda _: None) -> dict:
     """``run()`` (a dict of figures) until ``problems`` finds none, at most ``1 + RETRIES`` times."""
     for attempt in range(RETRIES + 1):
         figures = run()
-        found = problems(figures, **limits)
+        found = problems(figures)
         if not found:
             return figures
         log(f"  {what}: {'; '.join(found)}; measuring again ({attempt + 1} of {RETRIES})" if attempt < RETRIES

@@ -348,7 +348,7 @@ def measure(device: str | torch.device | None = None, quick: bool = False, disk_
     attention = measure_checked(
         "attention", lambda: {"bf16_tflops": tflops, **_attention_rates(device, dtype, attn_tokens, attn_lengths,
                                                                           attn_heads, repeats, tflops)},
-        log, long_len=attn_lengths[1])
+        log)
     attention.pop("bf16_tflops")
     log(f"  forward {attention['attn_fwd_tflops']:.3g}, backward {attention['attn_bwd_tflops']:.3g} TFLOP/s at "
         f"long keys, half at {attention['attn_half_len']:.0f}")
