@@ -409,8 +409,14 @@ def main_(argv=None) -> dict:
     print(json.dumps({k: v for k, v in summary.items() if k != "bad"}, indent=1))
     for r in bad:
         print("BAD", r)
-    if a.out:
-        Path(a.out).write_text(json.dumps({**summary, "rows": log.rows}, indent=1))
+    if a.out:       # paths of this machine left out: the temporary folder, the repository, the home folder
+        accepted = [f"{r['category']}: {r['input']}" for r in log.rows if r["outcome"] == "ok"]
+        samples = {c: [f"{r['input']} -> {r['detail']}" for r in log.rows if r["category"] == c
+                       and r["outcome"] == "error"][:4] for c in dict.fromkeys(r["category"] for r in log.rows)}
+        text = json.dumps({**summary, "accepted": accepted, "error_samples": samples}, indent=1)
+        for where, name in ((str(tmp), "$TMP"), (str(ROOT), "$REPO"), (str(Path.home()), "$HOME")):
+            text = text.replace(where, name)
+        Path(a.out).write_text(text)
     shutil.rmtree(tmp, ignore_errors=True)
     return summary
 

@@ -49,10 +49,9 @@ from .manifest import (
     CheckpointError,
     check_manifest,
     describe,
+    hash_async,
     hashing_pool,
-    prefetch,
     read_verified,
-    sha256_file,
 )
 
 __all__ = ["FORMAT", "META", "CheckpointError", "load", "read_extra", "read_meta", "resolve", "save", "write_extra"]
@@ -109,7 +108,7 @@ def _write(trainer, tmp: Path) -> dict:
             # be the same bytes (the same SHA-256) whenever it is saved
             save_file(tensors, str(tmp / name), metadata={"format": FORMAT})
             _fsync_file(tmp / name)
-            digests[name] = pool.submit(sha256_file, tmp / name)
+            digests[name] = hash_async(pool, tmp / name)
             files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": None, "tensors": describe(tensors)}
         for name, entry in files.items():
             entry["sha256"] = digests[name].result()
@@ -339,10 +338,10 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None):
                               f"{sorted(names.values())}")
     _check_steps(meta, folder / META)
     with hashing_pool() as pool:        # the next file is read and hashed while this one is loaded
-        pending = {blocks[0]: prefetch(pool, folder / names[blocks[0]])} if blocks else {}
+        pending = {blocks[0]: hash_async(pool, folder / names[blocks[0]])} if blocks else {}
         for i, j in enumerate(blocks):
             if i + 1 < len(blocks):
-                pending[blocks[i + 1]] = prefetch(pool, folder / names[blocks[i + 1]])
+                pending[blocks[i + 1]] = hash_async(pool, folder / names[blocks[i + 1]])
             _load_block(trainer.optimizer, j, trainer.store.layouts[j], folder / names[j], meta["files"][names[j]],
                         pending.pop(j))
     trainer.steps = meta["step"]

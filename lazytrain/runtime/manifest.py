@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,7 +35,7 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
 _NAMES = {v: k for k, v in DTYPES.items()}
-_CHUNK = 64 << 20          # bytes hashed per update: large enough that hashlib releases the GIL
+_CHUNK = 16 << 20          # bytes read and hashed at a time (hashlib releases the GIL past 2 KiB)
 
 _SHA256 = "^[0-9a-f]{64}$"
 _TENSOR = {"dtype": OneOf(*DTYPES), "shape": ListOf(int)}
@@ -91,9 +92,9 @@ def check_manifest(meta, path: Path) -> dict:
 # ---- hashing ------------------------------------------------------------------------------------------
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
+        buf = bytearray(max(1, min(_CHUNK, os.fstat(f.fileno()).st_size)))
+        view = memoryview(buf)
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
@@ -109,10 +110,18 @@ def hashing_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=2, thread_name_prefix="lazytrain-sha256")
 
 
-def prefetch(pool: ThreadPoolExecutor, path: Path) -> Future:
-    """Hash ``path`` on a worker thread (``read_verified`` takes the digest): the file's pages are read
-    into the page cache once, and the load that follows maps them without another copy."""
-    return pool.submit(sha256_file, path)
+def hash_async(pool: ThreadPoolExecutor, path: Path) -> Future:
+    """The SHA-256 of ``path``, computed on a worker thread when the file is large (a small one is hashed
+    at once: handing it to a thread costs more than hashing it).  When loading, the file's pages are
+    read into the page cache once, and the load that follows maps them without another copy."""
+    done: Future = Future()
+    try:
+        if path.stat().st_size > _CHUNK:
+            return pool.submit(sha256_file, path)
+        done.set_result(sha256_file(path))
+    except OSError as e:            # a missing file: read_verified says so, naming it
+        done.set_exception(e)
+    return done
 
 
 def read_verified(path: Path, entry: dict, expected: dict[str, tuple[torch.dtype, tuple]], pending: Future
