@@ -36,7 +36,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-3b")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--seq", default="1024", help="tokens a row, or 'max' (the longest that fits)")
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--gpu-memory", default="24GiB")
     ap.add_argument("--host-memory", default=None)
@@ -54,17 +54,37 @@ def main(argv=None) -> dict:
                     help="per run, write plan.json, profile.json, trace.json (measured) and memory.png "
                          "into DIR/<batch>_<policy>/")
     ap.add_argument("--runs", default=None,
-                    help="several runs on one model build, e.g. '8:megatrain,32:milp,8:milp:12,32:milp@auto' "
-                         "(batch:policy[@resident][:optimizer threads]); results go to OUT as a JSON list")
+                    help="several runs on one model build, e.g. '8:megatrain,32:milp,8:milp:12,32:milp@auto,"
+                         "1x32768:milp,1xmax:milp' (batch[xseq]:policy[@resident][:optimizer threads]; seq a "
+                         "number or 'max'); results go to OUT as a JSON list")
+    ap.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
+                    help="the preset's config with rope_scaling {rope_type: TYPE, factor: FACTOR} (e.g. yarn:4, as "
+                         "Qwen2.5's model cards advise past 32,768 tokens), for sequences beyond its declared "
+                         "positions")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="skip the profiled step after the measured ones (no hidden-transfer figures)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="compile(..., calibrate=True): time the model's own blocks at each plan's shape first "
+                         "(kept in a copy of the hardware profile, so a shape is timed once per invocation)")
     ap.add_argument("--resident", default="auto", type=lambda t: t if t in ("none", "auto") else int(t),
                     help="none, auto (default: the compiler's choice) or a number of leading blocks kept on the GPU")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("run_plan.py needs a CUDA GPU")
 
+    if a.seq != "max":
+        a.seq = int(a.seq)
+    if a.calibrate:
+        import tempfile
+
+        from lazytrain.compiler.hardware import get_profile
+        copy = Path(tempfile.mkdtemp(prefix="lazytrain-calibration-")) / "hardware.json"
+        get_profile(a.hardware).save(copy)
+        a.hardware = str(copy)
+    spec = a.model if a.rope_scaling is None else scaled_rope_config(a.model, a.rope_scaling)
     torch.manual_seed(0)
     t = time.perf_counter()
-    model = random_model(a.model)
+    model = random_model(spec)
     build_s = time.perf_counter() - t
     if a.runs:
         results = []
@@ -72,7 +92,10 @@ def main(argv=None) -> dict:
         for spec in a.runs.split(","):
             b, pol, *threads = spec.split(":")
             pol, _, res = pol.partition("@")
+            b, _, seq = b.partition("x")
             a.batch, a.policy = int(b), pol
+            if seq:
+                a.seq = seq if seq == "max" else int(seq)
             a.resident = (res if res in ("none", "auto") else int(res)) if res else default_resident
             if threads:
                 a.optim_threads = int(threads[0])
@@ -81,7 +104,7 @@ def main(argv=None) -> dict:
             except Exception as e:  # noqa: BLE001 - keep the other runs; report this one
                 import traceback
                 traceback.print_exc()
-                results.append({"batch": a.batch, "policy": pol, "error": f"{type(e).__name__}: {e}"})
+                results.append({"batch": a.batch, "seq": a.seq, "policy": pol, "error": f"{type(e).__name__}: {e}"})
             torch.cuda.empty_cache()
             if a.out:
                 with open(a.out, "w") as f:
@@ -94,6 +117,21 @@ def main(argv=None) -> dict:
     return out
 
 
+def scaled_rope_config(preset: str, scaling: str) -> str:
+    """A ``config.json`` of ``preset`` whose rotary embedding is scaled by ``scaling`` (``TYPE:FACTOR``)."""
+    import tempfile
+
+    from lazytrain.compiler.presets import PRESETS
+    kind, _, factor = scaling.partition(":")
+    cfg = dict(PRESETS[preset])
+    cfg["rope_scaling"] = {"rope_type": kind, "factor": float(factor),
+                           "original_max_position_embeddings": cfg["max_position_embeddings"]}
+    cfg["max_position_embeddings"] = int(cfg["max_position_embeddings"] * float(factor))
+    folder = Path(tempfile.mkdtemp(prefix=f"{preset}-{kind}-"))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    return str(folder / "config.json")
+
+
 def run_one(a, model, build_s: float, plan=None) -> dict:
     """Compile (unless ``plan`` is given), cap, train warm-up + measured steps and, unless
     ``a.profile`` is False, one profiled step; return the figures."""
@@ -102,9 +140,10 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
         plan = lazytrain.compile(model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
                                  gpu_memory=a.gpu_memory, host_memory=a.host_memory, hardware=a.hardware,
                                  policy=a.policy, optimizer=a.optimizer, nvme_dir=a.nvme_dir,
-                                 resident=getattr(a, "resident", "auto"))
+                                 resident=getattr(a, "resident", "auto"), calibrate=getattr(a, "calibrate", False))
     compile_s = time.perf_counter() - t
     print(plan.summary())
+    seq = plan.seq_len
 
     gpu_bytes = parse_size(a.gpu_memory)
     total = torch.cuda.get_device_properties(0).total_memory
@@ -122,7 +161,7 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
     g = torch.Generator().manual_seed(1)
 
     def batch():
-        ids = torch.randint(0, vocab, (a.batch, a.seq), generator=g)
+        ids = torch.randint(0, vocab, (a.batch, seq), generator=g)
         return ids, ids.clone()
 
     stats = []
@@ -145,13 +184,18 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
     med = statistics.median(s.step_s for s in stats)
     pred = plan.predicted
     out = {
-        "model": a.model, "batch": a.batch, "seq": a.seq, "micro_batch": plan.micro_batch, "policy": a.policy,
+        "model": a.model, "rope_scaling": a.rope_scaling, "batch": a.batch, "seq": seq, "seq_asked": a.seq,
+        "micro_batch": plan.micro_batch,
+        "policy": a.policy, "seq_tile": plan.graph.meta.get("seq_tile"), "calibrated": getattr(a, "calibrate", False),
         "resident": sorted(plan.decisions.resident_blocks),
         "optimizer": a.optimizer,
         "optim_threads": getattr(opt, "num_threads", None), "gpu_memory": a.gpu_memory,
         "device": torch.cuda.get_device_name(0),
         "total_params": plan.graph.total_params, "steps": a.steps, "warmup": a.warmup,
-        "median_step_s": med, "model_tflops": 6 * plan.graph.total_params * a.batch * a.seq / med / 1e12,
+        "median_step_s": med, "tokens_per_s": a.batch * seq / med,
+        "model_tflops": 6 * plan.graph.total_params * a.batch * seq / med / 1e12,
+        "model_attn_tflops": (6 * plan.graph.total_params * seq + plan.graph.attention_model_flops)
+        * a.batch / med / 1e12,
         "predicted_step_s": pred.get("step_time_s"),
         "predicted_over_measured": (pred.get("step_time_s") or 0) / med,
         "predicted_peak_gpu_gib": pred.get("peak_gpu_bytes", 0) / GiB, "measured_peak_gpu_gib": peak / GiB,

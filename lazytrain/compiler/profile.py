@@ -182,7 +182,11 @@ def _fit_block(device: torch.device, dtype: torch.dtype, batch: int, seq: int, h
     return 1 / (slope * peak), overhead
 
 
+#: on a CPU, attention's fitted half-rate length is at most this many times the longer length measured
+CPU_MAX_HALF_LEN_RATIO = 4.0
+
 #: placeholder figures for a profile used only to evaluate ``attention_seconds`` while measuring
+
 _PROBE = dict(name="probe", gpu_name="probe", gpu_memory_bytes=1, host_memory_bytes=1, cpu_cores=1, bf16_tflops=1.0,
               compute_efficiency=1.0, kernel_overhead_s=0.0, h2d_gbps=1.0, d2h_gbps=1.0, duplex_gbps=1.0,
               pageable_h2d_gbps=1.0, pageable_d2h_gbps=1.0, cpu_adam_gparams=1.0, cpu_adam8_gparams=1.0,
@@ -229,9 +233,8 @@ def _attention_rates(device: torch.device, dtype: torch.dtype, tokens: int, leng
     if device.type == "cpu":
         # a CPU's attention is far from its matmul peak at every length, so the line through two
         # points extrapolates the length term from noise (1,254 at keys of 256 on a loaded 2-core
-        # machine): bound it where the plausibility check would refuse it
-        from .plausible import MAX_HALF_LEN_RATIO
-        half = min(half, MAX_HALF_LEN_RATIO * long_)
+        # machine): bound it to a rate at the longer length of at least a fifth of the fitted peak
+        half = min(half, CPU_MAX_HALF_LEN_RATIO * long_)
     scale = (long_ + half) / long_
     return {"attn_fwd_tflops": rates[long_][0] * scale, "attn_bwd_tflops": min(rates[long_][1] * scale, matmul_tflops),
             "attn_half_len": half}
