@@ -186,7 +186,6 @@ def _fit_block(device: torch.device, dtype: torch.dtype, batch: int, seq: int, h
 CPU_MAX_HALF_LEN_RATIO = 4.0
 
 #: placeholder figures for a profile used only to evaluate ``attention_seconds`` while measuring
-
 _PROBE = dict(name="probe", gpu_name="probe", gpu_memory_bytes=1, host_memory_bytes=1, cpu_cores=1, bf16_tflops=1.0,
               compute_efficiency=1.0, kernel_overhead_s=0.0, h2d_gbps=1.0, d2h_gbps=1.0, duplex_gbps=1.0,
               pageable_h2d_gbps=1.0, pageable_d2h_gbps=1.0, cpu_adam_gparams=1.0, cpu_adam8_gparams=1.0,
