@@ -97,16 +97,20 @@ def measure_blocks(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro
                    verbose: bool = True) -> list[BlockTiming]:
     """Forward, backward and recompute seconds of each distinct block of ``model`` at this micro-batch and
     sequence length, measured in LazyTrain's runtime on ``device`` (module docstring)."""
-    from .compiler.api import compile_model
+    from .compiler.api import BudgetError, compile_model
     from .runtime.optim.torch_adamw import TorchAdamW
     from .runtime.trainer import Trainer
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, param_dtype)
     tm = timing_model(model, dtype)
     batch = micro_batch * N_MICRO
-    plan = compile_model(tm, batch_size=batch, seq_len=seq_len, micro_batch=micro_batch, hardware=hw,
-                         gpu_memory=gpu_memory, host_memory=host_memory, policy="recompute-all", resident="none",
-                         param_dtype=param_dtype, optimizer="adamw", seq_tile=seq_tile)
+    shape = dict(batch_size=batch, seq_len=seq_len, micro_batch=micro_batch, hardware=hw, gpu_memory=gpu_memory,
+                 host_memory=host_memory, resident="none", param_dtype=param_dtype, optimizer="adamw",
+                 seq_tile=seq_tile)
+    try:
+        plan = compile_model(tm, policy="recompute-all", **shape)
+    except BudgetError:     # a length where even the boundaries must leave the GPU: the MILP's plan (a block it
+        plan = compile_model(tm, policy="milp", **shape)    # keeps is timed without recompute: forward stands in)
     _log(verbose, f"timing {plan.graph.n_blocks} blocks of a {type(model).__name__} on {device}: micro-batch "
                   f"{micro_batch}, seq {seq_len}, {repeats} steps of {N_MICRO} micro-batches after {WARMUP}")
     by_id = {op.id: op for op in plan.ops}

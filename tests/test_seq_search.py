@@ -21,9 +21,12 @@ OPTIONS = dict(batch_size=2, hardware="h200", host_memory="64GiB", optimizer="ad
 class _Model(nn.Module):
     """Stands for a model: the (patched) trace never looks inside."""
 
-    def __init__(self, max_pos: int = 4096):
+    def __init__(self, max_pos: int = 4096, rope_scaling: dict | None = None):
         super().__init__()
-        self.config = type("Config", (), {"max_position_embeddings": max_pos})()
+        self.config = type("Config", (), {"max_position_embeddings": max_pos, "rope_scaling": rope_scaling})()
+
+
+YARN = {"rope_type": "yarn", "factor": 64.0}
 
 
 @pytest.fixture
@@ -48,16 +51,23 @@ def _fits(seq: int, **budget) -> bool:
 
 @pytest.mark.parametrize("gpu", ["3GiB", "8GiB"])
 def test_the_answer_fits_and_one_step_more_does_not(traced, gpu):
-    plan = lazytrain.compile(_Model(), seq_len="max", gpu_memory=gpu, **OPTIONS)
+    plan = lazytrain.compile(_Model(rope_scaling=YARN), seq_len="max", gpu_memory=gpu, **OPTIONS)
     seq = plan.seq_len
     assert seq % seq_search._step(seq) == 0 and seq > 1024
     assert _fits(seq, gpu_memory=gpu, host_memory="64GiB")
     assert not _fits(seq + seq_search._step(seq), gpu_memory=gpu, host_memory="64GiB")
     note = plan.decisions.notes["seq_search"]
     assert note.startswith(f"longest feasible seq {seq} at batch 2; seq ") and "GPU memory: its leanest plan" in note
-    assert "beyond the model's max_position_embeddings 4096" in note
+    assert "beyond the model's 4096 declared positions: its rope scaling covers them" in note
     assert plan.predicted["peak_gpu_bytes"] <= plan.budgets["gpu_bytes"]
     assert len(set(traced)) <= 16     # lengths probed: doubling from 1024, then bisection to 1/64
+
+
+def test_the_answer_stops_at_the_declared_positions_without_rope_scaling(traced):
+    plan = lazytrain.compile(_Model(4096), seq_len="max", gpu_memory="8GiB", **OPTIONS)
+    assert plan.seq_len == 4096
+    assert plan.decisions.notes["seq_search"].startswith("seq 4096: the positions the model declares")
+    assert max(traced) == 4096
 
 
 def test_host_memory_can_be_what_binds(traced):
@@ -82,3 +92,25 @@ def test_the_command_line_takes_seq_max():
     assert a.seq == "max" and a.batch == 4 and a.seq_tile == "auto"
     assert build_parser().parse_args(["compile", "tiny", "--seq-tile", "none"]).seq_tile is None
     assert build_parser().parse_args(["compile", "tiny", "--seq-tile", "2048"]).seq_tile == 2048
+
+
+def test_a_host_budget_that_binds_is_named_not_the_gpu():
+    g = chain(8, seq_len=65536, hidden=4096, layer_params=20_000_000, saved_per_token=200_000)
+    want = (r"^no plan fits every budget for batch 2, seq 65536: the plan leanest on GPU memory needs .* of the "
+            r"22.00 GiB, but host memory: .* over the budget of 7.00")
+    with pytest.raises(BudgetError, match=want):
+        lazytrain.compile(g, batch_size=2, gpu_memory="22GiB", host_memory="7GiB", optimizer="adamw", hardware="h200")
+
+
+def test_the_default_host_budget_leaves_a_reserve_and_the_model_the_caller_holds():
+    from lazytrain.compiler.api import host_reserve
+    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.presets import build_model
+    model = build_model("tiny", device="cpu")
+    held = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers())
+    total = get_profile("h200").host_memory_bytes
+    plan = lazytrain.compile(model, batch_size=2, seq_len=64, hardware="h200", policy="recompute-all")
+    assert plan.budgets["host_bytes"] == total - host_reserve(total) - held
+    assert lazytrain.compile("tiny", batch_size=2, seq_len=64, hardware="h200",
+                             policy="recompute-all").budgets["host_bytes"] == total - host_reserve(total)

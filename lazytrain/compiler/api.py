@@ -8,9 +8,12 @@ import dataclasses
 import time
 import warnings
 
+import torch
+
 from ..ir import GiB, Plan, PlanError, verify
 from ..ir.graph import ModelGraph
 from .cost import CostModel
+from .hardware import get_profile
 from .lower import lower
 from .resident import resident_request
 from .simulate import simulate
@@ -156,11 +159,36 @@ class Compiler:
         return plan.predicted["peak_gpu_bytes"]
 
 
-def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memory=None, reserve=None) -> dict:
+def host_reserve(host_bytes: int) -> int:
+    """Host memory a plan leaves to the rest of the process and the system when the budget is the machine's
+    whole memory: 4 GiB + 5% (the OS and page cache, Python, CUDA's host side, the data pipeline)."""
+    return int(4 * GiB + 0.05 * host_bytes)
+
+
+def held_host_bytes(model) -> int:
+    """Bytes of ``model``'s parameters and buffers in host memory: the caller holds them while the
+    runtime's store holds its own copy (a meta model, a preset name or a config holds none)."""
+    if not isinstance(model, torch.nn.Module):
+        return 0
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "cpu":
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memory=None, reserve=None,
+                 held_bytes: int = 0) -> dict:
     """Budgets in bytes from sizes (``"24GiB"``) or byte counts; defaults from the hardware profile.
     The GPU budget the plan must meet is the given memory less ``reserve`` (CUDA context, cuBLAS
     workspaces, allocator fragmentation; default 1.5 GiB + 5%: on the H200 a plan 2.2 GiB under a
-    24 GiB cap still met 1.6 GiB of reserved-but-unused allocator blocks)."""
+    24 GiB cap still met 1.6 GiB of reserved-but-unused allocator blocks).  The host budget defaults to
+    the profile's host memory less ``host_reserve`` and less ``held_bytes`` (the model the caller holds:
+    a 7B model's bf16 weights are 14 GiB beside the store); a given ``host_memory`` is taken as is."""
     from ..units import parse_size
 
     def size(v, default):
@@ -168,7 +196,7 @@ def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memo
     gpu = size(gpu_memory, hw.gpu_memory_bytes)
     res = size(reserve, int(1.5 * GiB + 0.05 * gpu))
     budgets = {"gpu_bytes": gpu - res, "gpu_total_bytes": gpu, "gpu_reserve_bytes": res,
-               "host_bytes": size(host_memory, hw.host_memory_bytes),
+               "host_bytes": size(host_memory, hw.host_memory_bytes - host_reserve(hw.host_memory_bytes) - held_bytes),
                "nvme_bytes": size(nvme_memory, 0) if nvme_dir else 0, "nvme_dir": nvme_dir}
     if budgets["gpu_bytes"] <= 0:
         raise BudgetError(f"GPU memory {gpu / GiB:.2f} GiB is below the reserve of {res / GiB:.2f} GiB")
@@ -213,6 +241,9 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     many tokens, recomputed in backward (``tiling.py``); ``"auto"`` (default) does so, in chunks of
     ``tiling.TILE_TOKENS``, only when no plan fits without; ``None``: never.
     """
+    if host_memory is None and held_host_bytes(model):
+        # resolved here, once: the searches and the calibration below compile a traced graph, which holds nothing
+        host_memory = make_budgets(get_profile(hardware), held_bytes=held_host_bytes(model))["host_bytes"]
     options = {k: v for k, v in locals().items() if k != "model"}
     if seq_len == "max":
         from .seq_search import compile_max_seq
@@ -223,7 +254,6 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     if calibrate:
         from ..calibrate import compile_calibrated
         return compile_calibrated(compile_model, model, {k: v for k, v in options.items() if k != "calibrate"})
-    from .hardware import get_profile
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if optimizer not in HOST_BYTES_PER_PARAM:
@@ -288,11 +318,19 @@ def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, poli
             f"needs at least {host_need / GiB:.2f} GiB of host memory for the parameters and optimizer state of "
             f"{_count(comp.graph.total_params)} parameters ({comp.options['host_bytes_per_param']} bytes "
             f"each); the budget is {comp.budgets['host_bytes'] / GiB:.2f} GiB")
-    need = comp.smallest_gpu_need(batch_size, micro_batch)
+    mb = micro_batch or 1
+    leanest = comp.build(comp.search.frugal(batch_size, mb), batch_size, check_budget=False)
+    need = leanest.predicted["peak_gpu_bytes"]
     res = comp.budgets["gpu_reserve_bytes"]
+    if need <= comp.budgets["gpu_bytes"]:     # the GPU is not what binds: the host or NVMe budget is
+        from .seq_search import binding
+        return BudgetError(
+            f"no plan fits every budget for batch {batch_size}, seq {comp.graph.seq_len}: the plan leanest on GPU "
+            f"memory needs {(need + res) / GiB:.2f} of the {comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB, but "
+            f"{binding(leanest, comp.budgets)}: raise --host-memory, give --nvme-dir for activations, or lower the "
+            f"batch or the sequence")
     from .solvers.heuristics import HEURISTICS
     if policy in HEURISTICS:       # what this policy itself needs at its leanest micro-batch
-        mb = micro_batch or 1
         own = comp.build(HEURISTICS[policy](comp.graph, mb, batch_size // mb), batch_size, check_budget=False)
         own_need = own.predicted["peak_gpu_bytes"]
         if own_need > need:

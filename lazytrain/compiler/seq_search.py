@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from ..ir import GiB, PlanError
 from ..ir.graph import ModelGraph
+from .validate import declared_positions, scaled_rope
 
 #: the search starts here and doubles: long enough that short lengths cost no probes
 START = 1024
@@ -78,9 +79,12 @@ def compile_max_seq(compile_fn, model, options: dict):
         raise ValueError(f"seq_len='max' needs a fixed batch (a positive integer), got {batch!r}")
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    limit = LIMIT
     if isinstance(model, str):
         model = build_model(model)
+    declared = declared_positions(model)
+    # past the positions a model declares it fails or extrapolates (validate.check_positions), unless its
+    # config scales the rotary embedding for longer sequences
+    limit = declared if declared is not None and not scaled_rope(model) else LIMIT
     hw = get_profile(options["hardware"])
     budgets = make_budgets(hw, options["gpu_memory"], options["host_memory"], options["nvme_dir"],
                            options["nvme_memory"], options["reserve"])
@@ -125,10 +129,14 @@ def compile_max_seq(compile_fn, model, options: dict):
         raise BudgetError(f"no sequence of {MIN_SEQ} tokens or more fits batch {batch} (seq {hi}: {why[hi]})")
     # calibration times the model's blocks, so it needs the model; otherwise the probe's trace serves
     plan = compile_fn(model if options.get("calibrate") else graphs[lo], **{**options, "seq_len": lo})
-    note = (f"longest feasible seq {lo} at batch {batch}; seq {hi} does not fit: {why[hi]}" if lo < limit
-            else f"seq {lo}: the search's limit; longer may fit")
-    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(max_pos, int) and lo > max_pos:
-        note += f" (beyond the model's max_position_embeddings {max_pos}: positions past it need rope scaling)"
+    if lo < limit:
+        note = f"longest feasible seq {lo} at batch {batch}; seq {hi} does not fit: {why[hi]}"
+    elif limit == LIMIT:
+        note = f"seq {lo}: the search's limit; longer may fit"
+    else:
+        note = (f"seq {lo}: the positions the model declares (max_position_embeddings); a config that scales "
+                f"its rotary embedding (rope_scaling) may go longer")
+    if declared is not None and lo > declared:
+        note += f" (beyond the model's {declared} declared positions: its rope scaling covers them)"
     plan.decisions.notes["seq_search"] = note
     return plan

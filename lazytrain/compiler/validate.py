@@ -79,12 +79,17 @@ def declared_positions(model) -> int | None:
     return None
 
 
+def scaled_rope(model) -> bool:
+    """Whether ``model``'s config scales its rotary embedding (``_scaled_rope``)."""
+    return _scaled_rope(_config_of(model))
+
+
 def check_positions(model, seq_len: int, name: str = "the model") -> None:
     """A sequence longer than the positions the model declares fails at its first step (a learned
     position table is indexed past its end) or extrapolates rotary angles it was never trained on --
     unless its config scales its rotary embedding for longer sequences, which is what that is for."""
     have = declared_positions(model)
-    if have is not None and seq_len > have and not _scaled_rope(_config_of(model)):
+    if have is not None and seq_len > have and not scaled_rope(model):
         raise ValueError(f"seq_len {seq_len:,} is beyond the positions {name} handles ({have:,}): use a shorter "
                          f"sequence, or a model configured for more positions")
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ir import GiB, ModelGraph
+from .pinned import host_empty
 
 log = logging.getLogger("lazytrain")
 
@@ -147,7 +148,7 @@ class HostStore:
                 f"offloaded activations {need['activations'] / GiB:.2f} GiB) but only {avail / GiB:.2f} GiB is "
                 f"available (MemAvailable): use an 8-bit optimizer, offload activations to NVMe, or free memory")
         def host(n: int, dtype: torch.dtype, j: int) -> torch.Tensor:
-            return torch.empty(0 if j in self.resident else n, dtype=dtype, pin_memory=pin and j not in self.resident)
+            return host_empty(0 if j in self.resident else n, dtype, pin=pin)
         self.load = [host(lay.owned_numel, param_dtype, lay.index) for lay in lays]
         self.grad = [host(lay.numel, self.grad_dtype, lay.index) for lay in lays]
 
@@ -197,7 +198,7 @@ class HostPool:
             return pick[0]
         with self._lock:
             self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return host_empty(nbytes, torch.uint8, pin=self.pin)
 
     def release(self, buf: torch.Tensor, after=()) -> None:
         with self._lock:
