@@ -60,15 +60,17 @@ def test_bad_arguments_are_clear():
 
 @pytest.mark.parametrize("policy", ["megatrain", "milp"])
 def test_batch_max_is_the_largest_feasible(policy):
-    g = graph("qwen2.5-3b")
-    plan = compile_model(g, batch_size="max", micro_batch=4, gpu_memory="24GiB", policy=policy)
+    # at seq 8192 the answer is tens of micro-batches, not hundreds: each probe lowers a whole plan
+    g = graph("qwen2.5-3b", 8192)
+    # feasibility is the frugal plan's; the solve at the answer need not be optimal here
+    plan = compile_model(g, batch_size="max", micro_batch=2, gpu_memory="24GiB", policy=policy, time_limit=1)
     b = plan.batch_size
-    assert b >= 4 and b % 4 == 0
+    assert b >= 2 and b % 2 == 0
     with pytest.raises(BudgetError):
-        compile_model(g, batch_size=b + 4, micro_batch=4, gpu_memory="24GiB",
+        compile_model(g, batch_size=b + 2, micro_batch=2, gpu_memory="24GiB",
                       policy="recompute-all" if policy == "milp" else policy)
-    if policy == "milp":   # even the most frugal plan of the MILP's space does not fit b + 4
-        mega = compile_model(g, batch_size="max", micro_batch=4, gpu_memory="24GiB", policy="megatrain")
+    if policy == "milp":   # even the most frugal plan of the MILP's space does not fit b + 2
+        mega = compile_model(g, batch_size="max", micro_batch=2, gpu_memory="24GiB", policy="megatrain")
         assert b > mega.batch_size
 
 
