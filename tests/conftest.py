@@ -1,9 +1,18 @@
-"""Fixtures shared by test files: one small GPT plan compiled once per session (tracing costs seconds)."""
+"""Fixtures shared by test files: one small GPT plan compiled once per session (tracing costs seconds).
+
+Under pytest-xdist (``pytest -n N``, the README's command) each worker takes its share of the cores for
+torch's intra-op threads: two workers with two threads each on the 2-core CI machine would
+oversubscribe it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 import lazytrain
 from lazytrain.compiler.presets import build_from_config

@@ -22,8 +22,13 @@ def _model(dtype):
     return transformers.Qwen2ForCausalLM(cfg).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("policy", ["megatrain", "recompute-all", "keep-all", "milp"])
+# every policy in fp32; bf16 (5x slower on a CPU: its attention and matmuls have no fast kernels there) for the
+# two that hold the most on the device, where a byte-size slip would show first
+CASES = [(p, "float32") for p in ("megatrain", "recompute-all", "keep-all", "milp")] + [
+    ("keep-all", "bfloat16"), ("milp", "bfloat16")]
+
+
+@pytest.mark.parametrize(("policy", "dtype"), CASES)
 def test_measured_device_peak_within_prediction(policy, dtype):
     if policy == "milp":
         pytest.importorskip("mip")
