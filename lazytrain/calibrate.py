@@ -54,7 +54,7 @@ def _log(verbose: bool, text: str) -> None:
 
 def timing_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """The model's structure with random weights on the CPU, cut to three layers when they are alike."""
-    from .compiler.trace_export import find_layers, meta_clone, reduce_layers, reducible
+    from .frontend.trace_export import find_layers, meta_clone, reduce_layers, reducible
     clone = meta_clone(model, dtype)
     kept = None
     if reducible(model):
@@ -150,8 +150,8 @@ def missing(graph: ModelGraph, hw: HardwareProfile, micro_batch: int) -> list[in
 def compile_calibrated(compile_fn, model, options: dict, *, verbose: bool = True):
     """``compile_fn(model, **options)`` with the model's blocks measured on this machine at the micro-batch
     the plan uses (module docstring); a profile given as a file gets the measurements written into it."""
-    from .compiler.presets import build_model
-    from .compiler.trace import trace
+    from .frontend.presets import build_model
+    from .frontend.trace import trace
     if isinstance(model, ModelGraph):
         raise ValueError("calibrate=True needs the model (a module, preset or config), not a traced ModelGraph")
     if isinstance(model, str):

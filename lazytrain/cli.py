@@ -45,7 +45,7 @@ def _batch(text: str):
 
 
 def _presets() -> str:
-    from .compiler.presets import PRESETS
+    from .frontend.presets import PRESETS
     return ", ".join(PRESETS)
 
 
@@ -228,7 +228,7 @@ def _add_data_args(p) -> None:
 
 def cmd_compile(a) -> int:
     from .compiler.api import compile_model
-    from .compiler.validate import declared_positions
+    from .frontend.validate import declared_positions
     if a.nvme_memory and not a.nvme_dir:
         raise PlanError("--nvme-memory needs --nvme-dir (the folder to spill to)")
     seq = a.seq or min(1024, declared_positions(a.model) or 1024)
@@ -314,7 +314,7 @@ def cmd_trace(a) -> int:
 def cmd_profile(a) -> int:
     import os
 
-    from .compiler.profile import measure
+    from .profile import measure
     if not (a.model and os.path.isfile(a.output)):
         hw = measure(quick=a.quick, disk_dir=a.disk_dir)
         with open(a.output, "w") as f:

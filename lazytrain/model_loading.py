@@ -34,7 +34,7 @@ def has_weights(folder: Path) -> bool:
 def read_config(path: Path) -> dict:
     """A Hugging Face ``config.json`` as a dict, or a ValueError naming the file (``presets.read_config``:
     the one reader of untrusted configs)."""
-    from .compiler.presets import read_config as checked
+    from .frontend.presets import read_config as checked
     return checked(path)
 
 
@@ -47,7 +47,7 @@ def from_pretrained(folder: Path, *, check: bool = True) -> torch.nn.Module:
     here, not a silently re-initialised layer.  Whatever transformers or safetensors raise becomes a
     one-line ``ValueError`` naming the folder.
     """
-    from .compiler.presets import _transformers, build_from_config
+    from .frontend.presets import _transformers, build_from_config
     cfg = read_config(folder / "config.json")
     if check:
         build_from_config(cfg, device="meta", dtype=torch.float32, source=str(folder / "config.json"))
@@ -90,7 +90,7 @@ def _need_gguf() -> None:
 
 def load_gguf(path: str | Path) -> torch.nn.Module:
     """The causal LM in a GGUF file, dequantized to fp32 on the CPU."""
-    from .compiler.presets import _transformers
+    from .frontend.presets import _transformers
     path = Path(path).absolute()
     _need_gguf()
     tf = _transformers()
@@ -112,7 +112,7 @@ def has_tokenizer(folder: Path) -> bool:
 
 def load_tokenizer(spec: str | Path):
     """The tokenizer of a Hugging Face folder or a GGUF file (chat template included)."""
-    from .compiler.presets import _transformers
+    from .frontend.presets import _transformers
     path = Path(spec).absolute()
     tf = _transformers()
     if is_gguf(path):

@@ -171,7 +171,7 @@ def _hardware(dev: torch.device) -> str:
 def build_task_model(cfg: TrainConfig, seq: int, vocab: int) -> tuple[torch.nn.Module, dict]:
     """The model to train, in fp32 on the CPU (the Trainer copies it into its host store), and a JSON
     description that rebuilds it (for ``--resume``)."""
-    from .compiler.presets import PRESETS, build_from_config, build_model, read_config
+    from .frontend.presets import PRESETS, build_from_config, build_model, read_config
     torch.manual_seed(cfg.seed)
     if cfg.model == "task":
         spec = {"model_type": "lazytrain-gpt", "vocab": vocab, "max_seq": seq, "tie_weights": True,
@@ -207,7 +207,7 @@ def _check_fits(model: torch.nn.Module, seq: int, vocab: int, name: str) -> None
     if have_vocab is not None and have_vocab < vocab:
         raise ValueError(f"model {name!r} has a vocabulary of {have_vocab} but the task's character tokenizer "
                          f"uses ids 0-{vocab - 1}: it needs a vocab_size of at least {vocab}")
-    from .compiler.validate import check_positions
+    from .frontend.validate import check_positions
     check_positions(model, seq, f"model {name!r}")
 
 
@@ -215,7 +215,7 @@ def rebuild_model(desc: dict, *, allow_factory: bool = False) -> torch.nn.Module
     """The model described by ``build_task_model``'s description (weights come from the checkpoint).
     Only data is used: the recorded config (a fine-tuned folder's weights are in the checkpoint, so the
     folder is not read); a ``package.module:factory`` is imported only with ``allow_factory``."""
-    from .compiler.presets import build_from_config, build_model
+    from .frontend.presets import build_from_config, build_model
     if "config" in desc:
         return build_from_config(desc["config"], device="cpu", dtype=torch.float32, source="checkpoint")
     if not allow_factory:
@@ -290,7 +290,7 @@ class _StopFlag:
 def check_config(cfg: TrainConfig, diff, seq: int) -> None:
     """Every setting in range before any work (see *Sizes* in the module docstring)."""
     from .compiler.hardware import _cpu_cores
-    from .compiler.validate import check_sizes
+    from .frontend.validate import check_sizes
     from .tasks import check_eval_size
     for name in ("batch", "steps"):
         if getattr(cfg, name) < 1:

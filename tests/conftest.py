@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import lazytrain
-from lazytrain.compiler.presets import build_from_config
+from lazytrain.frontend.presets import build_from_config
 
 SMALL_GPT = {"model_type": "lazytrain-gpt", "vocab": 61, "d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 48,
              "max_seq": 32, "tie_weights": True}

@@ -8,6 +8,7 @@ import dataclasses
 import time
 import warnings
 
+from ..frontend.validate import check_compile_args, micro_batch_candidates
 from ..ir import GiB, Plan, PlanError, verify
 from ..ir.graph import ModelGraph
 from .cost import CostModel
@@ -15,7 +16,6 @@ from .lower import lower
 from .resident import resident_request
 from .simulate import simulate
 from .solvers.isolated import DEFAULT_ORDER, SOLVERS
-from .validate import check_compile_args, micro_batch_candidates
 
 POLICIES = ("milp", "megatrain", "recompute-all", "keep-all")
 DEFAULT_SOLVER = DEFAULT_ORDER[0]
@@ -35,10 +35,10 @@ def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool
         if packed and not model.meta.get("packed"):
             raise ValueError("packed=True but the ModelGraph given was traced unpacked: trace it with packed=True")
         return model
-    from .trace import trace
+    from ..frontend.trace import trace
     t = time.perf_counter()
     if isinstance(model, str):
-        from .presets import build_model
+        from ..frontend.presets import build_model
         model = build_model(model)
     graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile)
     history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4)})
@@ -207,7 +207,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     when it is a file).
 
     ``packed``: batches carry ``position_ids`` and hold several examples a row, each attending only to
-    itself (a Hugging Face causal LM; ``compiler/packing.py``).
+    itself (a Hugging Face causal LM; ``frontend/packing.py``).
 
     ``seq_tile``: run the layers' position-wise tails (output projection, norm, MLP) in chunks of that
     many tokens, recomputed in backward (``tiling.py``); ``"auto"`` (default) does so, in chunks of
@@ -218,7 +218,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         from .seq_search import compile_max_seq
         return compile_max_seq(compile_model, model, options)
     if seq_tile == "auto":
-        from .tiling import compile_auto_tiled
+        from .auto_tile import compile_auto_tiled
         return compile_auto_tiled(compile_model, model, options)
     if calibrate:
         from ..calibrate import compile_calibrated

@@ -64,12 +64,12 @@ def binding(plan, budgets: dict) -> str | None:
 
 def compile_max_seq(compile_fn, model, options: dict):
     """``compile_fn(model, **options)`` at the longest feasible ``seq_len`` (module docstring)."""
+    from ..frontend.presets import build_model
+    from ..frontend.tiling import TILE_TOKENS
+    from ..frontend.trace import trace
     from .api import POLICIES, BudgetError, Compiler, make_budgets
     from .hardware import get_profile
-    from .presets import build_model
     from .resident import resident_request
-    from .tiling import TILE_TOKENS
-    from .trace import trace
     if isinstance(model, ModelGraph):
         raise ValueError("seq_len='max' needs the model (a module, preset or config): a traced ModelGraph has one "
                          "sequence length")

@@ -19,8 +19,8 @@ from ..model_loading import has_tokenizer, read_config
 
 
 def export_checkpoint(source, output, *, config=None, tokenizer=None, dtype: str | None = None) -> Path:
-    from ..compiler.presets import build_from_config
-    from ..compiler.trace_export import is_hf
+    from ..frontend.presets import build_from_config
+    from ..frontend.trace_export import is_hf
     ckpt, run = _locate(Path(source))
     cfg = _config(config, run, source)
     model = build_from_config(cfg, device="meta", dtype=torch.float32, source=str(config or run or source))

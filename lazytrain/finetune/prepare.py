@@ -54,7 +54,7 @@ class Source:
 
 def resolve(spec: str, log=print) -> Source:
     """The source ``--model`` names (a named model is fetched and cached here, on first use)."""
-    from ..compiler.presets import PRESETS
+    from ..frontend.presets import PRESETS
     from ..models.named import NAMED, model_folder
     if spec in NAMED:
         folder = model_folder(spec, log=log)
@@ -86,7 +86,7 @@ def build(src: Source, seed: int, random_dtype: torch.dtype = torch.float32) -> 
     """The model on the CPU: pretrained weights in fp32; configs and presets with random weights in
     ``random_dtype`` (``presets.random_model``: N(0, 0.02) from a seeded pool, memory copies instead of a
     7B's minutes of per-module init)."""
-    from ..compiler.presets import random_model
+    from ..frontend.presets import random_model
     torch.manual_seed(seed)
     if src.kind in ("named", "pretrained"):
         return from_pretrained(src.path)

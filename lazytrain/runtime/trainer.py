@@ -307,8 +307,8 @@ def _nvme_store(plan: Plan, nvme_dir) -> NvmeStore | None:
 
 
 def _program(model: torch.nn.Module, plan: Plan, device: torch.device):
-    """The model's per-block program (``compiler.program``), refused unless it is the plan's model."""
-    from ..compiler.program import build_program
+    """The model's per-block program (``frontend.program``), refused unless it is the plan's model."""
+    from ..frontend.program import build_program
     program = build_program(model, micro_batch=plan.micro_batch, seq_len=plan.seq_len, device=device,
                             dtype=_torch_dtype(plan.graph.dtype), packed=bool(plan.graph.meta.get("packed")),
                             seq_tile=(plan.graph.meta.get("seq_tile") or {}).get("tokens"))

@@ -13,7 +13,7 @@ from ..ir import Plan
 
 
 def check_trainer_args(model, plan, optimizer, device) -> None:
-    from ..compiler.validate import check_positions
+    from ..frontend.validate import check_positions
     from .optim.base import HostOptimizer
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"Trainer needs the model as a torch.nn.Module, got {type(model).__name__}")

@@ -175,7 +175,7 @@ def reduce_layers(clone: nn.Module, keep: int = 3) -> nn.Module:
 def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None, loss_fn=None, packed: bool = False):
     """``torch.export`` of the meta clone at (micro_batch, seq_len); returns (program, root module).
     ``packed``: the model also takes ``position_ids`` and attends within each packed example only
-    (``compiler/packing.py``)."""
+    (``frontend/packing.py``)."""
     if isinstance(clone, nn.Sequential):
         if example_inputs is None or loss_fn is None:
             raise TraceError("an nn.Sequential needs example_inputs=(x, target) and loss_fn(output, target)")
