@@ -3,6 +3,10 @@ SYSTEM CFG.json OUT.json``): the model every system starts from, the seeded batc
 measuring loop, the accounting every row shares (``finish_row``) and the worker's entry point, which
 turns any failure of the system into a row.  The driver (``lazytrain/bench.py``) only schedules these
 processes and reports; the systems (``benchmarks/systems/*.py``) import their helpers from here.
+
+torch and LazyTrain's model code are imported inside the functions that use them: the driver imports
+this module for its constants and stays a plain scheduler (torch loads, and CUDA starts, only in the
+worker processes whose memory is measured).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The ``lazytrain`` command: argument parsing only; the work is in compiler/ and runtime/."""
+"""The ``lazytrain`` command: argument parsing only; the work is in compiler/ and runtime/.
+
+Each command imports what it runs inside its handler, so ``lazytrain show`` or ``--help`` loads neither
+the compiler nor the runtime it does not use."""
 
 from __future__ import annotations
 

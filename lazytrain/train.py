@@ -55,8 +55,14 @@ from pathlib import Path
 import torch
 
 from . import runfiles
+from .compiler.hardware import PROFILES, _cpu_cores
+from .compiler.timeline import plot_loss, write_step
+from .frontend.presets import PRESETS, build_from_config, build_model, read_config
+from .frontend.validate import check_positions, check_sizes
 from .model_loading import from_pretrained as _from_pretrained
 from .model_loading import is_hf_folder as _is_hf_folder
+from .tasks import CharTokenizer, check_eval_size, eval_examples, exact_match, get_difficulty, train_batches
+from .threads import ThreadTuner
 
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
 TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512, "rope": True}
@@ -135,7 +141,6 @@ def cpu_threads(window_s: float = 0.3) -> int:
     used where there is no ``/proc``, still counts work that ended a minute ago: it gave this
     process 1 thread on an idle 2-core machine right after another job).
     """
-    from .compiler.hardware import _cpu_cores
     cores = _cpu_cores()
     busy = _busy_cores(window_s, cores)
     return max(1, min(cores, cores - round(busy)))
@@ -160,7 +165,6 @@ def _hardware(dev: torch.device) -> str:
     """The built-in profile whose GPU name matches this GPU (H200 when none does), or ``cpu``."""
     if dev.type != "cuda":
         return "cpu"
-    from .compiler.hardware import PROFILES
     name = torch.cuda.get_device_name(dev).lower()
     for key, prof in PROFILES.items():
         if key != "cpu" and (key.replace("-", " ").split()[0] in name or prof.gpu_name.lower() in name):
@@ -171,7 +175,6 @@ def _hardware(dev: torch.device) -> str:
 def build_task_model(cfg: TrainConfig, seq: int, vocab: int) -> tuple[torch.nn.Module, dict]:
     """The model to train, in fp32 on the CPU (the Trainer copies it into its host store), and a JSON
     description that rebuilds it (for ``--resume``)."""
-    from .frontend.presets import PRESETS, build_from_config, build_model, read_config
     torch.manual_seed(cfg.seed)
     if cfg.model == "task":
         spec = {"model_type": "lazytrain-gpt", "vocab": vocab, "max_seq": seq, "tie_weights": True,
@@ -207,7 +210,6 @@ def _check_fits(model: torch.nn.Module, seq: int, vocab: int, name: str) -> None
     if have_vocab is not None and have_vocab < vocab:
         raise ValueError(f"model {name!r} has a vocabulary of {have_vocab} but the task's character tokenizer "
                          f"uses ids 0-{vocab - 1}: it needs a vocab_size of at least {vocab}")
-    from .frontend.validate import check_positions
     check_positions(model, seq, f"model {name!r}")
 
 
@@ -215,7 +217,6 @@ def rebuild_model(desc: dict, *, allow_factory: bool = False) -> torch.nn.Module
     """The model described by ``build_task_model``'s description (weights come from the checkpoint).
     Only data is used: the recorded config (a fine-tuned folder's weights are in the checkpoint, so the
     folder is not read); a ``package.module:factory`` is imported only with ``allow_factory``."""
-    from .frontend.presets import build_from_config, build_model
     if "config" in desc:
         return build_from_config(desc["config"], device="cpu", dtype=torch.float32, source="checkpoint")
     if not allow_factory:
@@ -239,7 +240,6 @@ def logits_fn(model: torch.nn.Module, device: torch.device, vocab: int | None = 
 def evaluate(trainer, examples, device: torch.device, batch: int = 100) -> float:
     """Exact match by greedy decoding with the trained weights (``sync_to_model``, then the model
     runs eagerly; on the GPU when it fits in a quarter of the free memory, else on the CPU)."""
-    from .tasks import CharTokenizer, exact_match
     trainer.sync_to_model()
     model = trainer.model
     where = torch.device("cpu")
@@ -289,9 +289,6 @@ class _StopFlag:
 
 def check_config(cfg: TrainConfig, diff, seq: int) -> None:
     """Every setting in range before any work (see *Sizes* in the module docstring)."""
-    from .compiler.hardware import _cpu_cores
-    from .frontend.validate import check_sizes
-    from .tasks import check_eval_size
     for name in ("batch", "steps"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name} must be positive, got {getattr(cfg, name)}")
@@ -324,14 +321,15 @@ def check_config(cfg: TrainConfig, diff, seq: int) -> None:
 
 def run(cfg: TrainConfig) -> dict:
     """Train as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
+    # finetune/ builds on this module's TrainConfig and helpers, so it is imported here, not above
     from .finetune import is_finetune_run
     from .finetune import run as finetune
     if getattr(cfg, "data", None) or is_finetune_run(cfg.resume):    # --data FILE: fine-tune on it (finetune/)
         return finetune(cfg)
+    # the compiler and the runtime load when a run starts, not when the CLI builds its parser (0.5 s)
     from . import compile as compile_plan
     from .runtime.optim import Hybrid8bitAdamW
     from .runtime.trainer import Trainer
-    from .tasks import CharTokenizer, eval_examples, get_difficulty, train_batches
 
     prev = None
     if cfg.resume:
@@ -390,8 +388,6 @@ def run(cfg: TrainConfig) -> dict:
     step, interrupted, stop_reason = start, False, "steps"
     tuner = None
     if dev.type == "cpu" and not cfg.threads:      # measured, not guessed once (lazytrain/threads.py)
-        from .compiler.hardware import _cpu_cores
-        from .threads import ThreadTuner
 
         def set_threads(n: int) -> None:
             torch.set_num_threads(n)
@@ -490,7 +486,6 @@ def _report_profile(trainer, out: Path, bar) -> None:
     """The ``--profile`` step: hidden fractions on the console; profile, measured trace and memory plot."""
     from tabulate import tabulate
 
-    from .compiler.timeline import write_step
     prof = trainer.last_profile
     rows = [[kind, f"{prof.transfer_s.get(kind, 0.0) * 1e3:.1f}", f"{100 * frac:.0f}%"]
             for kind, frac in prof.hidden.items()]
@@ -513,7 +508,6 @@ def _plot_loss(path: Path, history: list[dict], em_curve: list[dict], cfg: Train
     """``loss.png`` next to metrics.json when matplotlib is installed."""
     if not can_plot():
         return
-    from .compiler.timeline import plot_loss
     last = em_curve[-1] if em_curve else None
     title = f"model {cfg.model}, task {cfg.difficulty}, batch {cfg.batch}" + (
         f": exact match {last['exact_match']:.1%} at step {last['step']}" if last else "")

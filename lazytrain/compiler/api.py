@@ -8,13 +8,19 @@ import dataclasses
 import time
 import warnings
 
+from ..frontend.presets import build_model
+from ..frontend.trace import trace
 from ..frontend.validate import check_compile_args, micro_batch_candidates
-from ..ir import GiB, Plan, PlanError, verify
+from ..ir import GiB, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
+from ..units import parse_size
 from .cost import CostModel
+from .hardware import get_profile
 from .lower import lower
 from .resident import resident_request
+from .search import Search
 from .simulate import simulate
+from .solvers.heuristics import HEURISTICS
 from .solvers.isolated import DEFAULT_ORDER, SOLVERS
 
 POLICIES = ("milp", "megatrain", "recompute-all", "keep-all")
@@ -35,10 +41,8 @@ def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool
         if packed and not model.meta.get("packed"):
             raise ValueError("packed=True but the ModelGraph given was traced unpacked: trace it with packed=True")
         return model
-    from ..frontend.trace import trace
     t = time.perf_counter()
     if isinstance(model, str):
-        from ..frontend.presets import build_model
         model = build_model(model)
     graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile)
     history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4)})
@@ -65,7 +69,6 @@ class Compiler:
         self.time_limit = time_limit
         self.options = {"host_bytes_per_param": HOST_BYTES_PER_PARAM[optimizer], "optimizer": optimizer,
                         "clip": clip}
-        from .search import Search
         self.search = Search(self)
 
     def solve_time_limit(self) -> float:
@@ -78,7 +81,6 @@ class Compiler:
 
     def with_resident(self, decisions):
         """``decisions`` with this compiler's fixed resident blocks (policies decide the rest)."""
-        import dataclasses
         L = self.graph.n_blocks
         res = tuple(j in self.resident for j in range(L)) if self.resident else ()
         return decisions if decisions.resident == res else dataclasses.replace(decisions, resident=res)
@@ -118,7 +120,6 @@ class Compiler:
     def _quick_reject(self, dec, cost: CostModel) -> None:
         """A lower bound on GPU memory without lowering: at the end of the forward every kept saved
         activation and every boundary kept on the GPU is resident at once."""
-        from ..ir import Place, Saved
         M = dec.n_micro
         kept = sum(cost.saved_bytes(j) for j, s in enumerate(dec.saved) if s is Saved.KEEP)
         kept += sum(cost.act_bytes(i) for i, p in enumerate(dec.boundary) if p is Place.GPU and i > 0
@@ -161,7 +162,6 @@ def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memo
     The GPU budget the plan must meet is the given memory less ``reserve`` (CUDA context, cuBLAS
     workspaces, allocator fragmentation; default 1.5 GiB + 5%: on the H200 a plan 2.2 GiB under a
     24 GiB cap still met 1.6 GiB of reserved-but-unused allocator blocks)."""
-    from ..units import parse_size
 
     def size(v, default):
         return default if v is None else (parse_size(v) if isinstance(v, str) else int(v))
@@ -214,6 +214,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     ``tiling.TILE_TOKENS``, only when no plan fits without; ``None``: never.
     """
     options = {k: v for k, v in locals().items() if k != "model"}
+    # seq_search, auto_tile and calibrate run compile_model themselves: imported where they are asked for
+    # (calibrate runs the Trainer, a layer above the compiler: the one call upward, on request only)
     if seq_len == "max":
         from .seq_search import compile_max_seq
         return compile_max_seq(compile_model, model, options)
@@ -223,7 +225,6 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     if calibrate:
         from ..calibrate import compile_calibrated
         return compile_calibrated(compile_model, model, {k: v for k, v in options.items() if k != "calibrate"})
-    from .hardware import get_profile
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if optimizer not in HOST_BYTES_PER_PARAM:
@@ -290,7 +291,6 @@ def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, poli
             f"each); the budget is {comp.budgets['host_bytes'] / GiB:.2f} GiB")
     need = comp.smallest_gpu_need(batch_size, micro_batch)
     res = comp.budgets["gpu_reserve_bytes"]
-    from .solvers.heuristics import HEURISTICS
     if policy in HEURISTICS:       # what this policy itself needs at its leanest micro-batch
         mb = micro_batch or 1
         own = comp.build(HEURISTICS[policy](comp.graph, mb, batch_size // mb), batch_size, check_budget=False)

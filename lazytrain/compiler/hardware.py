@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +105,6 @@ ATTENTION_HEAD_DIM_FACTOR = {64: (0.69, 0.85), 128: (1.0, 1.0), 256: (0.94, 0.94
 
 def head_dim_factor(head_dim: int, backward: bool) -> float:
     """``ATTENTION_HEAD_DIM_FACTOR`` at ``head_dim``: interpolated in log2, held at the ends."""
-    import math
     points = sorted(ATTENTION_HEAD_DIM_FACTOR.items())
     k = 1 if backward else 0
     if head_dim <= points[0][0]:

@@ -17,8 +17,15 @@ result.
 
 from __future__ import annotations
 
-from ..ir import GiB, PlanError
+from ..frontend.presets import build_model
+from ..frontend.tiling import TILE_TOKENS
+from ..frontend.trace import trace
+from ..ir import Decisions, GiB, Place, PlanError, Saved
 from ..ir.graph import ModelGraph
+from .api import POLICIES, BudgetError, Compiler, make_budgets
+from .hardware import get_profile
+from .resident import resident_request
+from .solvers.heuristics import HEURISTICS
 
 #: the search starts here and doubles: long enough that short lengths cost no probes
 START = 1024
@@ -39,8 +46,6 @@ def _leanest(comp, policy: str, batch: int, micro_batch: int | None):
     """The leanest plan ``policy`` has at this length, built without budgets: for the MILP, every block
     recomputed and every boundary on the host; for a fixed policy, its own plan; at the smallest
     micro-batch either way."""
-    from ..ir import Decisions, Place, Saved
-    from .solvers.heuristics import HEURISTICS
     mb = micro_batch or 1
     L = comp.graph.n_blocks
     dec = HEURISTICS[policy](comp.graph, mb, batch // mb) if policy in HEURISTICS else Decisions(
@@ -64,12 +69,6 @@ def binding(plan, budgets: dict) -> str | None:
 
 def compile_max_seq(compile_fn, model, options: dict):
     """``compile_fn(model, **options)`` at the longest feasible ``seq_len`` (module docstring)."""
-    from ..frontend.presets import build_model
-    from ..frontend.tiling import TILE_TOKENS
-    from ..frontend.trace import trace
-    from .api import POLICIES, BudgetError, Compiler, make_budgets
-    from .hardware import get_profile
-    from .resident import resident_request
     if isinstance(model, ModelGraph):
         raise ValueError("seq_len='max' needs the model (a module, preset or config): a traced ModelGraph has one "
                          "sequence length")

@@ -24,7 +24,15 @@ from pathlib import Path
 
 import torch
 
+from ..compiler.hardware import _cpu_cores
+from ..compiler.timeline import plot_loss
+from ..data.batches import Batches
+from ..data.encode import Encoder
+from ..export import _write_json as write_hf_json
+from ..export import hf_config, trainer_weights, write_folder
+from ..models.named import generation_config
 from ..runfiles import write_json as _write_json
+from ..threads import ThreadTuner
 from ..train import (
     TrainConfig,
     _device,
@@ -115,9 +123,8 @@ def _resume(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict]:
 
 def run(cfg: TrainConfig) -> dict:
     """Fine-tune as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
+    # the compiler and the runtime load when a run starts, not when the CLI builds its parser (0.5 s)
     from .. import compile as compile_plan
-    from ..data.batches import Batches
-    from ..data.encode import Encoder
     from ..runtime.optim import Hybrid8bitAdamW
     from ..runtime.trainer import Trainer
 
@@ -246,8 +253,6 @@ def run(cfg: TrainConfig) -> dict:
             print(describe(evals[-1], step))
         exported = None
         if cfg.export and not interrupted:
-            from ..export import hf_config, trainer_weights, write_folder
-            from ..models.named import generation_config
             dtype = _export_dtype(cfg, src, param_dtype)
             exported = str(write_folder(out / "model", trainer_weights(trainer),
                                         config=hf_config(model.config, type(model).__name__), dtype=dtype,
@@ -280,7 +285,6 @@ def run(cfg: TrainConfig) -> dict:
 
 
 def hf_config_dict(model) -> dict:
-    from ..export import hf_config
     return hf_config(model.config, type(model).__name__)
 
 
@@ -306,10 +310,8 @@ def _source(cfg: FinetuneConfig, prev: dict | None) -> Source:
 
 def _write_source(folder: Path, model, tok, stop_ids: list[int]) -> None:
     """Config, tokenizer and generation config of the run (for resume and ``lazytrain export``)."""
-    from ..export import _write_json as write
-    from ..models.named import generation_config
     folder.mkdir(parents=True, exist_ok=True)
-    write(folder / "config.json", hf_config_dict(model))
+    write_hf_json(folder / "config.json", hf_config_dict(model))
     tok.save_pretrained(folder)
     generation_config(model, stop_ids, tok).save_pretrained(folder)
 
@@ -330,8 +332,6 @@ TUNER = {"probe": 3, "settle": 1, "every": 100}
 def _thread_tuner(dev: torch.device, cfg: FinetuneConfig, opt):
     if dev.type != "cpu" or cfg.threads:
         return None
-    from ..compiler.hardware import _cpu_cores
-    from ..threads import ThreadTuner
 
     def set_threads(n: int) -> None:
         torch.set_num_threads(n)
@@ -350,7 +350,6 @@ def _fastest(tuner) -> int | None:
 def _plot(path: Path, history: list[dict], evals: list[dict], name: str) -> None:
     if not can_plot():
         return
-    from ..compiler.timeline import plot_loss
     last = evals[-1] if evals else None
     title = f"fine-tuning {name}" + (f": exact match {last['exact_match']:.1%} at step {last['step']}"
                                      if last and last["exact_match"] is not None else "")

@@ -30,6 +30,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .trace_export import _draws_random
+
 aten = torch.ops.aten
 
 #: tokens a chunk: a 7B MLP chunk's intermediates (4096 x 18,944, four of them, bf16) are 0.6 GB, and each
@@ -125,7 +127,6 @@ def _eligible(n: fx.Node, mb: int, seq: int, params: set) -> bool:
 
 def find_tail(gm: fx.GraphModule, mb: int, seq: int) -> list[fx.Node]:
     """The block's position-wise tail (module docstring), or [] if there is none worth tiling."""
-    from .trace_export import _draws_random
     params = {n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("p_")}
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     tail: list[fx.Node] = []

@@ -191,7 +191,7 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
         if is_hf(clone):
             kwargs["use_cache"] = False
         if packed:
-            from .packing import packed_inputs
+            from .packing import packed_inputs  # packing.py builds on this module's export
             kwargs.update(packed_inputs(clone, ids))
 
     def run():
@@ -202,7 +202,7 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
     except Exception as e:  # noqa: BLE001 - re-raised with the failing module named
         raise TraceError(f"torch.export failed on {type(clone).__name__}: {_short(e)}") from None
     if packed:
-        from .packing import check_document_mask
+        from .packing import check_document_mask  # (as above)
         check_document_mask(ep, type(clone).__name__)
     return ep, root
 
