@@ -97,25 +97,30 @@ class Compiler:
                     options=dict(self.options))
         rep = verify(plan, early_exit=check_budget)
         sim = simulate(plan)
-        flops = 6 * self.graph.total_params * batch_size * self.graph.seq_len
+        plan.predicted = self._predicted(plan, rep, sim)
+        if plan.budgets.get("gpu_bytes") and plan.predicted["peak_gpu_bytes"] > plan.budgets["gpu_bytes"]:
+            raise PlanError(f"simulated peak GPU memory {plan.predicted['peak_gpu_bytes'] / GiB:.2f} GiB "
+                            f"exceeds the budget")
+        return plan
+
+    def _predicted(self, plan: Plan, rep, sim) -> dict:
+        """The plan's predicted figures: the simulated step, verify's memory peaks and the rates they imply."""
+        ops = plan.ops
+        flops = 6 * self.graph.total_params * plan.batch_size * self.graph.seq_len
         hw_flops = sum(self.graph.blocks[op.block].fwd_flops if op.kind.value in ("compute", "recompute")
                        else self.graph.blocks[op.block].bwd_flops for op in ops
-                       if op.kind.value in ("compute", "recompute", "backward")) * decisions.micro_batch
-        plan.predicted = {
+                       if op.kind.value in ("compute", "recompute", "backward")) * plan.decisions.micro_batch
+        return {
             "step_time_s": sim.step_time_s, "peak_gpu_bytes": max(rep.peak_gpu_bytes, sim.peak_gpu_bytes),
             "peak_host_bytes": rep.peak_host_bytes, "peak_nvme_bytes": rep.peak_nvme_bytes,
             "host_static_bytes": rep.host_static_bytes, "busy_s": sim.busy_s,
             "exposed_transfer_s": sim.exposed_transfer_s,
             "model_tflops": flops / sim.step_time_s / 1e12 if sim.step_time_s else 0.0,
-            "model_attn_tflops": (flops + self.graph.attention_model_flops * batch_size) / sim.step_time_s / 1e12
+            "model_attn_tflops": (flops + self.graph.attention_model_flops * plan.batch_size) / sim.step_time_s / 1e12
             if sim.step_time_s else 0.0,
             "hardware_tflops": hw_flops / sim.step_time_s / 1e12 if sim.step_time_s else 0.0,
-            "tokens_per_s": batch_size * self.graph.seq_len / sim.step_time_s if sim.step_time_s else 0.0,
+            "tokens_per_s": plan.batch_size * self.graph.seq_len / sim.step_time_s if sim.step_time_s else 0.0,
         }
-        if plan.budgets.get("gpu_bytes") and plan.predicted["peak_gpu_bytes"] > plan.budgets["gpu_bytes"]:
-            raise PlanError(f"simulated peak GPU memory {plan.predicted['peak_gpu_bytes'] / GiB:.2f} GiB "
-                            f"exceeds the budget")
-        return plan
 
     def _quick_reject(self, dec, cost: CostModel) -> None:
         """A lower bound on GPU memory without lowering: at the end of the forward every kept saved
@@ -225,6 +230,29 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     if calibrate:
         from ..calibrate import compile_calibrated
         return compile_calibrated(compile_model, model, {k: v for k, v in options.items() if k != "calibrate"})
+    _check_options(policy=policy, optimizer=optimizer, seq_len=seq_len, micro_batch=micro_batch, seq_tile=seq_tile)
+    check_compile_args(model, batch_size=batch_size, seq_len=seq_len, micro_batch=micro_batch, nvme_dir=nvme_dir)
+    history: list[dict] = []
+    t0 = time.perf_counter()
+    hw = get_profile(hardware) if isinstance(hardware, str) else hardware
+    graph = _as_graph(model, seq_len, param_dtype, history, packed, seq_tile)
+    budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
+    fixed, auto = resident_request(graph, resident)
+    comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
+                    solver=solver, time_limit=time_limit, resident=fixed,
+                    choose_resident=auto and policy == "milp" and hw.has_gpu)
+    # cost, lower, verify and simulate run for each candidate the search builds (``Compiler.build``)
+    plan = _search(comp, policy, batch_size, micro_batch, max_batch_limit)
+    if comp.search.failures:
+        warnings.warn("the MILP solvers failed (" + "; ".join(comp.search.failures) + "); the plan comes from "
+                      f"the {plan.decisions.policy} policy where they did (plan.solver.failures)", stacklevel=2)
+    plan = _returned(comp, plan, policy)
+    plan.history = [*history, *plan.history, {"pass": "total", "seconds": round(time.perf_counter() - t0, 4)}]
+    return plan
+
+
+def _check_options(*, policy: str, optimizer: str, seq_len, micro_batch, seq_tile) -> None:
+    """The options ``compile_model`` checks itself, before the sizes (``frontend/validate.py``)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if optimizer not in HOST_BYTES_PER_PARAM:
@@ -235,42 +263,36 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
     if seq_tile is not None and (not isinstance(seq_tile, int) or isinstance(seq_tile, bool) or seq_tile < 1):
         raise ValueError(f"seq_tile must be a positive number of tokens, 'auto' or None, got {seq_tile!r}")
-    check_compile_args(model, batch_size=batch_size, seq_len=seq_len, micro_batch=micro_batch, nvme_dir=nvme_dir)
-    history: list[dict] = []
-    t0 = time.perf_counter()
-    hw = get_profile(hardware) if isinstance(hardware, str) else hardware
-    graph = _as_graph(model, seq_len, param_dtype, history, packed, seq_tile)
 
-    budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
-    fixed, auto = resident_request(graph, resident)
-    comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
-                    solver=solver, time_limit=time_limit, resident=fixed,
-                    choose_resident=auto and policy == "milp" and hw.has_gpu)
 
+def _search(comp: Compiler, policy: str, batch_size, micro_batch: int | None, max_batch_limit) -> Plan:
+    """The best plan of ``policy`` at this batch (or the largest batch with one, for ``"max"``), or the
+    ``BudgetError`` that says what memory would make one fit."""
     if batch_size == "max":
         if not isinstance(max_batch_limit, int) or max_batch_limit < 1:
             raise ValueError(f"max_batch_limit must be a positive integer, got {max_batch_limit!r}")
         plan, tried = comp.search.max_batch(policy, micro_batch, max_batch_limit)
         if plan is None:
             raise _budget_error(comp, tried, micro_batch)
-    else:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer or 'max', got {batch_size!r}")
-        if micro_batch and batch_size % micro_batch:
-            raise ValueError(f"micro_batch {micro_batch} does not divide batch_size {batch_size}")
-        plan = comp.best(policy, batch_size, micro_batch)
-        if plan is None:
-            raise _budget_error(comp, batch_size, micro_batch, policy)
-    if comp.search.failures:
-        warnings.warn("the MILP solvers failed (" + "; ".join(comp.search.failures) + "); the plan comes from "
-                      f"the {plan.decisions.policy} policy where they did (plan.solver.failures)", stacklevel=2)
-    # the plan returned is the caller's: a copy, so the search's memo stays as it was
+        return plan
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer or 'max', got {batch_size!r}")
+    if micro_batch and batch_size % micro_batch:
+        raise ValueError(f"micro_batch {micro_batch} does not divide batch_size {batch_size}")
+    plan = comp.best(policy, batch_size, micro_batch)
+    if plan is None:
+        raise _budget_error(comp, batch_size, micro_batch, policy)
+    return plan
+
+
+def _returned(comp: Compiler, plan: Plan, policy: str) -> Plan:
+    """The plan handed to the caller: a copy, so the search's memo stays as it was, with the step time
+    of the megatrain policy at its batch for comparison."""
     plan = dataclasses.replace(plan, predicted=dict(plan.predicted), budgets=dict(plan.budgets))
     if policy != "megatrain":
         base = comp.best("megatrain", plan.batch_size)
         if base is not None:
             plan.predicted["megatrain_step_time_s"] = base.predicted["step_time_s"]
-    plan.history = [*history, *plan.history, {"pass": "total", "seconds": round(time.perf_counter() - t0, 4)}]
     return plan
 
 
