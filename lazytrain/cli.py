@@ -10,7 +10,9 @@ import json
 import math
 import sys
 
-from .ir import GiB, PlanError
+from .ir import GiB, Plan, PlanError, verify
+from .ir.summary import model_tflops_text
+from .units import parse_size
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,7 +24,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _size(text: str) -> int:
-    from .units import parse_size
     try:
         return parse_size(text)
     except ValueError as e:
@@ -250,7 +251,6 @@ def cmd_compile(a) -> int:
 
 
 def cmd_show(a) -> int:
-    from .ir import Plan
     plan = Plan.load(a.plan)
     if a.ops:
         print(plan.table(limit=a.limit))
@@ -278,11 +278,9 @@ def cmd_simulate(a) -> int:
     from tabulate import tabulate
 
     from .compiler.simulate import simulate
-    from .ir import Plan, verify
     plan = Plan.load(a.plan)
     rep = verify(plan)
     sim = simulate(plan)
-    from .ir.summary import model_tflops_text
     flops = 6 * plan.graph.total_params * plan.batch_size * plan.seq_len
     attn = plan.graph.attention_model_flops * plan.batch_size
     rows = [["step time", f"{sim.step_time_s:.4f} s"],
@@ -299,7 +297,6 @@ def cmd_simulate(a) -> int:
 
 def cmd_trace(a) -> int:
     from .compiler.timeline import write_step
-    from .ir import Plan
     plan = Plan.load(a.plan)
     profile = None
     if a.measured:
