@@ -48,7 +48,7 @@ from timeouts import within  # noqa: E402
 import lazytrain  # noqa: E402
 from lazytrain import runfiles  # noqa: E402
 from lazytrain.cli import main  # noqa: E402
-from lazytrain.compiler.presets import build_model  # noqa: E402
+from lazytrain.frontend.presets import build_model  # noqa: E402
 from lazytrain.ir import PlanError  # noqa: E402
 from lazytrain.runtime.checkpoint import CheckpointError  # noqa: E402
 from lazytrain.runtime.optim.hybrid8bit import Hybrid8bitAdamW  # noqa: E402

@@ -26,7 +26,7 @@ import torch
 
 import lazytrain
 from lazytrain.bench_worker import host_rss_bytes
-from lazytrain.compiler.presets import build_model
+from lazytrain.frontend.presets import build_model
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 
 
@@ -37,7 +37,7 @@ def _plan(model, args, nvme_dir: str) -> lazytrain.Plan:
                                  policy=args.policy)
     from lazytrain.compiler.api import Compiler
     from lazytrain.compiler.hardware import get_profile
-    from lazytrain.compiler.trace import trace
+    from lazytrain.frontend.trace import trace
     from lazytrain.ir import Decisions, GiB, Place, Saved
     graph = trace(model, seq_len=args.seq, dtype="float32")
     L = graph.n_blocks

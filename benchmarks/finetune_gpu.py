@@ -54,7 +54,7 @@ def smollm2(a, data: Path, out: Path) -> dict:
 
 
 def seven_b(a, data: Path, out: Path) -> dict:
-    from lazytrain.compiler.presets import PRESETS
+    from lazytrain.frontend.presets import PRESETS
     cfg_dir = out.parent / "qwen2.5-7b-config"
     cfg_dir.mkdir(parents=True, exist_ok=True)
     (cfg_dir / "config.json").write_text(json.dumps(PRESETS["qwen2.5-7b"], indent=1))

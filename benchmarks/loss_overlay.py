@@ -13,7 +13,7 @@ short table.  What is held equal, and how:
   seed 0, loss on the prompt too), drawn once and fed to both systems in the same order.
 - *Optimizer.* AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), global gradient norm clipped to 1.0:
   lazytrain's ``TorchAdamW`` on the host, ``torch.optim.AdamW`` + ``clip_grad_norm_`` for plain PyTorch.
-- *Schedule.* ``lazytrain.train.lr_at``: linear warm-up over ``--warmup`` steps, then cosine to 0.1x,
+- *Schedule.* ``lazytrain.loop.lr_at``: linear warm-up over ``--warmup`` steps, then cosine to 0.1x,
   progress = step / ``--steps``, set as ``opt.lr`` before each ``trainer.step`` (as ``lazytrain train``
   does).  With clipping lazytrain's updates are lagged (step t's gradient is applied during step t + 1);
   the runtime applies it at the rate that was set when step t began, so the two schedules are the same.
@@ -43,9 +43,10 @@ from pathlib import Path
 import torch
 
 import lazytrain
+from lazytrain.loop import lr_at
 from lazytrain.runtime.optim import TorchAdamW
 from lazytrain.tasks import CharTokenizer, get_difficulty, shifted_cross_entropy, train_batches
-from lazytrain.train import TrainConfig, _hardware, build_task_model, cpu_threads, logits_fn, lr_at
+from lazytrain.train import TrainConfig, _hardware, build_task_model, cpu_threads, logits_fn
 from lazytrain.units import parse_size
 
 FORMAT = "lazytrain.loss-overlay/1"

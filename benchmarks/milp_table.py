@@ -14,8 +14,8 @@ import platform
 import time
 
 from lazytrain.compiler.api import compile_model
-from lazytrain.compiler.presets import build_model
-from lazytrain.compiler.trace import trace
+from lazytrain.frontend.presets import build_model
+from lazytrain.frontend.trace import trace
 from lazytrain.ir import PlanError
 
 #: the grid: GPU budgets (GiB) and batches per model; each cell compiles every (policy, resident) below

@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 from lazytrain.compiler.api import compile_model
-from lazytrain.compiler.presets import build_model
-from lazytrain.compiler.trace import trace
+from lazytrain.frontend.presets import build_model
+from lazytrain.frontend.trace import trace
 from lazytrain.ir import GiB, PlanError
 
 #: the compile-time row: (model, batch, GPU memory, host memory), default policy (the MILP, resident "auto")

@@ -27,7 +27,7 @@ import torch
 
 import lazytrain
 from lazytrain.bench_worker import host_rss_bytes
-from lazytrain.compiler.presets import random_model
+from lazytrain.frontend.presets import random_model
 from lazytrain.ir import GiB
 from lazytrain.units import parse_size
 
@@ -121,7 +121,7 @@ def scaled_rope_config(preset: str, scaling: str) -> str:
     """A ``config.json`` of ``preset`` whose rotary embedding is scaled by ``scaling`` (``TYPE:FACTOR``)."""
     import tempfile
 
-    from lazytrain.compiler.presets import PRESETS
+    from lazytrain.frontend.presets import PRESETS
     kind, _, factor = scaling.partition(":")
     cfg = dict(PRESETS[preset])
     cfg["rope_scaling"] = {"rope_type": kind, "factor": float(factor),

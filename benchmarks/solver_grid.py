@@ -21,12 +21,12 @@ import time
 
 from lazytrain.compiler.api import Compiler, make_budgets
 from lazytrain.compiler.hardware import get_profile
-from lazytrain.compiler.presets import build_model
 from lazytrain.compiler.solvers import isolated
 from lazytrain.compiler.solvers.milp import CBC_CUTS, GAP_TARGET, SHORT_CHAIN, MilpOptions, coefficients, decode
 from lazytrain.compiler.solvers.milp import build_model as milp_model
 from lazytrain.compiler.synthetic import chain
-from lazytrain.compiler.trace import trace
+from lazytrain.frontend.presets import build_model
+from lazytrain.frontend.trace import trace
 from lazytrain.ir import PlanError
 
 SOLVERS = ("highs", "cbc")

@@ -13,7 +13,7 @@ import tempfile
 import torch
 
 import lazytrain
-from lazytrain.compiler.presets import build_from_config
+from lazytrain.frontend.presets import build_from_config
 from lazytrain.runtime.optim import Hybrid8bitAdamW
 from lazytrain.tasks import PRESETS, CharTokenizer, eval_examples, exact_match, train_batches
 

@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 def compile(model, **kwargs):  # noqa: A001 - the product's verb
     """Trace, cost, solve, lower and verify; see ``lazytrain.compiler.compile_model``.  On a GPU, a plan
     whose block times are all modelled gets a one-line hint on how to measure them."""
+    # on first use: `import lazytrain` stays light (the IR); the compiler and the runtime load when asked for
     from .compiler.api import compile_model
     from .compiler.cost import hint_uncalibrated
     return hint_uncalibrated(compile_model(model, **kwargs), model)

@@ -3,6 +3,10 @@ SYSTEM CFG.json OUT.json``): the model every system starts from, the seeded batc
 measuring loop, the accounting every row shares (``finish_row``) and the worker's entry point, which
 turns any failure of the system into a row.  The driver (``lazytrain/bench.py``) only schedules these
 processes and reports; the systems (``benchmarks/systems/*.py``) import their helpers from here.
+
+torch and LazyTrain's model code are imported inside the functions that use them: the driver imports
+this module for its constants and stays a plain scheduler (torch loads, and CUDA starts, only in the
+worker processes whose memory is measured).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def build(cfg: dict):
     Hugging Face's init of a 3B model took 164 s), on the CPU, bf16 (fp32 with --device cpu)."""
     import torch
 
-    from .compiler.presets import random_model
+    from .frontend.presets import random_model
     torch.manual_seed(0)
     model = random_model(cfg["model"], dtype=torch.float32 if cfg["device"] == "cpu" else torch.bfloat16)
     cfg_obj = getattr(model, "config", None)

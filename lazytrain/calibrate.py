@@ -37,9 +37,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .compiler.api import BudgetError, compile_model
 from .compiler.hardware import BlockTiming, HardwareProfile, get_profile
+from .frontend.presets import build_model
+from .frontend.trace import trace
+from .frontend.trace_export import find_layers, meta_clone, reduce_layers, reducible
 from .ir import OpKind
 from .ir.graph import ModelGraph
+from .runtime.optim.torch_adamw import TorchAdamW
+from .runtime.trainer import Trainer
 
 #: micro-batches a step of the timing plan: each block's forward, recompute and backward run this often a step
 N_MICRO = 2
@@ -54,7 +60,6 @@ def _log(verbose: bool, text: str) -> None:
 
 def timing_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """The model's structure with random weights on the CPU, cut to three layers when they are alike."""
-    from .compiler.trace_export import find_layers, meta_clone, reduce_layers, reducible
     clone = meta_clone(model, dtype)
     kept = None
     if reducible(model):
@@ -97,9 +102,6 @@ def measure_blocks(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro
                    verbose: bool = True) -> list[BlockTiming]:
     """Forward, backward and recompute seconds of each distinct block of ``model`` at this micro-batch and
     sequence length, measured in LazyTrain's runtime on ``device`` (module docstring)."""
-    from .compiler.api import BudgetError, compile_model
-    from .runtime.optim.torch_adamw import TorchAdamW
-    from .runtime.trainer import Trainer
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, param_dtype)
     tm = timing_model(model, dtype)
@@ -154,8 +156,6 @@ def missing(graph: ModelGraph, hw: HardwareProfile, micro_batch: int) -> list[in
 def compile_calibrated(compile_fn, model, options: dict, *, verbose: bool = True):
     """``compile_fn(model, **options)`` with the model's blocks measured on this machine at the micro-batch
     the plan uses (module docstring); a profile given as a file gets the measurements written into it."""
-    from .compiler.presets import build_model
-    from .compiler.trace import trace
     if isinstance(model, ModelGraph):
         raise ValueError("calibrate=True needs the model (a module, preset or config), not a traced ModelGraph")
     if isinstance(model, str):

@@ -1,4 +1,7 @@
-"""The ``lazytrain`` command: argument parsing only; the work is in compiler/ and runtime/."""
+"""The ``lazytrain`` command: argument parsing only; the work is in compiler/ and runtime/.
+
+Each command imports what it runs inside its handler, so ``lazytrain show`` or ``--help`` loads neither
+the compiler nor the runtime it does not use."""
 
 from __future__ import annotations
 
@@ -7,7 +10,9 @@ import json
 import math
 import sys
 
-from .ir import GiB, PlanError
+from .ir import GiB, Plan, PlanError, verify
+from .ir.summary import model_tflops_text
+from .units import parse_size
 
 
 class _Parser(argparse.ArgumentParser):
@@ -19,7 +24,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _size(text: str) -> int:
-    from .units import parse_size
     try:
         return parse_size(text)
     except ValueError as e:
@@ -45,7 +49,7 @@ def _batch(text: str):
 
 
 def _presets() -> str:
-    from .compiler.presets import PRESETS
+    from .frontend.presets import PRESETS
     return ", ".join(PRESETS)
 
 
@@ -228,7 +232,7 @@ def _add_data_args(p) -> None:
 
 def cmd_compile(a) -> int:
     from .compiler.api import compile_model
-    from .compiler.validate import declared_positions
+    from .frontend.validate import declared_positions
     if a.nvme_memory and not a.nvme_dir:
         raise PlanError("--nvme-memory needs --nvme-dir (the folder to spill to)")
     seq = a.seq or min(1024, declared_positions(a.model) or 1024)
@@ -247,7 +251,6 @@ def cmd_compile(a) -> int:
 
 
 def cmd_show(a) -> int:
-    from .ir import Plan
     plan = Plan.load(a.plan)
     if a.ops:
         print(plan.table(limit=a.limit))
@@ -275,11 +278,9 @@ def cmd_simulate(a) -> int:
     from tabulate import tabulate
 
     from .compiler.simulate import simulate
-    from .ir import Plan, verify
     plan = Plan.load(a.plan)
     rep = verify(plan)
     sim = simulate(plan)
-    from .ir.summary import model_tflops_text
     flops = 6 * plan.graph.total_params * plan.batch_size * plan.seq_len
     attn = plan.graph.attention_model_flops * plan.batch_size
     rows = [["step time", f"{sim.step_time_s:.4f} s"],
@@ -296,7 +297,6 @@ def cmd_simulate(a) -> int:
 
 def cmd_trace(a) -> int:
     from .compiler.timeline import write_step
-    from .ir import Plan
     plan = Plan.load(a.plan)
     profile = None
     if a.measured:
@@ -314,7 +314,7 @@ def cmd_trace(a) -> int:
 def cmd_profile(a) -> int:
     import os
 
-    from .compiler.profile import measure
+    from .profile import measure
     if not (a.model and os.path.isfile(a.output)):
         hw = measure(quick=a.quick, disk_dir=a.disk_dir)
         with open(a.output, "w") as f:

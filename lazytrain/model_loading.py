@@ -15,9 +15,14 @@ dtype).  Every failure is a one-line ``ValueError`` naming the folder or file.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
+from .frontend.presets import _transformers, build_from_config
+from .frontend.presets import read_config as checked
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -34,7 +39,6 @@ def has_weights(folder: Path) -> bool:
 def read_config(path: Path) -> dict:
     """A Hugging Face ``config.json`` as a dict, or a ValueError naming the file (``presets.read_config``:
     the one reader of untrusted configs)."""
-    from .compiler.presets import read_config as checked
     return checked(path)
 
 
@@ -47,7 +51,6 @@ def from_pretrained(folder: Path, *, check: bool = True) -> torch.nn.Module:
     here, not a silently re-initialised layer.  Whatever transformers or safetensors raise becomes a
     one-line ``ValueError`` naming the folder.
     """
-    from .compiler.presets import _transformers, build_from_config
     cfg = read_config(folder / "config.json")
     if check:
         build_from_config(cfg, device="meta", dtype=torch.float32, source=str(folder / "config.json"))
@@ -81,7 +84,6 @@ def is_gguf(spec: str | Path) -> bool:
 
 
 def _need_gguf() -> None:
-    import importlib.util
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(f"reading a GGUF file needs the {' and '.join(missing)} package(s): "
@@ -90,7 +92,6 @@ def _need_gguf() -> None:
 
 def load_gguf(path: str | Path) -> torch.nn.Module:
     """The causal LM in a GGUF file, dequantized to fp32 on the CPU."""
-    from .compiler.presets import _transformers
     path = Path(path).absolute()
     _need_gguf()
     tf = _transformers()
@@ -112,7 +113,6 @@ def has_tokenizer(folder: Path) -> bool:
 
 def load_tokenizer(spec: str | Path):
     """The tokenizer of a Hugging Face folder or a GGUF file (chat template included)."""
-    from .compiler.presets import _transformers
     path = Path(spec).absolute()
     tf = _transformers()
     if is_gguf(path):
@@ -133,7 +133,6 @@ def load_tokenizer(spec: str | Path):
 
 def weights_dtype(folder: Path) -> torch.dtype | None:
     """The dtype of a folder's safetensors weights (the first floating tensor's), or None."""
-    from safetensors import safe_open
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for k in st.keys():

@@ -26,6 +26,9 @@ from pathlib import Path
 
 from .ir.limits import MAX_BATCH, MAX_SEQ_LEN
 from .jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape
+from .runtime import checkpoint
+from .runtime.checkpoint import read_extra, read_meta, resolve
+from .runtime.manifest import CheckpointError
 
 METRICS = "metrics.json"
 METRICS_FORMAT = "lazytrain.train-metrics/1"
@@ -66,7 +69,6 @@ def write_json(path: Path, data: dict) -> None:
 
 def commit(trainer, out: Path, metrics: dict) -> Path:
     """Commit 1: the trainer's state and ``metrics`` in one atomic checkpoint; then the copy."""
-    from .runtime import checkpoint
     ckpt = checkpoint.save(trainer, out / "checkpoint", extras={METRICS: _encode(metrics)})
     write_json(out / METRICS, metrics)
     return ckpt
@@ -74,7 +76,6 @@ def commit(trainer, out: Path, metrics: dict) -> Path:
 
 def update_metrics(out: Path, metrics: dict) -> None:
     """Commit 2: the checkpoint's metrics replaced in one rename; then the copy."""
-    from .runtime import checkpoint
     checkpoint.write_extra(out / "checkpoint", METRICS, _encode(metrics))
     write_json(out / METRICS, metrics)
 
@@ -86,8 +87,6 @@ def _encode(metrics: dict) -> bytes:
 def load_resume(cfg):
     """``(cfg with the run's settings, the run's metrics)`` from the checkpoint of ``cfg.resume``; every
     field checked (``SHAPE``) and the metrics checked against the checkpoint they were committed with."""
-    from .runtime.checkpoint import read_extra, read_meta, resolve
-    from .runtime.manifest import CheckpointError
     src = Path(cfg.resume)
     try:
         resolve(src / "checkpoint")
@@ -121,7 +120,7 @@ def _take_settings(cfg, saved: dict, src: Path) -> None:
     """What defines the run comes from the checkpointed run; what is asked now (steps, lr, time, output,
     eval) from this command line.  A setting asked for that differs from the run's is an error, not
     silently ignored (a default value counts as not asked for)."""
-    from .train import TrainConfig
+    from .train import TrainConfig  # train.py writes its run files with this module
     default = TrainConfig()
     for k in RESUMED:
         v, asked = saved[k], getattr(cfg, k)

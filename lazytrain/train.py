@@ -55,8 +55,14 @@ from pathlib import Path
 import torch
 
 from . import runfiles
+from .compiler.hardware import PROFILES, _cpu_cores
+from .compiler.timeline import plot_loss, write_step
+from .frontend.presets import PRESETS, build_from_config, build_model, read_config
+from .frontend.validate import check_positions, check_sizes
+from .loop import Progress, output_folder, start_trainer, steps, thread_tuner
 from .model_loading import from_pretrained as _from_pretrained
 from .model_loading import is_hf_folder as _is_hf_folder
+from .tasks import CharTokenizer, check_eval_size, eval_examples, exact_match, get_difficulty, train_batches
 
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
 TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512, "rope": True}
@@ -99,23 +105,6 @@ class TrainConfig:
 
 # ---- pieces ------------------------------------------------------------------------------------------
 
-def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
-    """Warm-up over ``cfg.warmup`` steps, then cosine from ``lr`` to ``min_lr_ratio * lr`` as
-    ``progress`` goes 0 -> 1."""
-    warm = min(1.0, (step + 1) / max(1, cfg.warmup))
-    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
-    return cfg.lr * warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
-
-
-def schedule_progress(step: int, start: int, steps: int, elapsed_s: float, limit_s: float | None) -> float:
-    """How far the learning-rate schedule is: by steps, or, under a time limit, by this invocation's
-    share of the remaining schedule in time, whichever is further (so the schedule anneals by the clock)."""
-    progress = step / steps
-    if limit_s is not None:
-        progress = max(progress, (start + (steps - start) * elapsed_s / limit_s) / steps)
-    return progress
-
-
 def _device(cfg: TrainConfig) -> torch.device:
     if cfg.device:
         dev = torch.device(cfg.device)
@@ -135,7 +124,6 @@ def cpu_threads(window_s: float = 0.3) -> int:
     used where there is no ``/proc``, still counts work that ended a minute ago: it gave this
     process 1 thread on an idle 2-core machine right after another job).
     """
-    from .compiler.hardware import _cpu_cores
     cores = _cpu_cores()
     busy = _busy_cores(window_s, cores)
     return max(1, min(cores, cores - round(busy)))
@@ -160,7 +148,6 @@ def _hardware(dev: torch.device) -> str:
     """The built-in profile whose GPU name matches this GPU (H200 when none does), or ``cpu``."""
     if dev.type != "cuda":
         return "cpu"
-    from .compiler.hardware import PROFILES
     name = torch.cuda.get_device_name(dev).lower()
     for key, prof in PROFILES.items():
         if key != "cpu" and (key.replace("-", " ").split()[0] in name or prof.gpu_name.lower() in name):
@@ -171,7 +158,6 @@ def _hardware(dev: torch.device) -> str:
 def build_task_model(cfg: TrainConfig, seq: int, vocab: int) -> tuple[torch.nn.Module, dict]:
     """The model to train, in fp32 on the CPU (the Trainer copies it into its host store), and a JSON
     description that rebuilds it (for ``--resume``)."""
-    from .compiler.presets import PRESETS, build_from_config, build_model, read_config
     torch.manual_seed(cfg.seed)
     if cfg.model == "task":
         spec = {"model_type": "lazytrain-gpt", "vocab": vocab, "max_seq": seq, "tie_weights": True,
@@ -207,7 +193,6 @@ def _check_fits(model: torch.nn.Module, seq: int, vocab: int, name: str) -> None
     if have_vocab is not None and have_vocab < vocab:
         raise ValueError(f"model {name!r} has a vocabulary of {have_vocab} but the task's character tokenizer "
                          f"uses ids 0-{vocab - 1}: it needs a vocab_size of at least {vocab}")
-    from .compiler.validate import check_positions
     check_positions(model, seq, f"model {name!r}")
 
 
@@ -215,7 +200,6 @@ def rebuild_model(desc: dict, *, allow_factory: bool = False) -> torch.nn.Module
     """The model described by ``build_task_model``'s description (weights come from the checkpoint).
     Only data is used: the recorded config (a fine-tuned folder's weights are in the checkpoint, so the
     folder is not read); a ``package.module:factory`` is imported only with ``allow_factory``."""
-    from .compiler.presets import build_from_config, build_model
     if "config" in desc:
         return build_from_config(desc["config"], device="cpu", dtype=torch.float32, source="checkpoint")
     if not allow_factory:
@@ -239,7 +223,6 @@ def logits_fn(model: torch.nn.Module, device: torch.device, vocab: int | None = 
 def evaluate(trainer, examples, device: torch.device, batch: int = 100) -> float:
     """Exact match by greedy decoding with the trained weights (``sync_to_model``, then the model
     runs eagerly; on the GPU when it fits in a quarter of the free memory, else on the CPU)."""
-    from .tasks import CharTokenizer, exact_match
     trainer.sync_to_model()
     model = trainer.model
     where = torch.device("cpu")
@@ -289,9 +272,6 @@ class _StopFlag:
 
 def check_config(cfg: TrainConfig, diff, seq: int) -> None:
     """Every setting in range before any work (see *Sizes* in the module docstring)."""
-    from .compiler.hardware import _cpu_cores
-    from .compiler.validate import check_sizes
-    from .tasks import check_eval_size
     for name in ("batch", "steps"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name} must be positive, got {getattr(cfg, name)}")
@@ -324,15 +304,11 @@ def check_config(cfg: TrainConfig, diff, seq: int) -> None:
 
 def run(cfg: TrainConfig) -> dict:
     """Train as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
+    # finetune/ builds on this module's TrainConfig and helpers, so it is imported here, not above
     from .finetune import is_finetune_run
     from .finetune import run as finetune
     if getattr(cfg, "data", None) or is_finetune_run(cfg.resume):    # --data FILE: fine-tune on it (finetune/)
         return finetune(cfg)
-    from . import compile as compile_plan
-    from .runtime.optim import Hybrid8bitAdamW
-    from .runtime.trainer import Trainer
-    from .tasks import CharTokenizer, eval_examples, get_difficulty, train_batches
-
     prev = None
     if cfg.resume:
         cfg, prev = runfiles.load_resume(cfg)
@@ -343,13 +319,7 @@ def run(cfg: TrainConfig) -> dict:
     dev = _device(cfg)
     if dev.type == "cpu":
         torch.set_num_threads(cfg.threads or cpu_threads())
-    out = Path(cfg.output)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output {out}: a file of that name exists; --output is a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--output {out}: cannot create the folder ({e.strerror or e})") from None
+    out = output_folder(cfg.output)
     t_start = time.perf_counter()
 
     if prev is not None:
@@ -360,20 +330,10 @@ def run(cfg: TrainConfig) -> dict:
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
     hardware = _hardware(dev)
-    opt = Hybrid8bitAdamW(lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-                          num_threads=torch.get_num_threads() if dev.type == "cpu" else None)
-    t = time.perf_counter()
-    if prev is not None:        # the checkpoint carries its plan: no recompile, the same schedule
-        trainer = Trainer.load_checkpoint(Path(cfg.resume) / "checkpoint", model, optimizer=opt, device=dev)
-        plan, start = trainer.plan, trainer.steps
-        param_dtype = plan.param_dtype
-    else:
-        plan = compile_plan(model, batch_size=cfg.batch, seq_len=seq, hardware=hardware, gpu_memory=cfg.gpu_memory,
-                            host_memory=cfg.host_memory, policy=cfg.policy, optimizer="hybrid8bit",
-                            param_dtype=param_dtype, resident=cfg.resident)
-        trainer = Trainer(model, plan, optimizer=opt, device=dev)
-        start = 0
-    compile_s = time.perf_counter() - t
+    trainer, opt, compile_s = start_trainer(cfg, model, dev, resumed=prev is not None, seq_len=seq, hardware=hardware,
+                                            param_dtype=param_dtype)
+    plan, start = trainer.plan, trainer.steps if prev is not None else 0
+    param_dtype = plan.param_dtype if prev is not None else param_dtype
     where = f"cpu, {torch.get_num_threads()} threads" if dev.type == "cpu" else dev.type
     print(f"model {cfg.model}: {n_params / 1e6:.2f} M parameters on {where} ({param_dtype}); plan: "
           f"{plan.decisions.policy}, micro-batch {plan.micro_batch} x {plan.n_micro}, compiled in {compile_s:.1f} s")
@@ -383,92 +343,83 @@ def run(cfg: TrainConfig) -> dict:
     for _ in range(start):          # replay the stream to where the checkpoint stopped
         next(batches)
     evals = eval_examples(cfg.eval_size, diff, seed=cfg.seed)
-    history = list(prev["loss_curve"]) if prev else []
     em_curve = list(prev["eval_curve"]) if prev else []
-    tokens = int(prev["tokens"]) if prev else 0
-    limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else None
-    step, interrupted, stop_reason = start, False, "steps"
-    tuner = None
-    if dev.type == "cpu" and not cfg.threads:      # measured, not guessed once (lazytrain/threads.py)
-        from .compiler.hardware import _cpu_cores
-        from .threads import ThreadTuner
-
-        def set_threads(n: int) -> None:
-            torch.set_num_threads(n)
-            opt.num_threads = n
-        tuner = ThreadTuner(_cpu_cores(), set_threads, start=torch.get_num_threads())
-    t_train = time.perf_counter()
+    run = Progress(start, tokens=int(prev["tokens"]) if prev else 0, history=list(prev["loss_curve"]) if prev else [])
+    tuner = thread_tuner(dev, cfg, opt)
     bar = _progress(cfg, start)
     with _StopFlag() as flag:
-        while step < cfg.steps:
-            elapsed = time.perf_counter() - t_train
-            if limit_s is not None and elapsed >= limit_s:
-                stop_reason = "time limit"
-                break
-            opt.lr = lr_at(cfg, step, schedule_progress(step, start, cfg.steps, elapsed, limit_s))
+        for step in steps(cfg, opt, run, flag, start=start):
             b = next(batches)
             profiled = cfg.profile is not None and step + 1 == max(cfg.profile, start + 1)
             trainer.profile = profiled
             stats = trainer.step({"input_ids": b.input_ids, "labels": b.labels})
-            step += 1
             if tuner is not None and not profiled:
                 tuner.observe(stats.step_s)
             if profiled:
                 trainer.profile = False
                 _report_profile(trainer, out, bar)
-            tokens += stats.tokens
-            history.append({"step": step, "loss": round(stats.loss, 5), "lr": opt.lr,
-                            "grad_norm": round(stats.grad_norm, 4), "step_s": round(stats.step_s, 4),
-                            "t": round(time.perf_counter() - t_start, 2)})
+            run.record(stats, opt.lr, t_start)
             if bar is not None:
                 bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
                                 tflops=f"{stats.model_tflops:.3f}", lr=f"{opt.lr:.1e}", refresh=False)
                 bar.update(1)
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps:
                 em = evaluate(trainer, evals[:min(len(evals), 200)], dev)
-                em_curve.append({"step": step, "exact_match": em, "n": min(len(evals), 200)})
-                _note(bar, f"step {step}: exact match {em:.1%} on {min(len(evals), 200)} eval problems")
-            if flag.set:
-                interrupted, stop_reason = True, "interrupted"
-                break
+                em_curve.append({"step": run.step, "exact_match": em, "n": min(len(evals), 200)})
+                _note(bar, f"step {run.step}: exact match {em:.1%} on {min(len(evals), 200)} eval problems")
         if bar is not None:
             bar.close()
-        train_s = time.perf_counter() - t_train
-        recent = history[-min(50, len(history)):] if history else []
-        metrics = {
-            "format": runfiles.METRICS_FORMAT,
-            "settings": runfiles.settings(cfg, seq),
-            "model": desc, "params": n_params, "device": dev.type, "threads": torch.get_num_threads(),
-            "thread_rounds": [{"step": st, "median_step_s": {str(k): round(v, 4) for k, v in m.items()}}
-                              for st, m in (tuner.history if tuner else [])],
-            "hardware": hardware, "param_dtype": param_dtype,
-            "plan": {"policy": plan.decisions.policy, "micro_batch": plan.micro_batch, "n_micro": plan.n_micro,
-                     "n_ops": len(plan.ops), "predicted_step_s": plan.predicted.get("step_time_s"),
-                     "resident_blocks": sorted(plan.decisions.resident_blocks), "compile_s": round(compile_s, 2)},
-            "steps_done": step, "tokens": tokens, "stop_reason": stop_reason, "interrupted": interrupted,
-            "exact_match": None, "final_eval": "skipped (interrupted)" if interrupted else "pending",
-            "eval_size": len(evals), "eval_curve": em_curve, "loss_curve": history,
-            "final_loss": sum(h["loss"] for h in recent) / len(recent) if recent else None,
-            "train_s": round(train_s + (prev["train_s"] if prev else 0.0), 2),
-            "wall_s": round(time.perf_counter() - t_start, 2), "load_average": list(os.getloadavg()),
-            "checkpoint": str(out / "checkpoint"), "resumed_from": cfg.resume,
-        }
-        # commit 1, before the eval: an eval that fails (out of memory) or is killed loses no training
-        ckpt = runfiles.commit(trainer, out, metrics)
-        if not interrupted:         # (a Ctrl-C during commit 1 skips the eval too)
-            em = None if flag.set else _final_eval(trainer, evals, dev, flag)
-            if em is None:
-                metrics.update(final_eval="skipped (interrupted)", interrupted=True)
-            else:
-                em_curve.append({"step": step, "exact_match": em, "n": len(evals)})
-                metrics.update(exact_match=em, final_eval="done")
-            metrics["wall_s"] = round(time.perf_counter() - t_start, 2)
-            runfiles.update_metrics(out, metrics)       # commit 2
-        _plot_loss(out / "loss.png", history, metrics["eval_curve"], cfg)
+        metrics = _metrics(cfg, seq, run, desc=desc, n_params=n_params, dev=dev, tuner=tuner, hardware=hardware,
+                           param_dtype=param_dtype, plan=plan, compile_s=compile_s, evals=evals, em_curve=em_curve,
+                           prev=prev, t_start=t_start, out=out)
+        ckpt = _commit(trainer, out, metrics, run, evals, em_curve, dev, flag, t_start)
+        _plot_loss(out / "loss.png", run.history, metrics["eval_curve"], cfg)
     trainer.close()
     print(f"wrote {out / 'metrics.json'} and {ckpt}" + (" (interrupted: no final eval)"
                                                          if metrics["exact_match"] is None else ""))
     return metrics
+
+
+def _metrics(cfg: TrainConfig, seq: int, run: Progress, *, desc, n_params: int, dev: torch.device, tuner, hardware,
+             param_dtype: str, plan, compile_s: float, evals: list, em_curve: list, prev: dict | None, t_start: float,
+             out: Path) -> dict:
+    """metrics.json as commit 1 writes it (the final eval is still pending)."""
+    recent = run.history[-min(50, len(run.history)):] if run.history else []
+    return {
+        "format": runfiles.METRICS_FORMAT,
+        "settings": runfiles.settings(cfg, seq),
+        "model": desc, "params": n_params, "device": dev.type, "threads": torch.get_num_threads(),
+        "thread_rounds": [{"step": st, "median_step_s": {str(k): round(v, 4) for k, v in m.items()}}
+                          for st, m in (tuner.history if tuner else [])],
+        "hardware": hardware, "param_dtype": param_dtype,
+        "plan": {"policy": plan.decisions.policy, "micro_batch": plan.micro_batch, "n_micro": plan.n_micro,
+                 "n_ops": len(plan.ops), "predicted_step_s": plan.predicted.get("step_time_s"),
+                 "resident_blocks": sorted(plan.decisions.resident_blocks), "compile_s": round(compile_s, 2)},
+        "steps_done": run.step, "tokens": run.tokens, "stop_reason": run.stop_reason, "interrupted": run.interrupted,
+        "exact_match": None, "final_eval": "skipped (interrupted)" if run.interrupted else "pending",
+        "eval_size": len(evals), "eval_curve": em_curve, "loss_curve": run.history,
+        "final_loss": sum(h["loss"] for h in recent) / len(recent) if recent else None,
+        "train_s": round(run.train_s + (prev["train_s"] if prev else 0.0), 2),
+        "wall_s": round(time.perf_counter() - t_start, 2), "load_average": list(os.getloadavg()),
+        "checkpoint": str(out / "checkpoint"), "resumed_from": cfg.resume,
+    }
+
+
+def _commit(trainer, out: Path, metrics: dict, run: Progress, evals: list, em_curve: list, dev: torch.device,
+            flag: _StopFlag, t_start: float) -> Path:
+    """Commit 1 (checkpoint + metrics) before the final eval, so an eval that fails (out of memory) or is
+    killed loses no training; then the eval and commit 2 (the metrics with it)."""
+    ckpt = runfiles.commit(trainer, out, metrics)
+    if not run.interrupted:         # (a Ctrl-C during commit 1 skips the eval too)
+        em = None if flag.set else _final_eval(trainer, evals, dev, flag)
+        if em is None:
+            metrics.update(final_eval="skipped (interrupted)", interrupted=True)
+        else:
+            em_curve.append({"step": run.step, "exact_match": em, "n": len(evals)})
+            metrics.update(exact_match=em, final_eval="done")
+        metrics["wall_s"] = round(time.perf_counter() - t_start, 2)
+        runfiles.update_metrics(out, metrics)       # commit 2
+    return ckpt
 
 
 def _final_eval(trainer, evals, dev: torch.device, flag: _StopFlag) -> float | None:
@@ -490,7 +441,6 @@ def _report_profile(trainer, out: Path, bar) -> None:
     """The ``--profile`` step: hidden fractions on the console; profile, measured trace and memory plot."""
     from tabulate import tabulate
 
-    from .compiler.timeline import write_step
     prof = trainer.last_profile
     rows = [[kind, f"{prof.transfer_s.get(kind, 0.0) * 1e3:.1f}", f"{100 * frac:.0f}%"]
             for kind, frac in prof.hidden.items()]
@@ -513,7 +463,6 @@ def _plot_loss(path: Path, history: list[dict], em_curve: list[dict], cfg: Train
     """``loss.png`` next to metrics.json when matplotlib is installed."""
     if not can_plot():
         return
-    from .compiler.timeline import plot_loss
     last = em_curve[-1] if em_curve else None
     title = f"model {cfg.model}, task {cfg.difficulty}, batch {cfg.batch}" + (
         f": exact match {last['exact_match']:.1%} at step {last['step']}" if last else "")

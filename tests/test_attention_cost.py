@@ -25,8 +25,8 @@ LAYER_WEIGHTS = 77_070_336       # its matrices: 77,076,992 parameters less 2 no
 
 @pytest.fixture(scope="module")
 def qwen3b():
-    from lazytrain.compiler.presets import build_model
-    from lazytrain.compiler.trace import trace
+    from lazytrain.frontend.presets import build_model
+    from lazytrain.frontend.trace import trace
     model = build_model("qwen2.5-3b")
     return {s: trace(model, seq_len=s) for s in (1024, 32768)}
 

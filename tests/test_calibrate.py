@@ -25,7 +25,7 @@ OPTIONS = dict(batch_size=4, seq_len=32, gpu_memory="2GiB", host_memory="4GiB", 
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    from lazytrain.compiler.presets import build_from_config
+    from lazytrain.frontend.presets import build_from_config
     path = tmp_path_factory.mktemp("hw") / "hw.json"
     PROFILES["cpu"].save(path)
     model = build_from_config(CONFIG, device="cpu", dtype=torch.float32)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import lazytrain
-from lazytrain.compiler.presets import build_from_config
+from lazytrain.frontend.presets import build_from_config
 from lazytrain.runtime.checkpoint import FORMAT, META, CheckpointError
 from lazytrain.runtime.optim import Hybrid8bitAdamW, TorchAdamW
 from lazytrain.runtime.trainer import Trainer
@@ -142,7 +142,7 @@ def test_rng_and_tracker_state_round_trip(tmp_path):
 _KILLED_SAVE = textwrap.dedent("""
     import os, sys, time, torch, lazytrain
     from safetensors.torch import save_file
-    from lazytrain.compiler.presets import build_from_config
+    from lazytrain.frontend.presets import build_from_config
     from lazytrain.runtime import checkpoint
     from lazytrain.runtime.optim import TorchAdamW
     from lazytrain.runtime.trainer import Trainer

@@ -9,10 +9,10 @@ import pytest
 
 from lazytrain.compiler.api import Compiler, compile_model, make_budgets
 from lazytrain.compiler.hardware import get_profile
-from lazytrain.compiler.presets import build_model
 from lazytrain.compiler.resident import resident_request
 from lazytrain.compiler.synthetic import chain
-from lazytrain.compiler.trace import trace
+from lazytrain.frontend.presets import build_model
+from lazytrain.frontend.trace import trace
 from lazytrain.ir import GiB, PlanError, verify
 
 N_CASES = 100

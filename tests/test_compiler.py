@@ -9,8 +9,8 @@ import pytest
 
 from lazytrain.cli import main
 from lazytrain.compiler.api import BudgetError, compile_model
-from lazytrain.compiler.presets import build_model
-from lazytrain.compiler.trace import trace
+from lazytrain.frontend.presets import build_model
+from lazytrain.frontend.trace import trace
 from lazytrain.ir import GiB, OpKind, Place, Plan, PlanError, Saved, Tier, verify
 
 

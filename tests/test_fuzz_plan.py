@@ -30,8 +30,8 @@ def _seed_text() -> str:
 
     from lazytrain.compiler.api import Compiler
     from lazytrain.compiler.hardware import get_profile
-    from lazytrain.compiler.presets import build_from_config
-    from lazytrain.compiler.trace import trace
+    from lazytrain.frontend.presets import build_from_config
+    from lazytrain.frontend.trace import trace
     from lazytrain.ir import Decisions, GiB, Place, Saved
     cfg = {"model_type": "lazytrain-gpt", "vocab": 61, "d_model": 32, "n_layer": 3, "n_head": 2, "d_ff": 48,
            "max_seq": 32, "tie_weights": True}

@@ -10,7 +10,7 @@ import torch
 from eager_ref import assert_same_parameters, random_batches, step_beside_eager
 
 import lazytrain
-from lazytrain.compiler.trace_export import export, meta_clone
+from lazytrain.frontend.trace_export import export, meta_clone
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,7 +77,7 @@ def test_model_that_compares_the_attention_name_keeps_its_mask(monkeypatch):
     ([0.0, -0.0], None), ([], None), (3, torch.bfloat16), (list(range(100)), None)])
 def test_tensor_from_python_data_is_torch_tensor(data, dtype):
     """What ``TensorsFromData`` traces for ``torch.tensor(data, dtype=dtype, device=meta)``."""
-    from lazytrain.compiler.hf_export import _from_data
+    from lazytrain.frontend.hf_export import _from_data
     got, want = _from_data(data, dtype, "cpu"), torch.tensor(data, dtype=dtype)
     assert got.dtype == want.dtype and torch.equal(got, want)
     assert torch.equal(got.float().signbit(), want.float().signbit())
@@ -88,7 +88,7 @@ def test_a_loss_without_the_next_token_shift_is_refused():
     the reason, instead of training something else than eager would."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lazytrain.compiler.trace_export import TraceError
+    from lazytrain.frontend.trace_export import TraceError
     kw = dict(batch_size=4, seq_len=16, micro_batch=2, hardware="cpu", param_dtype="float32", optimizer="adamw",
               policy="megatrain", gpu_memory="8GiB", host_memory="16GiB")
     bart = AutoModelForCausalLM.from_config(AutoConfig.for_model(

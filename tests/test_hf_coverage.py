@@ -18,7 +18,7 @@ import torch
 from eager_ref import assert_same_parameters, random_batches, step_beside_eager
 
 import lazytrain
-from lazytrain.compiler.presets import build_from_config
+from lazytrain.frontend.presets import build_from_config
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 from lazytrain.runtime.trainer import Trainer
 

@@ -60,7 +60,7 @@ def test_offloaded_saved_activations_leave_the_device():
     with every block's saved on the host the measured peak is the plan's, far below keep-all's."""
     from lazytrain.compiler.api import Compiler
     from lazytrain.compiler.hardware import get_profile
-    from lazytrain.compiler.trace import trace
+    from lazytrain.frontend.trace import trace
     from lazytrain.ir import Decisions, GiB, Place, Saved
 
     model = _model(torch.float32)

@@ -8,9 +8,9 @@ import pytest
 
 from lazytrain.compiler.api import Compiler, compile_model, make_budgets
 from lazytrain.compiler.hardware import get_profile
-from lazytrain.compiler.presets import build_model
 from lazytrain.compiler.synthetic import chain
-from lazytrain.compiler.trace import trace
+from lazytrain.frontend.presets import build_model
+from lazytrain.frontend.trace import trace
 from lazytrain.ir import Decisions, Place, PlanError, Saved
 
 MID = [(Saved.KEEP, Place.NONE), (Saved.HOST, Place.NONE), (Saved.RECOMPUTE, Place.GPU), (Saved.RECOMPUTE, Place.HOST)]

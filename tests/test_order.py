@@ -15,9 +15,9 @@ from eager_ref import assert_same_parameters, random_batches, step_beside_eager
 
 from lazytrain.compiler.api import Compiler
 from lazytrain.compiler.hardware import get_profile
-from lazytrain.compiler.presets import build_from_config
 from lazytrain.compiler.synthetic import chain
-from lazytrain.compiler.trace import trace
+from lazytrain.frontend.presets import build_from_config
+from lazytrain.frontend.trace import trace
 from lazytrain.ir import Decisions, GiB, OpKind, Place, Plan, PlanError, Resource, Saved, verify
 from lazytrain.ir.order import HazardWalk, UpdateOrder
 from lazytrain.ir.semantics import Sizes, effects

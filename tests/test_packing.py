@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import lazytrain
-from lazytrain.compiler.program import build_program
-from lazytrain.compiler.trace_export import TraceError
 from lazytrain.data import collate, pack_rows
 from lazytrain.data.encode import Example
+from lazytrain.frontend.program import build_program
+from lazytrain.frontend.trace_export import TraceError
 
 pytest.importorskip("transformers")
 
@@ -107,7 +107,7 @@ def test_a_packed_trainer_step_equals_the_unpacked_step():
 
 
 def test_packing_is_refused_where_it_cannot_be_exact():
-    from lazytrain.compiler.presets import build_model
+    from lazytrain.frontend.presets import build_model
     with pytest.raises(TraceError, match="packing needs a Hugging Face causal LM"):
         build_program(build_model("tiny", device="cpu", dtype=torch.float32), micro_batch=1, seq_len=8,
                       device="cpu", dtype=torch.float32, packed=True)

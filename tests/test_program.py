@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from lazytrain.compiler.presets import build_from_config
-from lazytrain.compiler.program import build_program, chunked_next_token_loss
-from lazytrain.compiler.trace import TraceError, trace
+from lazytrain.frontend.presets import build_from_config
+from lazytrain.frontend.program import build_program, chunked_next_token_loss
+from lazytrain.frontend.trace import TraceError, trace
 
 SEQ, MB = 24, 2
 
@@ -144,8 +144,8 @@ def test_untraceable_model_raises_trace_error():
 @pytest.mark.parametrize("kind, causal_flag", [("qwen2", True), ("mistral-window-8", False),
                                                ("mistral-window-64", True)])
 def test_attention_uses_is_causal_only_where_the_mask_is_plainly_causal(kind, causal_flag):
-    from lazytrain.compiler.hf_export import CAUSAL_ATTENTION, use_causal_flag
-    from lazytrain.compiler.trace_export import meta_clone
+    from lazytrain.frontend.hf_export import CAUSAL_ATTENTION, use_causal_flag
+    from lazytrain.frontend.trace_export import meta_clone
     clone = meta_clone(_model(kind), torch.float32)
     assert use_causal_flag(clone, SEQ) is causal_flag
     assert (clone.config._attn_implementation == CAUSAL_ATTENTION) is causal_flag

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import lazytrain
-from lazytrain.compiler.presets import build_from_config
-from lazytrain.compiler.trace_export import BlockCode
+from lazytrain.frontend.presets import build_from_config
+from lazytrain.frontend.trace_export import BlockCode
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 from lazytrain.runtime.trainer import Trainer
 
@@ -66,7 +66,7 @@ def test_without_replay_recomputation_draws_other_masks(monkeypatch):
 
 
 def test_dropout_is_traced_in_training_mode_and_only_when_asked():
-    from lazytrain.compiler.program import build_split
+    from lazytrain.frontend.program import build_split
     for cfg, random in ((DROPOUT_GPT2, True), ({**DROPOUT_GPT2, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
                                                   "attn_pdrop": 0.0}, False)):
         model = build_from_config(cfg, device="cpu", dtype=torch.float32).eval()

@@ -18,7 +18,7 @@ import torch
 
 import lazytrain
 from lazytrain.cli import main
-from lazytrain.compiler.presets import build_from_config, build_model
+from lazytrain.frontend.presets import build_from_config, build_model
 from lazytrain.ir import PlanError
 from lazytrain.runtime.nvme import NvmeError, NvmeStore
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
@@ -141,7 +141,7 @@ class Branchy(torch.nn.Module):
 
 
 def test_data_dependent_control_flow_names_the_module():
-    from lazytrain.compiler.trace import TraceError, trace
+    from lazytrain.frontend.trace import TraceError, trace
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), Branchy())
     with pytest.raises(TraceError) as e:
         trace(model, seq_len=4, example_inputs=(torch.zeros(2, 8), torch.zeros(2, 8)),

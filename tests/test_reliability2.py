@@ -20,7 +20,7 @@ from timeouts import within
 
 import lazytrain
 from lazytrain.cli import main
-from lazytrain.compiler.presets import build_from_config, build_model
+from lazytrain.frontend.presets import build_from_config, build_model
 from lazytrain.ir import PlanError
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 from lazytrain.runtime.trainer import Trainer
@@ -92,7 +92,7 @@ def test_absurd_sizes_are_refused_before_any_work(args, message, capsys, tmp_pat
 
 
 def test_micro_batch_candidates_are_found_without_a_loop_to_the_batch():
-    from lazytrain.compiler.validate import micro_batch_candidates
+    from lazytrain.frontend.validate import micro_batch_candidates
     with within(1):
         assert micro_batch_candidates(10**13, 6) == [32]         # none fits: the largest divisor up to 32
         assert micro_batch_candidates(960, 6) == [32, 30, 24, 20, 16, 15, 12, 10, 8, 6, 5, 4, 3, 2, 1]
@@ -112,7 +112,7 @@ def test_a_sequence_beyond_the_model_positions_is_refused_at_compile_and_by_the_
 
 def test_a_long_sequence_is_traced_in_constant_time():
     """The chunked loss on meta tensors is one chunk (FLOPs are linear in the rows), not seq / 2048."""
-    from lazytrain.compiler.trace import trace
+    from lazytrain.frontend.trace import trace
     rope = build_from_config({**GPT, "rope": True, "max_seq": 1 << 24}, device="meta")
     with within(30):
         long = trace(rope, seq_len=10_000_000, dtype="float32")

@@ -2,7 +2,7 @@
 
 Dynamic NTK and longrope pick their frequencies by the length of the positions at run time, which
 ``torch.export`` cannot decide on ``meta``; the plan fixes them at its sequence length
-(``compiler/rope.py``).  Each case runs below and above the pretrained length (``max_position_embeddings``
+(``frontend/rope.py``).  Each case runs below and above the pretrained length (``max_position_embeddings``
 16, ``original_max_position_embeddings`` 8 where the type has one), where those types switch, and trains
 3 steps beside eager on the CPU (the megatrain policy, so recomputation is checked too).  Linear, YaRN
 and llama3 tables are built with the model and traced as they are.
@@ -17,7 +17,7 @@ import torch
 from eager_ref import assert_same_parameters, random_batches, step_beside_eager
 
 import lazytrain
-from lazytrain.compiler.presets import build_from_config
+from lazytrain.frontend.presets import build_from_config
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 from lazytrain.runtime.trainer import Trainer
 
@@ -72,8 +72,8 @@ def test_rope_scaling_trains_like_eager(case):
 def test_length_dependent_tables_are_fixed_at_the_plan_length():
     """The tables the plan computes are eager's at that length: the long factors above the pretrained
     length, the short ones below (longrope), and a larger base above it (dynamic NTK)."""
-    from lazytrain.compiler.rope import fix_rope_length
-    from lazytrain.compiler.trace_export import meta_clone
+    from lazytrain.frontend.rope import fix_rope_length
+    from lazytrain.frontend.trace_export import meta_clone
     for kind, seq, expect in (("longrope", 24, "long"), ("longrope", 8, "short"), ("dynamic", 24, "larger base"),
                               ("dynamic", 8, "as built")):
         model = build_from_config(_config("qwen2", kind), device="cpu", dtype=torch.float32)

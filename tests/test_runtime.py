@@ -24,7 +24,7 @@ from eager_ref import assert_same_parameters, step_beside_eager
 import lazytrain
 from lazytrain.compiler.api import Compiler
 from lazytrain.compiler.hardware import get_profile
-from lazytrain.compiler.presets import build_from_config
+from lazytrain.frontend.presets import build_from_config
 from lazytrain.ir import Decisions, GiB, Place, PlanError, Saved
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 from lazytrain.runtime.store import HostMemoryError
@@ -89,7 +89,7 @@ def _compile(model, policy: str, mb: int, nvme_dir) -> lazytrain.Plan:
 
 
 def _build(model, dec: Decisions, nvme_dir, clip: bool = True) -> lazytrain.Plan:
-    from lazytrain.compiler.trace import trace
+    from lazytrain.frontend.trace import trace
     graph = trace(model, seq_len=SEQ, dtype="float32")
     budgets = {"gpu_bytes": 8 * GiB, "host_bytes": 16 * GiB, "nvme_bytes": GiB, "nvme_dir": str(nvme_dir)}
     comp = Compiler(graph, get_profile("cpu"), budgets, param_dtype="float32", optimizer="adamw", clip=clip)

@@ -125,7 +125,7 @@ def test_moe_model_trains_on_gpu():
     from test_hf_coverage import ARCHS, VOCAB
 
     import lazytrain
-    from lazytrain.compiler.presets import build_from_config
+    from lazytrain.frontend.presets import build_from_config
     cfg = {"model_type": "qwen3_moe", **ARCHS["qwen3_moe"]}
     torch.manual_seed(0)
     model = build_from_config(cfg, device="cpu", dtype=torch.bfloat16)

@@ -36,7 +36,8 @@ def traced(monkeypatch):
     def trace(model, *, seq_len, dtype="bfloat16", seq_tile=None):
         seen.append(seq_len)
         return chain(4, seq_len=seq_len, hidden=1024, layer_params=20_000_000, saved_per_token=200_000)
-    monkeypatch.setattr("lazytrain.compiler.trace.trace", trace)
+    for where in ("lazytrain.compiler.seq_search.trace", "lazytrain.compiler.api.trace"):   # where it is called
+        monkeypatch.setattr(where, trace)
     return seen
 
 
@@ -105,7 +106,7 @@ def test_a_host_budget_that_binds_is_named_not_the_gpu():
 def test_the_default_host_budget_leaves_a_reserve_and_the_model_the_caller_holds():
     from lazytrain.compiler.api import host_reserve
     from lazytrain.compiler.hardware import get_profile
-    from lazytrain.compiler.presets import build_model
+    from lazytrain.frontend.presets import build_model
     model = build_model("tiny", device="cpu")
     held = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
         b.numel() * b.element_size() for b in model.buffers())

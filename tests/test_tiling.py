@@ -15,7 +15,7 @@ import torch
 from eager_ref import assert_same_parameters, random_batches, step_beside_eager
 
 import lazytrain
-from lazytrain.compiler.presets import build_from_config
+from lazytrain.frontend.presets import build_from_config
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 from lazytrain.runtime.trainer import Trainer
 
@@ -48,7 +48,7 @@ def test_tiled_layers_train_like_eager(cfg):
 
 
 def test_the_trace_measures_the_tiled_program():
-    from lazytrain.compiler.trace import trace
+    from lazytrain.frontend.trace import trace
     model = build_from_config(dict(QWEN, max_position_embeddings=65536), device="meta")
     seq, tile = 16384, 4096
     plain, tiled = (trace(model, seq_len=seq, seq_tile=t).blocks[1] for t in (None, tile))
@@ -66,8 +66,9 @@ def test_the_trace_measures_the_tiled_program():
 
 def test_blocks_are_tiled_only_when_no_plan_fits_without(monkeypatch):
     """The rule: ``seq_tile="auto"`` compiles untiled, and tiles only when that raises BudgetError."""
-    from lazytrain.compiler import tiling
     from lazytrain.compiler.api import BudgetError
+    from lazytrain.compiler.auto_tile import compile_auto_tiled
+    from lazytrain.frontend import tiling
     calls = []
 
     def compile_fn(model, **options):
@@ -78,9 +79,9 @@ def test_blocks_are_tiled_only_when_no_plan_fits_without(monkeypatch):
                                  policy="megatrain", seq_tile=TILE if options["seq_tile"] else None)
         return plan
     model = build_from_config(dict(QWEN), device="cpu", dtype=torch.float32)
-    short = tiling.compile_auto_tiled(compile_fn, model, {"seq_len": 8192, "seq_tile": "auto"})
+    short = compile_auto_tiled(compile_fn, model, {"seq_len": 8192, "seq_tile": "auto"})
     assert calls == [None] and "seq_tile" not in short.graph.meta
-    long_ = tiling.compile_auto_tiled(compile_fn, model, {"seq_len": 65536, "seq_tile": "auto"})
+    long_ = compile_auto_tiled(compile_fn, model, {"seq_len": 65536, "seq_tile": "auto"})
     assert calls == [None, None, tiling.TILE_TOKENS] and long_.graph.meta["seq_tile"]["tokens"] == TILE
     assert "without tiling no plan fits: needs at least 30 GiB" in " ".join(long_.summary().split())
 
@@ -91,7 +92,7 @@ def test_a_bad_tile_size_is_one_line():
 
 
 def test_a_tail_that_draws_random_numbers_is_left_untiled():
-    from lazytrain.compiler.program import build_split
+    from lazytrain.frontend.program import build_split
     model = build_from_config(dict(GPT2, resid_pdrop=0.1), device="cpu", dtype=torch.float32)
     sp = build_split(model, micro_batch=1, seq_len=SEQ, device="meta", dtype=torch.float32, seq_tile=TILE)
     assert "seq_tile" not in sp.meta

@@ -12,7 +12,7 @@ import torch
 import lazytrain
 from lazytrain.cli import main
 from lazytrain.compiler import timeline
-from lazytrain.compiler.presets import build_from_config
+from lazytrain.frontend.presets import build_from_config
 from lazytrain.ir import verify
 from lazytrain.runtime.memtrack import track
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW

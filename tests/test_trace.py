@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from lazytrain.compiler.presets import PRESETS, build_from_config, build_model
-from lazytrain.compiler.program import build_program, build_split
-from lazytrain.compiler.trace import _measure, trace
+from lazytrain.frontend.presets import PRESETS, build_from_config, build_model
+from lazytrain.frontend.program import build_program, build_split
+from lazytrain.frontend.trace import _measure, trace
 
 TINY_QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 6,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 301, "tie_word_embeddings": True,
@@ -144,8 +144,8 @@ def test_factory_spec(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_qwen25_72b_traces_fast_and_small():
-    code = ("import time, resource; from lazytrain.compiler.presets import build_model; "
-            "from lazytrain.compiler.trace import trace; t = time.perf_counter(); "
+    code = ("import time, resource; from lazytrain.frontend.presets import build_model; "
+            "from lazytrain.frontend.trace import trace; t = time.perf_counter(); "
             "g = trace(build_model('qwen2.5-72b'), seq_len=4096); "
             "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, g.n_blocks)")
     t0 = time.perf_counter()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lazytrain.cli import main
-from lazytrain.train import TrainConfig, lr_at
+from lazytrain.loop import lr_at
+from lazytrain.train import TrainConfig
 
 TINY = ["--batch", "4", "--eval-size", "8", "--policy", "keep-all", "--no-progress", "--device", "cpu"]
 

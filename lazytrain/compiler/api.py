@@ -10,15 +10,20 @@ import warnings
 
 import torch
 
-from ..ir import GiB, Plan, PlanError, verify
+from ..frontend.presets import build_model
+from ..frontend.trace import trace
+from ..frontend.validate import check_compile_args, micro_batch_candidates
+from ..ir import GiB, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
+from ..units import parse_size
 from .cost import CostModel
 from .hardware import get_profile
 from .lower import lower
 from .resident import resident_request
+from .search import Search
 from .simulate import simulate
+from .solvers.heuristics import HEURISTICS
 from .solvers.isolated import DEFAULT_ORDER, SOLVERS
-from .validate import check_compile_args, micro_batch_candidates
 
 POLICIES = ("milp", "megatrain", "recompute-all", "keep-all")
 DEFAULT_SOLVER = DEFAULT_ORDER[0]
@@ -38,10 +43,8 @@ def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool
         if packed and not model.meta.get("packed"):
             raise ValueError("packed=True but the ModelGraph given was traced unpacked: trace it with packed=True")
         return model
-    from .trace import trace
     t = time.perf_counter()
     if isinstance(model, str):
-        from .presets import build_model
         model = build_model(model)
     graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile)
     history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4)})
@@ -68,7 +71,6 @@ class Compiler:
         self.time_limit = time_limit
         self.options = {"host_bytes_per_param": HOST_BYTES_PER_PARAM[optimizer], "optimizer": optimizer,
                         "clip": clip}
-        from .search import Search
         self.search = Search(self)
 
     def solve_time_limit(self) -> float:
@@ -81,7 +83,6 @@ class Compiler:
 
     def with_resident(self, decisions):
         """``decisions`` with this compiler's fixed resident blocks (policies decide the rest)."""
-        import dataclasses
         L = self.graph.n_blocks
         res = tuple(j in self.resident for j in range(L)) if self.resident else ()
         return decisions if decisions.resident == res else dataclasses.replace(decisions, resident=res)
@@ -98,30 +99,34 @@ class Compiler:
                     options=dict(self.options))
         rep = verify(plan, early_exit=check_budget)
         sim = simulate(plan)
-        flops = 6 * self.graph.total_params * batch_size * self.graph.seq_len
-        hw_flops = sum(self.graph.blocks[op.block].fwd_flops if op.kind.value in ("compute", "recompute")
-                       else self.graph.blocks[op.block].bwd_flops for op in ops
-                       if op.kind.value in ("compute", "recompute", "backward")) * decisions.micro_batch
-        plan.predicted = {
-            "step_time_s": sim.step_time_s, "peak_gpu_bytes": max(rep.peak_gpu_bytes, sim.peak_gpu_bytes),
-            "peak_host_bytes": rep.peak_host_bytes, "peak_nvme_bytes": rep.peak_nvme_bytes,
-            "host_static_bytes": rep.host_static_bytes, "busy_s": sim.busy_s,
-            "exposed_transfer_s": sim.exposed_transfer_s,
-            "model_tflops": flops / sim.step_time_s / 1e12 if sim.step_time_s else 0.0,
-            "model_attn_tflops": (flops + self.graph.attention_model_flops * batch_size) / sim.step_time_s / 1e12
-            if sim.step_time_s else 0.0,
-            "hardware_tflops": hw_flops / sim.step_time_s / 1e12 if sim.step_time_s else 0.0,
-            "tokens_per_s": batch_size * self.graph.seq_len / sim.step_time_s if sim.step_time_s else 0.0,
-        }
+        plan.predicted = self._predicted(plan, rep, sim)
         if plan.budgets.get("gpu_bytes") and plan.predicted["peak_gpu_bytes"] > plan.budgets["gpu_bytes"]:
             raise PlanError(f"simulated peak GPU memory {plan.predicted['peak_gpu_bytes'] / GiB:.2f} GiB "
                             f"exceeds the budget")
         return plan
 
+    def _predicted(self, plan: Plan, rep, sim) -> dict:
+        """The plan's predicted figures: the simulated step, verify's memory peaks and the rates they imply."""
+        ops = plan.ops
+        flops = 6 * self.graph.total_params * plan.batch_size * self.graph.seq_len
+        hw_flops = sum(self.graph.blocks[op.block].fwd_flops if op.kind.value in ("compute", "recompute")
+                       else self.graph.blocks[op.block].bwd_flops for op in ops
+                       if op.kind.value in ("compute", "recompute", "backward")) * plan.decisions.micro_batch
+        return {
+            "step_time_s": sim.step_time_s, "peak_gpu_bytes": max(rep.peak_gpu_bytes, sim.peak_gpu_bytes),
+            "peak_host_bytes": rep.peak_host_bytes, "peak_nvme_bytes": rep.peak_nvme_bytes,
+            "host_static_bytes": rep.host_static_bytes, "busy_s": sim.busy_s,
+            "exposed_transfer_s": sim.exposed_transfer_s,
+            "model_tflops": flops / sim.step_time_s / 1e12 if sim.step_time_s else 0.0,
+            "model_attn_tflops": (flops + self.graph.attention_model_flops * plan.batch_size) / sim.step_time_s / 1e12
+            if sim.step_time_s else 0.0,
+            "hardware_tflops": hw_flops / sim.step_time_s / 1e12 if sim.step_time_s else 0.0,
+            "tokens_per_s": plan.batch_size * self.graph.seq_len / sim.step_time_s if sim.step_time_s else 0.0,
+        }
+
     def _quick_reject(self, dec, cost: CostModel) -> None:
         """A lower bound on GPU memory without lowering: at the end of the forward every kept saved
         activation and every boundary kept on the GPU is resident at once."""
-        from ..ir import Place, Saved
         M = dec.n_micro
         kept = sum(cost.saved_bytes(j) for j, s in enumerate(dec.saved) if s is Saved.KEEP)
         kept += sum(cost.act_bytes(i) for i, p in enumerate(dec.boundary) if p is Place.GPU and i > 0
@@ -189,7 +194,6 @@ def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memo
     24 GiB cap still met 1.6 GiB of reserved-but-unused allocator blocks).  The host budget defaults to
     the profile's host memory less ``host_reserve`` and less ``held_bytes`` (the model the caller holds:
     a 7B model's bf16 weights are 14 GiB beside the store); a given ``host_memory`` is taken as is."""
-    from ..units import parse_size
 
     def size(v, default):
         return default if v is None else (parse_size(v) if isinstance(v, str) else int(v))
@@ -235,7 +239,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     when it is a file).
 
     ``packed``: batches carry ``position_ids`` and hold several examples a row, each attending only to
-    itself (a Hugging Face causal LM; ``compiler/packing.py``).
+    itself (a Hugging Face causal LM; ``frontend/packing.py``).
 
     ``seq_tile``: run the layers' position-wise tails (output projection, norm, MLP) in chunks of that
     many tokens, recomputed in backward (``tiling.py``); ``"auto"`` (default) does so, in chunks of
@@ -245,15 +249,40 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         # resolved here, once: the searches and the calibration below compile a traced graph, which holds nothing
         host_memory = make_budgets(get_profile(hardware), held_bytes=held_host_bytes(model))["host_bytes"]
     options = {k: v for k, v in locals().items() if k != "model"}
+    # seq_search, auto_tile and calibrate run compile_model themselves: imported where they are asked for
+    # (calibrate runs the Trainer, a layer above the compiler: the one call upward, on request only)
     if seq_len == "max":
         from .seq_search import compile_max_seq
         return compile_max_seq(compile_model, model, options)
     if seq_tile == "auto":
-        from .tiling import compile_auto_tiled
+        from .auto_tile import compile_auto_tiled
         return compile_auto_tiled(compile_model, model, options)
     if calibrate:
         from ..calibrate import compile_calibrated
         return compile_calibrated(compile_model, model, {k: v for k, v in options.items() if k != "calibrate"})
+    _check_options(policy=policy, optimizer=optimizer, seq_len=seq_len, micro_batch=micro_batch, seq_tile=seq_tile)
+    check_compile_args(model, batch_size=batch_size, seq_len=seq_len, micro_batch=micro_batch, nvme_dir=nvme_dir)
+    history: list[dict] = []
+    t0 = time.perf_counter()
+    hw = get_profile(hardware) if isinstance(hardware, str) else hardware
+    graph = _as_graph(model, seq_len, param_dtype, history, packed, seq_tile)
+    budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
+    fixed, auto = resident_request(graph, resident)
+    comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
+                    solver=solver, time_limit=time_limit, resident=fixed,
+                    choose_resident=auto and policy == "milp" and hw.has_gpu)
+    # cost, lower, verify and simulate run for each candidate the search builds (``Compiler.build``)
+    plan = _search(comp, policy, batch_size, micro_batch, max_batch_limit)
+    if comp.search.failures:
+        warnings.warn("the MILP solvers failed (" + "; ".join(comp.search.failures) + "); the plan comes from "
+                      f"the {plan.decisions.policy} policy where they did (plan.solver.failures)", stacklevel=2)
+    plan = _returned(comp, plan, policy)
+    plan.history = [*history, *plan.history, {"pass": "total", "seconds": round(time.perf_counter() - t0, 4)}]
+    return plan
+
+
+def _check_options(*, policy: str, optimizer: str, seq_len, micro_batch, seq_tile) -> None:
+    """The options ``compile_model`` checks itself, before the sizes (``frontend/validate.py``)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if optimizer not in HOST_BYTES_PER_PARAM:
@@ -264,42 +293,36 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
     if seq_tile is not None and (not isinstance(seq_tile, int) or isinstance(seq_tile, bool) or seq_tile < 1):
         raise ValueError(f"seq_tile must be a positive number of tokens, 'auto' or None, got {seq_tile!r}")
-    check_compile_args(model, batch_size=batch_size, seq_len=seq_len, micro_batch=micro_batch, nvme_dir=nvme_dir)
-    history: list[dict] = []
-    t0 = time.perf_counter()
-    hw = get_profile(hardware) if isinstance(hardware, str) else hardware
-    graph = _as_graph(model, seq_len, param_dtype, history, packed, seq_tile)
 
-    budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
-    fixed, auto = resident_request(graph, resident)
-    comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
-                    solver=solver, time_limit=time_limit, resident=fixed,
-                    choose_resident=auto and policy == "milp" and hw.has_gpu)
 
+def _search(comp: Compiler, policy: str, batch_size, micro_batch: int | None, max_batch_limit) -> Plan:
+    """The best plan of ``policy`` at this batch (or the largest batch with one, for ``"max"``), or the
+    ``BudgetError`` that says what memory would make one fit."""
     if batch_size == "max":
         if not isinstance(max_batch_limit, int) or max_batch_limit < 1:
             raise ValueError(f"max_batch_limit must be a positive integer, got {max_batch_limit!r}")
         plan, tried = comp.search.max_batch(policy, micro_batch, max_batch_limit)
         if plan is None:
             raise _budget_error(comp, tried, micro_batch)
-    else:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer or 'max', got {batch_size!r}")
-        if micro_batch and batch_size % micro_batch:
-            raise ValueError(f"micro_batch {micro_batch} does not divide batch_size {batch_size}")
-        plan = comp.best(policy, batch_size, micro_batch)
-        if plan is None:
-            raise _budget_error(comp, batch_size, micro_batch, policy)
-    if comp.search.failures:
-        warnings.warn("the MILP solvers failed (" + "; ".join(comp.search.failures) + "); the plan comes from "
-                      f"the {plan.decisions.policy} policy where they did (plan.solver.failures)", stacklevel=2)
-    # the plan returned is the caller's: a copy, so the search's memo stays as it was
+        return plan
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer or 'max', got {batch_size!r}")
+    if micro_batch and batch_size % micro_batch:
+        raise ValueError(f"micro_batch {micro_batch} does not divide batch_size {batch_size}")
+    plan = comp.best(policy, batch_size, micro_batch)
+    if plan is None:
+        raise _budget_error(comp, batch_size, micro_batch, policy)
+    return plan
+
+
+def _returned(comp: Compiler, plan: Plan, policy: str) -> Plan:
+    """The plan handed to the caller: a copy, so the search's memo stays as it was, with the step time
+    of the megatrain policy at its batch for comparison."""
     plan = dataclasses.replace(plan, predicted=dict(plan.predicted), budgets=dict(plan.budgets))
     if policy != "megatrain":
         base = comp.best("megatrain", plan.batch_size)
         if base is not None:
             plan.predicted["megatrain_step_time_s"] = base.predicted["step_time_s"]
-    plan.history = [*history, *plan.history, {"pass": "total", "seconds": round(time.perf_counter() - t0, 4)}]
     return plan
 
 
@@ -323,13 +346,12 @@ def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, poli
     need = leanest.predicted["peak_gpu_bytes"]
     res = comp.budgets["gpu_reserve_bytes"]
     if need <= comp.budgets["gpu_bytes"]:     # the GPU is not what binds: the host or NVMe budget is
-        from .seq_search import binding
+        from .seq_search import binding  # seq_search imports this module
         return BudgetError(
             f"no plan fits every budget for batch {batch_size}, seq {comp.graph.seq_len}: the plan leanest on GPU "
             f"memory needs {(need + res) / GiB:.2f} of the {comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB, but "
             f"{binding(leanest, comp.budgets)}: raise --host-memory, give --nvme-dir for activations, or lower the "
             f"batch or the sequence")
-    from .solvers.heuristics import HEURISTICS
     if policy in HEURISTICS:       # what this policy itself needs at its leanest micro-batch
         own = comp.build(HEURISTICS[policy](comp.graph, mb, batch_size // mb), batch_size, check_budget=False)
         own_need = own.predicted["peak_gpu_bytes"]

@@ -11,11 +11,16 @@ and attention at their rates; recompute costs the same as forward).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 
+import torch
+
 from ..ir import ModelGraph
 from ..ir.semantics import DEVICE_STATE_BYTES, GRAD_WIRE_BYTES, Sizes
+from ..ir.summary import measured_blocks
+from .hardware import HardwareProfile
 
 
 @dataclass(frozen=True)
@@ -141,12 +146,8 @@ class CostModel:
 def hint_uncalibrated(plan, model=None):
     """Print one line to stderr when this machine has a GPU, the plan is for a GPU and none of its
     blocks' times is measured: how to measure them.  Returns ``plan``."""
-    import sys
 
-    import torch
 
-    from ..ir.summary import measured_blocks
-    from .hardware import HardwareProfile
     if not torch.cuda.is_available() or plan.hardware.get("gpu_name") == HardwareProfile.NO_GPU \
             or measured_blocks(plan):
         return plan

@@ -2,7 +2,7 @@
 
 A ``HardwareProfile`` is a frozen record of one machine (one GPU and its share of the host).
 Built-ins live in ``PROFILES``; ``lazytrain profile -o hw.json`` measures the real machine
-(``compiler.profile.measure``) and ``get_profile`` reads either.  ``lazytrain profile --model M`` (or
+(``lazytrain.profile.measure``) and ``get_profile`` reads either.  ``lazytrain profile --model M`` (or
 ``compile(..., calibrate=True)``) adds ``calibration``: measured times of that model's own block
 programs (``BlockTiming``, ``lazytrain/calibrate.py``), which the cost model uses instead of the
 figures below for every block they match.
@@ -11,7 +11,7 @@ Units: bandwidths in GB/s with GB = 1e9 bytes (as ``nvidia-smi``, PCIe specs and
 write them), compute in TFLOP/s (1e12), optimizer rates in G params/s (1e9), memory in bytes.
 
 How compute time is modelled (the cost pass must count FLOPs the same way; ``layer_flops`` and
-``attention_flops`` write the formulas down, ``compiler.attention`` counts them in the trace):
+``attention_flops`` write the formulas down, ``frontend.attention`` counts them in the trace):
 
 - A transformer layer's forward is ``2 * params * tokens`` of matmuls (every weight multiplies every
   token once; backward twice that) plus attention, ``4 * batch * seq**2 * hidden`` for full attention and
@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +105,6 @@ ATTENTION_HEAD_DIM_FACTOR = {64: (0.69, 0.85), 128: (1.0, 1.0), 256: (0.94, 0.94
 
 def head_dim_factor(head_dim: int, backward: bool) -> float:
     """``ATTENTION_HEAD_DIM_FACTOR`` at ``head_dim``: interpolated in log2, held at the ends."""
-    import math
     points = sorted(ATTENTION_HEAD_DIM_FACTOR.items())
     k = 1 if backward else 0
     if head_dim <= points[0][0]:
@@ -370,7 +370,7 @@ def _cpu_profile() -> HardwareProfile:
 
     Cores and memory are read from this machine; the rates are nominal per-core figures (about
     50 GFLOP/s fp32 per core, memcpy ~10 GB/s, fused AdamW 0.2 G params/s per core), good enough to
-    compile a plan for CPU-mode tests. Run ``compiler.profile.measure()`` for real ones.
+    compile a plan for CPU-mode tests. Run ``lazytrain.profile.measure()`` for real ones.
     """
     cores = _cpu_cores()
     memory = _host_memory_bytes()

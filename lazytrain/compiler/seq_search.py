@@ -17,9 +17,16 @@ result.
 
 from __future__ import annotations
 
-from ..ir import GiB, PlanError
+from ..frontend.presets import build_model
+from ..frontend.tiling import TILE_TOKENS
+from ..frontend.trace import trace
+from ..frontend.validate import declared_positions, scaled_rope
+from ..ir import Decisions, GiB, Place, PlanError, Saved
 from ..ir.graph import ModelGraph
-from .validate import declared_positions, scaled_rope
+from .api import POLICIES, BudgetError, Compiler, make_budgets
+from .hardware import get_profile
+from .resident import resident_request
+from .solvers.heuristics import HEURISTICS
 
 #: the search starts here and doubles: long enough that short lengths cost no probes
 START = 1024
@@ -40,8 +47,6 @@ def _leanest(comp, policy: str, batch: int, micro_batch: int | None):
     """The leanest plan ``policy`` has at this length, built without budgets: for the MILP, every block
     recomputed and every boundary on the host; for a fixed policy, its own plan; at the smallest
     micro-batch either way."""
-    from ..ir import Decisions, Place, Saved
-    from .solvers.heuristics import HEURISTICS
     mb = micro_batch or 1
     L = comp.graph.n_blocks
     dec = HEURISTICS[policy](comp.graph, mb, batch // mb) if policy in HEURISTICS else Decisions(
@@ -65,12 +70,6 @@ def binding(plan, budgets: dict) -> str | None:
 
 def compile_max_seq(compile_fn, model, options: dict):
     """``compile_fn(model, **options)`` at the longest feasible ``seq_len`` (module docstring)."""
-    from .api import POLICIES, BudgetError, Compiler, make_budgets
-    from .hardware import get_profile
-    from .presets import build_model
-    from .resident import resident_request
-    from .tiling import TILE_TOKENS
-    from .trace import trace
     if isinstance(model, ModelGraph):
         raise ValueError("seq_len='max' needs the model (a module, preset or config): a traced ModelGraph has one "
                          "sequence length")

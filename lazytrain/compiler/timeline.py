@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..ir import GiB, Plan
+from .simulate import simulate
 
 LANES = {"gpu": 1, "h2d": 2, "d2h": 3, "cpu": 4, "nvme": 5}
 
@@ -54,7 +55,6 @@ def write_step(plan: Plan, trace_path: str | Path, *, plot: str | Path | None = 
     """What ``lazytrain trace`` writes: the predicted trace, or with ``profile`` (a ``StepProfile`` already
     checked against ``plan``) the measured one; with ``plot``, a memory PNG with the predicted curve, the
     measured one if the profile has it, and the budget.  Returns what to tell the user."""
-    from .simulate import simulate
     sim = simulate(plan)
     curves = {"predicted": sim.memory}
     if profile is None:

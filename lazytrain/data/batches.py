@@ -2,7 +2,7 @@
 
 *Packing.*  A row holds whole examples back to back; ``position_ids`` count from 0 in each, and a
 plan compiled with ``packed=True`` lets a token attend only to its own example
-(``compiler/packing.py``).  The first token of each example gets no label: unpacked, nothing predicts
+(``frontend/packing.py``).  The first token of each example gets no label: unpacked, nothing predicts
 it (the loss compares ``logits[t]`` with ``labels[t + 1]``), packed, the previous example's last token
 would.  So a packed batch has the same labelled tokens, each predicted from the same context at the
 same positions, as the same examples unpacked: the same loss and gradients (tested in fp32).

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 
 from ..export import ExportError, check_weights, checkpoint_weights, hf_config, write_folder
+from ..finetune.prepare import Source, tokenizer_for
+from ..frontend.presets import build_from_config
+from ..frontend.trace_export import is_hf
 from ..model_loading import has_tokenizer, read_config
 
 
 def export_checkpoint(source, output, *, config=None, tokenizer=None, dtype: str | None = None) -> Path:
-    from ..compiler.presets import build_from_config
-    from ..compiler.trace_export import is_hf
     ckpt, run = _locate(Path(source))
     cfg = _config(config, run, source)
     model = build_from_config(cfg, device="meta", dtype=torch.float32, source=str(config or run or source))
@@ -65,7 +66,6 @@ def _config(config, run: Path | None, source) -> dict:
 
 def _tokenizer(spec, run: Path | None):
     """(tokenizer or None, generation config or None) to include."""
-    from ..finetune.prepare import Source, tokenizer_for
     src_dir = run / "source" if run is not None else None
     gen = None
     if src_dir is not None and (src_dir / "generation_config.json").is_file():

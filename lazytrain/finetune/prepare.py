@@ -25,6 +25,7 @@ import torch
 from ..data.batches import held_out
 from ..data.encode import Encoder, Example, fit
 from ..data.formats import DataError, read_records
+from ..frontend.presets import PRESETS, random_model
 from ..model_loading import (
     from_pretrained,
     has_tokenizer,
@@ -35,6 +36,7 @@ from ..model_loading import (
     read_config,
     weights_dtype,
 )
+from ..models.named import NAMED, model_folder
 
 #: share of the examples held out for evaluation when no --eval-data is given
 EVAL_SHARE = 0.05
@@ -54,8 +56,6 @@ class Source:
 
 def resolve(spec: str, log=print) -> Source:
     """The source ``--model`` names (a named model is fetched and cached here, on first use)."""
-    from ..compiler.presets import PRESETS
-    from ..models.named import NAMED, model_folder
     if spec in NAMED:
         folder = model_folder(spec, log=log)
         return Source(spec, "named", folder, str(folder), weights_dtype(folder), read_config(folder / "config.json"))
@@ -86,7 +86,6 @@ def build(src: Source, seed: int, random_dtype: torch.dtype = torch.float32) -> 
     """The model on the CPU: pretrained weights in fp32; configs and presets with random weights in
     ``random_dtype`` (``presets.random_model``: N(0, 0.02) from a seeded pool, memory copies instead of a
     7B's minutes of per-module init)."""
-    from ..compiler.presets import random_model
     torch.manual_seed(seed)
     if src.kind in ("named", "pretrained"):
         return from_pretrained(src.path)
@@ -97,7 +96,6 @@ def build(src: Source, seed: int, random_dtype: torch.dtype = torch.float32) -> 
 
 def tokenizer_for(src: Source, override: str | None, log=print):
     """The tokenizer: ``--tokenizer`` (a folder, GGUF file or named model) or the model's own."""
-    from ..models.named import NAMED, model_folder
     spec = override or src.tokenizer
     if spec is None:
         raise ValueError(f"--model {src.spec} has no tokenizer: pass --tokenizer (a Hugging Face folder, a GGUF "

@@ -24,6 +24,13 @@ from pathlib import Path
 
 import torch
 
+from ..compiler.timeline import plot_loss
+from ..data.batches import Batches
+from ..data.encode import Encoder
+from ..export import _write_json as write_hf_json
+from ..export import hf_config, trainer_weights, write_folder
+from ..loop import Progress, output_folder, start_trainer, steps, thread_tuner
+from ..models.named import generation_config
 from ..runfiles import write_json as _write_json
 from ..train import (
     TrainConfig,
@@ -34,8 +41,6 @@ from ..train import (
     _StopFlag,
     can_plot,
     cpu_threads,
-    lr_at,
-    schedule_progress,
 )
 from .evaluation import describe, evaluate
 from .prepare import (
@@ -115,12 +120,6 @@ def _resume(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict]:
 
 def run(cfg: TrainConfig) -> dict:
     """Fine-tune as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
-    from .. import compile as compile_plan
-    from ..data.batches import Batches
-    from ..data.encode import Encoder
-    from ..runtime.optim import Hybrid8bitAdamW
-    from ..runtime.trainer import Trainer
-
     if not isinstance(cfg, FinetuneConfig):       # `lazytrain train --resume DIR` of a --data run
         known = {f.name for f in fields(FinetuneConfig)}
         cfg = FinetuneConfig(**{k: v for k, v in asdict(cfg).items() if k in known})
@@ -132,9 +131,126 @@ def run(cfg: TrainConfig) -> dict:
     dev = _device(cfg)
     if dev.type == "cpu":
         torch.set_num_threads(cfg.threads or cpu_threads())
-    out = _output(cfg.output)
+    out = output_folder(cfg.output)
     t_start = time.perf_counter()
 
+    src, tok, data, model, stop_ids, load_s = _inputs(cfg, prev, dev, out)
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    hardware = _hardware(dev)
+    batches = Batches(data.train, cfg.batch, data.seq_len, pad_id(tok), pack=cfg.pack, seed=cfg.seed)
+    if cfg.steps is None:
+        cfg.steps = max(1, math.ceil(cfg.epochs * batches.steps_per_epoch))
+    trainer, opt, compile_s = start_trainer(cfg, model, dev, resumed=prev is not None, seq_len=data.seq_len,
+                                            hardware=hardware, param_dtype=param_dtype, packed=cfg.pack)
+    plan, start = trainer.plan, trainer.steps if prev is not None else 0
+    if dev.type == "cuda":
+        # the trainer's host store holds the fp32 masters; the model is only what evaluation runs (in bf16 on
+        # the GPU), so it need not hold a second fp32 copy: a 7B's host memory is 15 GB less
+        model.to(torch.bfloat16)
+    pad = batches.padding()
+    _say_start(cfg, src, data, batches, pad, plan, n_params=n_params, dev=dev, param_dtype=param_dtype, load_s=load_s,
+               compile_s=compile_s)
+
+    n_new = cfg.max_new_tokens or max_new_tokens(tok, data.eval)
+    tuner = thread_tuner(dev, cfg, opt, **TUNER)
+
+    def run_eval(step: int) -> dict:
+        threads = torch.get_num_threads()
+        if tuner is not None:           # the count last measured fastest, not whichever a probe left
+            torch.set_num_threads(_fastest(tuner) or threads)
+        try:
+            ev = evaluate(trainer, tok, data.eval, stop_ids=stop_ids, pad_id=pad_id(tok),
+                          max_new_tokens=n_new, device=dev, answer_regex=cfg.answer_regex)
+        finally:
+            torch.set_num_threads(threads)
+        return {"step": step, **ev}
+
+    evals = list(prev["eval_curve"]) if prev else []
+    run = Progress(start, tokens=int(prev["tokens"]) if prev else 0, history=list(prev["loss_curve"]) if prev else [])
+    if prev is None and data.eval:
+        evals.append(run_eval(0))
+        print(describe(evals[-1], 0))
+    bar = _progress(cfg, start)
+    with _StopFlag() as flag:
+        for step in steps(cfg, opt, run, flag, start=start):
+            stats = trainer.step(batches.batch(step))
+            if tuner is not None:
+                tuner.observe(stats.step_s)
+            run.record(stats, opt.lr, t_start, tokens=True)
+            if bar is not None:
+                bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens / stats.step_s:,.0f}",
+                                lr=f"{opt.lr:.1e}", refresh=False)
+                bar.update(1)
+            if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps and data.eval:
+                evals.append(run_eval(run.step))
+                _note(bar, describe(evals[-1], run.step))
+        if bar is not None:
+            bar.close()
+        ckpt = trainer.save_checkpoint(out / "checkpoint") or out / "checkpoint"
+        if not run.interrupted and data.eval:
+            evals.append(run_eval(run.step))
+            print(describe(evals[-1], run.step))
+        exported = None
+        if cfg.export and not run.interrupted:
+            exported = _export(cfg, src, param_dtype, out / "model", trainer, model, tok, stop_ids)
+        metrics = _metrics(cfg, run, src=src, model=model, n_params=n_params, dev=dev, hardware=hardware,
+                           param_dtype=param_dtype, data=data, batches=batches, pad=pad, stop_ids=stop_ids,
+                           n_new=n_new, plan=plan, compile_s=compile_s, evals=evals, prev=prev, t_start=t_start,
+                           ckpt=ckpt, exported=exported)
+        _write_json(out / "metrics.json", metrics)
+        _plot(out / "loss.png", run.history, evals, src.spec)
+    trainer.close()
+    print(f"wrote {out / 'metrics.json'}, {ckpt}" + (f" and {exported}" if exported else ""))
+    return metrics
+
+
+def _say_start(cfg: FinetuneConfig, src: Source, data, batches, pad: dict, plan, *, n_params: int, dev: torch.device,
+               param_dtype: str, load_s: float, compile_s: float) -> None:
+    """What the run is about to do, on the console: model, examples, packing, plan."""
+    where = f"cpu, {torch.get_num_threads()} threads" if dev.type == "cpu" else dev.type
+    print(f"model {src.spec}: {n_params / 1e6:.1f} M parameters on {where} ({param_dtype}, loaded in {load_s:.0f} s); "
+          f"{data.counts['train']} train / {len(data.eval)} eval examples, seq {data.seq_len}, "
+          f"{'packed' if cfg.pack else 'one example a row'} (padding {pad['packed' if cfg.pack else 'unpacked']:.0%}"
+          f", {'unpacked' if cfg.pack else 'packed'} it would be {pad['unpacked' if cfg.pack else 'packed']:.0%}); "
+          f"{batches.steps_per_epoch} steps an epoch; plan: {plan.decisions.policy}, micro-batch {plan.micro_batch} x "
+          f"{plan.n_micro}, compiled in {compile_s:.1f} s")
+    if data.counts["too_long"]:
+        print(f"{data.counts['too_long']} examples longer than {data.seq_len} tokens: "
+              f"{data.counts['dropped']} dropped, the rest truncated (--truncate {cfg.truncate})")
+
+
+def _metrics(cfg: FinetuneConfig, run: Progress, *, src: Source, model, n_params: int, dev: torch.device, hardware,
+             param_dtype: str, data, batches, pad: dict, stop_ids: list[int], n_new: int, plan, compile_s: float,
+             evals: list, prev: dict | None, t_start: float, ckpt: Path, exported: str | None) -> dict:
+    """metrics.json of the run."""
+    return {
+        "format": FORMAT,
+        "settings": {k: v for k, v in asdict(cfg).items() if k not in ("progress", "extra")},
+        "model": {"source": src.spec, "kind": src.kind, "config": hf_config_dict(model)},
+        "params": n_params, "device": dev.type, "threads": torch.get_num_threads(), "hardware": hardware,
+        "param_dtype": param_dtype,
+        "data": {**data.counts, "seq": data.seq_len, "fingerprint": data.fingerprint,
+                 "steps_per_epoch": batches.steps_per_epoch, "padding": pad,
+                 "stop_ids": stop_ids, "max_new_tokens": n_new},
+        "plan": {"policy": plan.decisions.policy, "micro_batch": plan.micro_batch, "n_micro": plan.n_micro,
+                 "packed": bool(plan.graph.meta.get("packed")),
+                 "predicted_step_s": plan.predicted.get("step_time_s"), "compile_s": round(compile_s, 2)},
+        "steps_done": run.step, "tokens": run.tokens, "stop_reason": run.stop_reason,
+        "interrupted": run.interrupted,
+        "exact_match_before": next((e["exact_match"] for e in evals if e["step"] == 0), None),
+        "exact_match": evals[-1]["exact_match"] if evals and not run.interrupted else None,
+        "eval_curve": evals, "loss_curve": run.history,
+        "train_s": round(run.train_s + (prev["train_s"] if prev else 0.0), 2),
+        "wall_s": round(time.perf_counter() - t_start, 2), "load_average": list(os.getloadavg()),
+        "checkpoint": str(ckpt), "export": exported, "resumed_from": cfg.resume,
+    }
+
+
+def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path):
+    """The model's source, its tokenizer, the examples (encoded and checked against the model) and the
+    model itself: (source, tokenizer, data, model, stop ids, seconds to load the model).  A new run
+    writes its source into ``OUTPUT/source/``; a resumed one refuses data files that changed."""
     src = _source(cfg, prev)
     tok = tokenizer_for(src, cfg.tokenizer)
     enc = Encoder(tok, cfg.loss_on, name=f"the tokenizer of {cfg.tokenizer or src.spec}")
@@ -153,146 +269,19 @@ def run(cfg: TrainConfig) -> dict:
     stop_ids = enc.stop_ids(getattr(model, "generation_config", None))
     if prev is None:
         _write_source(out / "source", model, tok, stop_ids)
-    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    hardware = _hardware(dev)
-    opt = Hybrid8bitAdamW(lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-                          num_threads=torch.get_num_threads() if dev.type == "cpu" else None)
-    batches = Batches(data.train, cfg.batch, data.seq_len, pad_id(tok), pack=cfg.pack, seed=cfg.seed)
-    if cfg.steps is None:
-        cfg.steps = max(1, math.ceil(cfg.epochs * batches.steps_per_epoch))
-    t = time.perf_counter()
-    if prev is not None:
-        trainer = Trainer.load_checkpoint(Path(cfg.resume) / "checkpoint", model, optimizer=opt, device=dev)
-        plan, start = trainer.plan, trainer.steps
-    else:
-        plan = compile_plan(model, batch_size=cfg.batch, seq_len=data.seq_len, hardware=hardware,
-                            gpu_memory=cfg.gpu_memory, host_memory=cfg.host_memory, policy=cfg.policy,
-                            optimizer="hybrid8bit", param_dtype=param_dtype, resident=cfg.resident, packed=cfg.pack)
-        trainer = Trainer(model, plan, optimizer=opt, device=dev)
-        start = 0
-    if dev.type == "cuda":
-        # the trainer's host store holds the fp32 masters; the model is only what evaluation runs (in bf16 on
-        # the GPU), so it need not hold a second fp32 copy: a 7B's host memory is 15 GB less
-        model.to(torch.bfloat16)
-    compile_s = time.perf_counter() - t
-    where = f"cpu, {torch.get_num_threads()} threads" if dev.type == "cpu" else dev.type
-    pad = batches.padding()
-    print(f"model {src.spec}: {n_params / 1e6:.1f} M parameters on {where} ({param_dtype}, loaded in {load_s:.0f} s); "
-          f"{data.counts['train']} train / {len(data.eval)} eval examples, seq {data.seq_len}, "
-          f"{'packed' if cfg.pack else 'one example a row'} (padding {pad['packed' if cfg.pack else 'unpacked']:.0%}"
-          f", {'unpacked' if cfg.pack else 'packed'} it would be {pad['unpacked' if cfg.pack else 'packed']:.0%}); "
-          f"{batches.steps_per_epoch} steps an epoch; plan: {plan.decisions.policy}, micro-batch {plan.micro_batch} x "
-          f"{plan.n_micro}, compiled in {compile_s:.1f} s")
-    if data.counts["too_long"]:
-        print(f"{data.counts['too_long']} examples longer than {data.seq_len} tokens: "
-              f"{data.counts['dropped']} dropped, the rest truncated (--truncate {cfg.truncate})")
+    return src, tok, data, model, stop_ids, load_s
 
-    n_new = cfg.max_new_tokens or max_new_tokens(tok, data.eval)
-    tuner = _thread_tuner(dev, cfg, opt)
 
-    def run_eval(step: int) -> dict:
-        threads = torch.get_num_threads()
-        if tuner is not None:           # the count last measured fastest, not whichever a probe left
-            torch.set_num_threads(_fastest(tuner) or threads)
-        try:
-            ev = evaluate(trainer, tok, data.eval, stop_ids=stop_ids, pad_id=pad_id(tok),
-                          max_new_tokens=n_new, device=dev, answer_regex=cfg.answer_regex)
-        finally:
-            torch.set_num_threads(threads)
-        return {"step": step, **ev}
-
-    evals = list(prev["eval_curve"]) if prev else []
-    history = list(prev["loss_curve"]) if prev else []
-    tokens = int(prev["tokens"]) if prev else 0
-    if prev is None and data.eval:
-        evals.append(run_eval(0))
-        print(describe(evals[-1], 0))
-    step, stop_reason, interrupted = start, "steps", False
-    limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else None
-    t_train = time.perf_counter()
-    bar = _progress(cfg, start)
-    with _StopFlag() as flag:
-        while step < cfg.steps:
-            elapsed = time.perf_counter() - t_train
-            if limit_s is not None and elapsed >= limit_s:
-                stop_reason = "time limit"
-                break
-            opt.lr = lr_at(cfg, step, schedule_progress(step, start, cfg.steps, elapsed, limit_s))
-            stats = trainer.step(batches.batch(step))
-            step += 1
-            if tuner is not None:
-                tuner.observe(stats.step_s)
-            tokens += stats.tokens
-            history.append({"step": step, "loss": round(stats.loss, 5), "lr": opt.lr, "tokens": stats.tokens,
-                            "grad_norm": round(stats.grad_norm, 4), "step_s": round(stats.step_s, 4),
-                            "t": round(time.perf_counter() - t_start, 2)})
-            if bar is not None:
-                bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens / stats.step_s:,.0f}",
-                                lr=f"{opt.lr:.1e}", refresh=False)
-                bar.update(1)
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and data.eval:
-                evals.append(run_eval(step))
-                _note(bar, describe(evals[-1], step))
-            if flag.set:
-                interrupted, stop_reason = True, "interrupted"
-                break
-        if bar is not None:
-            bar.close()
-        train_s = time.perf_counter() - t_train
-        ckpt = trainer.save_checkpoint(out / "checkpoint") or out / "checkpoint"
-        if not interrupted and data.eval:
-            evals.append(run_eval(step))
-            print(describe(evals[-1], step))
-        exported = None
-        if cfg.export and not interrupted:
-            from ..export import hf_config, trainer_weights, write_folder
-            from ..models.named import generation_config
-            dtype = _export_dtype(cfg, src, param_dtype)
-            exported = str(write_folder(out / "model", trainer_weights(trainer),
-                                        config=hf_config(model.config, type(model).__name__), dtype=dtype,
-                                        tokenizer=tok, generation_config=generation_config(model, stop_ids, tok)))
-        metrics = {
-            "format": FORMAT,
-            "settings": {k: v for k, v in asdict(cfg).items() if k not in ("progress", "extra")},
-            "model": {"source": src.spec, "kind": src.kind, "config": hf_config_dict(model)},
-            "params": n_params, "device": dev.type, "threads": torch.get_num_threads(), "hardware": hardware,
-            "param_dtype": param_dtype,
-            "data": {**data.counts, "seq": data.seq_len, "fingerprint": data.fingerprint,
-                     "steps_per_epoch": batches.steps_per_epoch, "padding": pad,
-                     "stop_ids": stop_ids, "max_new_tokens": n_new},
-            "plan": {"policy": plan.decisions.policy, "micro_batch": plan.micro_batch, "n_micro": plan.n_micro,
-                     "packed": bool(plan.graph.meta.get("packed")),
-                     "predicted_step_s": plan.predicted.get("step_time_s"), "compile_s": round(compile_s, 2)},
-            "steps_done": step, "tokens": tokens, "stop_reason": stop_reason, "interrupted": interrupted,
-            "exact_match_before": next((e["exact_match"] for e in evals if e["step"] == 0), None),
-            "exact_match": evals[-1]["exact_match"] if evals and not interrupted else None,
-            "eval_curve": evals, "loss_curve": history,
-            "train_s": round(train_s + (prev["train_s"] if prev else 0.0), 2),
-            "wall_s": round(time.perf_counter() - t_start, 2), "load_average": list(os.getloadavg()),
-            "checkpoint": str(ckpt), "export": exported, "resumed_from": cfg.resume,
-        }
-        _write_json(out / "metrics.json", metrics)
-        _plot(out / "loss.png", history, evals, src.spec)
-    trainer.close()
-    print(f"wrote {out / 'metrics.json'}, {ckpt}" + (f" and {exported}" if exported else ""))
-    return metrics
+def _export(cfg: FinetuneConfig, src: Source, param_dtype: str, folder: Path, trainer, model, tok,
+            stop_ids: list[int]) -> str:
+    """The trained model as a Hugging Face folder: weights, config, tokenizer, generation config."""
+    dtype = _export_dtype(cfg, src, param_dtype)
+    return str(write_folder(folder, trainer_weights(trainer), config=hf_config(model.config, type(model).__name__),
+                            dtype=dtype, tokenizer=tok, generation_config=generation_config(model, stop_ids, tok)))
 
 
 def hf_config_dict(model) -> dict:
-    from ..export import hf_config
     return hf_config(model.config, type(model).__name__)
-
-
-def _output(path: str) -> Path:
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output {out}: a file of that name exists; --output is a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--output {out}: cannot create the folder ({e.strerror or e})") from None
-    return out
 
 
 def _source(cfg: FinetuneConfig, prev: dict | None) -> Source:
@@ -306,10 +295,8 @@ def _source(cfg: FinetuneConfig, prev: dict | None) -> Source:
 
 def _write_source(folder: Path, model, tok, stop_ids: list[int]) -> None:
     """Config, tokenizer and generation config of the run (for resume and ``lazytrain export``)."""
-    from ..export import _write_json as write
-    from ..models.named import generation_config
     folder.mkdir(parents=True, exist_ok=True)
-    write(folder / "config.json", hf_config_dict(model))
+    write_hf_json(folder / "config.json", hf_config_dict(model))
     tok.save_pretrained(folder)
     generation_config(model, stop_ids, tok).save_pretrained(folder)
 
@@ -327,18 +314,6 @@ def _export_dtype(cfg: FinetuneConfig, src: Source, param_dtype: str) -> torch.d
 TUNER = {"probe": 3, "settle": 1, "every": 100}
 
 
-def _thread_tuner(dev: torch.device, cfg: FinetuneConfig, opt):
-    if dev.type != "cpu" or cfg.threads:
-        return None
-    from ..compiler.hardware import _cpu_cores
-    from ..threads import ThreadTuner
-
-    def set_threads(n: int) -> None:
-        torch.set_num_threads(n)
-        opt.num_threads = n
-    return ThreadTuner(_cpu_cores(), set_threads, start=torch.get_num_threads(), **TUNER)
-
-
 def _fastest(tuner) -> int | None:
     """The thread count the tuner's last finished round measured fastest (None before one finished)."""
     if not tuner.history:
@@ -350,7 +325,6 @@ def _fastest(tuner) -> int | None:
 def _plot(path: Path, history: list[dict], evals: list[dict], name: str) -> None:
     if not can_plot():
         return
-    from ..compiler.timeline import plot_loss
     last = evals[-1] if evals else None
     title = f"fine-tuning {name}" + (f": exact match {last['exact_match']:.1%} at step {last['step']}"
                                      if last and last["exact_match"] is not None else "")

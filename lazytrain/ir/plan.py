@@ -9,21 +9,22 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tabulate import tabulate
+
 from .decisions import Decisions
+from .format import PLAN_FORMAT, PlanError
 from .graph import ModelGraph
 from .ops import GiB, Op, OpKind
+from .schema import check_plan
+from .summary import summary_rows
+from .verify import check_plan_json, verify
 
-PLAN_FORMAT = "lazytrain.plan/1"
+__all__ = ["PLAN_FORMAT", "Plan", "PlanError", "SolverStats"]
 
 
 def _no_constant(name: str):
     raise PlanError(f"plan file holds {name}, which is not valid JSON (a NaN or infinite figure): "
                     "the file was not written by LazyTrain or is corrupted")
-
-
-class PlanError(ValueError):
-    """A plan file or plan object that cannot be used: malformed, wrong version, wrong model, or
-    failing verification.  The message says what and, where possible, what to do."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +76,6 @@ class Plan:
 
     def table(self, limit: int | None = None) -> str:
         """The op list as a table (tabulate)."""
-        from tabulate import tabulate
         rows = []
         for op in self.ops[:limit]:
             rows.append([op.id, op.kind.value, op.block, "" if op.mb is None else op.mb,
@@ -91,9 +91,6 @@ class Plan:
 
     def summary(self) -> str:
         """Totals: decisions, predicted time and memory, solver statistics (tabulate)."""
-        from tabulate import tabulate
-
-        from .summary import summary_rows
         return tabulate(summary_rows(self), tablefmt="plain")
 
     # ---- JSON --------------------------------------------------------------------------
@@ -123,7 +120,6 @@ class Plan:
 
     @staticmethod
     def from_json(d: dict) -> Plan:
-        from .verify import check_plan_json
         check_plan_json(d)
         try:
             graph = ModelGraph.from_json(d["graph"])
@@ -138,7 +134,6 @@ class Plan:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError) as e:
             raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
-        from .schema import check_plan
         check_plan(plan)
         if d["model"].get("fingerprint") != plan.fingerprint:
             raise PlanError("plan's model fingerprint does not match its own graph: the file was edited "
@@ -168,7 +163,6 @@ class Plan:
             raise PlanError(f"{path} is not a LazyTrain plan: {e}") from None
         plan = Plan.from_json(d)
         if check:
-            from .verify import verify
             verify(plan)
         return plan
 

@@ -21,11 +21,15 @@ import types
 import typing
 from enum import Enum
 from functools import cache
+from typing import TYPE_CHECKING
 
+from .format import PlanError
 from .graph import DTYPE_BYTES
 from .limits import MAX_BATCH, MAX_SEQ_LEN, MAX_TOKENS
 from .ops import OpKind, TensorKind, Tier
-from .plan import Plan, PlanError
+
+if TYPE_CHECKING:      # annotations only: plan.py imports this module to check what it reads
+    from .plan import Plan
 
 LIMIT = 1 << 62
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")

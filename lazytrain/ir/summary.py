@@ -7,6 +7,7 @@ from collections import Counter
 
 from .decisions import Place, Saved
 from .ops import GiB, OpKind
+from .semantics import Sizes
 
 VALUE_WIDTH = 60
 
@@ -15,7 +16,6 @@ def _resident_text(plan) -> str:
     res = sorted(plan.decisions.resident_blocks)
     if not res:
         return "none"
-    from .semantics import Sizes
     runs: list[list[int]] = []
     for j in res:                       # contiguous runs: "0-9, 37" (a prefix and the tied head)
         if runs and j == runs[-1][1] + 1:

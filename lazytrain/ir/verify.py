@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from .format import PLAN_FORMAT, PlanError
 from .ops import GiB, Op, OpKind, Resource, TensorId, TensorKind, Tier
 from .order import Hazard, HazardWalk, UpdateOrder
-from .plan import PLAN_FORMAT, Plan, PlanError
 from .semantics import Effects, Sizes, effects, tie_closure
+
+if TYPE_CHECKING:      # annotations only: plan.py imports this module to check what it reads
+    from .plan import Plan
 
 
 @dataclass(frozen=True)

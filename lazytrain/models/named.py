@@ -24,6 +24,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..data.encode import Encoder
+from ..export import hf_config, module_weights, write_folder
+from ..model_loading import load_gguf, load_tokenizer
+
 
 @dataclass(frozen=True)
 class NamedModel:
@@ -64,11 +68,8 @@ def model_folder(name: str, *, log=print) -> Path:
     gguf = fetch_gguf(name, log=log)
     log(f"{name}: dequantizing {gguf.name} into {hf} (once)")
     t = time.perf_counter()
-    from ..export import hf_config, module_weights, write_folder
-    from ..model_loading import load_gguf, load_tokenizer
     model = load_gguf(gguf)
     tok = load_tokenizer(gguf)
-    from ..data.encode import Encoder
     gen = generation_config(model, Encoder(tok, name=name).stop_ids(getattr(model, "generation_config", None)), tok)
     write_folder(hf, module_weights(model), config=hf_config(model.config, type(model).__name__),
                  dtype=next(model.parameters()).dtype, tokenizer=tok, generation_config=gen)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 def __getattr__(name: str):
     if name in ("Trainer", "StepStats"):
-        from . import trainer
+        from . import trainer  # on first use: `import lazytrain.runtime.optim` need not build the Trainer
         return getattr(trainer, name)
     raise AttributeError(name)
 

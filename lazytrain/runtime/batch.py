@@ -107,7 +107,7 @@ def packed_keys(packed: bool) -> set[str]:
 
 def check_positions(positions, ids: torch.Tensor) -> torch.Tensor:
     """``position_ids`` of a packed batch: integer, shaped like ``input_ids``, >= 0.  Each example of a row
-    counts from 0 (``compiler/packing.py``: a position that does not grow by one starts an example)."""
+    counts from 0 (``frontend/packing.py``: a position that does not grow by one starts an example)."""
     positions = torch.as_tensor(positions)
     if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
         raise ValueError(f"position_ids must hold integer positions, got dtype {positions.dtype}")

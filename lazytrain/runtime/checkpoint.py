@@ -53,6 +53,8 @@ from .manifest import (
     hashing_pool,
     read_verified,
 )
+from .optim.hybrid8bit import Hybrid8bitAdamW
+from .optim.torch_adamw import TorchAdamW
 
 __all__ = ["FORMAT", "META", "CheckpointError", "load", "read_extra", "read_meta", "resolve", "save", "write_extra"]
 #: constructor arguments saved to rebuild an optimizer; of those, the ones that fix the layout of its
@@ -288,8 +290,6 @@ def _check_model(plan: Plan, model: torch.nn.Module, where: Path) -> None:
 
 
 def _optimizer(opt, saved: dict, where: Path):
-    from .optim.hybrid8bit import Hybrid8bitAdamW
-    from .optim.torch_adamw import TorchAdamW
     known = {"TorchAdamW": TorchAdamW, "Hybrid8bitAdamW": Hybrid8bitAdamW}
     cls_name, hp, config = saved["class"], saved["hyperparameters"], saved.get("config", {})
     if opt is None:

@@ -21,7 +21,7 @@ from .store import HostPool, HostStore
 from .streams import Streams
 
 if TYPE_CHECKING:
-    from ..compiler.program import BlockProgram
+    from ..frontend.program import BlockProgram
     from .handlers import SavedRecord
     from .interpreter import Schedule
     from .updates import Updates

@@ -9,6 +9,7 @@ import torch
 
 from ..ir import Op, Resource, TensorKind
 from .context import G, Step, _tid
+from .optim import ckernel
 from .store import HostStore
 
 
@@ -110,7 +111,6 @@ class TiedGrads:
 
 
 def _kernels():
-    from .optim import ckernel
     return ckernel.load()
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -65,7 +66,6 @@ class CheckpointError(ValueError):
 
 def check_manifest(meta, path: Path) -> dict:
     """``meta`` if it is a manifest of this version, else a CheckpointError naming ``path`` and the field."""
-    import re
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path}: a checkpoint manifest is a JSON object, got {type(meta).__name__}")
     fmt = meta.get("format")

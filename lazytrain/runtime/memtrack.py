@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 from ..ir import Op
 from ..ir.semantics import Sizes, effects
 from ..ir.verify import verify
+from . import interpreter
 
 
 @dataclass
@@ -102,7 +103,6 @@ class _Mode(TorchDispatchMode):
 @contextlib.contextmanager
 def track(trainer):
     """Within the block, ``trainer.step`` records device memory per op; yields the ``DeviceMemory``."""
-    from . import interpreter
     mem = DeviceMemory()
     ctx = trainer.ctx
     saved_handlers = dict(interpreter.HANDLERS)

@@ -19,16 +19,18 @@ which draws them for the whole batch at once.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
+from ..frontend.program import build_program
 from ..ir import Plan, PlanError, TensorId, TensorKind, Tier, verify
 from ..ir.order import UpdateOrder
 from ..ir.semantics import Sizes
-from . import interpreter
+from . import checkpoint, interpreter
 from .batch import (
     as_tokens,
     check_positions,
@@ -43,6 +45,7 @@ from .context import GpuParams, H, HostCopy, Run, Step, _tid
 from .interpreter import Schedule
 from .nvme import NvmeStore
 from .optim.clipping import GradNormTracker
+from .optim.torch_adamw import TorchAdamW
 from .profiling import Profiler, StepProfile
 from .store import BlockLayout, HostPool, HostStore, layouts
 from .streams import Streams
@@ -98,7 +101,6 @@ class Trainer:
         self._token_limits = token_limits(model, plan)
         self.program = _program(model, plan, self.device)
         if optimizer is None:
-            from .optim.torch_adamw import TorchAdamW
             optimizer = TorchAdamW(lr=1e-5)
         self.optimizer = optimizer
         frozen = _frozen(model, optimizer)
@@ -261,7 +263,6 @@ class Trainer:
     def save_checkpoint(self, directory) -> None:
         """Flush pending updates and write the whole training state to ``directory`` atomically
         (safetensors + JSON, never pickle; see ``runtime/checkpoint.py``)."""
-        from . import checkpoint
         checkpoint.save(self, directory)
 
     @classmethod
@@ -269,7 +270,6 @@ class Trainer:
                         plan: Plan | None = None) -> Trainer:
         """A trainer for ``model`` resumed from ``directory`` (parameters, optimizer state, step, RNGs).
         ``optimizer``: default, rebuilt from the checkpoint; ``plan``: default, the checkpoint's own."""
-        from . import checkpoint
         return checkpoint.load(cls, directory, model, optimizer=optimizer, device=device, plan=plan)
 
     def close(self) -> None:
@@ -307,8 +307,7 @@ def _nvme_store(plan: Plan, nvme_dir) -> NvmeStore | None:
 
 
 def _program(model: torch.nn.Module, plan: Plan, device: torch.device):
-    """The model's per-block program (``compiler.program``), refused unless it is the plan's model."""
-    from ..compiler.program import build_program
+    """The model's per-block program (``frontend.program``), refused unless it is the plan's model."""
     program = build_program(model, micro_batch=plan.micro_batch, seq_len=plan.seq_len, device=device,
                             dtype=_torch_dtype(plan.graph.dtype), packed=bool(plan.graph.meta.get("packed")),
                             seq_tile=(plan.graph.meta.get("seq_tile") or {}).get("tokens"))
@@ -392,7 +391,6 @@ def _expandable_segments() -> None:
     of many sizes (parameters, activations, loss chunks) otherwise fragment it (up to 1.6 GiB reserved
     but unusable at a 24 GiB budget on the H200).  Only effective before the process's first CUDA
     allocation; harmless after."""
-    import os
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
         return
     try:

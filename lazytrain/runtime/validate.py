@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from ..frontend.validate import check_positions
 from ..ir import Plan
+from .optim.base import HostOptimizer
 
 
 def check_trainer_args(model, plan, optimizer, device) -> None:
-    from ..compiler.validate import check_positions
-    from .optim.base import HostOptimizer
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"Trainer needs the model as a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(plan, Plan):

@@ -68,6 +68,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...ir import Decisions, GiB, Place, PlanError, Saved, SolverStats
+from ...ir.semantics import tie_closure
 from ..costgraph import block_attr, build_cost_graph
 from . import isolated
 from .lp import LinearModel, Var, xsum
@@ -131,7 +132,6 @@ class Coefficients:
 def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
                  gpu_bytes: int | None = None) -> Coefficients:
     """``cost``: the streamed CostModel at the solve's micro-batch (no resident blocks)."""
-    from ...ir.semantics import tie_closure
     g, hw = cost.graph, cost.hw
     L = g.n_blocks
     cg = build_cost_graph(cost)

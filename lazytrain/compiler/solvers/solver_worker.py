@@ -21,7 +21,7 @@ import time
 
 
 def solve(req: dict) -> dict:
-    import mip
+    import mip  # after main() points fd 1 at stderr: its native libraries print as they load
 
     t0 = time.perf_counter()
     name = {"highs": mip.HIGHS, "cbc": mip.CBC}[req["solver"]]

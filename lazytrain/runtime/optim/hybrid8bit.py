@@ -54,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from . import ckernel
 from . import quant as Q
 from . import triton_kernel as TK
 from .base import HostOptimizer, Segment
@@ -119,7 +120,6 @@ class Hybrid8bitAdamW(HostOptimizer):
         # the compiled one-pass kernel (ckernel.py) when it builds here; kernel=False forces the torch path
         self._lib = None
         if kernel is not False and block_size <= 4096:
-            from . import ckernel
 
             self._lib = ckernel.load()
         if kernel and self._lib is None:

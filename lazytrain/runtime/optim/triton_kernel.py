@@ -42,6 +42,8 @@ import os
 
 import torch
 
+from . import quant as Q
+
 _TWO_112 = 2.0**112
 
 
@@ -223,7 +225,6 @@ def hybrid8_step(
     if nblocks == 0:
         return
     triton, kernel, _ = _kernels()
-    from . import quant as Q
 
     hilo = hi is not None
     dummy = mq  # an unused pointer argument still needs a tensor

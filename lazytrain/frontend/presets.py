@@ -6,6 +6,7 @@ Shapes are copied from the published configs (Hugging Face ``config.json`` of ea
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import json
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from ..ir.limits import MAX_SEQ_LEN
+from ..models.gpt import GPT, GPTConfig
 
 HF_ARCHS = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 #: Hugging Face model types whose training through a plan is tested against eager PyTorch
@@ -91,7 +93,6 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
     if not isinstance(model_type, str):
         raise ValueError(f"{source}: model_type must be a string (e.g. \"qwen2\"), got {model_type!r}")
     if model_type == "lazytrain-gpt":
-        from ..models.gpt import GPT, GPTConfig
         try:
             gcfg = GPTConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
         except TypeError as e:
@@ -201,7 +202,6 @@ def _check_number(key: str, v, source: str) -> None:
 def _check_dataclass_fields(cfg, source: str) -> None:
     """Every field of a config dataclass has its declared type: whole numbers positive, flags true or
     false, numbers finite (and positive where ``_must_be_positive``)."""
-    import dataclasses
     for f in dataclasses.fields(cfg):
         v, kind = getattr(cfg, f.name), f.type if isinstance(f.type, str) else f.type.__name__
         if kind == "int":

@@ -175,7 +175,7 @@ def reduce_layers(clone: nn.Module, keep: int = 3) -> nn.Module:
 def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None, loss_fn=None, packed: bool = False):
     """``torch.export`` of the meta clone at (micro_batch, seq_len); returns (program, root module).
     ``packed``: the model also takes ``position_ids`` and attends within each packed example only
-    (``compiler/packing.py``)."""
+    (``frontend/packing.py``)."""
     if isinstance(clone, nn.Sequential):
         if example_inputs is None or loss_fn is None:
             raise TraceError("an nn.Sequential needs example_inputs=(x, target) and loss_fn(output, target)")
@@ -191,7 +191,7 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
         if is_hf(clone):
             kwargs["use_cache"] = False
         if packed:
-            from .packing import packed_inputs
+            from .packing import packed_inputs  # packing.py builds on this module's export
             kwargs.update(packed_inputs(clone, ids))
 
     def run():
@@ -202,7 +202,7 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
     except Exception as e:  # noqa: BLE001 - re-raised with the failing module named
         raise TraceError(f"torch.export failed on {type(clone).__name__}: {_short(e)}") from None
     if packed:
-        from .packing import check_document_mask
+        from .packing import check_document_mask  # (as above)
         check_document_mask(ep, type(clone).__name__)
     return ep, root
 
@@ -263,9 +263,45 @@ _SKIP = {aten._assert_tensor_metadata.default}
 
 def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor] | None = None,
           sequential: bool = False) -> Split:
-    """Partition the exported graph into blocks and build one GraphModule per block."""
+    """Partition the exported graph into blocks and build one GraphModule per block: name the graph's
+    inputs, assign each node to a block, find the loss head, cut (what each block needs and which values
+    cross which cut), name the crossing values, then build each block's GraphModule."""
     g = ep.graph_module.graph
     sig = ep.graph_signature
+    ph_param, ph_const, user_inputs = _graph_inputs(sig, root)
+    roots, prefix = _block_roots(root, sequential)
+    n_blocks = len(roots) + (0 if sequential else 2)
+    tail = n_blocks - 1
+    members = _assign_blocks(g, root, roots, n_blocks, 0 if sequential else 1)
+    if sequential:
+        head_roots, loss = [next(n for n in g.nodes if n.op == "output").args[0][0]], None
+    else:
+        head_roots, loss = _loss_head(g, root, members[tail], ph_param, user_inputs)
+    plan = _cut(g, members, head_roots, loss, ph_param, ph_const)
+    names = [_block_name(root, roots, b, tail, sequential) for b in range(n_blocks)]
+    vname = {n: n.name for n in g.nodes if n.op == "placeholder" and n.name in user_inputs}
+    for b in range(n_blocks):
+        layer = not sequential and 0 < b < tail
+        for k, n in enumerate(plan[b][1]):
+            vname[n] = f"{names[b]}.out{k}" if layer else f"{names[b]}.{n.name}"
+    values = _crossing_values(g, vname, ph_param)
+    bufs = _constants(ep, sig, buffers)
+    blocks = []
+    for b in range(n_blocks):
+        needed, outs, ext, hroots = plan[b]
+        kind = "other" if sequential else ("embed" if b == 0 else "head" if b == tail else "layer")
+        extra = [] if b != tail or loss is None else [loss.weight] + ([loss.bias] if loss.bias else [])
+        gm, pnames = _build_gm(members[b], needed, outs + hroots, ext, ph_param, ph_const, vname, ep, bufs,
+                               device, extra)
+        blocks.append(BlockCode(name=names[b], kind=kind, gm=gm, param_names=pnames,
+                                input_names=[vname[a] for a in ext], output_names=[vname[n] for n in outs],
+                                loss=loss if b == tail else None, user_loss=sequential and b == tail))
+    return Split(blocks=blocks, values=values, user_inputs=list(user_inputs), layers_prefix=prefix)
+
+
+def _graph_inputs(sig, root: nn.Module) -> tuple[dict, dict, list]:
+    """The exported graph's placeholders: parameter -> its canonical name (a tied parameter's first
+    name), buffer or constant -> its target, and the user inputs."""
     canon = {}
     by_id = {}
     for name, p in root.named_parameters():
@@ -275,22 +311,25 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
     ph_param = {k: canon[v] for k, v in sig.inputs_to_parameters.items()}
     ph_const = dict(sig.inputs_to_buffers)
     ph_const.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}))
-    user_inputs = [s for s in sig.user_inputs]
+    return ph_param, ph_const, [s for s in sig.user_inputs]
 
+
+def _block_roots(root: nn.Module, sequential: bool) -> tuple[list[str], str | None]:
+    """The module path of each streamed layer (each child of an ``nn.Sequential``), and the layers' prefix."""
     if sequential:
-        roots = [name for name, _ in root.named_children() if name != "loss_fn"]
-        prefix = None
-    else:
-        found = find_layers(root)
-        if found is None:
-            raise TraceError(f"{type(root).__name__}: found no nn.ModuleList of repeated layers to stream")
-        prefix = found[0]
-        roots = [f"{prefix}.{i}" for i in range(len(found[1]))]
-    root_idx = {r: i for i, r in enumerate(roots)}
-    offset = 0 if sequential else 1
-    n_blocks = len(roots) + (0 if sequential else 2)
-    tail = n_blocks - 1
+        return [name for name, _ in root.named_children() if name != "loss_fn"], None
+    found = find_layers(root)
+    if found is None:
+        raise TraceError(f"{type(root).__name__}: found no nn.ModuleList of repeated layers to stream")
+    prefix = found[0]
+    return [f"{prefix}.{i}" for i in range(len(found[1]))], prefix
 
+
+def _assign_blocks(g: fx.Graph, root: nn.Module, roots: list[str], n_blocks: int, offset: int) -> list[list]:
+    """Each computing node's block, in graph order: a layer's nodes by their module path, the nodes
+    between layers with the layer before them, everything after the last layer in the tail."""
+    root_idx = {r: i for i, r in enumerate(roots)}
+    tail = n_blocks - 1
     nodes = [n for n in g.nodes if n.op == "call_function" and n.target not in _SKIP]
     layer_of = {}
     for n in nodes:
@@ -315,47 +354,50 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
         for a in n.all_input_nodes:
             if a in block_of and block_of[a] > block_of[n]:
                 raise TraceError(f"node {n.name} in {_where(n)} reads {a.name} computed in a later block")
+    return members
 
-    # the head: stop at the input of the last linear reading a parameter, if a cross-entropy follows
-    head_roots, loss = None, None
-    out_node = next(n for n in g.nodes if n.op == "output")
-    if sequential:
-        head_roots = [out_node.args[0][0]]
-    else:
-        lin = [n for n in members[tail] if n.target is aten.linear.default and n.args[1].op == "placeholder"
-               and n.args[1].name in ph_param]
-        if not lin:
-            raise TraceError(f"{type(root).__name__}: no LM head (linear over a parameter) after the last layer")
-        lm = lin[-1]
-        ce = [n for n in members[tail] if n.target is aten.cross_entropy_loss.default]
-        if len(ce) != 1:
-            raise TraceError(f"{type(root).__name__}: the head does not end in one cross_entropy (found {len(ce)})")
-        c = ce[0]
-        if node_arg(c, 2, "weight") is not None or node_arg(c, 5, "label_smoothing", 0.0) != 0.0 or \
-           node_arg(c, 4, "ignore_index", -100) != -100:
-            raise TraceError("the model's cross_entropy uses class weights, label smoothing or an ignore_index "
-                             "other than -100; the chunked loss does not reproduce that")
-        bias = node_arg(lm, 2, "bias")
-        softcap = getattr(getattr(root, "config", None), "final_logit_softcapping", None)
-        scale, odd = logits_path(lm, c, softcap)
-        if odd:
-            raise TraceError(f"{type(root).__name__}: the head transforms the logits before the cross-entropy "
-                             f"({', '.join(sorted(odd))}); the chunked loss does not reproduce that")
-        if "labels" not in user_inputs:
-            raise TraceError("the model takes no 'labels' input")
-        lab = next(n for n in g.nodes if n.op == "placeholder" and n.name == "labels")
-        if not labels_shifted(c, lab):
-            raise TraceError(f"{type(root).__name__}: its loss compares each position's logits with the label at "
-                             "the same position (no shift to the next token): not a causal LM loss, which the "
-                             "chunked loss computes; LazyTrain trains decoder-only causal LMs")
-        loss = LossHead(weight=ph_param[lm.args[1].name], bias=None if bias is None else ph_param[bias.name],
-                        labels="labels", softcap=float(softcap) if softcap else None, scale=scale)
-        head_roots = [lm.args[0]]
 
-    # reverse pass: what each block needs, which values cross which cut
+def _loss_head(g: fx.Graph, root: nn.Module, tail_nodes: list, ph_param: dict, user_inputs: list):
+    """The head stops at the input of the last linear reading a parameter, if one cross-entropy of a
+    causal LM follows it: (the head's roots, the ``LossHead`` the chunked loss computes)."""
+    lin = [n for n in tail_nodes if n.target is aten.linear.default and n.args[1].op == "placeholder"
+           and n.args[1].name in ph_param]
+    if not lin:
+        raise TraceError(f"{type(root).__name__}: no LM head (linear over a parameter) after the last layer")
+    lm = lin[-1]
+    ce = [n for n in tail_nodes if n.target is aten.cross_entropy_loss.default]
+    if len(ce) != 1:
+        raise TraceError(f"{type(root).__name__}: the head does not end in one cross_entropy (found {len(ce)})")
+    c = ce[0]
+    if node_arg(c, 2, "weight") is not None or node_arg(c, 5, "label_smoothing", 0.0) != 0.0 or \
+       node_arg(c, 4, "ignore_index", -100) != -100:
+        raise TraceError("the model's cross_entropy uses class weights, label smoothing or an ignore_index "
+                         "other than -100; the chunked loss does not reproduce that")
+    bias = node_arg(lm, 2, "bias")
+    softcap = getattr(getattr(root, "config", None), "final_logit_softcapping", None)
+    scale, odd = logits_path(lm, c, softcap)
+    if odd:
+        raise TraceError(f"{type(root).__name__}: the head transforms the logits before the cross-entropy "
+                         f"({', '.join(sorted(odd))}); the chunked loss does not reproduce that")
+    if "labels" not in user_inputs:
+        raise TraceError("the model takes no 'labels' input")
+    lab = next(n for n in g.nodes if n.op == "placeholder" and n.name == "labels")
+    if not labels_shifted(c, lab):
+        raise TraceError(f"{type(root).__name__}: its loss compares each position's logits with the label at "
+                         "the same position (no shift to the next token): not a causal LM loss, which the "
+                         "chunked loss computes; LazyTrain trains decoder-only causal LMs")
+    loss = LossHead(weight=ph_param[lm.args[1].name], bias=None if bias is None else ph_param[bias.name],
+                    labels="labels", softcap=float(softcap) if softcap else None, scale=scale)
+    return [lm.args[0]], loss
+
+
+def _cut(g: fx.Graph, members: list[list], head_roots: list, loss, ph_param: dict, ph_const: dict) -> list:
+    """A reverse pass over the blocks: per block (the nodes it needs, its outputs that later blocks
+    read, the values it reads from earlier blocks or the user, the head's roots in the tail)."""
+    tail = len(members) - 1
     required: set[fx.Node] = set()
-    plan = [None] * n_blocks
-    for b in reversed(range(n_blocks)):
+    plan = [None] * len(members)
+    for b in reversed(range(len(members))):
         mem = set(members[b])
         outs = [n for n in members[b] if n in required]
         # in-place writes have no users (``k = x.new_empty(...); k[..., :d].copy_(a)``): keep them all
@@ -380,31 +422,26 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
                 ext.append(lab)
         required |= set(ext)
         plan[b] = (needed, outs, ext, head_roots if b == tail else [])
+    return plan
 
-    def block_name(b):
-        if sequential:
-            return roots[b]
-        if b == 0:
-            emb = root.get_input_embeddings() if hasattr(root, "get_input_embeddings") else None
-            for name, m in root.named_modules():
-                if (emb is not None and m is emb) or (emb is None and isinstance(m, nn.Embedding)):
-                    return name.rpartition(".")[0] if emb is None and "." in name else name
-            return "embed"
-        if b == tail:
-            return "head"
-        return roots[b - offset]
 
-    names = [block_name(b) for b in range(n_blocks)]
-    vname = {}
-    for n in g.nodes:
-        if n.op == "placeholder" and n.name in user_inputs:
-            vname[n] = n.name
-    for b in range(n_blocks):
-        _, outs, _, _ = plan[b]
-        layer = not sequential and 0 < b < tail
-        for k, n in enumerate(outs):
-            vname[n] = f"{names[b]}.out{k}" if layer else f"{names[b]}.{n.name}"
+def _block_name(root: nn.Module, roots: list[str], b: int, tail: int, sequential: bool) -> str:
+    """Block ``b``'s name: the layer's module path, the embedding's, or ``head``."""
+    if sequential:
+        return roots[b]
+    if b == 0:
+        emb = root.get_input_embeddings() if hasattr(root, "get_input_embeddings") else None
+        for name, m in root.named_modules():
+            if (emb is not None and m is emb) or (emb is None and isinstance(m, nn.Embedding)):
+                return name.rpartition(".")[0] if emb is None and "." in name else name
+        return "embed"
+    if b == tail:
+        return "head"
+    return roots[b - 1]
 
+
+def _crossing_values(g: fx.Graph, vname: dict, ph_param: dict) -> dict:
+    """Each value crossing a cut: (shape, dtype, whether it depends on a parameter: needs a gradient)."""
     param_dep = _param_dependence(g, ph_param)
     values = {}
     for n, name in vname.items():
@@ -412,25 +449,19 @@ def split(ep, root: nn.Module, *, device="meta", buffers: dict[str, torch.Tensor
         if not isinstance(val, torch.Tensor):
             raise TraceError(f"value {n.name} crossing a block boundary is not a tensor ({type(val).__name__})")
         values[name] = (tuple(val.shape), val.dtype, bool(param_dep[n] and val.is_floating_point()))
+    return values
 
+
+def _constants(ep, sig, buffers: dict | None) -> dict:
+    """The buffers the blocks are built with: a lifted constant with its values (a tensor attribute, a
+    table ``rope.fix_rope_length`` fixed) is what the graph was traced with, even where the model has a
+    buffer of the same name."""
     bufs = dict(buffers or {})
-    # a lifted constant with its values (a tensor attribute, a table ``rope.fix_rope_length`` fixed) is
-    # what the graph was traced with, even where the model has a buffer of the same name
     for target in getattr(sig, "inputs_to_lifted_tensor_constants", {}).values():
         t = ep.constants.get(target)
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             bufs[target] = t
-    blocks = []
-    for b in range(n_blocks):
-        needed, outs, ext, hroots = plan[b]
-        kind = "other" if sequential else ("embed" if b == 0 else "head" if b == tail else "layer")
-        extra = [] if b != tail or loss is None else [loss.weight] + ([loss.bias] if loss.bias else [])
-        gm, pnames = _build_gm(members[b], needed, outs + hroots, ext, ph_param, ph_const, vname, ep, bufs,
-                               device, extra)
-        blocks.append(BlockCode(name=names[b], kind=kind, gm=gm, param_names=pnames,
-                                input_names=[vname[a] for a in ext], output_names=[vname[n] for n in outs],
-                                loss=loss if b == tail else None, user_loss=sequential and b == tail))
-    return Split(blocks=blocks, values=values, user_inputs=list(user_inputs), layers_prefix=prefix)
+    return bufs
 
 
 def _node_draws(n: fx.Node) -> bool:

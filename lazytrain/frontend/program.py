@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..ir import ModelGraph
+from .tiling import tile_split
 from .trace_export import BlockCode, Split, TraceError, export, find_layers, meta_clone, reduce_layers, reducible
 from .trace_export import split as split_graph
 
@@ -137,7 +138,7 @@ def build_program(model: nn.Module, *, micro_batch: int, seq_len: int, device: s
     """Export ``model`` (never touching its weights) and split it into per-block programs; ``seq_tile``:
     layers' position-wise tails run in chunks of that many tokens (``tiling.py``); ``packed``: with
     ``position_ids`` and the per-example mask (``packing.py``)."""
-    from .trace import graph_from_split
+    from .trace import graph_from_split  # trace.py builds on this module's programs
     sp = build_split(model, micro_batch=micro_batch, seq_len=seq_len, device=device, dtype=dtype,
                      example_inputs=example_inputs, loss_fn=loss_fn, packed=packed, seq_tile=seq_tile)
     graph = graph_from_split(sp, model, seq_len=seq_len, dtype=dtype, micro_batch=micro_batch, measure=False)
@@ -166,7 +167,6 @@ def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dty
     sp.meta["unused_params"] = missing
     sp.meta["packed"] = packed
     if seq_tile:
-        from .tiling import tile_split
         tiled = tile_split(sp, seq_tile, micro_batch, seq_len, dict(model.named_parameters()))
         if tiled:
             sp.meta["seq_tile"] = {"tokens": seq_tile, "blocks": tiled}

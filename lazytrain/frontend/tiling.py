@@ -30,6 +30,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .trace_export import _draws_random
+
 aten = torch.ops.aten
 
 #: tokens a chunk: a 7B MLP chunk's intermediates (4096 x 18,944, four of them, bf16) are 0.6 GB, and each
@@ -125,7 +127,6 @@ def _eligible(n: fx.Node, mb: int, seq: int, params: set) -> bool:
 
 def find_tail(gm: fx.GraphModule, mb: int, seq: int) -> list[fx.Node]:
     """The block's position-wise tail (module docstring), or [] if there is none worth tiling."""
-    from .trace_export import _draws_random
     params = {n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("p_")}
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     tail: list[fx.Node] = []
@@ -327,23 +328,3 @@ def tile_split(sp, tokens: int, micro_batch: int, seq_len: int, params: dict) ->
             names.append(b.name)
     return names
 
-
-def compile_auto_tiled(compile_fn, model, options: dict):
-    """``seq_tile="auto"``: ``compile_fn`` without tiling; if no plan fits, and the sequence is longer than one
-    chunk, again with the layers' tails in chunks of ``TILE_TOKENS`` (the plan's notes say why).  Tiling
-    costs each tail's forward once more in backward, so it is used only where it makes a plan possible."""
-    from ..ir.graph import ModelGraph
-    from .api import BudgetError
-    untiled = {**options, "seq_tile": None}
-    seq = options["seq_len"]
-    if isinstance(model, ModelGraph) or not isinstance(seq, int) or seq <= TILE_TOKENS:
-        return compile_fn(model, **untiled)
-    try:
-        return compile_fn(model, **untiled)
-    except BudgetError as e:
-        without = e
-    plan = compile_fn(model, **{**options, "seq_tile": TILE_TOKENS})
-    if not plan.graph.meta.get("seq_tile"):
-        raise without
-    plan.decisions.notes["seq_tile"] = f"tails tiled because without tiling no plan fits: {without}"
-    return plan

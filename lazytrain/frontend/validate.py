@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..ir.graph import ModelGraph
 from ..ir.limits import MAX_BATCH, MAX_MICRO_BATCH_BLOCKS, MAX_SEQ_LEN, MAX_TOKENS, SEARCH_MICRO_BATCH
 from ..ir.schema import check_nvme_dir
+from .presets import PRESETS
+from .trace_export import find_layers
 
 #: config fields that declare how many positions a model handles (GPT-2 writes n_positions)
 POSITION_FIELDS = ("max_seq", "max_position_embeddings", "n_positions")
@@ -39,7 +42,6 @@ def check_sizes(batch_size: int, seq_len: int) -> None:
 
 def _config_of(model) -> dict | None:
     """What the model declares, as a dict, when that is cheap to know without building it."""
-    from .presets import PRESETS
     if isinstance(model, str):
         if model in PRESETS:
             return PRESETS[model]
@@ -97,7 +99,6 @@ def check_positions(model, seq_len: int, name: str = "the model") -> None:
 def min_blocks(model) -> int:
     """A lower bound on the blocks ``model`` traces into: its layers + 1 (embedding; the head may join
     the last block), or 1 when that is not known without tracing."""
-    from ..ir.graph import ModelGraph
     if isinstance(model, ModelGraph):
         return model.n_blocks
     cfg = _config_of(model)
@@ -106,7 +107,6 @@ def min_blocks(model) -> int:
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v + 1
     if not isinstance(model, str):
-        from .trace_export import find_layers
         found = find_layers(model) if hasattr(model, "named_modules") else None
         if found is not None:
             return len(found[1]) + 1

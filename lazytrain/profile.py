@@ -46,8 +46,13 @@ from collections.abc import Callable
 
 import torch
 
-from .hardware import HardwareProfile, _cpu_cores, _host_memory_bytes, attention_flops
-from .plausible import measure_checked
+from .compiler.api import compile_model
+from .compiler.hardware import HardwareProfile, _cpu_cores, _host_memory_bytes, attention_flops
+from .compiler.plausible import measure_checked
+from .ir import OpKind
+from .models.gpt import GPT, GPTConfig
+from .runtime.optim.torch_adamw import TorchAdamW
+from .runtime.trainer import Trainer
 
 __all__ = ["measure"]
 
@@ -244,13 +249,7 @@ def _dispatch_seconds(device: torch.device, repeats: int) -> tuple[float, float]
     measured through LazyTrain's own runtime (fx program, autograd, saved-tensor hooks, streams):
     a tiny rotary GPT (57 ops per layer, as many as a Qwen2 layer's 54) whose every block is kept on
     the GPU, so no op waits for a transfer."""
-    import statistics
 
-    from ..ir import OpKind
-    from ..models.gpt import GPT, GPTConfig
-    from ..runtime.optim.torch_adamw import TorchAdamW
-    from ..runtime.trainer import Trainer
-    from .api import compile_model
     model = GPT(GPTConfig(vocab=64, d_model=64, n_layer=6, n_head=2, d_ff=128, max_seq=16, rope=True))
     model = model.to(torch.bfloat16)
     plan = compile_model(model, batch_size=1, seq_len=16, hardware="h200", gpu_memory="4GiB", host_memory="4GiB",

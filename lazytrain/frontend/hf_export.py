@@ -11,6 +11,8 @@ import torch.fx as fx
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .rope import fix_rope_length
+
 aten = torch.ops.aten
 
 
@@ -111,7 +113,6 @@ def export_hf(clone: nn.Module, seq_len: int, run):
     with ALiBi the bias would be lost).  Such a model, or one whose export fails with the flag, is
     exported again with its own mask (``"sdpa"``).  Rotary tables that depend on the sequence length
     are fixed at ``seq_len`` first (``rope.fix_rope_length``)."""
-    from .rope import fix_rope_length
     fix_rope_length(clone, seq_len)
     cfg = clone.config
     original = cfg._attn_implementation

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import operator
 import time
+from dataclasses import asdict, is_dataclass
 
 import torch
 import torch.fx as fx
@@ -32,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..ir import Block, ModelGraph, ParamSpec, TensorSpec
 from ..ir.graph import DTYPE_BYTES
 from .attention import DQ_ACCUMULATOR_BYTES, AttentionCount, is_attention
-from .program import DEFAULT_CHUNK, build_split
+from .program import DEFAULT_CHUNK, build_split, chunked_next_token_loss
 from .tiling import TiledTail, run_tail
 from .trace_export import Split, TraceError
 
@@ -82,7 +83,6 @@ def _config_summary(model: nn.Module) -> dict:
                 "max_position_embeddings")
         d = cfg.to_dict()
         return {k: d[k] for k in keys if k in d}
-    from dataclasses import asdict, is_dataclass
     return asdict(cfg) if is_dataclass(cfg) else {}
 
 
@@ -243,7 +243,6 @@ def _tail_transient(tail: TiledTail) -> tuple[int, int]:
 def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: int):
     """(saved bytes, workspace bytes, fixed workspace bytes, fwd FLOPs, bwd FLOPs, attention count) of
     one block at micro-batch ``mb``; the fixed part does not scale with the micro-batch (a loss chunk)."""
-    from .program import chunked_next_token_loss
     params = {}
     for n in b.param_names:
         shape, dt = shapes[n]

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from .trace_export import sdpa
+
 aten = torch.ops.aten
 
 #: the fused kernels' backward keeps dQ in fp32 while it accumulates over key tiles (FlashAttention-2 and
@@ -74,5 +76,4 @@ class AttentionCount:
 
 def is_attention(target) -> bool:
     """Is this fx call target a fused attention (``trace_export.sdpa`` or the aten op it stands for)?"""
-    from .trace_export import sdpa
     return target is sdpa or target is aten.scaled_dot_product_attention.default

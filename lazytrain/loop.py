@@ -1,0 +1,130 @@
+"""The step loop ``lazytrain train`` runs, on the built-in task (``train.py``) and on a data file
+(``finetune/run.py``): one place for when a run stops and what its learning rate is.
+
+``steps`` yields each step to run and stops at ``--steps`` (a total: a resumed run continues from
+``start``), at ``--time-limit-min``, or after the step in flight when Ctrl-C was pressed once (the
+caller's ``StopFlag``); before each step it sets the optimizer's learning rate (``lr_at``: warm-up,
+then cosine to ``min_lr_ratio * lr``, by steps or, under a time limit, by time, whichever is further).
+The caller runs the step, and ``Progress.record`` writes it into the loss curve.
+
+Also shared by both: the output folder, the optimizer and Trainer (compiled or resumed), the thread tuner.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .compiler.hardware import _cpu_cores
+from .threads import ThreadTuner
+
+if TYPE_CHECKING:       # annotations only: train.py runs this loop
+    from .train import TrainConfig
+
+
+def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
+    """Warm-up over ``cfg.warmup`` steps, then cosine from ``lr`` to ``min_lr_ratio * lr`` as
+    ``progress`` goes 0 -> 1."""
+    warm = min(1.0, (step + 1) / max(1, cfg.warmup))
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+    return cfg.lr * warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
+
+def schedule_progress(step: int, start: int, steps: int, elapsed_s: float, limit_s: float | None) -> float:
+    """How far the learning-rate schedule is: by steps, or, under a time limit, by this invocation's
+    share of the remaining schedule in time, whichever is further (so the schedule anneals by the clock)."""
+    progress = step / steps
+    if limit_s is not None:
+        progress = max(progress, (start + (steps - start) * elapsed_s / limit_s) / steps)
+    return progress
+
+
+@dataclass
+class Progress:
+    """Where a run is; a resumed run starts from what its metrics committed."""
+    step: int
+    tokens: int = 0
+    history: list[dict] = field(default_factory=list)
+    stop_reason: str = "steps"
+    interrupted: bool = False
+    #: seconds of this invocation's loop (set when it ends)
+    train_s: float = 0.0
+
+    def record(self, stats, lr: float, t_start: float, *, tokens: bool = False) -> None:
+        """One step done: its loss, learning rate, gradient norm and time on the loss curve (with its
+        tokens where the batches vary in length)."""
+        self.step += 1
+        self.tokens += stats.tokens
+        self.history.append({"step": self.step, "loss": round(stats.loss, 5), "lr": lr,
+                             **({"tokens": stats.tokens} if tokens else {}),
+                             "grad_norm": round(stats.grad_norm, 4), "step_s": round(stats.step_s, 4),
+                             "t": round(time.perf_counter() - t_start, 2)})
+
+
+def steps(cfg: TrainConfig, opt, run: Progress, flag, *, start: int) -> Iterator[int]:
+    """Each step to run, with ``opt.lr`` set for it (see the module docstring); ``run`` says why it
+    stopped and how long the loop took."""
+    limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else None
+    t_train = time.perf_counter()
+    while run.step < cfg.steps:
+        elapsed = time.perf_counter() - t_train
+        if limit_s is not None and elapsed >= limit_s:
+            run.stop_reason = "time limit"
+            break
+        opt.lr = lr_at(cfg, run.step, schedule_progress(run.step, start, cfg.steps, elapsed, limit_s))
+        yield run.step
+        if flag.set:
+            run.interrupted, run.stop_reason = True, "interrupted"
+            break
+    run.train_s = time.perf_counter() - t_train
+
+
+def output_folder(path: str) -> Path:
+    """``--output``, created: a folder (a file of that name is an error, not overwritten)."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out}: a file of that name exists; --output is a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output {out}: cannot create the folder ({e.strerror or e})") from None
+    return out
+
+
+def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, seq_len: int, hardware,
+                  param_dtype: str, packed: bool = False):
+    """Hybrid 8-bit AdamW and the Trainer: a resumed run loads its checkpoint (which carries its plan: no
+    recompile, the same schedule), a new one compiles a plan for this machine.  Returns (trainer,
+    optimizer, seconds)."""
+    # the compiler and the runtime load when a run starts, not when the CLI builds its parser (0.5 s)
+    from . import compile as compile_plan
+    from .runtime.optim import Hybrid8bitAdamW
+    from .runtime.trainer import Trainer
+    opt = Hybrid8bitAdamW(lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+                          num_threads=torch.get_num_threads() if dev.type == "cpu" else None)
+    t = time.perf_counter()
+    if resumed:
+        trainer = Trainer.load_checkpoint(Path(cfg.resume) / "checkpoint", model, optimizer=opt, device=dev)
+    else:
+        plan = compile_plan(model, batch_size=cfg.batch, seq_len=seq_len, hardware=hardware, gpu_memory=cfg.gpu_memory,
+                            host_memory=cfg.host_memory, policy=cfg.policy, optimizer="hybrid8bit",
+                            param_dtype=param_dtype, resident=cfg.resident, packed=packed)
+        trainer = Trainer(model, plan, optimizer=opt, device=dev)
+    return trainer, opt, time.perf_counter() - t
+
+
+def thread_tuner(dev: torch.device, cfg: TrainConfig, opt, **probe) -> ThreadTuner | None:
+    """On the CPU without ``--threads``: the thread count measured, not guessed once (``threads.py``)."""
+    if dev.type != "cpu" or cfg.threads:
+        return None
+
+    def set_threads(n: int) -> None:
+        torch.set_num_threads(n)
+        opt.num_threads = n
+    return ThreadTuner(_cpu_cores(), set_threads, start=torch.get_num_threads(), **probe)
