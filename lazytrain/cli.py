@@ -240,7 +240,7 @@ def cmd_compile(a) -> int:
                          gpu_memory=a.gpu_memory, host_memory=a.host_memory, nvme_dir=a.nvme_dir,
                          nvme_memory=a.nvme_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,
                          solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype, resident=a.resident,
-                         calibrate=a.calibrate, seq_tile=a.seq_tile)
+                         calibrate=a.calibrate, seq_tile=a.seq_tile, world_size=a.world_size, nodes=a.nodes)
     if not a.calibrate:
         from .compiler.cost import hint_uncalibrated
         hint_uncalibrated(plan, a.model)
@@ -378,6 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="time the model's blocks on this machine at the plan's shapes and compile with those times "
                         "(written into --hardware when it is a file)")
+    p.add_argument("--world-size", type=_positive, default=1, metavar="N",
+                   help="data-parallel GPUs the plan is for (ZeRO-3 sharding of the host state; --batch is then "
+                        "per GPU, --host-memory per host) (default 1)")
+    p.add_argument("--nodes", type=_positive, default=1, help="hosts the --world-size GPUs are spread over (default 1)")
     p.set_defaults(fn=cmd_compile)
     p = sub.add_parser("show", help="print a plan as tables")
     p.add_argument("plan")

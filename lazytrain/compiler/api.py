@@ -24,6 +24,7 @@ from .search import Search
 from .simulate import simulate
 from .solvers.heuristics import HEURISTICS
 from .solvers.isolated import DEFAULT_ORDER, SOLVERS
+from .world import check_world, per_rank_budgets
 
 POLICIES = ("milp", "megatrain", "recompute-all", "keep-all")
 DEFAULT_SOLVER = DEFAULT_ORDER[0]
@@ -57,7 +58,7 @@ class Compiler:
 
     def __init__(self, graph: ModelGraph, hw, budgets: dict, *, param_dtype: str, optimizer: str, clip: bool,
                  solver: str = DEFAULT_SOLVER, time_limit: float | None = None, resident: frozenset = frozenset(),
-                 choose_resident: bool = False):
+                 choose_resident: bool = False, world_size: int = 1, nodes: int = 1):
         if solver not in SOLVERS:
             raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
         self.graph, self.hw, self.budgets = graph, hw, budgets
@@ -71,6 +72,10 @@ class Compiler:
         self.time_limit = time_limit
         self.options = {"host_bytes_per_param": HOST_BYTES_PER_PARAM[optimizer], "optimizer": optimizer,
                         "clip": clip}
+        #: data-parallel ranks and hosts (``ir.sharding``); a world of one writes nothing of them
+        self.world_size, self.nodes = world_size, nodes
+        if world_size > 1:
+            self.options["nodes"] = nodes
         self.search = Search(self)
 
     def solve_time_limit(self) -> float:
@@ -79,7 +84,8 @@ class Compiler:
 
     def cost(self, micro_batch: int, resident: frozenset | None = None) -> CostModel:
         return CostModel(self.graph, self.hw, micro_batch, self.param_dtype, self.optimizer == "hybrid8bit",
-                         resident=self.resident if resident is None else resident)
+                         resident=self.resident if resident is None else resident, world_size=self.world_size,
+                         nodes=self.nodes)
 
     def with_resident(self, decisions):
         """``decisions`` with this compiler's fixed resident blocks (policies decide the rest)."""
@@ -96,7 +102,7 @@ class Compiler:
         budgets = self.budgets if check_budget else {k: v for k, v in self.budgets.items() if k == "nvme_dir"}
         plan = Plan(graph=self.graph, hardware=self.hw.to_json(), budgets=dict(budgets), batch_size=batch_size,
                     seq_len=self.graph.seq_len, param_dtype=self.param_dtype, decisions=decisions, ops=ops,
-                    options=dict(self.options))
+                    options=dict(self.options), world_size=self.world_size)
         rep = verify(plan, early_exit=check_budget)
         sim = simulate(plan)
         plan.predicted = self._predicted(plan, rep, sim)
@@ -213,7 +219,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                   param_dtype: str = "bfloat16", clip: bool = True, solver: str = DEFAULT_SOLVER,
                   time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16,
                   resident="auto", calibrate: bool = False, packed: bool = False,
-                  seq_tile: int | str | None = "auto") -> Plan:
+                  seq_tile: int | str | None = "auto", world_size: int = 1, nodes: int = 1) -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
     to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
 
@@ -240,6 +246,12 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
 
     ``packed``: batches carry ``position_ids`` and hold several examples a row, each attending only to
     itself (a Hugging Face causal LM; ``frontend/packing.py``).
+
+    ``world_size``: data-parallel ranks (GPUs) the plan is for, over ``nodes`` hosts (``ir.sharding``):
+    ``batch_size`` is then per rank, each rank holds 1/N of the host state (the host budget is per host,
+    shared by its ranks), loads its shard and all-gathers the block, reduce-scatters the gradients, and
+    the global clip norm is an all-reduce.  Resident blocks and tied parameters are not sharded: such a
+    plan keeps every block streamed, and a tied model is refused.
 
     ``seq_tile``: run the layers' position-wise tails (output projection, norm, MLP) in chunks of that
     many tokens, recomputed in backward (``tiling.py``); ``"auto"`` (default) does so, in chunks of
@@ -268,9 +280,12 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     graph = _as_graph(model, seq_len, param_dtype, history, packed, seq_tile)
     budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
     fixed, auto = resident_request(graph, resident)
+    if world_size != 1 or nodes != 1:
+        check_world(graph, world_size, nodes, fixed)
+        budgets, auto = per_rank_budgets(budgets, world_size, nodes), False
     comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
                     solver=solver, time_limit=time_limit, resident=fixed,
-                    choose_resident=auto and policy == "milp" and hw.has_gpu)
+                    choose_resident=auto and policy == "milp" and hw.has_gpu, world_size=world_size, nodes=nodes)
     # cost, lower, verify and simulate run for each candidate the search builds (``Compiler.build``)
     plan = _search(comp, policy, batch_size, micro_batch, max_batch_limit)
     if comp.search.failures:
@@ -335,7 +350,7 @@ def _count(n: int) -> str:
 
 
 def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:
-    host_need = int(comp.graph.total_params * comp.options["host_bytes_per_param"])
+    host_need = int(comp.graph.total_params * comp.options["host_bytes_per_param"]) // comp.world_size
     if host_need > comp.budgets["host_bytes"]:    # the host store alone does not fit: say that first
         return BudgetError(
             f"needs at least {host_need / GiB:.2f} GiB of host memory for the parameters and optimizer state of "

@@ -17,7 +17,7 @@ from functools import cached_property
 
 import torch
 
-from ..ir import ModelGraph
+from ..ir import ModelGraph, TensorId, TensorKind
 from ..ir.semantics import DEVICE_STATE_BYTES, GRAD_WIRE_BYTES, Sizes
 from ..ir.summary import measured_blocks
 from .hardware import HardwareProfile
@@ -32,11 +32,20 @@ class CostModel:
     eight_bit: bool = True
     #: blocks kept on the GPU (``Decisions.resident``): no loads, no gradient offload, update on the GPU
     resident: frozenset = frozenset()
+    #: data-parallel ranks, and the hosts they are spread over (``ir.sharding``): each rank moves and
+    #: updates its shard, with the host share the profile describes (one GPU's cores and PCIe link)
+    world_size: int = 1
+    nodes: int = 1
 
     @cached_property
     def sizes(self) -> Sizes:
         return Sizes(self.graph, self.micro_batch, self.param_dtype, resident=self.resident,
-                     device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit" if self.eight_bit else "adamw"])
+                     device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit" if self.eight_bit else "adamw"],
+                     world_size=self.world_size)
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1
 
     def moving_param_bytes(self, j: int) -> int:
         """Parameter bytes that stream for block j (0 for a resident block: they stay on the GPU)."""
@@ -80,10 +89,33 @@ class CostModel:
         return 4 if self.sizes.param_bytes == 4 else GRAD_WIRE_BYTES
 
     def grad_bytes(self, j: int) -> int:
+        """Gradient bytes one rank's ``grad_offload`` copies (its shard in a world of several)."""
+        if self.sharded:
+            return self.sizes.shard_numel(j) * self.grad_wire_bytes
         return self.graph.blocks[j].param_numel * self.grad_wire_bytes
 
+    def load_bytes(self, j: int) -> int:
+        """Parameter bytes one rank's ``load`` copies: the block's, or with several ranks its shard."""
+        if not self.sharded or j in self.resident:
+            return self.moving_param_bytes(j)
+        return self.sizes.shard_numel(j) * self.sizes.param_bytes
+
     def load_s(self, j: int) -> float:
-        return self.hw.h2d_seconds(self.moving_param_bytes(j))
+        return self.hw.h2d_seconds(self.load_bytes(j))
+
+    def all_gather_s(self, j: int) -> float:
+        """The block's parameters assembled from every rank's shard (ring all-gather)."""
+        n = self.sizes.of(TensorId(kind=TensorKind.PARAMS, index=j))
+        return self.hw.collective_seconds(n, self.world_size, self.nodes)
+
+    def reduce_scatter_s(self, j: int) -> float:
+        """The block's fp32 gradient summed over the ranks, each keeping its shard (ring reduce-scatter)."""
+        n = self.sizes.of(TensorId(kind=TensorKind.GRADS, index=j))
+        return self.hw.collective_seconds(n, self.world_size, self.nodes)
+
+    def all_reduce_s(self) -> float:
+        """The ranks' squared gradient norms summed: one fp32 per block, latency bound."""
+        return self.hw.collective_seconds(4 * self.graph.n_blocks, self.world_size, self.nodes, all_reduce=True)
 
     def grad_offload_s(self, j: int) -> float:
         """The block's gradient to the host; for the owner of a tied parameter, plus the host sum of
@@ -118,6 +150,8 @@ class CostModel:
             return 0.0
         if j in self.resident:
             return self.hw.gpu_update_seconds(n, self.eight_bit)
+        if self.sharded:     # each rank updates its 1/N with its GPU's share of the host (the profile's cores)
+            return self.hw.update_seconds(n / self.world_size, self.eight_bit)
         return self.hw.update_seconds(n, self.eight_bit)
 
     def host_update_s(self, j: int) -> float:

@@ -175,6 +175,13 @@ class HardwareProfile:
     attn_fwd_tflops: float = 0.0
     attn_bwd_tflops: float = 0.0
     attn_half_len: float = 0.0
+    #: collectives between the GPUs of one host (bus bandwidth of a ring all-gather / reduce-scatter, GB/s,
+    #: and latency per ring step) and between hosts (per GPU); defaults: PCIe-class peer copies and 100 Gb/s
+    #: Ethernet, modelled (``lazytrain profile`` does not measure them yet)
+    collective_gbps: float = 20.0
+    collective_latency_s: float = 20e-6
+    internode_gbps: float = 12.5
+    internode_latency_s: float = 20e-6
     #: measured block programs (``BlockTiming``); the cost model prefers them to the figures above
     calibration: tuple = ()
 
@@ -276,6 +283,17 @@ class HardwareProfile:
 
     def nvme_seconds(self, nbytes: float, write: bool) -> float:
         return nbytes / ((self.nvme_write_gbps if write else self.nvme_read_gbps) * 1e9)
+
+    def collective_seconds(self, nbytes: float, world_size: int, nodes: int = 1, *, all_reduce: bool = False) -> float:
+        """A ring all-gather or reduce-scatter whose gathered buffer is ``nbytes`` (each rank sends and
+        receives ``(N - 1) / N`` of it, one latency per ring step); an all-reduce is both.  Across hosts
+        the ring runs at the inter-host rate."""
+        if world_size <= 1:
+            return 0.0
+        gbps, lat = (self.collective_gbps, self.collective_latency_s) if nodes <= 1 else \
+            (self.internode_gbps, self.internode_latency_s)
+        one = (world_size - 1) * (lat + nbytes / world_size / (gbps * 1e9))
+        return 2 * one if all_reduce else one
 
     # --- JSON --------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -409,6 +427,14 @@ DISPATCH_BWD_S = 63e-6
 #: the lent H200 machine's host memory (``free``: 125 GiB total; a plan sized for 128 GiB was refused there)
 H200_HOST_BYTES = 125 * GiB
 
+#: Collective figures of the NVLink machines, modelled from published figures, not measured (one GPU was
+#: lent): NVLink 4 moves 450 GB/s each way per H100/H200; NCCL's all-gather bus bandwidth on 8 of them is
+#: about 360 GB/s (nccl-tests), ~8 us per ring step at small sizes, taken as 20 us in the eager runtime.
+#: Between hosts, one 400 Gb/s NDR InfiniBand port per GPU: 50 GB/s, ~45 reached.
+NVLINK4_BUS_GBPS = 360.0
+NCCL_STEP_LATENCY_S = 20e-6
+NDR_GPU_GBPS = 45.0
+
 _H200 = HardwareProfile(
     name="h200", gpu_name="NVIDIA H200", gpu_memory_bytes=139 * GiB, host_memory_bytes=H200_HOST_BYTES, cpu_cores=16,
     bf16_tflops=770.0, compute_efficiency=EAGER_LAYER_EFFICIENCY / EXPORTED_BLOCK_SLOWDOWN,
@@ -416,6 +442,8 @@ _H200 = HardwareProfile(
     h2d_gbps=55.4, d2h_gbps=55.4, duplex_gbps=99.6, pageable_h2d_gbps=8.9, pageable_d2h_gbps=15.7,
     cpu_adam_gparams=5.5, cpu_adam8_gparams=5.0, nvme_read_gbps=1.6, nvme_write_gbps=1.6,
     op_dispatch_s=DISPATCH_FWD_S, op_dispatch_bwd_s=DISPATCH_BWD_S, **HOPPER_ATTENTION,
+    collective_gbps=NVLINK4_BUS_GBPS, collective_latency_s=NCCL_STEP_LATENCY_S, internode_gbps=NDR_GPU_GBPS,
+    internode_latency_s=NCCL_STEP_LATENCY_S,
     source="measured on the lent H200 machine (benchmarks/results/h200_reference.md); matmul efficiency and "
     "overhead fitted to one eager "
     f"Qwen2.5-3B layer ({EAGER_LAYER_EFFICIENCY}), then scaled by the {EXPORTED_BLOCK_SLOWDOWN}x that LazyTrain's "
@@ -423,7 +451,7 @@ _H200 = HardwareProfile(
     "published cuDNN figures on the H100 (not measured); 8-bit optimizer rate measured "
     "inside LazyTrain's runtime on that machine, 14 threads, while the GPU streams: 5.07 G/s (qwen2.5-3b, 3.09 B "
     "params in 0.609 s), 5.40 G/s (qwen2.5-7b, 7.61 B in 1.411 s), 4.6-5.1 in other runs; 5.98 G/s for the "
-    "kernel alone",
+    "kernel alone; collectives modelled, not measured (NVLink 4, one 400 Gb/s NDR port per GPU between hosts)",
 )
 
 #: how the built-ins other than h200 take their compute figures
@@ -450,7 +478,7 @@ PROFILES: dict[str, HardwareProfile] = {
     "h200": _H200,
     "h100": _H100,
     "h800": dataclasses.replace(
-        _H100, name="h800", gpu_name="NVIDIA H800 80GB HBM3 (SXM5)",
+        _H100, name="h800", gpu_name="NVIDIA H800 80GB HBM3 (SXM5)", collective_gbps=NVLINK4_BUS_GBPS * 400 / 900,
         source="built-in: H800 SXM5 = H100 SXM5 with NVLink cut to 400 GB/s (unused by one GPU); figures as h100",
     ),
     "a100-80g": dataclasses.replace(
@@ -460,7 +488,8 @@ PROFILES: dict[str, HardwareProfile] = {
         **_scaled_attention(250.0),
         h2d_gbps=25.0, d2h_gbps=25.0, duplex_gbps=42.0,
         pageable_h2d_gbps=8.0, pageable_d2h_gbps=10.0, cpu_adam_gparams=4.5, cpu_adam8_gparams=4.5,
-        nvme_read_gbps=6.0, nvme_write_gbps=3.0,
+        nvme_read_gbps=6.0, nvme_write_gbps=3.0, collective_gbps=NVLINK4_BUS_GBPS * 600 / 900,
+        internode_gbps=22.0,
         source="built-in from spec sheets: A100 SXM4 312 TFLOP/s dense bf16 spec (~250 achievable), PCIe "
         "gen4 x16 ~25 GB/s pinned; host 16 cores 128 GiB; " + _AS_CALIBRATED,
     ),
@@ -471,7 +500,7 @@ PROFILES: dict[str, HardwareProfile] = {
         **_scaled_attention(62.0),
         h2d_gbps=24.0, d2h_gbps=24.0, duplex_gbps=40.0,
         pageable_h2d_gbps=8.0, pageable_d2h_gbps=8.0, cpu_adam_gparams=1.2, cpu_adam8_gparams=1.2,
-        nvme_read_gbps=3.5, nvme_write_gbps=2.5,
+        nvme_read_gbps=3.5, nvme_write_gbps=2.5, collective_gbps=20.0, internode_gbps=12.5,
         source="built-in from spec sheets: RTX 3090 71 TFLOP/s dense bf16 (fp32 accumulate) spec, ~62 achievable; "
         "PCIe gen4 x16; consumer host 8 cores 64 GiB DDR4; " + _AS_CALIBRATED,
     ),
@@ -482,7 +511,7 @@ PROFILES: dict[str, HardwareProfile] = {
         **_scaled_attention(150.0),
         h2d_gbps=25.0, d2h_gbps=25.0, duplex_gbps=40.0,
         pageable_h2d_gbps=10.0, pageable_d2h_gbps=10.0, cpu_adam_gparams=2.0, cpu_adam8_gparams=2.0,
-        nvme_read_gbps=6.0, nvme_write_gbps=4.0,
+        nvme_read_gbps=6.0, nvme_write_gbps=4.0, collective_gbps=20.0, internode_gbps=12.5,
         source="built-in from spec sheets: RTX 4090 165 TFLOP/s dense bf16 (fp32 accumulate) spec, ~150 achievable; "
         "PCIe gen4 x16; consumer host 16 cores 64 GiB DDR5, gen4 NVMe; " + _AS_CALIBRATED,
     ),

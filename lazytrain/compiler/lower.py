@@ -15,6 +15,11 @@ program-order walk is the memory the runtime sees.  The schedule, in named steps
   boundary (if it is recomputed) and run backward through it; then ``grad_offload`` and
   ``free params`` per block; without clipping, each update right after its last gradient.
 
+With several ranks (``CostModel.world_size``, ``ir.sharding``) a ``load`` copies this rank's shard
+and an ``all_gather`` on the collective stream assembles the block; a ``reduce_scatter`` precedes
+each ``grad_offload``, which then moves this rank's shard of the summed gradient; after the backward
+one ``all_reduce`` sums the ranks' squared gradient norms.  A world of one emits none of them.
+
 Dependencies: the two the schedule chooses for memory (a compute waits for the offload of the
 micro-batch two before it; a load waits for the latest parameter free), and every hazard on a value
 with an earlier op (``ir.order.HazardWalk``, from ``effects``), found as each op is emitted.
@@ -95,6 +100,13 @@ class _Lowering:
         if j in self.resident:
             return
         c = self.cost
+        if c.sharded:        # this rank's shard in, then every rank's gathered on the collective stream
+            self.emit(OpKind.LOAD, j, tensor=_tid(TensorKind.PARAM_SHARD, j), src=H, dst=G, nbytes=c.load_bytes(j),
+                      resource=Resource.H2D, seconds=c.load_s(j), deps=tuple(self.param_frees[-1:]))
+            self.emit(OpKind.ALL_GATHER, j, tensor=_tid(TensorKind.PARAMS, j),
+                      nbytes=c.sizes.of(_tid(TensorKind.PARAMS, j)),
+                      resource=Resource.NET, seconds=c.all_gather_s(j))
+            return
         self.emit(OpKind.LOAD, j, tensor=_tid(TensorKind.PARAMS, j), src=H, dst=G, nbytes=c.param_bytes(j),
                   resource=Resource.H2D, seconds=c.load_s(j), deps=tuple(self.param_frees[-1:]))
 
@@ -202,8 +214,15 @@ class _Lowering:
                 self.window = 2 * L - 1 - j
                 if j in self.resident:
                     continue
+                if c.sharded:    # the ranks' gradients summed, this rank's shard kept
+                    self.emit(OpKind.REDUCE_SCATTER, j, tensor=_tid(TensorKind.GRAD_SHARD, j),
+                              nbytes=c.sizes.of(_tid(TensorKind.GRADS, j)), resource=Resource.NET,
+                              seconds=c.reduce_scatter_s(j))
                 self.emit(OpKind.GRAD_OFFLOAD, j, tensor=_tid(TensorKind.GRADS, j), src=G, dst=H,
                           nbytes=c.grad_bytes(j), resource=Resource.D2H, seconds=c.grad_offload_s(j))
                 self.param_frees.append(self.emit(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G))
                 for o in self.updates_after[j]:
                     self.update(o)
+        if c.sharded:            # the ranks' squared norms summed: the global norm the clip needs
+            self.window = 2 * L - 1
+            self.emit(OpKind.ALL_REDUCE, 0, resource=Resource.NET, nbytes=4 * L, seconds=c.all_reduce_s())

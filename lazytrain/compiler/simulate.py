@@ -1,7 +1,8 @@
 """Event simulation of an op list: predicted step time, busy time per resource, the timeline.
 
-Each resource (GPU stream, H2D, D2H, host CPU, NVMe) runs its ops in list order; an op starts
-when its resource is free and its dependencies (``op.deps``, nothing else) have finished.  The plan
+Each resource (GPU stream, H2D, D2H, host CPU, NVMe, and with several ranks the collective stream) runs
+its ops in list order; an op starts when its resource is free and its dependencies (``op.deps``,
+nothing else) have finished.  The plan
 is one period of a steady state, so the simulation runs several periods back to back, adding the
 dependencies that cross a period boundary (``ir.order.cross_period``), and reports the last period:
 its duration is the step time.
@@ -54,7 +55,9 @@ def simulate(plan: Plan, periods: int = 3) -> SimResult:
         last_start, last_end = start, end
     step = period_end[-1] - period_end[-2]
     t0 = period_end[-2]
-    busy = {r.value: 0.0 for r in Resource if r is not Resource.NONE}
+    # the collective stream appears only in a plan that uses it (a world of one has no collectives)
+    busy = {r.value: 0.0 for r in Resource if r is not Resource.NONE
+            and (r is not Resource.NET or plan.world_size > 1)}
     for op in ops:
         if op.resource is not Resource.NONE:
             busy[op.resource.value] += op.seconds

@@ -13,6 +13,9 @@ Grammar of a plan (one op per line, ``#id kind tensor move bytes ms after deps``
                | update      block[j]             optimizer step on the host (cpu), or on the GPU (gpu)
                                                   for a resident block
                | free        tensor on tier       drops one copy
+               | all_gather  params[j]            reads pshard[j]; writes params[j] (net)   -- world_size > 1
+               | reduce_scatter gshard[j]         reads, drops grads[j] gpu; writes gshard[j] (net)
+               | all_reduce  grad norms           sums the ranks' squared norms (net), after the last grad_offload
     deps     ::= op ids that must finish first (always earlier ops): every hazard on a value between
                  two resources (``ir.order``), so the list states all the ordering the runtime keeps
 
@@ -22,6 +25,11 @@ block's parameters are loaded again (``docs/architecture.md``, "The plan contrac
 block (``Decisions.resident``) keeps its parameters, optimizer state and gradient accumulator on the
 GPU for the whole run: it has no ``load``, ``free params`` or ``grad_offload``; its ``update`` runs
 on the GPU stream at the start of the next step, before any forward reads it.
+
+A plan for ``world_size`` N > 1 (``ir.sharding``) is one rank's list, the same on every rank: a
+``load`` copies the rank's shard (``pshard[j]``) and an ``all_gather`` assembles ``params[j]``; a
+``reduce_scatter`` sums the ranks' ``grads[j]`` into this rank's ``gshard[j]``, which ``grad_offload``
+moves to the host; one ``all_reduce`` sums the squared gradient norms.
 """
 
 from .decisions import Decisions, Place, Saved

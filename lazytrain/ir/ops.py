@@ -21,6 +21,10 @@ class OpKind(str, Enum):
     UPDATE = "update"              # optimizer step of block j on the host (on the GPU if resident)
     # memory
     FREE = "free"                  # drop one copy of a tensor on one tier
+    # collectives between the ranks of a data-parallel world (``world_size > 1``; ``ir.sharding``)
+    ALL_GATHER = "all_gather"          # every rank's pshard[j] -> params[j] on every GPU
+    REDUCE_SCATTER = "reduce_scatter"  # grads[j] summed over ranks -> gshard[j], this rank's slice
+    ALL_REDUCE = "all_reduce"          # the ranks' squared gradient norms summed (the global clip norm)
 
 
 class Tier(str, Enum):
@@ -37,6 +41,7 @@ class Resource(str, Enum):
     D2H = "d2h"
     CPU = "cpu"
     NVME = "nvme"
+    NET = "net"      # the collective stream (NCCL between GPUs, gloo on the CPU)
     NONE = "none"
 
 
@@ -46,6 +51,8 @@ class TensorKind(str, Enum):
     ACT = "act"            # boundary i: the values entering block i, per micro-batch
     SAVED = "saved"        # what block j's backward needs, per micro-batch
     GRAD_ACT = "dact"      # gradient w.r.t. boundary i, per micro-batch
+    PARAM_SHARD = "pshard"  # this rank's slice of a block's parameters on the GPU, before its all_gather
+    GRAD_SHARD = "gshard"   # this rank's slice of a block's summed gradient, after its reduce_scatter
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,10 +110,13 @@ class Op:
             what = f"block[{self.block}] mb{self.mb}"
             if self.save and self.kind is OpKind.COMPUTE:
                 what += " +saved"
+        elif self.kind is OpKind.ALL_REDUCE:
+            what = "grad norms"
         move = f"{self.src.value}->{self.dst.value}" if self.src and self.dst else (self.src.value if self.src else "")
         size = f"{self.nbytes / GiB:.2f} GiB" if self.nbytes else ""
         after = "after " + ",".join(f"#{d}" for d in self.deps) if self.deps else ""
-        parts = [f"#{self.id}", f"{self.kind.value:<12}", f"{what:<18}", f"{move:<10}", f"{size:>10}",
+        width = 14 if self.kind is OpKind.REDUCE_SCATTER else 12
+        parts = [f"#{self.id}", f"{self.kind.value:<{width}}", f"{what:<18}", f"{move:<10}", f"{size:>10}",
                  f"{self.seconds * 1e3:8.3f} ms" if self.seconds else " " * 11, after]
         return " ".join(parts).rstrip()
 

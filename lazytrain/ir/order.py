@@ -10,7 +10,8 @@ interpreter and the simulator read nothing but ``op.deps``: the plan file is the
 Updates add two rules of their own (``UpdateOrder``): an ``update`` placed before its gradients'
 ``grad_offload`` is *lagged* (it applies the previous step's gradients), and a same-step host update
 takes the step's gradient norm, which is complete once the last ``grad_offload`` before it is done
-(the clip coefficient's wait).  Across the period boundary (``cross_period``) a lagged update waits
+(the clip coefficient's wait; with several ranks, once the ``all_reduce`` of the ranks' norms that
+follows it is).  Across the period boundary (``cross_period``) a lagged update waits
 for the previous step's gradients, and a block's first load waits for the previous step's same-step
 update of each block whose parameters it reads.  ``docs/architecture.md`` ("The plan contract")
 describes the whole of it.
@@ -47,6 +48,9 @@ class HazardWalk:
         self.writer: dict[tuple, int] = {}              # value -> last op that wrote, dropped or overwrote it
         self.readers: dict[tuple, dict[Resource, int]] = {}  # value -> resource -> last op there that read it since
         self.last_grad_offload = -1
+        #: the op after which the step's gradient norm is known: the last grad_offload, or with several
+        #: ranks the all_reduce of the norms that follows it
+        self.last_norm = -1
 
     def step(self, op: Op, eff: Effects) -> list[Hazard]:
         """The hazards of ``op`` (the next op of the list, with its effects) on the ops before it."""
@@ -81,11 +85,15 @@ class HazardWalk:
         # a host update in the step of its gradients (every gradient it reads was offloaded in this
         # list) may apply the step's clip coefficient: the norm is complete once the D2H stream has
         # run every grad_offload so far, i.e. once the last one is done
-        if op.kind is OpKind.UPDATE and same_step and self.last_grad_offload >= 0 \
+        if op.kind is OpKind.UPDATE and same_step and self.last_norm >= 0 \
                 and op.resource is not Resource.GPU:
-            found.append(Hazard(self.last_grad_offload, None, "norm"))
+            found.append(Hazard(self.last_norm, None, "norm"))
         elif op.kind is OpKind.GRAD_OFFLOAD:
-            self.last_grad_offload = op.id
+            self.last_grad_offload = self.last_norm = op.id
+        elif op.kind is OpKind.ALL_REDUCE:     # sums the norms of every grad_offload so far
+            if self.last_grad_offload >= 0:
+                found.append(Hazard(self.last_grad_offload, None, "norm"))
+            self.last_norm = op.id
         return found
 
     def deps(self, op: Op, eff: Effects, ops: list[Op]) -> set[int]:
@@ -140,7 +148,8 @@ def cross_period(ops: list[Op], sizes: Sizes, *, clip: bool) -> dict[int, list[i
     (a resident block's: every gradient offload).  A same-step update writes the host parameters that
     the next step's first load of a block reading them copies."""
     order = UpdateOrder.of(ops, sizes)
-    step_end = [op.id for op in ops if op.kind in (OpKind.GRAD_OFFLOAD, OpKind.BACKWARD)]
+    step_end = [op.id for op in ops if op.kind in (OpKind.GRAD_OFFLOAD, OpKind.BACKWARD, OpKind.REDUCE_SCATTER,
+                                                   OpKind.ALL_REDUCE)]
     grad_off = order.grad_offloads
     first_load: dict[int, int] = {}             # owner -> the first load of a block reading its parameters
     for op in ops:

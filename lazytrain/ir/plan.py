@@ -55,6 +55,9 @@ class Plan:
     solver: SolverStats | None = None
     history: list[dict] = field(default_factory=list)
     options: dict = field(default_factory=dict)
+    #: data-parallel ranks the op list is written for (``ir.sharding``): every rank runs this list on
+    #: its slice of a global batch of ``batch_size * world_size`` rows; a runtime of another size refuses it
+    world_size: int = 1
 
     # ---- views -------------------------------------------------------------------------
     @property
@@ -72,6 +75,8 @@ class Plan:
     def __str__(self) -> str:
         head = (f"plan {self.graph.name}: batch {self.batch_size} = {self.n_micro} x {self.micro_batch}, "
                 f"seq {self.seq_len}, policy {self.decisions.policy}, {len(self.ops)} ops")
+        if self.world_size > 1:
+            head += f", per rank of {self.world_size}"
         return "\n".join([head, *map(str, self.ops)])
 
     def table(self, limit: int | None = None) -> str:
@@ -105,7 +110,7 @@ class Plan:
                 "predicted": self.predicted,
                 "solver": None if self.solver is None else {k: (None if isinstance(v, float) and not math.isfinite(v)
                                                                 else v) for k, v in self.solver.__dict__.items()},
-                "history": self.history, "options": self.options}
+                "history": self.history, "options": self.options, "world_size": self.world_size}
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically (temporary file + rename) so a crash never leaves half a plan."""
@@ -129,7 +134,8 @@ class Plan:
                         ops=[Op.from_json(o) for o in d["ops"]], predicted=dict(d.get("predicted") or {}),
                         solver=None if not d.get("solver") else SolverStats(
                             **{**d["solver"], "failures": tuple(d["solver"].get("failures") or ())}),
-                        history=list(d.get("history") or []), options=dict(d.get("options") or {}))
+                        history=list(d.get("history") or []), options=dict(d.get("options") or {}),
+                        world_size=d.get("world_size", 1))
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError) as e:
@@ -174,6 +180,12 @@ class Plan:
                             f"({graph.name}): compile a plan for it")
         if graph.seq_len != self.seq_len:
             raise PlanError(f"plan was compiled for seq {self.seq_len}, the model was traced at {graph.seq_len}")
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse to run in a world of another size than the plan's (its shards and collectives)."""
+        if world_size != self.world_size:
+            raise PlanError(f"this plan was compiled for world size {self.world_size} but the runtime has "
+                            f"{world_size} process(es): compile it again with --world-size {world_size}")
 
     def count(self, kind: OpKind) -> int:
         return sum(op.kind is kind for op in self.ops)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from .format import PlanError
 from .graph import DTYPE_BYTES
 from .limits import MAX_BATCH, MAX_SEQ_LEN, MAX_TOKENS
-from .ops import OpKind, TensorKind, Tier
+from .ops import OpKind, Resource, TensorKind, Tier
 
 if TYPE_CHECKING:      # annotations only: plan.py imports this module to check what it reads
     from .plan import Plan
@@ -165,6 +165,7 @@ def check_plan(plan: Plan) -> None:
         check_value(plan.options["host_bytes_per_param"], float, "options.host_bytes_per_param")
     if plan.solver is not None:
         check_value(plan.solver, type(plan.solver), "solver")
+    _check_world(plan)
     M = dec.n_micro
     moves = {OpKind.OFFLOAD, OpKind.RELOAD}
     for op in plan.ops:
@@ -183,6 +184,22 @@ def check_plan(plan: Plan) -> None:
                   f"{where}: {op.kind.value} needs a destination tier other than its source")
             _need(Tier.GPU not in (op.src, op.dst) or Tier.NVME not in (op.src, op.dst),
                   f"{where}: moves between the GPU and NVMe go through the host")
+
+
+#: the most ranks a plan may name (a sanity bound on an untrusted file: 8 hosts of 8 GPUs is 64)
+MAX_WORLD = 1 << 16
+COLLECTIVES = (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE)
+
+
+def _check_world(plan: Plan) -> None:
+    """World size in range; collectives only in a world of several ranks, on the collective stream."""
+    w = plan.world_size
+    _need(isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= MAX_WORLD,
+          f"plan field world_size must be an integer in 1..{MAX_WORLD}, got {w!r}")
+    for op in plan.ops:
+        if op.kind in COLLECTIVES:
+            _need(w > 1, f"op #{op.id}: {op.kind.value} in a plan for world size 1")
+            _need(op.resource is Resource.NET, f"op #{op.id}: {op.kind.value} must run on the net resource")
 
 
 def check_nvme_dir(v, what: str = "nvme_dir") -> None:

@@ -9,6 +9,7 @@ from functools import cached_property
 
 from .graph import DTYPE_BYTES, ModelGraph
 from .ops import Op, OpKind, TensorId, TensorKind, Tier
+from .sharding import padded_numel, shard_numel
 
 GRAD_ACCUM_BYTES = 4   # gradients accumulate in fp32 on the GPU (exact over micro-batches)
 GRAD_WIRE_BYTES = 2    # and cross PCIe / live on the host in bf16 (the clip norm is taken before)
@@ -43,6 +44,9 @@ class Sizes:
     resident: frozenset = frozenset()
     #: the optimizer's GPU bytes per parameter for a resident block (``DEVICE_STATE_BYTES``)
     device_state_bytes: float = DEVICE_STATE_BYTES["hybrid8bit"]
+    #: data-parallel ranks (``ir.sharding``): parameters and gradients on the GPU are the padded
+    #: gathered buffer, the host gradient and the shards one rank's slice
+    world_size: int = 1
 
     @classmethod
     def of_plan(cls, plan) -> Sizes:
@@ -51,7 +55,8 @@ class Sizes:
         opt = plan.options.get("optimizer")
         per = DEVICE_STATE_BYTES.get(opt, None) if isinstance(opt, str) else None
         return cls(plan.graph, plan.micro_batch, plan.param_dtype, resident=plan.decisions.resident_blocks,
-                   device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit"] if per is None else per)
+                   device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit"] if per is None else per,
+                   world_size=plan.world_size)
 
     def resident_bytes(self) -> int:
         """GPU bytes held for the whole run by resident blocks: parameters, optimizer state and
@@ -76,7 +81,12 @@ class Sizes:
             per = GRAD_ACCUM_BYTES if tier is Tier.GPU else GRAD_WIRE_BYTES
             if self.param_bytes == 4:   # fp32 training keeps fp32 gradients everywhere
                 per = 4
-            return self._param_numel[t.index] * per
+            n = self._param_numel[t.index] if tier is Tier.GPU else self.shard_numel(t.index)
+            return n * per
+        if t.kind is TensorKind.PARAM_SHARD:
+            return self.shard_numel(t.index) * self.param_bytes
+        if t.kind is TensorKind.GRAD_SHARD:     # the reduce_scatter sums the fp32 accumulators
+            return self.shard_numel(t.index) * GRAD_ACCUM_BYTES
         if t.kind in (TensorKind.ACT, TensorKind.GRAD_ACT):
             return self.graph.boundary_bytes[t.index] * self.micro_batch
         if t.kind is TensorKind.SAVED:
@@ -91,9 +101,21 @@ class Sizes:
         """``ModelGraph.owners``, computed once per block."""
         return self._owners[block]
 
+    def shard_numel(self, block: int) -> int:
+        """Elements of one rank's shard of the block (all of them in a world of one)."""
+        return self._shard_numel[block]
+
     @cached_property
     def _param_numel(self) -> tuple[int, ...]:
-        return tuple(b.param_numel for b in self.graph.blocks)
+        if self.world_size == 1:
+            return tuple(b.param_numel for b in self.graph.blocks)
+        return tuple(padded_numel([p.numel for p in b.params], self.world_size) for b in self.graph.blocks)
+
+    @cached_property
+    def _shard_numel(self) -> tuple[int, ...]:
+        if self.world_size == 1:
+            return self._param_numel
+        return tuple(shard_numel([p.numel for p in b.params], self.world_size) for b in self.graph.blocks)
 
     @cached_property
     def _readers(self) -> tuple[tuple[int, ...], ...]:
@@ -114,10 +136,9 @@ class Sizes:
         return self._param_numel[block] * self.param_bytes
 
     def grad_cast_transient(self, block: int) -> int:
-        """``grad_offload`` casts the fp32 accumulator to the host gradient dtype on the GPU first."""
-        gpu, host = self.of(TensorId(kind=TensorKind.GRADS, index=block)), \
-            self.of(TensorId(kind=TensorKind.GRADS, index=block), Tier.HOST)
-        return host if host != gpu else 0
+        """``grad_offload`` casts the fp32 accumulator (or this rank's shard of it) to the host gradient
+        dtype on the GPU first (fp32 training keeps fp32 gradients: no cast)."""
+        return 0 if self.param_bytes == 4 else self.of(TensorId(kind=TensorKind.GRADS, index=block), Tier.HOST)
 
 
 Value = tuple[TensorId, Tier]    # one copy of a tensor: the unit that is resident, read, written
@@ -146,9 +167,18 @@ def effects(op: Op, sizes: Sizes) -> Effects:
     params = TensorId(kind=TensorKind.PARAMS, index=j)
     resident = j in sizes.resident          # its parameters and gradients are not plan tensors
     pread = () if resident else ((params, G),)
-    if k is OpKind.LOAD:
+    if k is OpKind.LOAD:        # with several ranks: this rank's shard, which an all_gather completes
         host = tuple((TensorId(kind=TensorKind.PARAMS, index=o), Tier.HOST) for o in sizes.owners(j))
-        return Effects(host, ((params, G),), ())
+        dst = params if sizes.world_size == 1 else TensorId(kind=TensorKind.PARAM_SHARD, index=j)
+        return Effects(host, ((dst, G),), ())
+    if k is OpKind.ALL_GATHER:
+        shard = (TensorId(kind=TensorKind.PARAM_SHARD, index=j), G)
+        return Effects((shard,), ((params, G),), (shard,))
+    if k is OpKind.REDUCE_SCATTER:
+        acc = (TensorId(kind=TensorKind.GRADS, index=j), G)
+        return Effects((acc,), ((TensorId(kind=TensorKind.GRAD_SHARD, index=j), G),), (acc,))
+    if k is OpKind.ALL_REDUCE:   # the norms it sums are not plan values; its wait is ``ir.order``'s "norm"
+        return Effects((), (), ())
     if k in (OpKind.COMPUTE, OpKind.RECOMPUTE):
         reads = (*pread, (TensorId(kind=TensorKind.ACT, index=j, mb=m), G))
         writes = []
@@ -174,7 +204,8 @@ def effects(op: Op, sizes: Sizes) -> Effects:
         return Effects(((op.tensor, op.src),), ((op.tensor, op.dst),), ())
     if k is OpKind.GRAD_OFFLOAD:
         g = TensorId(kind=TensorKind.GRADS, index=j)
-        return Effects(((g, G),), ((g, Tier.HOST),), ((g, G),), sizes.grad_cast_transient(j))
+        src = g if sizes.world_size == 1 else TensorId(kind=TensorKind.GRAD_SHARD, index=j)
+        return Effects(((src, G),), ((g, Tier.HOST),), ((src, G),), sizes.grad_cast_transient(j))
     if k is OpKind.UPDATE:   # consumes the host gradients of every block that reads j's parameters
         if resident:         # ... or, on the GPU, the accumulator it owns for the whole run
             return Effects((), (), ())

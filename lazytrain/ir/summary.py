@@ -105,6 +105,9 @@ def summary_rows(plan) -> list[list]:
                                                        for r in ("gpu", "h2d", "d2h", "cpu", "nvme"))],
             ["exposed transfer s", f"{pred.get('exposed_transfer_s', 0):.4f}"],
         ]
+        if plan.world_size > 1:
+            rows.append(["world (ranks, collective busy s)", f"{plan.world_size}, "
+                                                              f"{pred.get('busy_s', {}).get('net', 0):.3f}"])
         if "megatrain_step_time_s" in pred:
             rows.append(["gain over megatrain", f"{pred['megatrain_step_time_s'] / pred['step_time_s']:.3f}x"])
     rows += _search_rows(plan)

@@ -33,9 +33,10 @@ class MemoryReport:
 
 
 def host_static_bytes(plan: Plan) -> int:
-    """Host store: parameters, master weights, optimizer state and gradient buffers."""
+    """Host store: parameters, master weights, optimizer state and gradient buffers (one rank's shard
+    of them in a world of several)."""
     per_param = float(plan.options.get("host_bytes_per_param", 16.0))
-    return int(plan.graph.total_params * per_param)
+    return int(plan.graph.total_params * per_param) // plan.world_size
 
 
 def _fail(op: Op, msg: str) -> PlanError:
@@ -47,6 +48,7 @@ def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
     walk stops at the first point over the GPU budget (used when screening candidates)."""
     sizes = Sizes.of_plan(plan)
     _check_ids(plan)
+    _check_sharded(plan, sizes)
     order = _check_updates(plan, sizes)
     effs: list[Effects] = []          # filled by the walk (which may stop early), reused by the ordering
     report = _walk(plan, sizes, effs, order, early_exit)
@@ -71,6 +73,30 @@ def _check_ids(plan: Plan) -> None:
         for d in op.deps:
             if not 0 <= d < i:
                 raise _fail(op, f"depends on #{d}, which is not an earlier op (dependencies must point back)")
+
+
+def _check_sharded(plan: Plan, sizes: Sizes) -> None:
+    """A plan for several ranks: no resident or tied blocks (their sharding is not built), every
+    parameter load completed by an all_gather, every gradient reduce-scattered before its offload
+    (the residency walk checks the order), and one all_reduce of the norms after the last offload."""
+    if plan.world_size == 1:
+        return
+    if sizes.resident:
+        raise PlanError(f"a plan for world size {plan.world_size} keeps blocks {sorted(sizes.resident)} resident: "
+                        "resident blocks are not sharded; compile with resident='none'")
+    tied = [b.index for b in plan.graph.blocks if any(p.owner != b.index for p in b.params)]
+    if tied:
+        raise PlanError(f"a plan for world size {plan.world_size} has tied parameters (blocks {tied}): sharding "
+                        "tied parameters is not supported; untie them (tie_word_embeddings=False)")
+    count = {k: plan.count(k) for k in (OpKind.LOAD, OpKind.ALL_GATHER, OpKind.GRAD_OFFLOAD, OpKind.REDUCE_SCATTER,
+                                        OpKind.ALL_REDUCE)}
+    if count[OpKind.ALL_GATHER] != count[OpKind.LOAD] or count[OpKind.REDUCE_SCATTER] != count[OpKind.GRAD_OFFLOAD]:
+        raise PlanError(f"a plan for world size {plan.world_size} needs one all_gather per load and one "
+                        f"reduce_scatter per grad_offload (has {count})")
+    last_off = max((op.id for op in plan.ops if op.kind is OpKind.GRAD_OFFLOAD), default=-1)
+    if count[OpKind.ALL_REDUCE] != 1 or next(op.id for op in plan.ops if op.kind is OpKind.ALL_REDUCE) < last_off:
+        raise PlanError(f"a plan for world size {plan.world_size} needs exactly one all_reduce of the gradient "
+                        "norms, after the last grad_offload")
 
 
 def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
@@ -225,13 +251,13 @@ def _check_order(plan: Plan, effs: list[Effects]) -> None:
     for op, eff in zip(ops, effs):
         for h in walk.step(op, eff):
             if not _ordered(ops, op, h.before):
-                raise _fail(op, f"{_unordered(op, h)} (compile the plan again)")
+                raise _fail(op, f"{_unordered(op, h, ops)} (compile the plan again)")
 
 
-def _unordered(op: Op, h: Hazard) -> str:
+def _unordered(op: Op, h: Hazard, ops: list[Op]) -> str:
     """What an unordered hazard means, in the plan's words."""
     if h.kind == "norm":
-        return f"takes the step's gradient norm without depending on grad_offload #{h.before}"
+        return f"takes the step's gradient norm without depending on {ops[h.before].kind.value} #{h.before}"
     t, tier = h.value
     if h.kind == "read" and op.kind is OpKind.UPDATE:
         return f"update must depend on grad_offload #{h.before}"

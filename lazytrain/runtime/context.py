@@ -22,6 +22,7 @@ from .streams import Streams
 
 if TYPE_CHECKING:
     from ..frontend.program import BlockProgram
+    from .distributed import World
     from .handlers import SavedRecord
     from .interpreter import Schedule
     from .updates import Updates
@@ -92,6 +93,10 @@ class Run:
     resident_targets: dict[int, dict[str, torch.Tensor]]
     updates: Updates                      # the update path, and what it carries across steps
     schedule: Schedule                    # the dispatcher's view of the plan (interpreter.Schedule)
+    #: the data-parallel world (``distributed.World``) and the blocks' gathered layouts on the GPU
+    #: (``shards``; ``store.layouts`` are then this rank's shards); None in a world of one
+    world: World | None = None
+    gpu_layouts: list | None = None
 
     @property
     def L(self) -> int:

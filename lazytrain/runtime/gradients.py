@@ -16,12 +16,13 @@ from .store import HostStore
 def grad_offload(ctx: Step, op: Op) -> None:
     """The block's accumulated gradient: squared norm on the device (tied parameters excepted: their
     norm needs every reader's share, taken on the host at the end of backward), then to the host
-    buffer in the host gradient dtype."""
+    buffer in the host gradient dtype.  With several ranks: this rank's shard of the summed gradient
+    (``reduce_scatter``), whose squared norm the ``all_reduce`` adds to the other ranks'."""
     j = op.block
     run = ctx.run
     lay = run.store.layouts[j]
     ctx.begin(op, Resource.D2H)
-    acc = ctx.take(_tid(TensorKind.GRADS, j), G)
+    acc = ctx.take(_tid(TensorKind.GRAD_SHARD if run.world else TensorKind.GRADS, j), G)
     host = run.store.grad[j]
     with run.streams.on(Resource.D2H):
         run.streams.keep_alive(acc, Resource.D2H)

@@ -60,6 +60,9 @@ def load(ctx: Step, op: Op) -> None:
     j = op.block
     lay = ctx.run.store.layouts[j]
     ctx.begin(op, Resource.H2D)       # after the updates writing these host buffers (re-raises a failed one)
+    if op.tensor is not None and op.tensor.kind is TensorKind.PARAM_SHARD:
+        _load_shard(ctx, op)
+        return
     with ctx.run.streams.on(Resource.H2D):
         flat = torch.empty(lay.numel, dtype=ctx.run.store.param_dtype, device=ctx.run.device)
         flat[:lay.owned_numel].copy_(ctx.run.store.load[j], non_blocking=True)
@@ -69,6 +72,15 @@ def load(ctx: Step, op: Op) -> None:
     ctx.run.streams.keep_alive(flat, Resource.GPU)
     views = {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in lay.segments}
     ctx.put(op.tensor or _tid(TensorKind.PARAMS, j), G, GpuParams(flat, views))
+    ctx.end(op, Resource.H2D)
+
+
+def _load_shard(ctx: Step, op: Op) -> None:
+    """This rank's shard of the block's parameters to the GPU (an ``all_gather`` completes it)."""
+    with ctx.run.streams.on(Resource.H2D):
+        shard = ctx.run.store.load[op.block].to(ctx.run.device, non_blocking=True, copy=True)
+    ctx.run.streams.keep_alive(shard, Resource.NET)
+    ctx.put(op.tensor, G, shard)
     ctx.end(op, Resource.H2D)
 
 
@@ -224,7 +236,7 @@ def backward(ctx: Step, op: Op) -> None:
     params: GpuParams = ctx.params(j)
     rec.param_flats = params.flats
     dout = ctx.take(_tid(TensorKind.GRAD_ACT, j + 1, mb), G) if j + 1 < L else {}
-    lay = ctx.run.store.layouts[j]
+    lay = ctx.run.gpu_layouts[j] if ctx.run.gpu_layouts else ctx.run.store.layouts[j]
     with ctx.run.streams.on(Resource.GPU):
         roots, grads = [], []
         for name, edge, _, dtype in rec.roots:

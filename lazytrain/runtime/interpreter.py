@@ -31,6 +31,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from ..ir import Op, OpKind, Plan, Resource, Tier
 from ..ir.order import cross_period
 from ..ir.semantics import Sizes
+from . import collectives as coll
 from . import gradients as gr
 from . import handlers as h
 from .context import Step, describe
@@ -46,6 +47,9 @@ HANDLERS: dict[OpKind, Callable[[Step, Op], None]] = {
     OpKind.GRAD_OFFLOAD: gr.grad_offload,
     OpKind.UPDATE: update,
     OpKind.FREE: h.free,
+    OpKind.ALL_GATHER: coll.all_gather,
+    OpKind.REDUCE_SCATTER: coll.reduce_scatter,
+    OpKind.ALL_REDUCE: coll.all_reduce,
 }
 
 

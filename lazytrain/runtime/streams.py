@@ -30,7 +30,8 @@ from ..ir import Resource
 class Streams:
     """The three CUDA streams (or nothing, in CPU mode) and the two host workers."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, collectives: bool = False):
+        """``collectives``: a fourth stream for the collective ops (a world of several ranks)."""
         self.device = device
         self.cuda = device.type == "cuda"
         if self.cuda:
@@ -38,6 +39,8 @@ class Streams:
             self.h2d = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
             self._by_res = {Resource.GPU: self.compute, Resource.H2D: self.h2d, Resource.D2H: self.d2h}
+            if collectives:
+                self._by_res[Resource.NET] = torch.cuda.Stream(device)
         else:
             self.compute = self.h2d = self.d2h = None
             self._by_res = {}

@@ -42,11 +42,13 @@ from .batch import (
     token_limits,
 )
 from .context import GpuParams, H, HostCopy, Run, Step, _tid
+from .distributed import World, global_tokens
 from .interpreter import Schedule
 from .nvme import NvmeStore
 from .optim.clipping import GradNormTracker
 from .optim.torch_adamw import TorchAdamW
 from .profiling import Profiler, StepProfile
+from .shards import gathered_layouts, gathered_masters, init_shards, shard_layouts
 from .store import BlockLayout, HostPool, HostStore, layouts
 from .streams import Streams
 from .updates import Updates, check_clipping
@@ -90,6 +92,10 @@ class Trainer:
                  profile: bool = False, verbose: bool = True):
         """``verbose``: print the host memory estimate (before allocating) to stderr."""
         check_trainer_args(model, plan, optimizer, device)
+        #: the data-parallel world (``distributed.World``; None for one process): joined before the
+        #: device is chosen (a rank's GPU is its LOCAL_RANK's)
+        self.world = World.start(_device_type(device))
+        plan.check_world_size(1 if self.world is None else self.world.size)
         self.device = _device(device)
         verify(plan)                  # a plan read back from a file or checkpoint is checked like a fresh one
         self.plan = plan
@@ -106,24 +112,36 @@ class Trainer:
         frozen = _frozen(model, optimizer)
         order = UpdateOrder.of(plan.ops, Sizes.of_plan(plan))
         check_clipping(order, optimizer.max_grad_norm)
-        lays = layouts(plan.graph, _canonical_names(model))
+        gathered = None
+        if self.world is not None:      # ZeRO-3: the host store holds this rank's shard of every block
+            gathered = gathered_layouts(plan.graph, self.world.size)
+            lays = shard_layouts(gathered, self.world.size, self.world.rank)
+        else:
+            lays = layouts(plan.graph, _canonical_names(model))
+        self._gathered = gathered
         resident = plan.decisions.resident_blocks
         self.store = _host_store(plan, lays, param_dtype, optimizer, pin=self.device.type == "cuda", verbose=verbose)
         # a resident block's "load buffer" is its parameters on the GPU: the optimizer keeps its state
         # next to it and updates it in place there
         gpu_params = {j: torch.empty(lay.owned_numel, dtype=param_dtype, device=self.device)
                       for j, lay in enumerate(lays) if j in resident}
-        _init_parameters(model, lays, optimizer, {j: gpu_params.get(j, self.store.load[j]) for j in range(len(lays))})
+        if self.world is not None:
+            init_shards(dict(model.named_parameters(remove_duplicate=False)), gathered, lays, self.world.size,
+                        self.world.rank, optimizer, self.store.load)
+        else:
+            _init_parameters(model, lays, optimizer,
+                             {j: gpu_params.get(j, self.store.load[j]) for j in range(len(lays))})
         params, targets, grads = _resident(lays, gpu_params, self.device)
-        streams = Streams(self.device)
+        streams = Streams(self.device, collectives=self.world is not None)
         tracker = GradNormTracker(optimizer.max_grad_norm)
         updates = Updates(order, streams=streams, optimizer=optimizer, tracker=tracker, store=self.store,
                           resident_grad=grads)
+        updates.world = self.world
         rg = frozenset(t.name for b in self.program.graph.blocks for t in (*b.inputs, *b.outputs) if t.requires_grad)
         self.ctx = Run(plan=plan, program=self.program, device=self.device, streams=streams, store=self.store,
                        pool=HostPool(self.device.type == "cuda"), nvme=nvme, optimizer=optimizer, tracker=tracker,
                        requires_grad=rg, frozen=frozen, resident=params, resident_targets=targets, updates=updates,
-                       schedule=Schedule(plan, updates))
+                       schedule=Schedule(plan, updates), world=self.world, gpu_layouts=gathered)
         self._profiler = Profiler(self.device.type == "cuda") if profile else None
         self.steps = 0
         self.last_profile: StepProfile | None = None
@@ -157,13 +175,20 @@ class Trainer:
         else:
             raise ValueError("batch must be a dict with input_ids and labels, or an (input_ids, labels) tuple")
         ids, labels = as_tokens(ids, "input_ids"), as_tokens(labels, "labels")
-        B, S = self.plan.batch_size, self.plan.seq_len
+        W = 1 if self.world is None else self.world.size
+        B, S = self.plan.batch_size * W, self.plan.seq_len      # the global batch: every rank gets all of it
         check_shapes(ids, labels, B, S)
         if self._token_limits is not None:
             ids, labels = check_tokens(ids, labels, mask, *self._token_limits)
         if positions is not None:
             positions = pad_positions(check_positions(positions, ids), B, S)
-        return (*pad_batch(ids.long(), labels.long(), B, S), positions)
+        ids, labels = pad_batch(ids.long(), labels.long(), B, S)
+        if self.world is not None:
+            self._global_tokens = global_tokens(self.program, labels, self.plan.n_micro * W)
+            rows = slice(self.world.rank * self.plan.batch_size, (self.world.rank + 1) * self.plan.batch_size)
+            ids, labels = ids[rows], labels[rows]
+            positions = None if positions is None else positions[rows]
+        return ids, labels, positions
 
     def step(self, batch) -> StepStats:
         if self._broken is not None:
@@ -178,6 +203,8 @@ class Trainer:
             step.profiler.begin_step()
             t0 = time.perf_counter()
         batch_ids = self._stage_batch(step, ids, labels, positions)
+        if self.world is not None:       # the head's gradient is 1 / valid tokens of the global batch
+            step.inv_tokens = 1.0 / torch.as_tensor(self._global_tokens, dtype=torch.float64).clamp_min(1)
         try:
             interpreter.run(step)
             run.streams.synchronize()     # the step's device work (updates may still run on the host)
@@ -201,9 +228,12 @@ class Trainer:
         parts = torch.stack([torch.as_tensor(x, device=self.device).to(torch.float64)
                              for pair in step.loss_parts.values() for x in pair]).tolist()   # one read
         loss_sum, n_tok = sum(parts[0::2]), int(sum(parts[1::2]))
+        if self.world is not None:       # the global batch's loss (reporting only)
+            loss_sum, n_tok = self.world.sum_floats([loss_sum, n_tok], "all_reduce of the step's loss")
+            n_tok = int(n_tok)
         step_s = time.perf_counter() - t0
         self.steps += 1
-        B, S = self.plan.batch_size, self.plan.seq_len
+        B, S = self.plan.batch_size * (1 if self.world is None else self.world.size), self.plan.seq_len
         if step.profiler is not None:
             self.last_profile = step.profiler.finish(step_s)
         norm = run.tracker.last_norm
@@ -243,6 +273,8 @@ class Trainer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Current fp32 master weights by parameter name (pending updates applied first)."""
         self.flush()
+        if self.world is not None:     # every rank's shards gathered (every rank must call this)
+            return gathered_masters(self.world, self._gathered, self.optimizer.master)
         out = {}
         for j, lay in enumerate(self.store.layouts):
             if not lay.owned_numel:
@@ -275,6 +307,8 @@ class Trainer:
     def close(self) -> None:
         self.flush()
         self.ctx.streams.close()
+        if self.world is not None:
+            self.world.close()
         self.ctx.updates.close()
         if self.ctx.nvme is not None:
             self.ctx.nvme.close()
@@ -287,6 +321,12 @@ class Trainer:
 
 
 # ---- the trainer's construction, in steps ----------------------------------------------------------
+def _device_type(device) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
 def _device(device) -> torch.device:
     """The compute device (CUDA when available), with the caching allocator set up on CUDA."""
     if device is None:

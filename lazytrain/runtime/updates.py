@@ -55,6 +55,8 @@ class Updates:
         self.streams, self.optimizer, self.tracker, self.store = streams, optimizer, tracker, store
         self.resident_grad = resident_grad        # owner -> fp32 GPU accumulator of a resident block
         self.tied = TiedGrads(store)
+        #: the data-parallel world (``distributed.World``): the norm is then summed over its ranks
+        self.world = None
         # ---- carried across steps
         self.pending: set[int] = set()            # owners whose last-step gradients await their lagged update
         self.pending_coef: float | None = None
@@ -112,6 +114,9 @@ class Updates:
                 step.grad_sq[o] = torch.linalg.vector_norm(acc).square()
         on_device = [j for j in range(len(self.store.layouts)) if step.grad_sq.get(j) is not None]
         sqs = dict(zip(on_device, torch.stack([step.grad_sq[j] for j in on_device]).tolist())) if on_device else {}
+        if self.world is not None:       # each rank holds a shard of every block: sum the ranks' squares
+            sqs = dict(zip(on_device, self.world.sum_floats([sqs[j] for j in on_device], "all_reduce of the "
+                                                                                         "gradient norms")))
         for j, lay in enumerate(self.store.layouts):      # one device->host read for every block's norm
             sq = sqs.get(j)
             total = 0.0 if sq is None else sq

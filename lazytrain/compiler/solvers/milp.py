@@ -30,6 +30,8 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
               and T_{B_k} >= M S_k reload_late[k] / h2d + bwd_k: the last one precedes the last backward)
               T_{B_j} >= G_{j+1}/d2h            (gradients of the block before leave during B_j)
     nvme      T_{F_j} >= M (S_j nvme[j] + A_j bnvme[j]) / nvme_write,  T_{B_j} likewise for block j-1 / nvme_read
+    net       with several ranks (P_j, G_j, U_j are then one rank's shard): T_{F_j} >= AG_{j+1},
+              T_{B_j} >= AG_{j-1} + RS_{j+1}; block 0's RS_0 and the norms' all-reduce join the X chain
     updates   with exact clipping every update waits for the global norm (end of backward) and is
               lagged into the next step, in block order on the host, each before its block's load:
               T_X >= G_0/d2h + U_0 + P_0/h2d;  for j >= 1:
@@ -127,6 +129,11 @@ class Coefficients:
     host_static: float
     nvme_cap: float
     use_nvme: bool
+    #: with several ranks (``ir.sharding``): per block its all-gather and reduce-scatter on the collective
+    #: stream, and the all-reduce of the norms (empty / 0 in a world of one: no rows)
+    ag: list = field(default_factory=list)
+    rs: list = field(default_factory=list)
+    ar: float = 0.0
 
 
 def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
@@ -164,7 +171,10 @@ def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
         budget=(gpu_bytes if gpu_bytes is not None else budgets["gpu_bytes"]) / GiB,
         host_cap=budgets["host_bytes"] / GiB if budgets.get("host_bytes") else None,
         host_static=g.total_params * host_bytes_per_param / GiB,
-        nvme_cap=nvme_cap / GiB, use_nvme=bool(budgets.get("nvme_dir")) and nvme_cap > 0)
+        nvme_cap=nvme_cap / GiB, use_nvme=bool(budgets.get("nvme_dir")) and nvme_cap > 0,
+        ag=[cost.all_gather_s(j) * MS for j in range(L)] if cost.sharded else [],
+        rs=[cost.reduce_scatter_s(j) * MS for j in range(L)] if cost.sharded else [],
+        ar=cost.all_reduce_s() * MS if cost.sharded else 0.0)
 
 
 @dataclass
@@ -295,14 +305,35 @@ def time_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions) 
     # block 0's reloads happen before its backward (nothing left to hide them under)
     m += TB[0] >= M * c.bwd[0] + M * c.fwd[0] * v.rec[0] + M * c.h2d_ms * c.A[0] * v.bh[0], "h2d_B_first"
     m += TB[0] >= M * c.h2d_ms * c.S[0] * v.late[0], "h2d_B_0_late"
-    m += TX >= gout[0] + U[0] + load[0], "step_boundary_chain"
+    # with several ranks block 0's gradient is reduce-scattered before its offload, the norms all-reduced
+    # before any update, and each load all-gathered before its forward (0 for one rank)
+    net = [c.rs[0] + c.ar + c.ag[j] for j in range(L)] if c.ag else None
+    if net:
+        net_rows(m, c, v)
+        m += TX >= gout[0] + U[0] + load[0] + net[0], "step_boundary_chain"
+    else:
+        m += TX >= gout[0] + U[0] + load[0], "step_boundary_chain"
     if any(c.U_gpu):
         m += TX >= xsum(c.U_gpu[j] * v.res[j] for j in range(L)), "resident_updates_on_gpu"
     if opts.clip:
         for j in range(1, L):
-            m += TX + xsum(TF[:j]) >= gout[0] + xsum(U[: j + 1]) + load[j], f"lazy_update[{j}]"
+            m += TX + xsum(TF[:j]) >= gout[0] + xsum(U[: j + 1]) + load[j] + (net[j] if net else 0.0), \
+                f"lazy_update[{j}]"
     else:
         m += TX + xsum(TB) >= xsum(U), "host_updates_fit"
+
+
+def net_rows(m: LinearModel, c: Coefficients, v: Variables) -> None:
+    """The collective stream, overlapped with compute as PCIe is: F_j all-gathers block j+1 (the
+    prefetch), B_j all-gathers block j-1 and reduce-scatters block j+1's gradients."""
+    L, TF, TB = c.L, v.TF, v.TB
+    for j in range(L):
+        if j + 1 < L:
+            m += TF[j] >= c.ag[j + 1], f"net_F[{j}]"
+        gather = c.ag[j - 1] if 1 <= j and j - 1 != L - 1 else 0.0
+        scatter = c.rs[j + 1] if j + 1 < L else 0.0
+        if gather or scatter:
+            m += TB[j] >= gather + scatter, f"net_B[{j}]"
 
 
 def memory_rows(m: LinearModel, c: Coefficients, v: Variables) -> None:

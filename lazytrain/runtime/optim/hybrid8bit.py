@@ -200,8 +200,9 @@ class Hybrid8bitAdamW(HostOptimizer):
         q = s = s32 = 0
         bs = self.block_size
         ch = self._dev_chunk if st.device else self.chunk_numel
-        for _name, off, numel, _shape in sorted(segments, key=lambda x: x[1]):
-            if numel < self.min_8bit_numel:
+        for _name, off, numel, shape in sorted(segments, key=lambda x: x[1]):
+            # a tensor is small by its whole size: a rank's piece of a large one (``ir.sharding``) stays 8-bit
+            if max(numel, math.prod(shape)) < self.min_8bit_numel:
                 st.small.append((off, numel, s32))
                 s32 += numel
                 continue

@@ -1,0 +1,105 @@
+"""Plans for several data-parallel ranks (``ir.sharding``): the collectives are ops with effects,
+ordered by ``ir.order`` like every other op, checked by ``verify``, priced by the simulator; a world of
+one has none of them (``benchmarks/compare_plans.py`` checks that its plans are unchanged)."""
+
+import dataclasses
+
+import pytest
+
+from lazytrain.compiler.api import Compiler, compile_model
+from lazytrain.compiler.hardware import get_profile
+from lazytrain.compiler.solvers.heuristics import HEURISTICS
+from lazytrain.compiler.synthetic import chain
+from lazytrain.ir import GiB, Op, OpKind, Plan, PlanError, Resource, TensorId, TensorKind, verify
+from lazytrain.ir.sharding import ALIGN, padded_numel, shard_numel
+
+COLL = (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE)
+
+
+def _graph(tied=False):
+    return chain(4, tied=tied, hidden=256, seq_len=128, layer_params=1_000_000, saved_per_token=4000, vocab=1000)
+
+
+def _plan(world=2, policy="megatrain", clip=True, mb=2, n=4):
+    g = _graph()
+    comp = Compiler(g, get_profile("h200"), {"gpu_bytes": 80 * GiB, "host_bytes": 64 * GiB, "nvme_bytes": 0},
+                    param_dtype="bfloat16", optimizer="hybrid8bit", clip=clip, world_size=world)
+    return comp.build(HEURISTICS[policy](g, mb, n), mb * n)
+
+
+def test_shards_are_aligned_and_cover_the_block():
+    numels = [10, 5000, 4096]
+    s = shard_numel(numels, 3)
+    assert s % ALIGN == 0 and 3 * s >= ALIGN + 2 * ALIGN + ALIGN
+    assert padded_numel(numels, 1) == sum(numels) and padded_numel(numels, 3) == 3 * s
+
+
+@pytest.mark.parametrize("policy", ["megatrain", "keep-all", "recompute-all"])
+@pytest.mark.parametrize("clip", [True, False])
+def test_world_plan_verifies_with_one_collective_per_transfer(policy, clip):
+    plan = _plan(policy=policy, clip=clip)
+    assert plan.count(OpKind.ALL_GATHER) == plan.count(OpKind.LOAD) > 0
+    assert plan.count(OpKind.REDUCE_SCATTER) == plan.count(OpKind.GRAD_OFFLOAD) > 0
+    assert plan.count(OpKind.ALL_REDUCE) == 1
+    assert all(op.resource is Resource.NET for op in plan.ops if op.kind in COLL)
+    one = _plan(world=1, policy=policy, clip=clip)
+    assert not any(op.kind in COLL for op in one.ops) and "net" not in one.predicted["busy_s"]
+    # each rank copies its shard over PCIe: half the bytes
+    h2d = {w: sum(op.nbytes for op in p.ops if op.kind is OpKind.LOAD) for w, p in ((1, one), (2, plan))}
+    assert h2d[2] < 0.51 * h2d[1]
+    assert plan.predicted["busy_s"]["net"] > 0
+
+
+def test_collectives_print_as_one_line_golden():
+    plan = _plan()
+    lines = {op.kind: str(op) for op in plan.ops if op.kind in COLL}
+    assert lines[OpKind.ALL_REDUCE].split()[1:4] == ["all_reduce", "grad", "norms"]
+    ag = next(op for op in plan.ops if op.kind is OpKind.ALL_GATHER)
+    assert str(ag).startswith(f"#{ag.id} all_gather   params[{ag.block}]")
+    assert f"after #{ag.id - 1}" in str(ag)          # it waits for this rank's shard load
+
+
+def test_round_trip_and_wrong_world_refused(tmp_path):
+    plan = _plan()
+    plan.save(tmp_path / "p.json")
+    back = Plan.load(tmp_path / "p.json")
+    assert back.world_size == 2 and [str(o) for o in back.ops] == [str(o) for o in plan.ops]
+    with pytest.raises(PlanError, match="compiled for world size 2 but the runtime has 1 process"):
+        back.check_world_size(1)
+    back.check_world_size(2)
+
+
+def test_verify_refuses_a_missing_gather_or_a_collective_in_a_world_of_one():
+    plan = _plan()
+    ag = next(op for op in plan.ops if op.kind is OpKind.ALL_GATHER)
+    # the gather turned into a no-op: the forward reads params that were never assembled
+    bad = [dataclasses.replace(op, kind=OpKind.ALL_REDUCE, tensor=None) if op.id == ag.id else op for op in plan.ops]
+    with pytest.raises(PlanError):
+        verify(dataclasses.replace(plan, ops=bad))
+    # a dependency dropped: the gather may read the shard before its load is done
+    bad = [dataclasses.replace(op, deps=()) if op.id == ag.id else op for op in plan.ops]
+    with pytest.raises(PlanError, match="without depending"):
+        verify(dataclasses.replace(plan, ops=bad))
+    one = _plan(world=1)
+    extra = Op(id=len(one.ops), kind=OpKind.ALL_REDUCE, block=0, resource=Resource.NET)
+    d = dataclasses.replace(one, ops=[*one.ops, extra]).to_json()
+    with pytest.raises(PlanError, match="all_reduce in a plan for world size 1"):
+        Plan.from_json(d)
+
+
+def test_compile_for_several_ranks_refuses_tied_and_resident():
+    with pytest.raises(PlanError, match="tie_word_embeddings=False"):
+        compile_model(_graph(tied=True), batch_size=8, policy="megatrain", world_size=2)
+    with pytest.raises(ValueError, match="resident='none'"):
+        compile_model(_graph(), batch_size=8, policy="megatrain", world_size=2, resident=2)
+    with pytest.raises(ValueError, match="not a multiple of the 2 nodes"):
+        compile_model(_graph(), batch_size=8, policy="megatrain", world_size=3, nodes=2)
+
+
+def test_host_budget_is_shared_by_the_ranks_of_a_host():
+    plan = compile_model(_graph(), batch_size=8, policy="milp", world_size=4, nodes=2, host_memory="64GiB",
+                         time_limit=2)
+    assert plan.world_size == 4 and plan.options["nodes"] == 2
+    assert plan.budgets["host_bytes"] == 32 * GiB
+    assert plan.count(OpKind.ALL_GATHER) > 0
+    assert TensorId(kind=TensorKind.PARAM_SHARD, index=0) in {op.tensor for op in plan.ops}
