@@ -51,22 +51,38 @@ def _join(procs, timeout: float) -> list[int | None]:
     return codes
 
 
-def test_two_ranks_train_like_one_process_and_name_a_dead_rank(plans):
+def _close(got: dict, want: dict, what: str) -> None:
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5, err_msg=what)
+    assert got["params"].keys() == want["params"].keys()
+    for k, v in want["params"].items():
+        np.testing.assert_allclose(got["params"][k], v, rtol=1e-4, atol=1e-6, err_msg=f"{what} {k}")
+
+
+def test_two_ranks_train_like_one_process_resume_at_another_size_and_name_a_dead_rank(plans):
     """fp32 AdamW and Hybrid 8-bit, clipped: losses within rtol 1e-5 and the final parameters equal
-    (the ranks' gradients are summed in another order, so not bit for bit).  Then rank 1 dies: rank 0's
-    next step fails at once with an error naming it (one spawn for both: each costs seconds)."""
+    (the ranks' gradients are summed in another order, so not bit for bit).  Checkpoints: the 8-bit
+    case saved at step 2 in one process and resumed by 2 ranks, and saved by 2 ranks and resumed in
+    one process, end where training on did.  Then rank 1 dies while the world saves: rank 0's save and
+    its next step fail at once naming it, and the previous checkpoint still loads (one spawn for all:
+    each costs seconds)."""
     t0 = time.time()
     procs = _spawn(W.equivalence_rank, 2, plans)
-    one, _ = W.train(1, str(plans))
+    one, _ = W.train(1, str(plans), plans / "ck1")
     assert _join(procs, 120) == [0, 3]
     two = json.loads((plans / "out.json").read_text())
     for name, _, _ in W.CASES:
-        np.testing.assert_allclose(two[name]["losses"], one[name]["losses"], rtol=1e-5)
-        assert two[name]["params"].keys() == one[name]["params"].keys()
-        for k, v in one[name]["params"].items():
-            np.testing.assert_allclose(two[name]["params"][k], v, rtol=1e-4, atol=1e-6, err_msg=f"{name} {k}")
-    msg = (plans / "err.txt").read_text()
-    assert "rank 1 (" in msg and "resume from the last checkpoint" in msg, msg
+        _close(two[name], one[name], name)
+    last = W.CASES[-1][0]
+    after = {"losses": one[last]["losses"][W.SAVED_AT:], "params": one[last]["params"]}
+    _close(two["from_ck1"], after, "saved in 1 process, resumed by 2")
+    save_err, step_err = (plans / "err.txt").read_text().split("\n")
+    assert "checkpoint's second barrier" in save_err and "rank 1 (" in save_err, save_err
+    assert "rank 1 (" in step_err and "resume from the last checkpoint" in step_err, step_err
+    meta = json.loads((plans / "ck2" / "checkpoint.json").read_text())
+    assert meta["step"] == W.SAVED_AT and meta["world"]["size"] == 2
+    assert {"block_0001.rank0000.safetensors", "block_0001.rank0001.safetensors"} <= set(meta["files"])
+    _close(W.resume(plans / "ck2", str(plans / f"{last}_1.json")),
+           {"losses": two[last]["losses"][W.SAVED_AT:], "params": two[last]["params"]}, "saved by 2, resumed in 1")
     assert time.time() - t0 < 100
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -64,14 +65,36 @@ def trainer(plan_path: str, opt: str) -> Trainer:
     return Trainer(model(), Plan.load(plan_path), optimizer=optimizer(opt), device="cpu", verbose=False)
 
 
-def train(world: int, folder: str) -> tuple[dict, Trainer]:
-    """Every case: losses and final parameters (the same on every rank); and the last case's trainer."""
+#: the last case is checkpointed after this many steps (``train``'s ``ckpt``)
+SAVED_AT = 2
+
+
+def train(world: int, folder: str, ckpt: Path | None = None) -> tuple[dict, Trainer]:
+    """Every case: losses and final parameters (the same on every rank); and the last case's trainer,
+    checkpointed to ``ckpt`` after ``SAVED_AT`` steps."""
     out = {}
     for name, _policy, opt in CASES:
         tr = trainer(str(Path(folder) / f"{name}_{world}.json"), opt)
-        losses = [tr.step(b).loss for b in batches()]
-        out[name] = {"losses": losses, "params": {k: v.reshape(-1).tolist() for k, v in tr.state_dict().items()}}
+        losses = []
+        for b in batches():
+            losses.append(tr.step(b).loss)
+            if ckpt is not None and name == CASES[-1][0] and tr.steps == SAVED_AT:
+                tr.save_checkpoint(ckpt)
+        out[name] = result(tr, losses)
     return out, tr
+
+
+def result(tr: Trainer, losses: list[float]) -> dict:
+    return {"losses": losses, "params": {k: v.reshape(-1).tolist() for k, v in tr.state_dict().items()}}
+
+
+def resume(ckpt: Path, plan_path: str) -> dict:
+    """The last case resumed from ``ckpt`` with the plan at ``plan_path`` (another world size) and
+    trained to the end: its losses after the checkpoint and final parameters."""
+    from lazytrain.ir import Plan
+    name, _policy, opt = CASES[-1]
+    tr = Trainer.load_checkpoint(ckpt, model(), optimizer=optimizer(opt), device="cpu", plan=Plan.load(plan_path))
+    return result(tr, [tr.step(b).loss for b in batches()[tr.steps:]])
 
 
 def join(rank: int, world: int, port: int) -> None:
@@ -81,15 +104,31 @@ def join(rank: int, world: int, port: int) -> None:
 
 
 def equivalence_rank(rank: int, world: int, port: int, folder: str) -> None:
-    """Train every case; then the last rank dies and rank 0 writes the error its next step raised."""
+    """Train every case (checkpoint ``ck2`` on the way); resume the one-process checkpoint ``ck1`` here;
+    then the last rank dies while the world saves ``ck2`` again, and rank 0 writes the errors its save
+    and its next step raised."""
     join(rank, world, port)
-    res, tr = train(world, folder)
+    f = Path(folder)
+    res, tr = train(world, folder, f / "ck2")
+    deadline = time.time() + 60      # ck1: saved by the test process while the ranks trained
+    while not (f / "ck1" / "checkpoint.json").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    res["from_ck1"] = resume(f / "ck1", str(f / f"{CASES[-1][0]}_{world}.json"))
     if rank == 0:
-        (Path(folder) / "out.json").write_text(json.dumps(res))
+        (f / "out.json").write_text(json.dumps(res))
     if rank == world - 1:
-        os._exit(3)
-    try:
-        tr.step(batches(1)[0])
-        (Path(folder) / "err.txt").write_text("no error")
-    except Exception as e:  # noqa: BLE001 - the test reads the message
-        (Path(folder) / "err.txt").write_text(str(e))
+        import lazytrain.runtime.checkpoint as C
+        write = C._write
+
+        def die(*a, **k):       # its files written, its part of the manifest not: no commit may happen
+            write(*a, **k)
+            os._exit(3)
+        C._write = die
+    errors = []
+    for attempt in (lambda: tr.save_checkpoint(f / "ck2"), lambda: tr.step(batches(1)[0])):
+        try:
+            attempt()
+            errors.append("no error")
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            errors.append(str(e))
+    (f / "err.txt").write_text("\n".join(errors))

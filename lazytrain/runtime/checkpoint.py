@@ -73,6 +73,9 @@ def save(trainer, directory, extras: dict[str, bytes] | None = None) -> Path:
     if target.exists() and not (target / META).is_file() and any(target.iterdir()):
         raise CheckpointError(f"{target} exists and is not a LazyTrain checkpoint (no {META}): refusing to "
                               f"replace it")
+    if trainer.world is not None:       # every rank writes its shards, rank 0 commits (checkpoint_world)
+        from . import checkpoint_world
+        return checkpoint_world.save(trainer, target, extras)
     trainer.flush()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.tmp-"))
@@ -90,8 +93,9 @@ def save(trainer, directory, extras: dict[str, bytes] | None = None) -> Path:
     return target
 
 
-def _write(trainer, tmp: Path) -> dict:
-    """Tensor files into ``tmp``, each hashed on a worker thread while the next one is written."""
+def _write(trainer, tmp: Path, suffix: str = "") -> dict:
+    """Tensor files into ``tmp``, each hashed on a worker thread while the next one is written.
+    ``suffix``: a rank's file names (``.rank0001``); its ``param.*`` are its flat pieces of the tensors."""
     opt = trainer.optimizer
     files, digests, block_steps = {}, {}, {}
     with hashing_pool() as pool:
@@ -100,12 +104,13 @@ def _write(trainer, tmp: Path) -> dict:
                 continue
             state = dict(opt.state_tensors(j))
             master = state.pop("master").reshape(-1)
-            tensors = {f"param.{s.name}": master[s.offset:s.offset + s.numel].reshape(s.shape).clone()
+            tensors = {f"param.{s.name}": master[s.offset:s.offset + s.numel].reshape(s.shape if not suffix
+                                                                                       else (s.numel,)).clone()
                        for s in lay.segments if s.offset < lay.owned_numel}
             tensors.update({f"state.{k}": v.contiguous() for k, v in state.items()})
             if "step" in state:
                 block_steps[str(j)] = int(state["step"].max().item()) if state["step"].numel() else 0
-            name = f"block_{j:04d}.safetensors"
+            name = f"block_{j:04d}{suffix}.safetensors"
             # one metadata entry: safetensors writes several in a random order, and the same state should
             # be the same bytes (the same SHA-256) whenever it is saved
             save_file(tensors, str(tmp / name), metadata={"format": FORMAT})
@@ -331,6 +336,24 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None):
         trainer = cls(model, plan, optimizer=optimizer, device=device)
     except PlanError as e:
         raise CheckpointError(f"checkpoint {folder} does not fit this model: {e}") from None
+    if trainer.world is not None or "world" in meta:      # shards, or another world size's checkpoint
+        from . import checkpoint_world
+        checkpoint_world.load_blocks(trainer, folder, meta, _load_block)
+    else:
+        _load_dense(trainer, folder, meta)
+    trainer.steps = meta["step"]
+    tr, g = trainer.ctx.tracker, meta["grad_norm"]
+    tr.consecutive_nonfinite, tr.total_nonfinite = g["consecutive_nonfinite"], g["total_nonfinite"]
+    try:
+        tr.last_norm = None if g["last_norm"] is None else float(g["last_norm"])
+        set_rng_state(meta["rng"])
+    except ValueError as e:
+        raise CheckpointError(f"{folder / META}: {e}") from None
+    return trainer
+
+
+def _load_dense(trainer, folder: Path, meta: dict) -> None:
+    """Every block's file of a one-process checkpoint into a one-process trainer."""
     blocks = [j for j, lay in enumerate(trainer.store.layouts) if lay.owned_numel]
     names = {j: f"block_{j:04d}.safetensors" for j in blocks}
     if set(meta["files"]) != set(names.values()):
@@ -344,15 +367,6 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None):
                 pending[blocks[i + 1]] = hash_async(pool, folder / names[blocks[i + 1]])
             _load_block(trainer.optimizer, j, trainer.store.layouts[j], folder / names[j], meta["files"][names[j]],
                         pending.pop(j))
-    trainer.steps = meta["step"]
-    tr, g = trainer.ctx.tracker, meta["grad_norm"]
-    tr.consecutive_nonfinite, tr.total_nonfinite = g["consecutive_nonfinite"], g["total_nonfinite"]
-    try:
-        tr.last_norm = None if g["last_norm"] is None else float(g["last_norm"])
-        set_rng_state(meta["rng"])
-    except ValueError as e:
-        raise CheckpointError(f"{folder / META}: {e}") from None
-    return trainer
 
 
 def _check_steps(meta: dict, where: Path) -> None:
@@ -366,16 +380,23 @@ def _check_steps(meta: dict, where: Path) -> None:
                                   f"step {n}: the manifest was edited or corrupted")
 
 
-def _load_block(opt, j: int, lay, path: Path, entry: dict, pending) -> None:
+def _load_block(opt, j: int, lay, path: Path, entry: dict, pending, pieces: bool = False) -> None:
+    """Block ``j``'s file, saved with this very layout (``pieces``: a rank's, flat pieces and padding)."""
     state = opt.state_tensors(j)        # what this optimizer holds for the block: the expected layout
     master = state.pop("master")
-    expected = {f"param.{s.name}": (master.dtype, tuple(s.shape)) for s in lay.segments if s.offset < lay.owned_numel}
+    owned = [s for s in lay.segments if s.offset < lay.owned_numel]
+    expected = {f"param.{s.name}": (master.dtype, (s.numel,) if pieces else tuple(s.shape)) for s in owned}
     expected.update({f"state.{k}": (v.dtype, tuple(v.shape)) for k, v in state.items()})
-    del state, master
+    del state
     tensors = read_verified(path, entry, expected, pending)
-    parts = [tensors.pop(f"param.{s.name}").reshape(-1) for s in lay.segments if s.offset < lay.owned_numel]
+    if pieces:                          # padding stays zero
+        master.zero_()
+        for s in owned:
+            master[s.offset:s.offset + s.numel].copy_(tensors.pop(f"param.{s.name}").reshape(-1))
+    else:
+        master = torch.cat([tensors.pop(f"param.{s.name}").reshape(-1) for s in owned])
     state = {k.removeprefix("state."): v for k, v in tensors.items()}
-    state["master"] = torch.cat(parts)
+    state["master"] = master
     try:
         opt.load_state_tensors(j, state)
     except (KeyError, RuntimeError, ValueError) as e:

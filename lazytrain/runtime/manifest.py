@@ -56,6 +56,9 @@ SHAPE = {
     "grad_norm": {"consecutive_nonfinite": int, "total_nonfinite": int, "last_norm": Either(None, str)},
     "rng": _RNG,
     "plan": MapOf(Any),
+    #: a checkpoint of several ranks (``checkpoint_world.py``): its world size, the shard alignment and,
+    #: per rank's file, the elements [first, end) of each tensor it holds
+    "world": Opt({"size": Int(2), "align": Int(1), "pieces": MapOf(MapOf(ListOf(int, 2)))}),
 }
 
 
@@ -80,9 +83,10 @@ def check_manifest(meta, path: Path) -> dict:
     except ShapeError as e:
         raise CheckpointError(f"{path}: malformed checkpoint manifest: {e}") from None
     for name, entry in meta["files"].items():
-        if not re.fullmatch(r"block_\d{4}\.safetensors", name) or not re.fullmatch(_SHA256, entry["sha256"]):
+        if (not re.fullmatch(r"block_\d{4}(\.rank\d{4})?\.safetensors", name)
+                or not re.fullmatch(_SHA256, entry["sha256"])):
             raise CheckpointError(f"{path}: malformed checkpoint manifest: file entry {name!r} (a name "
-                                  f"block_NNNN.safetensors and a 64-digit hexadecimal sha256)")
+                                  f"block_NNNN[.rankRRRR].safetensors and a 64-digit hexadecimal sha256)")
     for name in meta["extras"]:
         if not re.fullmatch(r"[a-z_]+\.json", name):
             raise CheckpointError(f"{path}: malformed checkpoint manifest: extra file {name!r}")
