@@ -97,8 +97,8 @@ def _shards(graph: ModelGraph, size: int) -> list[list[tuple[str, list, dict[str
         out = []
         for lay in layouts(graph):
             if any(lay.links) or any(lay.shared):
-                raise CheckpointError(f"{graph.name} ties parameters across blocks: its checkpoint cannot be "
-                                      "resharded (untie them, or resume in one process)")
+                raise CheckpointError(f"{graph.name} ties parameters across blocks: "
+                                      "its checkpoint cannot be resharded (untie them, or resume in one process)")
             rng = {s.name: (0, s.numel) for s in lay.segments}
             out.append([(f"block_{lay.index:04d}.safetensors", lay.opt_segments(), rng)] if lay.owned_numel else [])
         return out
