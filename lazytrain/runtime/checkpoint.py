@@ -336,6 +336,7 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None):
         trainer = cls(model, plan, optimizer=optimizer, device=device)
     except PlanError as e:
         raise CheckpointError(f"checkpoint {folder} does not fit this model: {e}") from None
+    _check_steps(meta, folder / META)
     if trainer.world is not None or "world" in meta:      # shards, or another world size's checkpoint
         from . import checkpoint_world
         checkpoint_world.load_blocks(trainer, folder, meta, _load_block)
@@ -359,7 +360,6 @@ def _load_dense(trainer, folder: Path, meta: dict) -> None:
     if set(meta["files"]) != set(names.values()):
         raise CheckpointError(f"{folder / META} lists files {sorted(meta['files'])}, this model needs "
                               f"{sorted(names.values())}")
-    _check_steps(meta, folder / META)
     with hashing_pool() as pool:        # the next file is read and hashed while this one is loaded
         pending = {blocks[0]: hash_async(pool, folder / names[blocks[0]])} if blocks else {}
         for i, j in enumerate(blocks):
