@@ -168,9 +168,9 @@ def checkpoint_weights(directory) -> list[Weight]:
     """The weights of a checkpoint folder (``runtime/checkpoint.py``), read one tensor at a time."""
     folder, meta = read_meta(directory)
     if "world" in meta:                 # each file holds flat pieces of the tensors (checkpoint_world.py)
-        raise ExportError(f"{folder} is a checkpoint of {meta['world']['size']} ranks, which export does not "
-                         "read yet: load it in one process (Trainer.load_checkpoint with a plan for world size 1), "
-                         "save it, and export that")
+        raise ExportError(f"{folder} is a checkpoint of {meta['world']['size']} ranks, "
+                          "which export does not read yet: load it in one process (Trainer.load_checkpoint with a "
+                          "plan for world size 1), save it, and export that")
     out = []
     for fname in sorted(meta["files"]):
         path = folder / fname
