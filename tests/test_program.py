@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lazytrain.frontend.presets import build_from_config
 from lazytrain.frontend.loss_head import fused_next_token_loss
+from lazytrain.frontend.presets import build_from_config
 from lazytrain.frontend.program import build_program
 from lazytrain.frontend.trace import TraceError, trace
 
@@ -62,7 +62,8 @@ def _chain(prog, params, ids, labels):
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_chain_matches_model(kind):
+def test_chain_matches_model(kind, monkeypatch):
+    monkeypatch.setattr("lazytrain.ir.graph.LOSS_MIN_COLUMNS", 1)   # the loss head in 64-column vocabulary chunks
     model = _model(kind)
     vocab = CONFIGS[kind].get("vocab", CONFIGS[kind].get("vocab_size"))
     ids, labels = _batch(vocab)
@@ -72,7 +73,8 @@ def test_chain_matches_model(kind):
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
-    prog = build_program(model, micro_batch=MB, seq_len=SEQ, device="cpu", dtype=torch.float32)
+    prog = build_program(model, micro_batch=MB, seq_len=SEQ, device="cpu", dtype=torch.float32,
+                         loss_chunk_logits=MB * SEQ * 64)
     assert prog.graph.n_blocks == 6 + 2
     params = dict(model.named_parameters())
     loss_sum, n_tokens = _chain(prog, params, ids, labels)

@@ -131,10 +131,12 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                     gf = part if cols >= vocab else part.to(lse.dtype)
                 else:
                     gf.add_(part)
+                del part
             if need_w:
                 torch.mm(dz.t(), feats, out=gw[lo:hi])
             if need_b:
                 gb[lo:hi] = dz.sum(dim=0)
+            del dz             # before the next chunk's logits exist
         gf = None if gf is None else gf.to(feats.dtype)
         return gf, gw, gb, None, None, None, None
 
