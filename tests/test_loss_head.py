@@ -93,8 +93,8 @@ def test_the_compiler_chunks_by_the_budget_and_the_trainer_uses_it():
     from lazytrain.runtime.trainer import Trainer
 
     model = build_model("tiny", device="cpu", dtype=torch.float32)
-    plan = compile(model, batch_size=2, seq_len=64, gpu_memory="2GiB", hardware="h200", reserve=0, param_dtype="float32",
-                   policy="recompute-all")
+    plan = compile(model, batch_size=2, seq_len=64, gpu_memory="2GiB", hardware="h200", reserve=0,
+                   param_dtype="float32", policy="recompute-all")
     head = plan.graph.meta["loss_head"]
     assert head["chunk_logits"] == chunk_logits(head, plan.budgets["gpu_bytes"]) == head["seq_len"] * head["vocab"]
     assert plan.graph.blocks[-1].workspace_fixed_bytes == head["chunk_logits"] * head["bytes_per_logit"]
