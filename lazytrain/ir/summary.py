@@ -58,11 +58,15 @@ def _search_rows(plan) -> list[list]:
         rows.append(["sequence tiles", f"{len(tile['blocks'])} layers run their position-wise tail (after attention) "
                                        f"in chunks of {tile.get('tokens')} tokens, recomputed in backward"])
     head = plan.graph.meta.get("loss_head") if isinstance(plan.graph.meta, dict) else None
-    if isinstance(head, dict) and head.get("chunk_logits"):
+    if isinstance(head, dict) and all(type(head.get(k)) is int and head[k] > 0 for k in _LOSS_HEAD_KEYS):
         rows.append(["loss head", _loss_head_text(plan, head)])
     notes = plan.decisions.notes if isinstance(plan.decisions.notes, dict) else {}
     rows += [[label, str(notes[key])] for key, label in NOTES.items() if key in notes]
     return rows
+
+
+#: the figures of ``graph.meta["loss_head"]`` the summary's row needs (a plan file without them has no row)
+_LOSS_HEAD_KEYS = ("chunk_logits", "bytes_per_logit", "seq_len", "vocab")
 
 
 def _loss_head_text(plan, head: dict) -> str:

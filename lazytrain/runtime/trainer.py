@@ -321,8 +321,9 @@ def _program(model: torch.nn.Module, plan: Plan, device: torch.device):
 
 def _loss_chunk(plan: Plan) -> dict:
     """The fused loss head's chunk the compiler chose (``compiler/loss_chunk.py``), where the plan names one."""
-    chunk = (plan.graph.meta.get("loss_head") or {}).get("chunk_logits")
-    return {"loss_chunk_logits": int(chunk)} if chunk else {}
+    head = plan.graph.meta.get("loss_head")
+    chunk = head.get("chunk_logits") if isinstance(head, dict) else None
+    return {"loss_chunk_logits": chunk} if type(chunk) is int and chunk > 0 else {}
 
 
 def _frozen(model: torch.nn.Module, optimizer) -> frozenset[str]:
