@@ -9,6 +9,13 @@ Systems (``--systems``, comma-separated; the modules are ``benchmarks/systems/*.
     fsdp2                FSDP2 fully_shard + CPUOffloadPolicy + per-layer activation checkpointing, fused CPU AdamW
     plain                plain PyTorch on the GPU: fp32 master + bf16 autocast, fused AdamW
     plain-ckpt           the same with per-layer activation checkpointing (not in the default set)
+    deepspeed-zero3-offload  DeepSpeed ZeRO-3, parameters and optimizer on the CPU (DeepSpeedCPUAdam), HF
+                         gradient checkpointing, bf16 (not in the default set: deepspeed is not a dependency;
+                         where it is missing, or there is no GPU, the row says so)
+    deepspeed-zero2-offload  the same with ZeRO-2: optimizer on the CPU, bf16 parameters on the GPU
+
+Uncapped rows (as the reference table's DeepSpeed figures were measured): ``--gpu-memory`` at or above the
+GPU's memory (e.g. ``141GiB`` on an H200) sets the per-process fraction to 1.
 
 Each system runs in its own process (``python -m lazytrain.bench_worker ...``), so peak GPU memory
 and host RSS are per system and an out-of-memory (GPU or host) in one is a row with an error, not a
@@ -66,8 +73,10 @@ DEFAULT_SYSTEMS = ("lazytrain-milp", "lazytrain-megatrain", "fsdp2", "plain")
 #: with --find-max-batch, the share of the budget the rows at --batch may use (the rest: batch search)
 MAIN_SHARE = 0.5
 #: a system's share of the time left, relative to the others still to run: lazytrain also traces,
-#: solves and pins its host store, where a baseline only builds the model
-WEIGHT = {"lazytrain-milp": 2.0, "lazytrain-megatrain": 1.5}
+#: solves and pins its host store, DeepSpeed pins its offload buffers (and builds its CPU Adam on first
+#: use), where a baseline only builds the model
+WEIGHT = {"lazytrain-milp": 2.0, "lazytrain-megatrain": 1.5, "deepspeed-zero3-offload": 1.5,
+          "deepspeed-zero2-offload": 1.5}
 #: the same in the batch search, where lazytrain compiles a plan of hundreds of sequences and runs it
 MAX_WEIGHT = {"lazytrain-milp": 4.0, "lazytrain-megatrain": 4.0}
 

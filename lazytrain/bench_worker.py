@@ -27,6 +27,8 @@ SYSTEMS: dict[str, tuple[str, dict]] = {
     "fsdp2": ("fsdp2", {}),
     "plain": ("plain", {"checkpointing": False}),
     "plain-ckpt": ("plain", {"checkpointing": True}),
+    "deepspeed-zero3-offload": ("deepspeed_offload", {"stage": 3}),
+    "deepspeed-zero2-offload": ("deepspeed_offload", {"stage": 2}),
 }
 #: the batch search stops here unless --max-batch-limit says otherwise
 MAX_BATCH_LIMIT = 4096

@@ -155,3 +155,22 @@ def test_result_written_before_a_slow_exit_is_kept(tmp_path, monkeypatch):
     write = False
     row = bench.run_system("plain", _cfg("m", tmp_path), 5, tmp_path / "w.log")
     assert row["error"] == "timed out after 5 s"
+
+
+def test_deepspeed_rows_say_what_is_missing(tiny_model, tmp_path, monkeypatch):
+    """DeepSpeed is no dependency and needs a GPU: its rows say which is missing, and the run goes on."""
+    cfg_path, out_path = tmp_path / "cfg.json", tmp_path / "row.json"
+    cfg_path.write_text(json.dumps(_cfg(tiny_model, tmp_path)))
+    assert bench_worker.worker_main(["deepspeed-zero3-offload", str(cfg_path), str(out_path)]) == 0
+    assert json.loads(out_path.read_text())["error"].startswith("RuntimeError: deepspeed needs CUDA")
+    ds = bench_worker.load_bench_module("systems/deepspeed_offload")
+    monkeypatch.setattr(ds.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ds.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="deepspeed is not installed"):
+        ds.require_deepspeed(_cfg(tiny_model, tmp_path, device="cuda"))
+    # the configs: ZeRO-3 offloads parameters and optimizer, ZeRO-2 the optimizer; bf16, clipping, one micro-batch
+    z3, z2 = (ds.ds_config(_cfg(tiny_model, tmp_path, batch=8), s) for s in (3, 2))
+    assert z3["zero_optimization"]["offload_param"]["device"] == "cpu" == z2["zero_optimization"]["offload_optimizer"][
+        "device"] and "offload_param" not in z2["zero_optimization"]
+    assert z3["bf16"]["enabled"] and z3["gradient_clipping"] == 1.0 and z3["train_micro_batch_size_per_gpu"] == 8
+    assert bench_worker.SYSTEMS["deepspeed-zero2-offload"] == ("deepspeed_offload", {"stage": 2})

@@ -77,7 +77,8 @@ def test_batch_max_is_the_largest_feasible(policy):
 def test_nvme_tier_is_used_when_host_memory_is_short(tmp_path):
     g = graph("qwen2.5-0.5b")
     static = g.total_params * 8.25
-    plan = compile_model(g, batch_size=32, micro_batch=8, gpu_memory="8GiB", host_memory=int(static + 2 * GiB),
+    # 1 GiB of host room: with the fused loss head's small chunk the GPU keeps what 2 GiB of host would not
+    plan = compile_model(g, batch_size=32, micro_batch=8, gpu_memory="8GiB", host_memory=int(static + 1 * GiB),
                          nvme_dir=str(tmp_path), nvme_memory="200GiB", policy="milp", hardware="h200",
                          resident="none")   # resident blocks would free enough GPU memory to skip NVMe
     on_nvme = sum(p is Place.NVME for p in plan.decisions.boundary) + sum(s is Saved.NVME for s in plan.decisions.saved)
@@ -85,7 +86,7 @@ def test_nvme_tier_is_used_when_host_memory_is_short(tmp_path):
     assert any(op.dst is Tier.NVME for op in plan.ops)
     assert plan.predicted["busy_s"]["nvme"] > 0
     assert plan.predicted["peak_nvme_bytes"] > 0
-    assert plan.predicted["peak_host_bytes"] <= static + 2 * GiB
+    assert plan.predicted["peak_host_bytes"] <= static + 1 * GiB
 
 
 def test_cli_compile_show_simulate_trace(tmp_path, capsys):

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from lazytrain.frontend.loss_head import fused_next_token_loss
 from lazytrain.frontend.presets import build_from_config
-from lazytrain.frontend.program import build_program, chunked_next_token_loss
+from lazytrain.frontend.program import build_program
 from lazytrain.frontend.trace import TraceError, trace
 
 SEQ, MB = 24, 2
@@ -61,7 +62,8 @@ def _chain(prog, params, ids, labels):
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_chain_matches_model(kind):
+def test_chain_matches_model(kind, monkeypatch):
+    monkeypatch.setattr("lazytrain.ir.graph.LOSS_MIN_COLUMNS", 1)   # the loss head in 64-column vocabulary chunks
     model = _model(kind)
     vocab = CONFIGS[kind].get("vocab", CONFIGS[kind].get("vocab_size"))
     ids, labels = _batch(vocab)
@@ -71,7 +73,8 @@ def test_chain_matches_model(kind):
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
-    prog = build_program(model, micro_batch=MB, seq_len=SEQ, device="cpu", dtype=torch.float32)
+    prog = build_program(model, micro_batch=MB, seq_len=SEQ, device="cpu", dtype=torch.float32,
+                         loss_chunk_logits=MB * SEQ * 64)
     assert prog.graph.n_blocks == 6 + 2
     params = dict(model.named_parameters())
     loss_sum, n_tokens = _chain(prog, params, ids, labels)
@@ -95,20 +98,21 @@ def test_every_parameter_is_in_a_block_and_tied_listed_twice():
         p.owner == 0 for p in prog.graph.blocks[-1].params)
 
 
-def test_chunked_loss_matches_full_and_chunks():
+def test_chunked_loss_matches_full_and_chunks(monkeypatch):
+    monkeypatch.setattr("lazytrain.ir.graph.LOSS_MIN_COLUMNS", 1)   # 14 rows x 3 columns: 4 vocabulary chunks
     torch.manual_seed(0)
     feats = torch.randn(2, 7, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
     b = torch.randn(11, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 11, (2, 7))
     labels[1, 3] = -100
-    loss, n = chunked_next_token_loss(feats, w, b, labels, chunk=3)
+    loss, n = fused_next_token_loss(feats, w, b, labels, 14 * 3)
     logits = feats @ w.t() + b
     ref = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1),
                                       ignore_index=-100, reduction="sum")
     torch.testing.assert_close(loss, ref)
     assert int(n) == 11
-    assert torch.autograd.gradcheck(lambda f, w, b: chunked_next_token_loss(f, w, b, labels, chunk=3)[0].double(),
+    assert torch.autograd.gradcheck(lambda f, w, b: fused_next_token_loss(f, w, b, labels, 14 * 3)[0].double(),
                                     (feats, w, b))
 
 

@@ -18,6 +18,7 @@ from ..ir.graph import ModelGraph
 from ..units import parse_size
 from .cost import CostModel
 from .hardware import get_profile
+from .loss_chunk import with_loss_chunk
 from .lower import lower
 from .resident import resident_request
 from .search import Search
@@ -279,6 +280,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
     graph = _as_graph(model, seq_len, param_dtype, history, packed, seq_tile)
     budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
+    graph = with_loss_chunk(graph, budgets["gpu_bytes"])     # the loss head's chunk, from the GPU budget
     fixed, auto = resident_request(graph, resident)
     if world_size != 1 or nodes != 1:
         check_world(graph, world_size, nodes, fixed)

@@ -6,9 +6,10 @@ it streamed in and never mutates the model.  The program is specialised to (micr
 and to ``dtype`` (casts inside the model, e.g. RMSNorm's, are recorded in that dtype).
 
 The last block of a causal LM returns ``{"loss_sum", "n_tokens"}``: the summed next-token
-cross-entropy of the micro-batch and the number of labels that are not -100, computed over chunks
-of ``loss_chunk_tokens`` tokens; the backward recomputes each chunk's logits, so at most one chunk of
-logits (and its gradient) exists at a time.  The last block of an ``nn.Sequential`` returns
+cross-entropy of the micro-batch and the number of labels that are not -100, fused with the LM head's
+matmul over vocabulary chunks of about ``loss_chunk_logits`` logits (``loss_head.py``; the compiler
+chooses the chunk, ``compiler/loss_chunk.py``), so at most one chunk of logits (and its gradient)
+exists at a time.  The last block of an ``nn.Sequential`` returns
 ``loss_fn(output, target)`` as ``loss_sum`` with ``n_tokens = 1``, so the runtime's normalisation
 averages the micro-batch losses.
 """
@@ -21,72 +22,10 @@ import torch
 from torch import nn
 
 from ..ir import ModelGraph
+from .loss_head import DEFAULT_CHUNK_LOGITS, fused_next_token_loss
 from .tiling import tile_split
 from .trace_export import BlockCode, Split, TraceError, export, find_layers, meta_clone, reduce_layers, reducible
 from .trace_export import split as split_graph
-
-IGNORE = -100
-DEFAULT_CHUNK = 2048
-
-
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """sum over tokens of CE(features @ W.T + b, labels), one chunk of logits at a time (fwd and bwd)."""
-
-    @staticmethod
-    def forward(ctx, feats, weight, bias, labels, chunk, softcap=None, scale=1.0):
-        if feats.is_meta:       # shapes only (the cost measurement): FLOPs are linear in the rows, so one
-            chunk = max(1, feats.shape[0])    # chunk counts the same and costs O(1) dispatches, not O(tokens)
-        ctx.save_for_backward(feats, weight, bias, labels)
-        ctx.chunk, ctx.softcap, ctx.scale = chunk, softcap, scale
-        total = feats.new_zeros((), dtype=torch.float32)
-        for s in range(0, feats.shape[0], chunk):
-            total = total + _chunk_loss(feats[s:s + chunk], weight, bias, labels[s:s + chunk], softcap, scale)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        feats, weight, bias, labels = ctx.saved_tensors
-        need_f, need_w, need_b = ctx.needs_input_grad[:3]
-        gf = torch.empty_like(feats) if need_f else None
-        gw = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        gb = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
-        for s in range(0, feats.shape[0], ctx.chunk):
-            f = feats[s:s + ctx.chunk].detach().requires_grad_(need_f)
-            with torch.enable_grad():
-                w = weight.detach().requires_grad_(need_w)
-                b = None if bias is None else bias.detach().requires_grad_(need_b)
-                loss = _chunk_loss(f, w, b, labels[s:s + ctx.chunk], ctx.softcap, ctx.scale)
-                wrt = [t for t, need in ((f, need_f), (w, need_w), (b, need_b)) if need]
-                grads = iter(torch.autograd.grad(loss, wrt, grad))
-            if need_f:
-                gf[s:s + ctx.chunk] = next(grads)
-            if need_w:
-                gw += next(grads)
-            if need_b:
-                gb += next(grads)
-        return (gf, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype), None,
-                None, None, None)
-
-
-def _chunk_loss(f, w, b, lab, softcap=None, scale=1.0):
-    logits = f @ w.t() if b is None else torch.addmm(b, f, w.t())
-    if scale != 1.0:
-        logits = logits * scale
-    logits = logits if logits.dtype == torch.float64 else logits.float()
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return torch.nn.functional.cross_entropy(logits, lab, ignore_index=IGNORE, reduction="sum")
-
-
-def chunked_next_token_loss(feats, weight, bias, labels, chunk: int = DEFAULT_CHUNK, softcap: float | None = None,
-                            scale: float = 1.0):
-    """(summed next-token CE, number of counted tokens) of features (b, s, d) against labels (b, s);
-    ``scale``: logits multiplied by it first (Cohere, Granite); ``softcap``: logits = softcap *
-    tanh(logits / softcap) (Gemma-2)."""
-    shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1).reshape(-1)
-    flat = feats.reshape(-1, feats.shape[-1])
-    loss = _ChunkedCrossEntropy.apply(flat, weight, bias, shifted, chunk, softcap, scale)
-    return loss, (shifted != IGNORE).sum()
 
 
 @dataclass
@@ -97,7 +36,7 @@ class BlockProgram:
     blocks: list[BlockCode] = field(default_factory=list, repr=False)
     micro_batch: int = 1
     seq_len: int = 0
-    loss_chunk_tokens: int = DEFAULT_CHUNK
+    loss_chunk_logits: int = DEFAULT_CHUNK_LOGITS
     packed: bool = False                # takes position_ids: examples packed into rows (``packing.py``)
 
     def run_block(self, j: int, params: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> dict:
@@ -110,8 +49,8 @@ class BlockProgram:
         outs = bc.gm(*args)
         if bc.loss is not None:
             lh = bc.loss
-            loss, n = chunked_next_token_loss(outs[0], params[lh.weight], None if lh.bias is None else params[lh.bias],
-                                              inputs[lh.labels], self.loss_chunk_tokens, lh.softcap, lh.scale)
+            loss, n = fused_next_token_loss(outs[0], params[lh.weight], None if lh.bias is None else params[lh.bias],
+                                            inputs[lh.labels], self.loss_chunk_logits, lh.softcap, lh.scale)
             return {"loss_sum": loss, "n_tokens": n}
         if bc.user_loss:
             return {"loss_sum": outs[0], "n_tokens": torch.ones((), dtype=torch.int64, device=outs[0].device)}
@@ -133,17 +72,18 @@ class BlockProgram:
 
 def build_program(model: nn.Module, *, micro_batch: int, seq_len: int, device: str | torch.device,
                   dtype: torch.dtype, example_inputs=None, loss_fn=None,
-                  loss_chunk_tokens: int = DEFAULT_CHUNK, packed: bool = False,
+                  loss_chunk_logits: int = DEFAULT_CHUNK_LOGITS, packed: bool = False,
                   seq_tile: int | None = None) -> BlockProgram:
     """Export ``model`` (never touching its weights) and split it into per-block programs; ``seq_tile``:
     layers' position-wise tails run in chunks of that many tokens (``tiling.py``); ``packed``: with
-    ``position_ids`` and the per-example mask (``packing.py``)."""
+    ``position_ids`` and the per-example mask (``packing.py``); ``loss_chunk_logits``: logits per chunk of
+    the fused loss head (``loss_head.py``)."""
     from .trace import graph_from_split  # trace.py builds on this module's programs
     sp = build_split(model, micro_batch=micro_batch, seq_len=seq_len, device=device, dtype=dtype,
                      example_inputs=example_inputs, loss_fn=loss_fn, packed=packed, seq_tile=seq_tile)
     graph = graph_from_split(sp, model, seq_len=seq_len, dtype=dtype, micro_batch=micro_batch, measure=False)
     return BlockProgram(graph=graph, blocks=sp.blocks, micro_batch=micro_batch, seq_len=seq_len,
-                        loss_chunk_tokens=loss_chunk_tokens, packed=packed)
+                        loss_chunk_logits=loss_chunk_logits, packed=packed)
 
 
 def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dtype, example_inputs=None,

@@ -9,9 +9,10 @@ are amortised rather than counted once per sample:
   excluded (a block input that backward reads *is* counted);
 - workspace: the forward's peak of live values (fx liveness, plus what autograd has saved so far)
   above what survives it (saved + outputs), or the largest single op's gradient footprint
-  (its output and inputs), whichever is larger; the head adds one chunk of logits (model dtype,
-  fp32, fp32 gradient).  Attention is costed as a fused kernel (O(seq) saved per head, an fp32 dQ
-  accumulator in its backward's footprint);
+  (its output and inputs), whichever is larger; the fused loss head (``loss_head.py``) adds per token
+  its row bytes, and one chunk of logits as a fixed cost, which the compiler sets when it chooses the
+  chunk (``compiler/loss_chunk.py``, from ``graph.meta["loss_head"]``).  Attention is costed as a fused
+  kernel (O(seq) saved per head, an fp32 dQ accumulator in its backward's footprint);
 - attention FLOPs apart (``attention.AttentionCount``): causal attention as half the square, backward
   2.5x forward (the kernel recomputes the scores); they are part of the block's FLOPs, and the block
   records them with the head dimension and key length the cost model prices them by.
@@ -31,9 +32,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir import Block, ModelGraph, ParamSpec, TensorSpec
-from ..ir.graph import DTYPE_BYTES
+from ..ir.graph import DTYPE_BYTES, LOSS_MIN_COLUMNS
 from .attention import DQ_ACCUMULATOR_BYTES, AttentionCount, is_attention
-from .program import DEFAULT_CHUNK, build_split, chunked_next_token_loss
+from .loss_head import DEFAULT_CHUNK_LOGITS, bytes_per_logit, fused_next_token_loss, row_bytes
+from .program import build_split
 from .tiling import TiledTail, run_tail
 from .trace_export import Split, TraceError
 
@@ -157,6 +159,9 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
         meta["packed"] = True       # the Trainer builds the program with position_ids
     if sp.meta.get("seq_tile"):
         meta["seq_tile"] = dict(sp.meta["seq_tile"])
+    head = sp.blocks[-1].loss
+    if head is not None:   # the fused loss head's figures; the compiler chooses its chunk
+        meta["loss_head"] = {"block": L - 1, **loss_head_figures(head, shapes[head.weight][0], dtype, seq_len)}
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
     return ModelGraph(name=name, seq_len=seq_len, dtype=_dname(dtype), blocks=tuple(blocks),
                       boundary_bytes=tuple(boundary_bytes), boundary_values=tuple(tuple(v) for v in live),
@@ -240,6 +245,13 @@ def _tail_transient(tail: TiledTail) -> tuple[int, int]:
     return math.ceil((sum(saved.values()) + interp.op_peak) * share), accum
 
 
+def loss_head_figures(lh, weight_shape: tuple, dtype: torch.dtype, seq_len: int) -> dict:
+    """What the compiler needs to choose the fused loss head's chunk (``graph.meta["loss_head"]``)."""
+    return {"vocab": int(weight_shape[0]), "hidden": int(weight_shape[1]), "seq_len": seq_len,
+            "bytes_per_logit": bytes_per_logit(dtype, lh.softcap), "row_bytes": row_bytes(dtype, weight_shape[1]),
+            "chunk_logits": DEFAULT_CHUNK_LOGITS}
+
+
 def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: int):
     """(saved bytes, workspace bytes, fixed workspace bytes, fwd FLOPs, bwd FLOPs, attention count) of
     one block at micro-batch ``mb``; the fixed part does not scale with the micro-batch (a loss chunk)."""
@@ -270,9 +282,9 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
         outs = interp.run(*args)
         if b.loss is not None:
             lh = b.loss
-            loss, _ = chunked_next_token_loss(outs[0], params[lh.weight],
-                                              None if lh.bias is None else params[lh.bias], inputs[lh.labels],
-                                              softcap=lh.softcap, scale=lh.scale)
+            loss, _ = fused_next_token_loss(outs[0], params[lh.weight],
+                                            None if lh.bias is None else params[lh.bias], inputs[lh.labels],
+                                            DEFAULT_CHUNK_LOGITS, softcap=lh.softcap, scale=lh.scale)
             outs = (loss,)
     fwd = fc.get_total_flops()
     fixed = 0
@@ -284,11 +296,12 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
         if isinstance(t, torch.Tensor):
             keep[_storage_key(t)] = _tbytes(t)
     ws = max(interp.peak - sum(keep.values()), interp.op_peak, 0)
-    if b.loss is not None:   # one chunk of logits whatever the micro-batch: a fixed cost.  Per logit: the
-        w = params[b.loss.weight]   # model-dtype product, its fp32 copy, log-softmax, and in backward two fp32
-        # gradients (12 bytes measured in bf16 on the CPU, 8 on the H200); plus backward's fp32 accumulator
-        # of the weight's gradient (runtime.memtrack measures both)
-        fixed = DEFAULT_CHUNK * w.shape[0] * (w.element_size() + 10) + w.numel() * 4
+    if b.loss is not None:   # the fused loss head (``loss_head.py``): one chunk of logits whatever the
+        # micro-batch, a fixed cost the compiler sets with the chunk (``compiler/loss_chunk.py``); per token its
+        # row bytes, and at most ``LOSS_MIN_COLUMNS`` logits beyond the chunk where the chunk's columns bottom out
+        head = loss_head_figures(b.loss, tuple(params[b.loss.weight].shape), params[b.loss.weight].dtype, seq_len)
+        fixed = DEFAULT_CHUNK_LOGITS * head["bytes_per_logit"]
+        ws = max(ws, mb * seq_len * (head["row_bytes"] + LOSS_MIN_COLUMNS * head["bytes_per_logit"]))
     grad_outs = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
     with FlopCounterMode(display=False, custom_mapping=attn.mapping()) as fc2:
         if grad_outs:

@@ -17,6 +17,17 @@ import networkx as nx
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "float64": 8,
                "int8": 1, "uint8": 1}
 
+#: fewest vocabulary columns a chunk of the fused loss head takes (``frontend/loss_head.py``): a chunk's
+#: matmul (rows x hidden x columns) stays a large GEMM (at 256 columns a 32k-row, 2k-hidden chunk is still
+#: 34 GFLOP), whatever the micro-batch
+LOSS_MIN_COLUMNS = 256
+
+
+def loss_chunk_columns(chunk_logits: int, rows: int, vocab: int) -> int:
+    """Vocabulary columns per chunk of the fused loss head for ``rows`` tokens: ``chunk_logits`` logits,
+    at least ``LOSS_MIN_COLUMNS``, at most the vocabulary (data here: the runtime and the summary share it)."""
+    return max(1, min(vocab, max(LOSS_MIN_COLUMNS, chunk_logits // max(rows, 1))))
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorSpec:

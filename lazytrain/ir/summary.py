@@ -6,6 +6,7 @@ import textwrap
 from collections import Counter
 
 from .decisions import Place, Saved
+from .graph import loss_chunk_columns
 from .ops import GiB, OpKind
 from .semantics import Sizes
 
@@ -56,9 +57,28 @@ def _search_rows(plan) -> list[list]:
     if isinstance(tile, dict) and tile.get("blocks"):
         rows.append(["sequence tiles", f"{len(tile['blocks'])} layers run their position-wise tail (after attention) "
                                        f"in chunks of {tile.get('tokens')} tokens, recomputed in backward"])
+    head = plan.graph.meta.get("loss_head") if isinstance(plan.graph.meta, dict) else None
+    if isinstance(head, dict) and all(type(head.get(k)) is int and head[k] > 0 for k in _LOSS_HEAD_KEYS):
+        rows.append(["loss head", _loss_head_text(plan, head)])
     notes = plan.decisions.notes if isinstance(plan.decisions.notes, dict) else {}
     rows += [[label, str(notes[key])] for key, label in NOTES.items() if key in notes]
     return rows
+
+
+#: the figures of ``graph.meta["loss_head"]`` the summary's row needs (a plan file without them has no row)
+_LOSS_HEAD_KEYS = ("chunk_logits", "bytes_per_logit", "seq_len", "vocab")
+
+
+def _loss_head_text(plan, head: dict) -> str:
+    """The fused loss head's chunk (``compiler/loss_chunk.py``): columns, bytes, and what it costs in time."""
+    rows = plan.micro_batch * head["seq_len"]
+    cols = loss_chunk_columns(head["chunk_logits"], rows, head["vocab"])
+    chunks = -(-head["vocab"] // cols)
+    gib = head["chunk_logits"] * head["bytes_per_logit"] / GiB
+    whole = rows * head["vocab"] * 4 / GiB
+    return (f"lm_head + cross-entropy fused in {chunks} chunk{'s' if chunks > 1 else ''} of {cols} vocabulary "
+            f"columns ({gib:.2f} GiB a chunk, instead of {whole:.2f} GiB of fp32 logits a micro-batch); backward "
+            "recomputes the logits (one more forward of the head)")
 
 
 def _hardware_text(hw) -> str:

@@ -350,12 +350,20 @@ def _program(model: torch.nn.Module, plan: Plan, device: torch.device):
     """The model's per-block program (``frontend.program``), refused unless it is the plan's model."""
     program = build_program(model, micro_batch=plan.micro_batch, seq_len=plan.seq_len, device=device,
                             dtype=_torch_dtype(plan.graph.dtype), packed=bool(plan.graph.meta.get("packed")),
-                            seq_tile=(plan.graph.meta.get("seq_tile") or {}).get("tokens"))
+                            seq_tile=(plan.graph.meta.get("seq_tile") or {}).get("tokens"),
+                            **_loss_chunk(plan))
     have = program.graph.fingerprint()
     if have != plan.fingerprint:
         raise PlanError(f"the plan was compiled for another model (plan {plan.graph.name}, fingerprint "
                         f"{plan.fingerprint}; this model's fingerprint is {have}): compile a plan for this model")
     return program
+
+
+def _loss_chunk(plan: Plan) -> dict:
+    """The fused loss head's chunk the compiler chose (``compiler/loss_chunk.py``), where the plan names one."""
+    head = plan.graph.meta.get("loss_head")
+    chunk = head.get("chunk_logits") if isinstance(head, dict) else None
+    return {"loss_chunk_logits": chunk} if type(chunk) is int and chunk > 0 else {}
 
 
 def _frozen(model: torch.nn.Module, optimizer) -> frozenset[str]:

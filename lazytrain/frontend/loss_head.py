@@ -1,0 +1,152 @@
+"""The loss head: the LM head's matmul and the next-token cross-entropy fused, the logits never whole.
+
+A 152k vocabulary makes the logits the largest tensor of a step (Qwen2.5 at 32 x 1024 tokens: 18.6 GiB in
+fp32, and as much again for their gradient).  ``FusedLinearCrossEntropy`` computes
+
+    loss = sum over rows r with labels[r] != -100 of  logsumexp(z[r]) - z[r, labels[r]],
+    z = cap * tanh(scale * (features @ weight.T + bias) / cap)      (cap: Gemma-2's softcap, else z = scale * ...)
+
+over chunks of the vocabulary: every chunk takes *all* rows of the micro-batch and ``columns`` rows of the
+weight, so the chunk's logits are ``rows x columns`` whatever the micro-batch.  Forward keeps a running
+maximum and sum per row (the online log-sum-exp) and the target's logit, and saves only the rows' log-sum-exp
+(4 bytes a token).  Backward recomputes each chunk's logits with the same shapes as the forward (so the
+same values on the same device), turns them in place into ``grad * (softmax - onehot)``, and forms at once
+that chunk's rows of the weight's (and bias's) gradient -- written into their slice, no accumulator -- and
+its share of the features' gradient, summed over the chunks in fp32 (``rows x hidden``, far smaller than a
+``vocab x hidden`` fp32 accumulator a row-chunked backward would need).  Exactly eager's math: logits in
+the model dtype, upcast to fp32 before the softmax as Hugging Face's loss does, ignored rows (-100) count
+nothing and get a zero gradient; the reduction (sum, then divided by the counted tokens of the whole step)
+is the runtime's.
+
+Cost (priced by the trace, chosen by ``compiler/loss_chunk.py``): FLOPs 2·N·V·d forward, 3x that backward
+(the recompute plus the two gradient matmuls); GPU bytes: one chunk's logits at ``bytes_per_logit`` each
+plus, per row, the fp32 feature-gradient accumulator, the model-dtype partial product and four fp32 row
+statistics (``row_bytes``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ir.graph import loss_chunk_columns
+
+IGNORE = -100
+
+#: logits a chunk when the compiler has not chosen (``compiler/loss_chunk.py`` does, from the GPU budget):
+#: one 1024-token sample of a 131k vocabulary, 0.75 GiB at the 6 bytes a bf16 logit takes
+DEFAULT_CHUNK_LOGITS = 1 << 27
+
+#: row statistics each fp32 a token: running maximum, running sum, target logit, then the log-sum-exp
+ROW_STATS = 4
+
+
+def bytes_per_logit(dtype: torch.dtype, softcap: float | None) -> int:
+    """Peak GPU bytes per logit of a chunk: the model-dtype product next to its fp32 copy (the copy alone
+    when the model is fp32), and with a softcap the fp32 derivative next to the fp32 softmax in backward."""
+    size = torch.empty((), dtype=dtype).element_size()
+    peak = 4 + (size if size < 4 else 0)
+    return max(peak, 8) if softcap else peak
+
+
+def row_bytes(dtype: torch.dtype, hidden: int) -> int:
+    """GPU bytes per token besides the chunk: the fp32 feature-gradient accumulator, one chunk's
+    model-dtype share of it, and the row statistics."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return hidden * (4 + size) + ROW_STATS * 4
+
+
+def _logits(f, w, b, scale: float, softcap: float | None) -> torch.Tensor:
+    """One chunk's logits in fp32 (fp64 stays fp64): the model-dtype product is released at once."""
+    z = f @ w.t() if b is None else torch.addmm(b, f, w.t())
+    if z.dtype not in (torch.float32, torch.float64):
+        z = z.float()
+    if scale != 1.0:
+        z.mul_(scale)
+    if softcap:
+        z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
+
+def _targets(labels: torch.Tensor, lo: int, hi: int):
+    """(whether each row's target is in columns [lo, hi), its column in the chunk where it is, else 0):
+    masks, not indices, so nothing waits for the device and shapes stay static (meta)."""
+    inside = (labels >= lo) & (labels < hi)
+    return inside, torch.where(inside, labels - lo, 0)[:, None]
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """sum over counted rows of CE(features @ W.T + b, labels), one vocabulary chunk of logits at a time."""
+
+    @staticmethod
+    def forward(ctx, feats, weight, bias, labels, chunk_logits, softcap=None, scale=1.0):
+        rows, vocab = feats.shape[0], weight.shape[0]
+        # shapes only (the cost measurement): FLOPs are linear in the columns, so one chunk counts the same
+        cols = vocab if feats.is_meta else loss_chunk_columns(chunk_logits, rows, vocab)
+        stat = torch.float64 if feats.dtype == torch.float64 else torch.float32
+        run_max = torch.full((rows,), float("-inf"), dtype=stat, device=feats.device)
+        run_sum = torch.zeros(rows, dtype=stat, device=feats.device)
+        target = torch.zeros(rows, dtype=stat, device=feats.device)
+        for lo in range(0, vocab, cols):
+            hi = min(vocab, lo + cols)
+            z = _logits(feats, weight[lo:hi], None if bias is None else bias[lo:hi], scale, softcap)
+            inside, col = _targets(labels, lo, hi)
+            target = torch.where(inside, z.gather(1, col).squeeze(1), target)
+            new_max = torch.maximum(run_max, z.amax(dim=1))
+            run_sum.mul_(torch.exp(run_max - new_max)).add_(z.sub_(new_max[:, None]).exp_().sum(dim=1))
+            run_max = new_max
+            del z
+        lse = run_max.add_(run_sum.log_())
+        counted = labels != IGNORE
+        ctx.save_for_backward(feats, weight, bias, labels, lse)
+        ctx.cols, ctx.softcap, ctx.scale = cols, softcap, scale
+        return torch.where(counted, lse - target, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        feats, weight, bias, labels, lse = ctx.saved_tensors
+        need_f, need_w, need_b = ctx.needs_input_grad[:3]
+        vocab, cols, softcap, scale = weight.shape[0], ctx.cols, ctx.softcap, ctx.scale
+        row_grad = torch.where(labels != IGNORE, grad.to(lse.dtype), 0.0)     # d loss / d loss_row
+        gf = None
+        gw = torch.empty_like(weight) if need_w else None
+        gb = torch.empty_like(bias) if need_b else None
+        for lo in range(0, vocab, cols):
+            hi = min(vocab, lo + cols)
+            z = _logits(feats, weight[lo:hi], None if bias is None else bias[lo:hi], scale, softcap)
+            deriv = z.div(softcap).square_().neg_().add_(1) if softcap else None   # d cap*tanh(x/cap) / dx
+            p = z.sub_(lse[:, None]).exp_()          # softmax, in place of the logits
+            inside, col = _targets(labels, lo, hi)
+            p.scatter_add_(1, col, inside.to(p.dtype).neg_()[:, None])
+            p.mul_(row_grad[:, None])
+            if softcap:
+                p.mul_(deriv)
+                del deriv
+            if scale != 1.0:
+                p.mul_(scale)
+            dz = p.to(feats.dtype)
+            del p, z
+            if need_f:
+                part = dz @ weight[lo:hi]
+                if gf is None:
+                    gf = part if cols >= vocab else part.to(lse.dtype)
+                else:
+                    gf.add_(part)
+                del part
+            if need_w:
+                torch.mm(dz.t(), feats, out=gw[lo:hi])
+            if need_b:
+                gb[lo:hi] = dz.sum(dim=0)
+            del dz             # before the next chunk's logits exist
+        gf = None if gf is None else gf.to(feats.dtype)
+        return gf, gw, gb, None, None, None, None
+
+
+def fused_next_token_loss(feats, weight, bias, labels, chunk_logits: int, softcap: float | None = None,
+                          scale: float = 1.0):
+    """(summed next-token CE, number of counted tokens) of features (b, s, d) against labels (b, s): the
+    logits at position t are compared with the label at t + 1; ``scale``: logits multiplied by it first
+    (Cohere, Granite); ``softcap``: logits = softcap * tanh(logits / softcap) (Gemma-2)."""
+    shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1).reshape(-1)
+    flat = feats.reshape(-1, feats.shape[-1])
+    loss = FusedLinearCrossEntropy.apply(flat, weight, bias, shifted, chunk_logits, softcap, scale)
+    return loss, (shifted != IGNORE).sum()

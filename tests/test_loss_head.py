@@ -1,0 +1,109 @@
+"""The fused loss head (``frontend/loss_head.py``) holds one chunk of logits, not all of them, and the
+compiler's chunk (``compiler/loss_chunk.py``) follows the GPU budget and reaches the Trainer's program.
+(Its loss and gradients against eager: ``test_program.test_chain_matches_model`` and
+``test_packing.test_packed_rows_train_exactly_as_the_examples_unpacked`` run every model in several chunks.)"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lazytrain.compiler.loss_chunk import LOSS_HEAD_SHARE, chunk_logits, with_loss_chunk
+from lazytrain.frontend.loss_head import bytes_per_logit, fused_next_token_loss, row_bytes
+from lazytrain.ir import GiB
+
+ROWS, VOCAB, HIDDEN = 256, 2048, 64
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the tensors ops allocate while it is on, each storage counted until its last tensor dies."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _drop(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            self.live -= self.size.pop(key)
+            del self.refs[key]
+
+    @staticmethod
+    def _arg_keys(args) -> set[int]:
+        flat = [a for x in args for a in (x if isinstance(x, (tuple, list)) else (x,))]
+        return {a.untyped_storage().data_ptr() for a in flat if isinstance(a, torch.Tensor)}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage().data_ptr()
+                if key not in self.refs and key in self._arg_keys(args):
+                    continue            # a view of a tensor allocated before (a weight's rows)
+                if key not in self.refs:
+                    self.refs[key], self.size[key] = 0, t.untyped_storage().nbytes()
+                    self.live += self.size[key]
+                    self.peak = max(self.peak, self.live)
+                self.refs[key] += 1
+                weakref.finalize(t, self._drop, key)
+        return out
+
+
+def _head_peak(chunk: int | None, dtype: torch.dtype) -> int:
+    """Peak bytes allocated by the head's forward and backward, fused in ``chunk`` logits (None: eager)."""
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, ROWS, HIDDEN, generator=g).to(dtype).requires_grad_(True)
+    weight = (torch.randn(VOCAB, HIDDEN, generator=g) * 0.1).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, VOCAB, (1, ROWS), generator=g)
+    labels[0, :50] = -100
+    with LiveBytes() as mem:
+        if chunk is None:
+            logits = (feats[0] @ weight.t()).float()
+            loss = torch.nn.functional.cross_entropy(logits[:-1], labels[0, 1:], reduction="sum")
+            del logits
+        else:
+            loss, _ = fused_next_token_loss(feats, weight, None, labels, chunk)
+        loss.backward()
+    return mem.peak
+
+
+def test_the_heads_peak_falls_with_the_chunk_and_stays_within_its_price():
+    dtype = torch.bfloat16        # 6 bytes a logit: the product and its fp32 copy
+    eager = _head_peak(None, dtype)
+    assert eager >= 2 * ROWS * VOCAB * 4       # logits and their gradient, fp32, at once
+    bound = {}
+    peaks = {}
+    for cols in (256, VOCAB):
+        chunk = ROWS * cols
+        peaks[cols] = _head_peak(chunk, dtype)
+        grads = (ROWS + VOCAB) * HIDDEN * torch.empty((), dtype=dtype).element_size()   # the gradients returned
+        bound[cols] = chunk * bytes_per_logit(dtype, None) + ROWS * row_bytes(dtype, HIDDEN) + grads
+        assert peaks[cols] <= bound[cols], (cols, peaks[cols], bound[cols])
+    assert peaks[256] < peaks[VOCAB] <= eager
+    assert peaks[256] < eager / 4
+
+
+def test_the_compiler_chunks_by_the_budget_and_the_trainer_uses_it():
+    from lazytrain import compile
+    from lazytrain.frontend.presets import build_model
+    from lazytrain.runtime.trainer import Trainer
+
+    model = build_model("tiny", device="cpu", dtype=torch.float32)
+    plan = compile(model, batch_size=2, seq_len=64, gpu_memory="2GiB", hardware="h200", reserve=0,
+                   param_dtype="float32", policy="recompute-all")
+    head = plan.graph.meta["loss_head"]
+    assert head["chunk_logits"] == chunk_logits(head, plan.budgets["gpu_bytes"]) == head["seq_len"] * head["vocab"]
+    assert plan.graph.blocks[-1].workspace_fixed_bytes == head["chunk_logits"] * head["bytes_per_logit"]
+    assert "loss head" in plan.summary()
+    # a smaller budget, a smaller chunk: a power of two within the share of the budget
+    small = with_loss_chunk(plan.graph, 1024 ** 2)
+    c = small.meta["loss_head"]["chunk_logits"]
+    assert c < head["chunk_logits"] and c & (c - 1) == 0
+    assert c * head["bytes_per_logit"] <= LOSS_HEAD_SHARE * 1024 ** 2 < 2 * c * head["bytes_per_logit"]
+    assert small.blocks[-1].workspace_fixed_bytes == c * head["bytes_per_logit"] < 1 * GiB
+    trainer = Trainer(model, plan, device="cpu")
+    assert trainer.program.loss_chunk_logits == head["chunk_logits"]
