@@ -24,6 +24,8 @@ from datetime import timedelta
 
 import torch
 
+from ..frontend.loss_head import IGNORE
+
 #: how long a collective may wait for the other ranks before the step fails: long enough for the
 #: slowest legitimate wait (a rank's first step builds its program and pins its host store: ~60 s for a
 #: 7B model on the H200 host), short enough that a hung rank is reported within minutes
@@ -199,7 +201,6 @@ def global_tokens(program, labels: torch.Tensor, n_micro: int) -> int:
     """Tokens the loss of the whole global batch counts (what one process's head would sum): a causal
     LM's next-token targets that are not ignored, or one per micro-batch for a model's own loss.  Every
     rank holds the global batch, so this needs no collective."""
-    from ..frontend.program import IGNORE
     head = program.blocks[-1]
     if head.loss is None:
         return n_micro
