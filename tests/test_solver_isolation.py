@@ -141,3 +141,18 @@ def test_linear_model_checks_a_solution():
     assert "two_of_four" in m.check([0, 1, 0, 0, 3])
     assert "not integral" in m.check([0, 1, 0.5, 0.5, 3])
     assert "values for" in m.check([0, 1])
+
+
+def test_failing_solvers_where_no_heuristic_fits_still_give_the_frugal_plan(fake_solvers):
+    """No fixed policy fits this long-sequence chain at 22 GiB, the frugal plan does (every block
+    recomputed, every boundary on the host): with both solvers dead the compile returns it rather than
+    saying no plan exists (llama3-70b at 48 GiB, batch 32 did, its MILP out of time)."""
+    fake_solvers(highs="segfault", cbc="segfault")
+    g = chain(8, seq_len=65536, hidden=4096, layer_params=20_000_000, saved_per_token=200_000)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        plan = compile_model(g, batch_size=2, gpu_memory="22GiB", host_memory="64GiB", optimizer="adamw",
+                             hardware="h200")
+    assert plan.decisions.policy == "frugal" and plan.solver.status == "solver failed"
+    assert plan.predicted["peak_gpu_bytes"] <= plan.budgets["gpu_bytes"]
+    verify(plan)

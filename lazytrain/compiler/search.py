@@ -136,12 +136,17 @@ class Search:
                 break            # the budget is spent: no larger micro-batch
             self._tries_left = len(tries) + (1 if larger and extra < 1 else 0)
             mb, warm = tries.pop(0) if tries else (larger.pop(0), None)
+            grown = warm is None
+            if warm is None:
+                # no heuristic fits here: the frugal plan, when it fits, is the solver's warm start and the floor
+                # (a hard model could otherwise end with no plan where one exists: llama3-70b, 48 GiB, batch 32)
+                warm = self.frugal_plan(batch_size, mb)
             plan = self.milp_at(batch_size, mb, warm)
             if plan is None:
-                if warm is None:
+                if grown:
                     larger = []          # feasibility is monotone in the micro-batch: stop growing
                 continue
-            if warm is None:
+            if grown:
                 extra += 1
             if best is None or _step(plan) < _step(best):
                 best = plan
@@ -210,6 +215,13 @@ class Search:
         return self.comp.with_resident(Decisions(policy="frugal", micro_batch=micro_batch,
                                                  n_micro=batch_size // micro_batch,
                                                  boundary=(Place.HOST,) * L, saved=(Saved.RECOMPUTE,) * L))
+
+    def frugal_plan(self, batch_size: int, micro_batch: int) -> Plan | None:
+        """The frugal plan built and checked against the budgets, or None where it does not fit."""
+        try:
+            return self.comp.build(self.frugal(batch_size, micro_batch), batch_size)
+        except PlanError:
+            return None
 
     def max_batch(self, policy: str, micro_batch: int | None, limit: int) -> tuple[Plan | None, int]:
         """(plan, batch) for the largest batch (at most ``limit``) with a feasible plan: doubling, then
