@@ -74,7 +74,7 @@ def main() -> None:
     ok = [r for r in rows if "compile_s" in r]
     small = [r for r in ok if r["params_b"] <= 8.1]
     worst = max(ok, key=lambda r: r["compile_s"]) if ok else None
-    text = (f"- {len(rows)} compiles, {len(ok)} with a plan, the rest a budget error; compile (trace excluded) max "
+    text = (f"- {len(rows)} compiles, {len(ok)} with a plan, the rest a budget error; compile (trace included) max "
             f"{worst['compile_s']:.1f} s ({worst['model']} {worst['gpu_gb']} GiB b{worst['batch']}); up to 8B: max "
             f"{max(r['compile_s'] for r in small):.1f} s; wall per process incl. start-up and trace max "
             f"{max(r['wall_s'] for r in rows):.1f} s") if ok else "- no plan"
