@@ -162,13 +162,12 @@ class Compiler:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         return self.search.best(policy, batch_size, micro_batch, tries)
 
-    def smallest_gpu_need(self, batch_size: int, micro_batch: int | None) -> int:
-        """Peak GPU bytes of the most frugal plan we can build: recompute everything, boundaries
-        on the host, the smallest micro-batch (with the blocks asked to be resident: they hold their
-        memory whatever else the plan does)."""
+    def leanest(self, batch_size: int, micro_batch: int | None) -> Plan:
+        """The most frugal plan we can build, without budgets: recompute everything, boundaries on the
+        host, the smallest micro-batch (with the blocks asked to be resident: they hold their memory
+        whatever else the plan does).  It lies in the MILP's space, so no MILP plan needs less GPU memory."""
         mb = micro_batch or 1
-        plan = self.build(self.search.frugal(batch_size, mb), batch_size, check_budget=False)
-        return plan.predicted["peak_gpu_bytes"]
+        return self.build(self.search.frugal(batch_size, mb), batch_size, check_budget=False)
 
 
 def host_reserve(host_bytes: int) -> int:
@@ -191,6 +190,20 @@ def held_host_bytes(model) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+def binding(plan: Plan, budgets: dict) -> str | None:
+    """The budget ``plan`` exceeds, with the figures (None: it fits them all)."""
+    pred = plan.predicted
+    for tier, key in (("GPU", "gpu_bytes"), ("host", "host_bytes"), ("NVMe", "nvme_bytes")):
+        need = pred[f"peak_{key}"]
+        cap = budgets.get(key) or 0
+        if need > cap:
+            left = (f" (what {budgets['gpu_total_bytes'] / GiB:.2f} GiB leaves after the "
+                    f"{budgets['gpu_reserve_bytes'] / GiB:.2f} GiB reserve)" if tier == "GPU" else "")
+            return (f"{tier} memory: its leanest plan ({plan.decisions.policy}, micro-batch {plan.micro_batch}) "
+                    f"peaks at {need / GiB:.2f} GiB, over the budget of {cap / GiB:.2f} GiB{left}")
+    return None
 
 
 def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memory=None, reserve=None,
@@ -258,10 +271,10 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     many tokens, recomputed in backward (``tiling.py``); ``"auto"`` (default) does so, in chunks of
     ``tiling.TILE_TOKENS``, only when no plan fits without; ``None``: never.
     """
-    if host_memory is None and held_host_bytes(model):
-        # resolved here, once: the searches and the calibration below compile a traced graph, which holds nothing
-        host_memory = make_budgets(get_profile(hardware), held_bytes=held_host_bytes(model))["host_bytes"]
-    options = {k: v for k, v in locals().items() if k != "model"}
+    held = held_host_bytes(model) if host_memory is None else 0
+    if held:    # resolved here, once: the searches and the calibration below compile a traced graph (it holds none)
+        host_memory = make_budgets(get_profile(hardware), held_bytes=held)["host_bytes"]
+    options = {k: v for k, v in locals().items() if k not in ("model", "held")}
     # seq_search, auto_tile and calibrate run compile_model themselves: imported where they are asked for
     # (calibrate runs the Trainer, a layer above the compiler: the one call upward, on request only)
     if seq_len == "max":
@@ -359,11 +372,10 @@ def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, poli
             f"{_count(comp.graph.total_params)} parameters ({comp.options['host_bytes_per_param']} bytes "
             f"each); the budget is {comp.budgets['host_bytes'] / GiB:.2f} GiB")
     mb = micro_batch or 1
-    leanest = comp.build(comp.search.frugal(batch_size, mb), batch_size, check_budget=False)
+    leanest = comp.leanest(batch_size, mb)
     need = leanest.predicted["peak_gpu_bytes"]
     res = comp.budgets["gpu_reserve_bytes"]
     if need <= comp.budgets["gpu_bytes"]:     # the GPU is not what binds: the host or NVMe budget is
-        from .seq_search import binding  # seq_search imports this module
         return BudgetError(
             f"no plan fits every budget for batch {batch_size}, seq {comp.graph.seq_len}: the plan leanest on GPU "
             f"memory needs {(need + res) / GiB:.2f} of the {comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB, but "

@@ -232,11 +232,7 @@ class Search:
 
         def feasible(b: int) -> bool:
             if policy == "milp":
-                try:
-                    self.comp.build(self.frugal(b, step), b)
-                    return True
-                except PlanError:
-                    return False
+                return self.frugal_plan(b, step) is not None
             return self.best(policy, b, step) is not None
 
         lo, hi = 0, step

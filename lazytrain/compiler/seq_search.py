@@ -21,9 +21,9 @@ from ..frontend.presets import build_model
 from ..frontend.tiling import TILE_TOKENS
 from ..frontend.trace import trace
 from ..frontend.validate import declared_positions, scaled_rope
-from ..ir import Decisions, GiB, Place, PlanError, Saved
+from ..ir import PlanError
 from ..ir.graph import ModelGraph
-from .api import POLICIES, BudgetError, Compiler, make_budgets
+from .api import POLICIES, BudgetError, Compiler, binding, make_budgets
 from .hardware import get_profile
 from .resident import resident_request
 from .solvers.heuristics import HEURISTICS
@@ -44,28 +44,12 @@ def _step(seq: int) -> int:
 
 
 def _leanest(comp, policy: str, batch: int, micro_batch: int | None):
-    """The leanest plan ``policy`` has at this length, built without budgets: for the MILP, every block
-    recomputed and every boundary on the host; for a fixed policy, its own plan; at the smallest
-    micro-batch either way."""
+    """The leanest plan ``policy`` has at this length, built without budgets: for the MILP, the frugal plan
+    (``Compiler.leanest``); for a fixed policy, its own plan; at the smallest micro-batch either way."""
     mb = micro_batch or 1
-    L = comp.graph.n_blocks
-    dec = HEURISTICS[policy](comp.graph, mb, batch // mb) if policy in HEURISTICS else Decisions(
-        policy="frugal", micro_batch=mb, n_micro=batch // mb, boundary=(Place.HOST,) * L, saved=(Saved.RECOMPUTE,) * L)
-    return comp.build(comp.with_resident(dec), batch, check_budget=False)
-
-
-def binding(plan, budgets: dict) -> str | None:
-    """The budget ``plan`` exceeds, with the figures (None: it fits them all)."""
-    pred = plan.predicted
-    for tier, key in (("GPU", "gpu_bytes"), ("host", "host_bytes"), ("NVMe", "nvme_bytes")):
-        need = pred[f"peak_{key}"]
-        cap = budgets.get(key) or 0
-        if need > cap:
-            left = (f" (what {budgets['gpu_total_bytes'] / GiB:.2f} GiB leaves after the "
-                    f"{budgets['gpu_reserve_bytes'] / GiB:.2f} GiB reserve)" if tier == "GPU" else "")
-            return (f"{tier} memory: its leanest plan ({plan.decisions.policy}, micro-batch {plan.micro_batch}) "
-                    f"peaks at {need / GiB:.2f} GiB, over the budget of {cap / GiB:.2f} GiB{left}")
-    return None
+    if policy not in HEURISTICS:
+        return comp.leanest(batch, mb)
+    return comp.build(comp.with_resident(HEURISTICS[policy](comp.graph, mb, batch // mb)), batch, check_budget=False)
 
 
 def compile_max_seq(compile_fn, model, options: dict):
