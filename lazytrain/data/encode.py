@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..frontend.loss_head import IGNORE
 from .formats import DataError, Record
 
-IGNORE = -100
 LOSS_ON = ("completion", "all")
 ALPACA_PROMPT = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
                  "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")

@@ -30,6 +30,8 @@ import torch
 
 from ..ir.graph import loss_chunk_columns
 
+#: the label of a position without loss (torch's cross_entropy ``ignore_index``), the one definition the
+#: data, the tasks and the runtime share
 IGNORE = -100
 
 #: logits a chunk when the compiler has not chosen (``compiler/loss_chunk.py`` does, from the GPU budget):

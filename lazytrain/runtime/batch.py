@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-IGNORE = -100
+from ..frontend.loss_head import IGNORE
 
 
 def token_limits(model: nn.Module, plan) -> tuple[int, int] | None:

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..frontend.loss_head import IGNORE
 from .arith import Difficulty, Example, final_answer, get_difficulty, train_examples
 from .tokenizer import CharTokenizer
-
-IGNORE = -100  # label of a position without loss (torch's cross_entropy ignore_index)
 
 GenerateFn = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] int64 -> logits [B, T, V]
 
