@@ -81,7 +81,8 @@ def seven_b(a, data: Path, out: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gguf", type=Path, required=True, help="SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--gguf", type=Path, required=True,
+                    help="SmolLM2-135M-Instruct.Q4_1.gguf (with --only-7b: that model's tokenizer, a GGUF or a folder)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "finetune_h200")
     ap.add_argument("--difficulty", default="easy")
     ap.add_argument("--train", type=int, default=100_000, help="train problems written to JSONL")
@@ -92,15 +93,18 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seven-b", action="store_true", help="also the 7B-shaped throughput row")
     ap.add_argument("--steps-7b", type=int, default=6, help="steps of the 7B-shaped run (the first 2 are warm-up)")
+    ap.add_argument("--only-7b", action="store_true", help="the 7B-shaped row alone (no SmolLM2 fine-tune)")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from lazytrain.data.arith_jsonl import write
     a.out.mkdir(parents=True, exist_ok=True)
     data = a.out / "data"
     write(data, difficulty=a.difficulty, n_train=a.train, n_eval=a.eval)
-    summary = {"smollm2": smollm2(a, data, a.out / "smollm2")}
-    print(json.dumps({k: v for k, v in summary["smollm2"].items() if k != "samples_after"}, indent=1), flush=True)
-    if a.seven_b:
+    summary = {}
+    if not a.only_7b:
+        summary["smollm2"] = smollm2(a, data, a.out / "smollm2")
+        print(json.dumps({k: v for k, v in summary["smollm2"].items() if k != "samples_after"}, indent=1), flush=True)
+    if a.seven_b or a.only_7b:
         summary["7b"] = seven_b(a, data, a.out / "7b")
         print(json.dumps(summary["7b"], indent=1), flush=True)
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
