@@ -32,7 +32,8 @@ from lazytrain.ir import GiB
 from lazytrain.units import parse_size
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """The command line; its defaults are also the settings the bench's lazytrain rows start from."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-3b")
     ap.add_argument("--batch", type=int, default=8)
@@ -68,7 +69,11 @@ def main(argv=None) -> dict:
                          "(kept in a copy of the hardware profile, so a shape is timed once per invocation)")
     ap.add_argument("--resident", default="auto", type=lambda t: t if t in ("none", "auto") else int(t),
                     help="none, auto (default: the compiler's choice) or a number of leading blocks kept on the GPU")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> dict:
+    a = parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("run_plan.py needs a CUDA GPU")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import lazytrain
 from lazytrain import bench_worker as worker
@@ -81,13 +80,13 @@ def _run_cpu(cfg: dict, model, batch: int, compile_kw: dict, plan=None) -> dict:
 
 def _run_cuda(cfg: dict, opts: dict, model, batch: int, plan=None) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from run_plan import run_one
+    from run_plan import parser, run_one
 
-    args = SimpleNamespace(model=cfg["model"], batch=batch, seq=cfg["seq"], micro_batch=cfg["micro_batch"],
-                           gpu_memory=cfg["gpu_memory"], host_memory=None, hardware=cfg["hardware"],
-                           policy=opts["policy"], optimizer=cfg["optimizer"], nvme_dir=None, lr=cfg["lr"],
-                           steps=cfg["steps"], warmup=cfg["warmup"], optim_threads=None, artifacts=None,
-                           profile=cfg.get("profile", True))
+    args = parser().parse_args([])          # run_plan's defaults for whatever the bench does not set
+    vars(args).update(model=cfg["model"], batch=batch, seq=cfg["seq"], micro_batch=cfg["micro_batch"],
+                      gpu_memory=cfg["gpu_memory"], hardware=cfg["hardware"], policy=opts["policy"],
+                      optimizer=cfg["optimizer"], lr=cfg["lr"], steps=cfg["steps"], warmup=cfg["warmup"],
+                      profile=cfg.get("profile", True))
     plans = [plan] if plan is not None else []
     real_compile = lazytrain.compile
 
