@@ -9,7 +9,8 @@ layers, another attention kernel or another sequence length runs at other rates 
    the middle layer's time is every middle layer's), on the CPU, buffers rebuilt from the config (or
    copied from the model where they are real);
 2. a recompute-all plan for it at the plan's micro-batch and sequence length, ``N_MICRO`` micro-batches
-   a step, every block streamed (so forward, recompute and backward each run for every block);
+   a step, every block streamed (so forward, recompute and backward each run for every block); near the
+   longest sequence that fits, the MILP's plan and one micro-batch instead (``timing_plan``);
 3. ``WARMUP`` + ``repeats`` steps with ``Trainer(profile=True)``: each op is timed on its stream as a plan
    runs it (CUDA events after its waits, so a transfer it waits for is not counted; in CPU mode,
    wall time);
@@ -97,6 +98,21 @@ def _vocab(model: nn.Module) -> int:
     return emb.num_embeddings
 
 
+def timing_plan(model: nn.Module, *, micro_batch: int, **shape):
+    """The plan the blocks are timed in: recompute-all (every block's forward, recompute and backward run) at
+    ``N_MICRO`` micro-batches; where that does not fit (a length near ``--seq max``, whose boundaries must
+    leave the GPU), the MILP's plan, and then one micro-batch (the shape the user's own plan has, so it fits
+    wherever that plan did; a block the MILP keeps is timed without recompute: its forward stands in)."""
+    tries = [(n, policy) for n in (N_MICRO, 1) for policy in ("recompute-all", "milp")]
+    for k, (n_micro, policy) in enumerate(tries):
+        try:
+            return compile_model(model, policy=policy, batch_size=micro_batch * n_micro, micro_batch=micro_batch,
+                                 **shape)
+        except BudgetError:
+            if k == len(tries) - 1:
+                raise
+
+
 def measure_blocks(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch: int, param_dtype: str,
                    device=None, gpu_memory=None, host_memory=None, seq_tile: int | None = None, repeats: int = 3,
                    verbose: bool = True) -> list[BlockTiming]:
@@ -105,16 +121,12 @@ def measure_blocks(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, param_dtype)
     tm = timing_model(model, dtype)
-    batch = micro_batch * N_MICRO
-    shape = dict(batch_size=batch, seq_len=seq_len, micro_batch=micro_batch, hardware=hw, gpu_memory=gpu_memory,
-                 host_memory=host_memory, resident="none", param_dtype=param_dtype, optimizer="adamw",
-                 seq_tile=seq_tile)
-    try:
-        plan = compile_model(tm, policy="recompute-all", **shape)
-    except BudgetError:     # a length where even the boundaries must leave the GPU: the MILP's plan (a block it
-        plan = compile_model(tm, policy="milp", **shape)    # keeps is timed without recompute: forward stands in)
+    plan = timing_plan(tm, micro_batch=micro_batch, seq_len=seq_len, hardware=hw, gpu_memory=gpu_memory,
+                       host_memory=host_memory, resident="none", param_dtype=param_dtype, optimizer="adamw",
+                       seq_tile=seq_tile)
+    batch, n_micro = plan.batch_size, plan.batch_size // micro_batch
     _log(verbose, f"timing {plan.graph.n_blocks} blocks of a {type(model).__name__} on {device}: micro-batch "
-                  f"{micro_batch}, seq {seq_len}, {repeats} steps of {N_MICRO} micro-batches after {WARMUP}")
+                  f"{micro_batch}, seq {seq_len}, {repeats} steps of {n_micro} micro-batch(es) after {WARMUP}")
     by_id = {op.id: op for op in plan.ops}
     kinds = {OpKind.COMPUTE: "forward_s", OpKind.BACKWARD: "backward_s", OpKind.RECOMPUTE: "recompute_s"}
     samples: dict[tuple[str, str], list[float]] = {}

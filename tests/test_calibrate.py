@@ -102,3 +102,26 @@ def test_block_timings_round_trip_and_bad_ones_are_refused():
         HardwareProfile.from_json({**hw.to_json(), "calibration": [bad]})
     with pytest.raises(ValueError, match="calibration must be a list"):
         HardwareProfile.from_json({**hw.to_json(), "calibration": {"a": 1}})
+
+
+def test_the_timing_plan_falls_back_to_one_micro_batch_where_two_do_not_fit(monkeypatch):
+    """At a ``--seq max`` length two micro-batches' boundaries overflow the budget the user's own plan
+    (one micro-batch) fits: the timing plan steps down instead of failing the calibration (H200, 3B, 299k)."""
+    from lazytrain import calibrate
+    from lazytrain.compiler.api import BudgetError
+    from lazytrain.frontend.presets import build_from_config
+
+    real, asked = calibrate.compile_model, []
+
+    def only_one_micro_batch(model, *, policy, batch_size, micro_batch, **shape):
+        asked.append((policy, batch_size // micro_batch))
+        if batch_size > micro_batch:
+            raise BudgetError(f"batch {batch_size} does not fit")
+        return real(model, policy=policy, batch_size=batch_size, micro_batch=micro_batch, **shape)
+
+    monkeypatch.setattr(calibrate, "compile_model", only_one_micro_batch)
+    model = build_from_config(CONFIG, device="cpu", dtype=torch.float32)
+    plan = calibrate.timing_plan(model, micro_batch=2, seq_len=32, hardware=PROFILES["cpu"], gpu_memory="2GiB",
+                                 host_memory="4GiB", resident="none", param_dtype="float32", optimizer="adamw")
+    assert asked == [("recompute-all", 2), ("milp", 2), ("recompute-all", 1)]
+    assert (plan.batch_size, plan.micro_batch, plan.decisions.policy) == (2, 2, "recompute-all")
