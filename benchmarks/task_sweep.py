@@ -16,8 +16,9 @@ import time
 
 import torch
 
+from lazytrain.loop import lr_at
 from lazytrain.tasks import CharTokenizer, eval_examples, exact_match, train_batches
-from lazytrain.train import TASK_GPT, TrainConfig, build_task_model, logits_fn, lr_at
+from lazytrain.train import TASK_GPT, TrainConfig, build_task_model, logits_fn
 
 SETTINGS = {
     "default": {},
@@ -34,6 +35,9 @@ SETTINGS = {
     "l6-lr5e-3": {"extra": {"n_layer": 6}, "lr": 5e-3},
     "d192-lr3e-3": {"extra": {"d_model": 192, "d_ff": 768, "n_head": 6}},
     "minlr0.02-lr5e-3": {"min_lr_ratio": 0.02, "lr": 5e-3},
+    "b16-minlr0.02": {"batch": 16, "min_lr_ratio": 0.02},
+    "b16-lr2e-3-minlr0.02": {"batch": 16, "lr": 2e-3, "min_lr_ratio": 0.02},
+    "b24-lr4e-3-minlr0.02": {"batch": 24, "lr": 4e-3, "min_lr_ratio": 0.02},
 }
 
 
@@ -72,14 +76,22 @@ def run(name: str, over: dict, steps: int, device: torch.device, checkpoints: li
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--equal-tokens", action="store_true",
+                    help="--steps counts steps of batch 32: a setting of batch B runs steps * 32 / B (the same "
+                         "tokens and ~FLOPs, which is what a CPU's minutes buy)")
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default=None, help="comma-separated setting names")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device(a.device)
-    checkpoints = sorted({a.steps // 2, 3 * a.steps // 4, a.steps})
+    if a.threads:
+        torch.set_num_threads(a.threads)
     names = a.only.split(",") if a.only else list(SETTINGS)
-    results = [run(n, SETTINGS[n], a.steps, dev, checkpoints) for n in names]
+    results = []
+    for n in names:
+        steps = a.steps * 32 // SETTINGS[n].get("batch", 32) if a.equal_tokens else a.steps
+        results.append(run(n, SETTINGS[n], steps, dev, sorted({steps // 2, 3 * steps // 4, steps})))
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"format": "lazytrain.task-sweep/1", "steps": a.steps, "device": a.device, "results": results},
