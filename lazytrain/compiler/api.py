@@ -12,6 +12,7 @@ import torch
 
 from ..frontend.presets import build_model
 from ..frontend.trace import trace
+from ..frontend.trace_cache import TraceCache
 from ..frontend.validate import check_compile_args, micro_batch_candidates
 from ..ir import GiB, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
@@ -46,10 +47,18 @@ def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool
             raise ValueError("packed=True but the ModelGraph given was traced unpacked: trace it with packed=True")
         return model
     t = time.perf_counter()
-    if isinstance(model, str):
-        model = build_model(model)
-    graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile)
-    history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4)})
+    # a preset or config found in the trace cache is never built: building imports transformers
+    cache = TraceCache.of(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile)
+    graph = None if cache is None else cache.load()
+    hit = graph is not None
+    if not hit:
+        if isinstance(model, str):
+            model = build_model(model)
+        graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile)
+        if cache is not None:
+            cache.store(graph)
+    history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4),
+                    **({"cached": True} if hit else {})})
     return graph
 
 
