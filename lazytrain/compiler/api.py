@@ -20,7 +20,7 @@ from ..units import parse_size
 from .cost import CostModel
 from .hardware import get_profile
 from .loss_chunk import with_loss_chunk
-from .lower import lower
+from .lower import lower_with_effects
 from .resident import resident_request
 from .search import Search
 from .simulate import simulate
@@ -108,13 +108,13 @@ class Compiler:
         cost = self.cost(decisions.micro_batch, decisions.resident_blocks)
         if check_budget:
             self._quick_reject(decisions, cost)
-        ops = lower(decisions, cost, clip=self.clip)
+        ops, effs = lower_with_effects(decisions, cost, clip=self.clip)
         budgets = self.budgets if check_budget else {k: v for k, v in self.budgets.items() if k == "nvme_dir"}
         plan = Plan(graph=self.graph, hardware=self.hw.to_json(), budgets=dict(budgets), batch_size=batch_size,
                     seq_len=self.graph.seq_len, param_dtype=self.param_dtype, decisions=decisions, ops=ops,
                     options=dict(self.options), world_size=self.world_size)
-        rep = verify(plan, early_exit=check_budget)
-        sim = simulate(plan)
+        rep = verify(plan, early_exit=check_budget, effs=effs)
+        sim = simulate(plan, effs=effs)
         plan.predicted = self._predicted(plan, rep, sim)
         if plan.budgets.get("gpu_bytes") and plan.predicted["peak_gpu_bytes"] > plan.budgets["gpu_bytes"]:
             raise PlanError(f"simulated peak GPU memory {plan.predicted['peak_gpu_bytes'] / GiB:.2f} GiB "
