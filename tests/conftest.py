@@ -1,4 +1,5 @@
-"""Fixtures shared by test files: one small GPT plan compiled once per session (tracing costs seconds).
+"""Fixtures shared by test files: one small GPT plan compiled once per session (tracing costs seconds),
+and a trace cache of the session's own.
 
 Under pytest-xdist (``pytest -n N``, the README's command) each worker takes its share of the cores for
 torch's intra-op threads: two workers with two threads each on the 2-core CI machine would
@@ -6,7 +7,10 @@ oversubscribe it."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -16,6 +20,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 import lazytrain
 from lazytrain.frontend.presets import build_from_config
+
+# traces are cached for this session only (``frontend/trace_cache.py``): never read from or written to the
+# user's cache, and shared by the tests (and the CLI processes they start) that compile the same model
+_TRACES = tempfile.mkdtemp(prefix="lazytrain-test-traces-")
+os.environ["LAZYTRAIN_TRACE_CACHE"] = _TRACES
+atexit.register(shutil.rmtree, _TRACES, ignore_errors=True)
 
 SMALL_GPT = {"model_type": "lazytrain-gpt", "vocab": 61, "d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 48,
              "max_seq": 32, "tie_weights": True}

@@ -12,6 +12,7 @@ import torch
 
 from ..frontend.presets import build_model
 from ..frontend.trace import trace
+from ..frontend.trace_cache import TraceCache
 from ..frontend.validate import check_compile_args, micro_batch_candidates
 from ..ir import GiB, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
@@ -19,7 +20,7 @@ from ..units import parse_size
 from .cost import CostModel
 from .hardware import get_profile
 from .loss_chunk import with_loss_chunk
-from .lower import lower
+from .lower import lower_with_effects
 from .resident import resident_request
 from .search import Search
 from .simulate import simulate
@@ -46,10 +47,18 @@ def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool
             raise ValueError("packed=True but the ModelGraph given was traced unpacked: trace it with packed=True")
         return model
     t = time.perf_counter()
-    if isinstance(model, str):
-        model = build_model(model)
-    graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile)
-    history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4)})
+    # a preset or config found in the trace cache is never built: building imports transformers
+    cache = TraceCache.of(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile)
+    graph = None if cache is None else cache.load()
+    hit = graph is not None
+    if not hit:
+        if isinstance(model, str):
+            model = build_model(model)
+        graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile)
+        if cache is not None:
+            cache.store(graph)
+    history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4),
+                    **({"cached": True} if hit else {})})
     return graph
 
 
@@ -99,13 +108,13 @@ class Compiler:
         cost = self.cost(decisions.micro_batch, decisions.resident_blocks)
         if check_budget:
             self._quick_reject(decisions, cost)
-        ops = lower(decisions, cost, clip=self.clip)
+        ops, effs = lower_with_effects(decisions, cost, clip=self.clip)
         budgets = self.budgets if check_budget else {k: v for k, v in self.budgets.items() if k == "nvme_dir"}
         plan = Plan(graph=self.graph, hardware=self.hw.to_json(), budgets=dict(budgets), batch_size=batch_size,
                     seq_len=self.graph.seq_len, param_dtype=self.param_dtype, decisions=decisions, ops=ops,
                     options=dict(self.options), world_size=self.world_size)
-        rep = verify(plan, early_exit=check_budget)
-        sim = simulate(plan)
+        rep = verify(plan, early_exit=check_budget, effs=effs)
+        sim = simulate(plan, effs=effs)
         plan.predicted = self._predicted(plan, rep, sim)
         if plan.budgets.get("gpu_bytes") and plan.predicted["peak_gpu_bytes"] > plan.budgets["gpu_bytes"]:
             raise PlanError(f"simulated peak GPU memory {plan.predicted['peak_gpu_bytes'] / GiB:.2f} GiB "

@@ -31,7 +31,7 @@ from collections import defaultdict
 
 from ..ir import Decisions, Op, OpKind, Place, Resource, Saved, TensorId, TensorKind, Tier
 from ..ir.order import HazardWalk
-from ..ir.semantics import effects
+from ..ir.semantics import Effects, effects
 from .cost import CostModel
 
 _T = {Place.GPU: Tier.GPU, Place.HOST: Tier.HOST, Place.NVME: Tier.NVME}
@@ -43,12 +43,18 @@ def _tid(kind: TensorKind, index: int, mb: int | None = None) -> TensorId:
 
 
 def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
+    return lower_with_effects(dec, cost, clip=clip)[0]
+
+
+def lower_with_effects(dec: Decisions, cost: CostModel, *, clip: bool = True) -> tuple[list[Op], list[Effects]]:
+    """The op list and each op's ``effects``, which the lowering computes anyway to find the hazards:
+    ``verify`` and ``simulate`` take them rather than computing them twice more."""
     dec.check()
     low = _Lowering(dec, cost, clip)
     low.start()
     low.forward()
     low.backward()
-    return low.ops
+    return low.ops, low.effs
 
 
 class _Lowering:
@@ -58,6 +64,7 @@ class _Lowering:
         self.L, self.M = g.n_blocks, dec.n_micro
         self.resident = cost.resident
         self.ops: list[Op] = []
+        self.effs: list[Effects] = []
         self.hazards = HazardWalk()
         self.window = 0
         self.owns = [g.blocks[j].owned_numel > 0 for j in range(self.L)]
@@ -80,7 +87,9 @@ class _Lowering:
         """Append an op; its dependencies are ``deps`` (the schedule's own) and every hazard's."""
         i = len(self.ops)
         op = Op(id=i, kind=kind, block=block, window=self.window, **fields)
-        need = self.hazards.deps(op, effects(op, self.cost.sizes), self.ops)
+        eff = effects(op, self.cost.sizes)
+        self.effs.append(eff)
+        need = self.hazards.deps(op, eff, self.ops)
         self.ops.append(Op(id=i, kind=kind, block=block, window=self.window, deps=tuple(sorted(need.union(deps))),
                            **fields))
         return i

@@ -75,7 +75,8 @@ class Search:
     def best_heuristic(self, policy: str, batch_size: int, micro_batch: int | None, tries: int) -> Plan | None:
         """Larger micro-batches run the GPU more efficiently and memory grows with them, so
         feasibility is monotone: bisect for the largest feasible one, then compare it with the next
-        ``tries - 1`` smaller ones."""
+        ``tries - 1`` smaller ones.  The bisection builds the smallest micro-batch only when no larger one
+        fits: its op list is the longest (72 micro-batches of an 80-block model: 24,000 ops, ~1.5 s)."""
         cands = self.comp.micro_batches(batch_size, micro_batch)          # largest first
         built: dict[int, Plan | None] = {}
 
@@ -93,15 +94,15 @@ class Search:
                 built[mb] = plan
             return built[mb]
 
-        lo, hi = 0, len(cands) - 1
-        if plan_at(hi) is None:
-            return None
+        lo, hi = 0, len(cands)           # the first feasible index is in [lo, hi]; hi: none is
         while lo < hi:
             mid = (lo + hi) // 2
             if plan_at(mid) is None:
                 lo = mid + 1
             else:
                 hi = mid
+        if lo == len(cands):
+            return None
         for i in range(lo, min(lo + tries, len(cands))):
             plan_at(i)
         return min((p for p in built.values() if p is not None), key=_step)

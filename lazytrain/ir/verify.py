@@ -43,14 +43,18 @@ def _fail(op: Op, msg: str) -> PlanError:
     return PlanError(f"op #{op.id} ({op}): {msg}")
 
 
-def verify(plan: Plan, *, early_exit: bool = False) -> MemoryReport:
+def verify(plan: Plan, *, early_exit: bool = False, effs: list[Effects] | None = None) -> MemoryReport:
     """Check ``plan``; returns its memory report or raises PlanError.  With ``early_exit`` the
-    walk stops at the first point over the GPU budget (used when screening candidates)."""
+    walk stops at the first point over the GPU budget (used when screening candidates).  ``effs``: each
+    op's ``effects`` where the caller has them (the lowering computes them), else computed here."""
     sizes = Sizes.of_plan(plan)
     _check_ids(plan)
     _check_sharded(plan, sizes)
     order = _check_updates(plan, sizes)
-    effs: list[Effects] = []          # filled by the walk (which may stop early), reused by the ordering
+    if effs is None:
+        effs = [effects(op, sizes) for op in plan.ops]
+    elif len(effs) != len(plan.ops):
+        raise ValueError(f"effs holds {len(effs)} effects for {len(plan.ops)} ops")
     report = _walk(plan, sizes, effs, order, early_exit)
     _check_order(plan, effs)
     for name, used, key in (("GPU", report.peak_gpu_bytes, "gpu_bytes"), ("host", report.peak_host_bytes, "host_bytes"),
@@ -163,8 +167,7 @@ def _static(t: TensorId, tier: Tier, batch: set[TensorId]) -> bool:
 
 def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, early_exit: bool) -> MemoryReport:
     """Residency and memory in program order: every read and drop finds its copy, no copy is written
-    twice, the step ends as it began (the batch and the pending host gradients), and the peak per tier.
-    Appends each op's effects to ``effs``."""
+    twice, the step ends as it began (the batch and the pending host gradients), and the peak per tier."""
     ops, graph = plan.ops, plan.graph
     resident = sizes.resident
     where: dict[TensorId, dict[Tier, int]] = defaultdict(dict)   # tensor -> tier -> producer op id
@@ -184,14 +187,12 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
     gpu_cap = plan.budgets.get("gpu_bytes")
     # a tied reader's host gradient is read by several updates and dropped by the last of them
     grad_readers: dict[TensorId, int] = defaultdict(int)
-    for op in ops:
+    for op, eff in zip(ops, effs):
         if op.kind is OpKind.UPDATE:
-            for t, _ in effects(op, sizes).reads:
+            for t, _ in eff.reads:
                 grad_readers[t] += 1
 
-    for op in ops:
-        eff = effects(op, sizes)
-        effs.append(eff)
+    for op, eff in zip(ops, effs):
         if op.kind is OpKind.UPDATE:
             for t, _ in eff.reads:
                 grad_readers[t] -= 1
