@@ -82,7 +82,8 @@ def compile_max_seq(compile_fn, model, options: dict):
         if seq in why:
             return why[seq] is None
         for t in [t for t in tiles if t is None or seq > t] or [None]:
-            graph = trace(model, seq_len=seq, dtype=options["param_dtype"], seq_tile=t)
+            graph = trace(model, seq_len=seq, dtype=options["param_dtype"], seq_tile=t,
+                          compile_blocks=options.get("compile_blocks", False))
             if t is not None and not graph.meta.get("seq_tile") and seq in why:
                 continue        # nothing to tile: the untiled probe stands
             fixed, _ = resident_request(graph, options["resident"])

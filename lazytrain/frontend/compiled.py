@@ -326,10 +326,13 @@ def compile_blocks(blocks: list[BlockCode], specs: list[list[ArgSpec]], device, 
         bc, sp = blocks[members[0]], specs[members[0]]
         try:
             part = partition(bc.gm, sp, device, len(bc.param_names))
+            # cut before compiling: Inductor rewrites the graph it compiles (not on a cache hit), and the forward-
+            # only graph must be the same code every run for its own cache entry to hit
+            only = _without_saved(part) if infer & set(members) else None
             cb = CompiledBlock(part=part, specs=sp, fw=compile_fn(part.fw), bw=compile_fn(part.bw, backward=True),
                                key=key)
-            if infer & set(members):
-                cb.infer = compile_fn(_without_saved(part), inference=True)
+            if only is not None:
+                cb.infer = compile_fn(only, inference=True)
         except Exception as e:  # noqa: BLE001 - these blocks run eager; the warning names them and why
             msg = str(e).strip().splitlines()
             rep.failed.update({j: f"{type(e).__name__}: {msg[0] if msg else ''}" for j in members})
