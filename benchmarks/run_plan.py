@@ -2,7 +2,7 @@
 
     python benchmarks/run_plan.py --model qwen2.5-3b --batch 8 --seq 1024 --gpu-memory 24GiB \\
         --policy milp --steps 3 --warmup 2 [--micro-batch 4] [--optimizer hybrid8bit] [-o run.json] \\
-        [--artifacts DIR]
+        [--artifacts DIR] [--compile-blocks]
 
 Builds a random-init model from a preset on the CPU in bf16, compiles a plan for the H200 profile
 (``--hardware``), caps the GPU at ``--gpu-memory`` with ``torch.cuda.set_per_process_memory_fraction``,
@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibrate", action="store_true",
                     help="compile(..., calibrate=True): time the model's own blocks at each plan's shape first "
                          "(kept in a copy of the hardware profile, so a shape is timed once per invocation)")
+    ap.add_argument("--compile-blocks", action="store_true",
+                    help="compile(..., compile_blocks=True): block programs compiled by Inductor (the compile's "
+                         "seconds, distinct programs and cache hits go into the output as block_compile)")
     ap.add_argument("--resident", default="auto", type=lambda t: t if t in ("none", "auto") else int(t),
                     help="none, auto (default: the compiler's choice) or a number of leading blocks kept on the GPU")
     return ap
@@ -145,7 +148,8 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
         plan = lazytrain.compile(model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
                                  gpu_memory=a.gpu_memory, host_memory=a.host_memory, hardware=a.hardware,
                                  policy=a.policy, optimizer=a.optimizer, nvme_dir=a.nvme_dir,
-                                 resident=getattr(a, "resident", "auto"), calibrate=getattr(a, "calibrate", False))
+                                 resident=getattr(a, "resident", "auto"), calibrate=getattr(a, "calibrate", False),
+                                 compile_blocks=getattr(a, "compile_blocks", False))
     compile_s = time.perf_counter() - t
     print(plan.summary())
     seq = plan.seq_len
@@ -161,6 +165,7 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
     t = time.perf_counter()
     trainer = lazytrain.Trainer(model, plan, optimizer=opt, device="cuda", nvme_dir=a.nvme_dir)
     setup_s = time.perf_counter() - t
+    block_compile = trainer.compile_report.to_json() if trainer.compile_report is not None else None
     cfg = getattr(model, "config", None)
     vocab = int(getattr(cfg, "vocab_size", None) or getattr(cfg, "vocab", None) or 1000)
     g = torch.Generator().manual_seed(1)
@@ -211,6 +216,7 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
             "update_exposed_fraction": prof.update_exposed_fraction, "profiled_step_s": prof.step_s,
             "busy_s": prof.busy_s} if prof else {}),
         "build_s": build_s, "compile_s": compile_s, "setup_s": setup_s,
+        "compile_blocks": bool(plan.options.get("compile_blocks")), "block_compile": block_compile,
     }
     print(json.dumps({k: v for k, v in out.items() if k != "losses"}, indent=1))
     if getattr(a, "artifacts", None) and prof is not None:

@@ -6,6 +6,7 @@ Systems (``--systems``, comma-separated; the modules are ``benchmarks/systems/*.
 
     lazytrain-milp       lazytrain, MILP plan (reuses benchmarks/run_plan.py's run_one on CUDA)
     lazytrain-megatrain  lazytrain, megatrain policy
+    lazytrain-milp-compiled  lazytrain, MILP plan, block programs compiled by Inductor (not in the default set)
     fsdp2                FSDP2 fully_shard + CPUOffloadPolicy + per-layer activation checkpointing, fused CPU AdamW
     plain                plain PyTorch on the GPU: fp32 master + bf16 autocast, fused AdamW
     plain-ckpt           the same with per-layer activation checkpointing (not in the default set)
@@ -74,11 +75,11 @@ DEFAULT_SYSTEMS = ("lazytrain-milp", "lazytrain-megatrain", "fsdp2", "plain")
 MAIN_SHARE = 0.5
 #: a system's share of the time left, relative to the others still to run: lazytrain also traces,
 #: solves and pins its host store, DeepSpeed pins its offload buffers (and builds its CPU Adam on first
-#: use), where a baseline only builds the model
-WEIGHT = {"lazytrain-milp": 2.0, "lazytrain-megatrain": 1.5, "deepspeed-zero3-offload": 1.5,
-          "deepspeed-zero2-offload": 1.5}
+#: use), where a baseline only builds the model; lazytrain with compiled blocks also runs Inductor on them
+WEIGHT = {"lazytrain-milp": 2.0, "lazytrain-megatrain": 1.5, "lazytrain-milp-compiled": 2.5,
+          "deepspeed-zero3-offload": 1.5, "deepspeed-zero2-offload": 1.5}
 #: the same in the batch search, where lazytrain compiles a plan of hundreds of sequences and runs it
-MAX_WEIGHT = {"lazytrain-milp": 4.0, "lazytrain-megatrain": 4.0}
+MAX_WEIGHT = {"lazytrain-milp": 4.0, "lazytrain-megatrain": 4.0, "lazytrain-milp-compiled": 4.0}
 
 
 # ---- arguments -------------------------------------------------------------------------------------
@@ -105,6 +106,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-limit", type=int, default=MAX_BATCH_LIMIT,
                    help=f"the batch search stops here (default {MAX_BATCH_LIMIT}; on the CPU, without a cap, "
                         "only this stops it)")
+    p.add_argument("--compile-blocks", action="store_true",
+                   help="every lazytrain row runs Inductor-compiled block programs (the lazytrain-milp-compiled "
+                        "system does for its row alone)")
     p.add_argument("--out-dir", default=str(BENCH_DIR / "results"), help="default benchmarks/results")
     p.add_argument("--name", default=None, help="file stem (default bench_<model>_b<batch>_s<seq>_<gpu cap>)")
 
@@ -123,7 +127,7 @@ def config_from_args(a) -> dict:
             "steps": a.steps, "warmup": a.warmup, "lr": a.lr, "optimizer": a.optimizer, "hardware": hardware,
             "micro_batch": a.micro_batch, "device": a.device, "budget_s": a.budget_s, "timeout_s": a.timeout_s,
             "find_max_batch": a.find_max_batch, "max_batch_limit": a.max_batch_limit, "out_dir": a.out_dir,
-            "name": a.name}
+            "name": a.name, "compile_blocks": a.compile_blocks}
 
 
 def command_line(cfg: dict) -> str:
@@ -137,6 +141,8 @@ def command_line(cfg: dict) -> str:
             args += [flag, cfg[key]]
     if cfg["find_max_batch"]:
         args += ["--find-max-batch", "--max-batch-limit", cfg.get("max_batch_limit", MAX_BATCH_LIMIT)]
+    if cfg.get("compile_blocks"):
+        args.append("--compile-blocks")
     return shlex.join(map(str, args))
 
 

@@ -24,6 +24,7 @@ BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 SYSTEMS: dict[str, tuple[str, dict]] = {
     "lazytrain-milp": ("lazytrain_system", {"policy": "milp"}),
     "lazytrain-megatrain": ("lazytrain_system", {"policy": "megatrain"}),
+    "lazytrain-milp-compiled": ("lazytrain_system", {"policy": "milp", "compile_blocks": True}),
     "fsdp2": ("fsdp2", {}),
     "plain": ("plain", {"checkpointing": False}),
     "plain-ckpt": ("plain", {"checkpointing": True}),

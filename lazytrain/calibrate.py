@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .compiler.api import BudgetError, compile_model
+from .compiler.api import BudgetError, compile_model, compiled_kw
 from .compiler.hardware import BlockTiming, HardwareProfile, get_profile
 from .frontend.presets import build_model
 from .frontend.trace import trace
@@ -115,15 +115,16 @@ def timing_plan(model: nn.Module, *, micro_batch: int, **shape):
 
 def measure_blocks(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch: int, param_dtype: str,
                    device=None, gpu_memory=None, host_memory=None, seq_tile: int | None = None, repeats: int = 3,
-                   verbose: bool = True) -> list[BlockTiming]:
+                   verbose: bool = True, compile_blocks: bool = False) -> list[BlockTiming]:
     """Forward, backward and recompute seconds of each distinct block of ``model`` at this micro-batch and
-    sequence length, measured in LazyTrain's runtime on ``device`` (module docstring)."""
+    sequence length, measured in LazyTrain's runtime on ``device`` (module docstring); ``compile_blocks``: the
+    blocks run compiled (``frontend/compiled.py``), as the plan they calibrate will run them."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, param_dtype)
     tm = timing_model(model, dtype)
     plan = timing_plan(tm, micro_batch=micro_batch, seq_len=seq_len, hardware=hw, gpu_memory=gpu_memory,
                        host_memory=host_memory, resident="none", param_dtype=param_dtype, optimizer="adamw",
-                       seq_tile=seq_tile)
+                       seq_tile=seq_tile, compile_blocks=compile_blocks)
     batch, n_micro = plan.batch_size, plan.batch_size // micro_batch
     _log(verbose, f"timing {plan.graph.n_blocks} blocks of a {type(model).__name__} on {device}: micro-batch "
                   f"{micro_batch}, seq {seq_len}, {repeats} steps of {n_micro} micro-batch(es) after {WARMUP}")
@@ -180,14 +181,16 @@ def compile_calibrated(compile_fn, model, options: dict, *, verbose: bool = True
                          f"{hw.name!r} is {'a GPU' if hw.has_gpu else 'the CPU'}'s: give this machine's profile "
                          f"(`lazytrain profile -o hw.json`, or 'cpu' without a GPU)")
     tile = options.get("seq_tile") if isinstance(options.get("seq_tile"), int) else None
-    graph = trace(model, seq_len=options["seq_len"], dtype=options["param_dtype"], seq_tile=tile)
+    graph = trace(model, seq_len=options["seq_len"], dtype=options["param_dtype"], seq_tile=tile,
+                  **compiled_kw(options))
     plan = compile_fn(graph, **{**options, "hardware": hw})
     if missing(graph, hw, plan.micro_batch):
         mb = plan.micro_batch
         hw = hw.with_timings(measure_blocks(model, hw, seq_len=options["seq_len"], micro_batch=mb,
                                             param_dtype=options["param_dtype"], device=device,
                                             gpu_memory=options.get("gpu_memory"), seq_tile=tile,
-                                            host_memory=options.get("host_memory"), verbose=verbose))
+                                            host_memory=options.get("host_memory"), verbose=verbose,
+                                            compile_blocks=bool(options.get("compile_blocks"))))
         plan = compile_fn(graph, **{**options, "hardware": hw, "micro_batch": mb})
     if isinstance(hardware, (str, Path)) and Path(hardware).is_file():
         hw.save(hardware)

@@ -240,7 +240,8 @@ def cmd_compile(a) -> int:
                          gpu_memory=a.gpu_memory, host_memory=a.host_memory, nvme_dir=a.nvme_dir,
                          nvme_memory=a.nvme_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,
                          solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype, resident=a.resident,
-                         calibrate=a.calibrate, seq_tile=a.seq_tile, world_size=a.world_size, nodes=a.nodes)
+                         calibrate=a.calibrate, seq_tile=a.seq_tile, world_size=a.world_size, nodes=a.nodes,
+                         compile_blocks=a.compile_blocks)
     if not a.calibrate:
         from .compiler.cost import hint_uncalibrated
         hint_uncalibrated(plan, a.model)
@@ -382,6 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel GPUs the plan is for (ZeRO-3 sharding of the host state; --batch is then "
                         "per GPU, --host-memory per host) (default 1)")
     p.add_argument("--nodes", type=_positive, default=1, help="hosts the --world-size GPUs are spread over (default 1)")
+    p.add_argument("--compile-blocks", action="store_true",
+                   help="the runtime compiles each distinct block program with Inductor (forward and backward; the "
+                        "plan still keeps, offloads and recomputes what backward saves); off by default until "
+                        "measured on a GPU")
     p.set_defaults(fn=cmd_compile)
     p = sub.add_parser("show", help="print a plan as tables")
     p.add_argument("plan")

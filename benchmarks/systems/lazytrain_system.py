@@ -27,7 +27,8 @@ def run(cfg: dict, opts: dict) -> dict:
     cpu = cfg["device"] == "cpu"
     compile_kw = {"seq_len": cfg["seq"], "micro_batch": cfg["micro_batch"], "gpu_memory": cfg["gpu_memory"],
                   "hardware": cfg["hardware"], "policy": opts["policy"],
-                  "optimizer": "adamw" if cpu else cfg["optimizer"]}
+                  "optimizer": "adamw" if cpu else cfg["optimizer"],
+                  "compile_blocks": compile_kw_blocks(cfg, opts)}
     if cpu:
         compile_kw["param_dtype"] = "float32"
     model = worker.build(cfg)
@@ -58,6 +59,11 @@ def run(cfg: dict, opts: dict) -> dict:
             "max_batch_peak_gpu_gib": row["peak_gpu_bytes"] / worker.GiB}
 
 
+def compile_kw_blocks(cfg: dict, opts: dict) -> bool:
+    """Does this row run compiled block programs (its system's option, or ``--compile-blocks``)?"""
+    return bool(opts.get("compile_blocks") or cfg.get("compile_blocks"))
+
+
 def _host_free_bytes() -> int | None:
     """``MemAvailable`` less a 10% margin (page cache, the allocator, the kernel), or None off Linux."""
     avail = worker.proc_meminfo_bytes("MemAvailable")
@@ -86,7 +92,7 @@ def _run_cuda(cfg: dict, opts: dict, model, batch: int, plan=None) -> dict:
     vars(args).update(model=cfg["model"], batch=batch, seq=cfg["seq"], micro_batch=cfg["micro_batch"],
                       gpu_memory=cfg["gpu_memory"], hardware=cfg["hardware"], policy=opts["policy"],
                       optimizer=cfg["optimizer"], lr=cfg["lr"], steps=cfg["steps"], warmup=cfg["warmup"],
-                      profile=cfg.get("profile", True))
+                      profile=cfg.get("profile", True), compile_blocks=compile_kw_blocks(cfg, opts))
     plans = [plan] if plan is not None else []
     real_compile = lazytrain.compile
 
@@ -111,4 +117,4 @@ def _run_cuda(cfg: dict, opts: dict, model, batch: int, plan=None) -> dict:
             "resident_blocks": out.get("resident"), "hidden": out.get("hidden"),
             "exposed_update_s": out.get("exposed_update_s"), "update_s": out.get("update_s"),
             "device_update_s": out.get("device_update_s"), "busy_s": out.get("busy_s"), "compile_s": out["compile_s"],
-            "setup_s": out["setup_s"]}
+            "setup_s": out["setup_s"], "compile_blocks": out["compile_blocks"], "block_compile": out["block_compile"]}

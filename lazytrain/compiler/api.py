@@ -41,25 +41,37 @@ class BudgetError(PlanError):
 
 
 def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool = False,
-              seq_tile: int | None = None) -> ModelGraph:
+              seq_tile: int | None = None, compile_blocks: bool = False) -> ModelGraph:
     if isinstance(model, ModelGraph):
         if packed and not model.meta.get("packed"):
             raise ValueError("packed=True but the ModelGraph given was traced unpacked: trace it with packed=True")
+        if compile_blocks and "compiled_blocks" not in model.meta:
+            raise ValueError("compile_blocks=True but the ModelGraph given was traced for eager blocks: trace it "
+                             "with compile_blocks=True")
         return model
     t = time.perf_counter()
-    # a preset or config found in the trace cache is never built: building imports transformers
-    cache = TraceCache.of(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile)
+    # a preset or config found in the trace cache is never built: building imports transformers; a trace for
+    # compiled blocks (its saved bytes come from the partitioner) is not cached
+    cache = None if compile_blocks else TraceCache.of(model, seq_len=seq_len, dtype=param_dtype, packed=packed,
+                                                      seq_tile=seq_tile)
     graph = None if cache is None else cache.load()
     hit = graph is not None
     if not hit:
         if isinstance(model, str):
             model = build_model(model)
-        graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile)
+        graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile,
+                      **compiled_kw({"compile_blocks": compile_blocks}))
         if cache is not None:
             cache.store(graph)
     history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4),
                     **({"cached": True} if hit else {})})
     return graph
+
+
+def compiled_kw(options: dict) -> dict:
+    """``trace``'s argument for compiled blocks, given only when they are asked for (the eager trace is the
+    call it always was)."""
+    return {"compile_blocks": True} if options.get("compile_blocks") else {}
 
 
 class Compiler:
@@ -68,7 +80,7 @@ class Compiler:
 
     def __init__(self, graph: ModelGraph, hw, budgets: dict, *, param_dtype: str, optimizer: str, clip: bool,
                  solver: str = DEFAULT_SOLVER, time_limit: float | None = None, resident: frozenset = frozenset(),
-                 choose_resident: bool = False, world_size: int = 1, nodes: int = 1):
+                 choose_resident: bool = False, world_size: int = 1, nodes: int = 1, compile_blocks: bool = False):
         if solver not in SOLVERS:
             raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
         self.graph, self.hw, self.budgets = graph, hw, budgets
@@ -86,6 +98,8 @@ class Compiler:
         self.world_size, self.nodes = world_size, nodes
         if world_size > 1:
             self.options["nodes"] = nodes
+        if compile_blocks:      # the runtime compiles the block programs (``frontend/compiled.py``)
+            self.options["compile_blocks"] = True
         self.search = Search(self)
 
     def solve_time_limit(self) -> float:
@@ -242,7 +256,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                   param_dtype: str = "bfloat16", clip: bool = True, solver: str = DEFAULT_SOLVER,
                   time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16,
                   resident="auto", calibrate: bool = False, packed: bool = False,
-                  seq_tile: int | str | None = "auto", world_size: int = 1, nodes: int = 1) -> Plan:
+                  seq_tile: int | str | None = "auto", world_size: int = 1, nodes: int = 1,
+                  compile_blocks: bool = False) -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
     to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
 
@@ -279,6 +294,10 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     ``seq_tile``: run the layers' position-wise tails (output projection, norm, MLP) in chunks of that
     many tokens, recomputed in backward (``tiling.py``); ``"auto"`` (default) does so, in chunks of
     ``tiling.TILE_TOKENS``, only when no plan fits without; ``None``: never.
+
+    ``compile_blocks``: the runtime runs each distinct block program compiled by Inductor, forward and backward,
+    the tensors its backward needs still kept, moved and recomputed by the plan (``frontend/compiled.py``); the
+    graph's saved bytes are then what the compiled forwards save.  Off by default until measured on a GPU.
     """
     held = held_host_bytes(model) if host_memory is None else 0
     if held:    # resolved here, once: the searches and the calibration below compile a traced graph (it holds none)
@@ -300,7 +319,9 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     history: list[dict] = []
     t0 = time.perf_counter()
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
-    graph = _as_graph(model, seq_len, param_dtype, history, packed, seq_tile)
+    if not isinstance(compile_blocks, bool):
+        raise ValueError(f"compile_blocks must be True or False, got {compile_blocks!r}")
+    graph = _as_graph(model, seq_len, param_dtype, history, packed, seq_tile, compile_blocks)
     budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
     graph = with_loss_chunk(graph, budgets["gpu_bytes"])     # the loss head's chunk, from the GPU budget
     fixed, auto = resident_request(graph, resident)
@@ -309,7 +330,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         budgets, auto = per_rank_budgets(budgets, world_size, nodes), False
     comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
                     solver=solver, time_limit=time_limit, resident=fixed,
-                    choose_resident=auto and policy == "milp" and hw.has_gpu, world_size=world_size, nodes=nodes)
+                    choose_resident=auto and policy == "milp" and hw.has_gpu, world_size=world_size, nodes=nodes,
+                    compile_blocks=compile_blocks)
     # cost, lower, verify and simulate run for each candidate the search builds (``Compiler.build``)
     plan = _search(comp, policy, batch_size, micro_batch, max_batch_limit)
     if comp.search.failures:

@@ -38,6 +38,11 @@ class BlockProgram:
     seq_len: int = 0
     loss_chunk_logits: int = DEFAULT_CHUNK_LOGITS
     packed: bool = False                # takes position_ids: examples packed into rows (``packing.py``)
+    #: name -> (shape at ``micro_batch``, dtype, needs grad) of every value crossing a block boundary
+    values: dict = field(default_factory=dict, repr=False)
+    #: block -> its Inductor-compiled forward and backward (``compiled.py``; set by the runtime when the plan
+    #: asks for compiled blocks); a block not in it runs ``run_block``
+    compiled: dict = field(default_factory=dict, repr=False)
 
     def run_block(self, j: int, params: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> dict:
         """Forward of block j with the given parameter tensors; inputs by name (extra keys ignored)."""
@@ -55,6 +60,25 @@ class BlockProgram:
         if bc.user_loss:
             return {"loss_sum": outs[0], "n_tokens": torch.ones((), dtype=torch.int64, device=outs[0].device)}
         return dict(zip(bc.output_names, outs))
+
+    def compile(self, device: torch.device, *, param_dtype: torch.dtype, frozen: frozenset[str],
+                requires_grad: frozenset[str], infer: set[int] = frozenset(), compile_fn=None):
+        """Compile the block programs (``compiled.py``) on ``device`` for arguments as the runtime passes them:
+        parameters in ``param_dtype`` (gradients unless ``frozen``), inputs at this program's shapes (gradients
+        for floating inputs in ``requires_grad``); ``infer``: blocks also run forward without saving.
+        -> ``CompileReport``."""
+        from .compiled import compile_blocks, contiguous_spec, inductor
+        shapes = {p.name: p.shape for b in self.graph.blocks for p in b.params}
+        specs = []
+        for bc in self.blocks:
+            sp = [contiguous_spec(shapes[n], param_dtype, n not in frozen) for n in bc.param_names]
+            for n in bc.input_names:
+                shape, dt, _ = self.values[n]
+                sp.append(contiguous_spec(shape, dt, n in requires_grad and dt.is_floating_point))
+            specs.append(sp)
+        self.compiled, report = compile_blocks(self.blocks, specs, device, infer=set(infer),
+                                               compile_fn=compile_fn or inductor)
+        return report
 
     def param_names(self, j: int) -> list[str]:
         return [p.name for p in self.graph.blocks[j].params]
@@ -83,7 +107,7 @@ def build_program(model: nn.Module, *, micro_batch: int, seq_len: int, device: s
                      example_inputs=example_inputs, loss_fn=loss_fn, packed=packed, seq_tile=seq_tile)
     graph = graph_from_split(sp, model, seq_len=seq_len, dtype=dtype, micro_batch=micro_batch, measure=False)
     return BlockProgram(graph=graph, blocks=sp.blocks, micro_batch=micro_batch, seq_len=seq_len,
-                        loss_chunk_logits=loss_chunk_logits, packed=packed)
+                        loss_chunk_logits=loss_chunk_logits, packed=packed, values=dict(sp.values))
 
 
 def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dtype, example_inputs=None,

@@ -34,6 +34,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..ir import Block, ModelGraph, ParamSpec, TensorSpec
 from ..ir.graph import DTYPE_BYTES, LOSS_MIN_COLUMNS
 from .attention import DQ_ACCUMULATOR_BYTES, AttentionCount, is_attention
+from .compiled import contiguous_spec, partition, why_eager
+from .compiled import saved_bytes as compiled_saved_bytes
 from .loss_head import DEFAULT_CHUNK_LOGITS, bytes_per_logit, fused_next_token_loss, row_bytes
 from .program import build_split
 from .tiling import TiledTail, run_tail
@@ -57,7 +59,7 @@ def _dname(d: torch.dtype) -> str:
 
 
 def trace(model: nn.Module, *, seq_len: int, dtype="bfloat16", example_inputs=None, loss_fn=None,
-          packed: bool = False, seq_tile: int | None = None) -> ModelGraph:
+          packed: bool = False, seq_tile: int | None = None, compile_blocks: bool = False) -> ModelGraph:
     """Blocks of ``model`` (embedding, each layer, head + loss) with per-sample costs at ``seq_len``.
 
     ``model``: our GPT, a Hugging Face Qwen2 / Llama / Qwen3 causal LM, or an ``nn.Sequential``
@@ -65,12 +67,15 @@ def trace(model: nn.Module, *, seq_len: int, dtype="bfloat16", example_inputs=No
     Real weights are never touched: everything runs on a meta clone.  ``packed``: the program takes
     ``position_ids`` and attends within each packed example (``packing.py``).  ``seq_tile``: the
     layers' position-wise tails run in chunks of that many tokens (``tiling.py``), and are measured so.
+    ``compile_blocks``: the blocks will run compiled (``compiled.py``): a compiled block's saved bytes are what
+    its partitioned forward saves.
     """
     t0 = time.perf_counter()
     dt = _dtype(dtype)
     sp = build_split(model, micro_batch=TRACE_MICRO_BATCH, seq_len=seq_len, device="meta", dtype=dt,
                      example_inputs=example_inputs, loss_fn=loss_fn, packed=packed, seq_tile=seq_tile)
-    g = graph_from_split(sp, model, seq_len=seq_len, dtype=dt, micro_batch=TRACE_MICRO_BATCH, measure=True)
+    g = graph_from_split(sp, model, seq_len=seq_len, dtype=dt, micro_batch=TRACE_MICRO_BATCH, measure=True,
+                         compile_blocks=compile_blocks)
     g.meta["trace_seconds"] = round(time.perf_counter() - t0, 3)
     return g
 
@@ -89,7 +94,7 @@ def _config_summary(model: nn.Module) -> dict:
 
 
 def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.dtype, micro_batch: int,
-                     measure: bool) -> ModelGraph:
+                     measure: bool, compile_blocks: bool = False) -> ModelGraph:
     shapes = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     owner: dict[str, int] = {}
     for j, b in enumerate(sp.blocks):
@@ -125,6 +130,8 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
                     if produced.get(n, 0) > 0 and j > produced[n]})
 
     cache: dict[tuple, tuple] = {}
+    partitioned: dict = {}     # block program -> bytes its compiled forward saves (None: it would run eager)
+    compiled: list[int] = []
     blocks = []
     for j, b in enumerate(sp.blocks):
         figs = (0, 0, 0, 0, 0, AttentionCount())
@@ -139,6 +146,12 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
                     raise TraceError(f"measuring block {j} ({b.name}) failed: {type(e).__name__}: "
                                      f"{str(e).splitlines()[0] if str(e) else ''}") from None
             figs = cache[key]
+            if compile_blocks and why_eager(b) is None:
+                if b.gm not in partitioned:
+                    partitioned[b.gm] = _partition_saved(b, sp, model, dtype)
+                if partitioned[b.gm] is not None:
+                    figs = (partitioned[b.gm], *figs[1:])
+                    compiled.append(j)
         saved, ws, fixed, ff, bf, attn = figs
         outputs = tuple(spec(n) for n in b.output_names)
         if b.loss is not None or b.user_loss:
@@ -155,6 +168,8 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
     meta = {"architecture": type(model).__name__, "config": _config_summary(model), "traced_micro_batch": mb,
             "replicated_layers": bool(sp.meta.get("replicated_from")),
             "unused_params": list(sp.meta.get("unused_params", []))}
+    if compile_blocks:          # the blocks whose saved bytes are the partition's (the others run eager)
+        meta["compiled_blocks"] = {"partition": "min_cut", "blocks": compiled}
     if sp.meta.get("packed"):
         meta["packed"] = True       # the Trainer builds the program with position_ids
     if sp.meta.get("seq_tile"):
@@ -166,6 +181,21 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
     return ModelGraph(name=name, seq_len=seq_len, dtype=_dname(dtype), blocks=tuple(blocks),
                       boundary_bytes=tuple(boundary_bytes), boundary_values=tuple(tuple(v) for v in live),
                       edges=tuple(e for e in edges if e[1] != e[0] + 1), meta=meta)
+
+
+def _partition_saved(b, sp: Split, model: nn.Module, dtype: torch.dtype) -> int | None:
+    """Bytes block ``b`` saves when compiled (``compiled.partition`` on meta tensors), or None when it cannot
+    be partitioned (the runtime then runs it eager: its hook-measured figure stands)."""
+    params = dict(model.named_parameters())
+    specs = [contiguous_spec(params[n].shape, dtype if params[n].is_floating_point() else params[n].dtype,
+                             params[n].requires_grad) for n in b.param_names]
+    for n in b.input_names:
+        shape, dt, rg = sp.values[n]
+        specs.append(contiguous_spec(shape, dt, rg and dt.is_floating_point))
+    try:
+        return compiled_saved_bytes(partition(b.gm, specs, "meta", len(b.param_names)), len(b.param_names))
+    except Exception:  # noqa: BLE001 - not compiled: the runtime's compile fails the same way and runs it eager
+        return None
 
 
 def _op_count(gm) -> int:

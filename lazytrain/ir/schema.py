@@ -163,6 +163,8 @@ def check_plan(plan: Plan) -> None:
             check_value(v, float, f"predicted.{key}")
     if "host_bytes_per_param" in plan.options:
         check_value(plan.options["host_bytes_per_param"], float, "options.host_bytes_per_param")
+    _need(type(plan.options.get("compile_blocks", False)) is bool,
+          f"plan field options.compile_blocks must be true or false, got {plan.options.get('compile_blocks')!r}")
     if plan.solver is not None:
         check_value(plan.solver, type(plan.solver), "solver")
     _check_world(plan)

@@ -57,12 +57,25 @@ def _search_rows(plan) -> list[list]:
     if isinstance(tile, dict) and tile.get("blocks"):
         rows.append(["sequence tiles", f"{len(tile['blocks'])} layers run their position-wise tail (after attention) "
                                        f"in chunks of {tile.get('tokens')} tokens, recomputed in backward"])
+    if plan.options.get("compile_blocks") is True:
+        rows.append(["compiled blocks", _compiled_text(plan)])
     head = plan.graph.meta.get("loss_head") if isinstance(plan.graph.meta, dict) else None
     if isinstance(head, dict) and all(type(head.get(k)) is int and head[k] > 0 for k in _LOSS_HEAD_KEYS):
         rows.append(["loss head", _loss_head_text(plan, head)])
     notes = plan.decisions.notes if isinstance(plan.decisions.notes, dict) else {}
     rows += [[label, str(notes[key])] for key, label in NOTES.items() if key in notes]
     return rows
+
+
+def _compiled_text(plan) -> str:
+    """Which blocks run Inductor-compiled (``frontend/compiled.py``), as the trace partitioned them."""
+    info = plan.graph.meta.get("compiled_blocks") if isinstance(plan.graph.meta, dict) else None
+    blocks = info.get("blocks") if isinstance(info, dict) else None
+    n = plan.graph.n_blocks
+    if not isinstance(blocks, list):
+        return "block programs compiled by Inductor when the trainer starts"
+    return (f"{len(blocks)} of {n} blocks compiled by Inductor when the trainer starts (saved bytes: what the "
+            f"min-cut partition's forward saves); the others run eager")
 
 
 #: the figures of ``graph.meta["loss_head"]`` the summary's row needs (a plan file without them has no row)

@@ -23,8 +23,8 @@ from .streams import Streams
 if TYPE_CHECKING:
     from ..frontend.program import BlockProgram
     from .distributed import World
-    from .handlers import SavedRecord
     from .interpreter import Schedule
+    from .saved import SavedRecord
     from .updates import Updates
 
 G, H, N = Tier.GPU, Tier.HOST, Tier.NVME

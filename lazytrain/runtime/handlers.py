@@ -11,9 +11,10 @@ Payloads:
 - ``grads[j]`` on the GPU: the block's flat fp32 accumulator (host copies: ``HostStore.grad``);
 - ``act[i] mb``: ``{value name: tensor}`` (the values live at boundary i);
 - ``dact[i] mb``: ``{value name: gradient}`` for the values at boundary i that need one;
-- ``saved[j] mb``: ``{key: tensor}``, the storages autograd saved for block j's backward, captured
-  by ``saved_tensors_hooks`` (so they can move to the host or NVMe and back; the autograd graph
-  itself keeps only keys, see ``SavedRecord``).
+- ``saved[j] mb``: ``{key: tensor}``, the storages saved for block j's backward: captured by
+  ``saved_tensors_hooks`` for an eager block, the saved list its compiled forward returns for a compiled one
+  (so they can move to the host or NVMe and back; the autograd graph or the record itself keeps only keys,
+  see ``saved.SavedRecord``).
 
 On the host a tensor is a typed view of a pooled byte buffer (``HostPool``), on NVMe an
 ``NvmeFile`` plus dtype and shape.  Tensors that live on another device than the compute device
@@ -23,36 +24,16 @@ On the host a tensor is a typed view of a pooled byte buffer (``HostPool``), on 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 
 import torch
-from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
+from torch.autograd.graph import get_gradient_edge
 
 from ..ir import Op, OpKind, Resource, TensorId, TensorKind
+from . import compiled_block
 from .context import G, GpuParams, H, HostCopy, N, NvmeCopy, Step, _tid
 from .nvme import NvmeFile
 from .rng import replaying, rng_state
-
-
-@dataclass
-class SavedRecord:
-    """What backward of block j, micro-batch m needs besides the saved storages.
-
-    ``roots``: (output name, gradient edge, shape, dtype) of every output that needs a gradient;
-    ``direct``: outputs that are an input unchanged (their gradient goes straight to the input);
-    ``leaves``/``params``: the leaf tensors whose gradients backward returns.  Leaves keep their
-    autograd identity but their data is swapped for a zero-stride scalar after the forward
-    (``_release``), so the graph holds no activation or parameter memory of its own: every byte
-    backward reads is in ``copies[saved[j] mb]`` (moved by offload/reload) or the loaded params.
-    """
-
-    block: int
-    roots: list = field(default_factory=list)
-    direct: dict[str, str] = field(default_factory=dict)
-    leaves: dict[str, torch.Tensor] = field(default_factory=dict)
-    params: dict[str, torch.Tensor] = field(default_factory=dict)
-    entries: dict | None = None          # set for the duration of backward
-    param_flats: tuple[torch.Tensor, ...] | None = None
+from .saved import Packer, SavedRecord
 
 
 # ---- parameters ---------------------------------------------------------------------------------
@@ -97,45 +78,6 @@ def _release(t: torch.Tensor) -> None:
     t.data = z.expand(t.shape)
 
 
-def _hooks(rec: SavedRecord, entries: dict, param_flats: tuple[torch.Tensor, ...]):
-    """Pack every tensor autograd saves into ``entries`` (deduplicated by storage), or, for views of
-    the block's parameter buffers, into a reference that unpacks to whatever buffer is loaded then."""
-    pstores = {f.untyped_storage().data_ptr(): i for i, f in enumerate(param_flats)}
-    device = param_flats[0].device
-    by_ptr: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        i = pstores.get(ptr)
-        if i is not None and t.device == device:
-            return ("param", i, t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
-        if t.layout is not torch.strided or ptr == 0:
-            k = len(entries)
-            entries[k] = t
-            return ("whole", k)
-        k = by_ptr.get(ptr)
-        if k is None:
-            k = by_ptr[ptr] = len(entries)
-            entries[k] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
-        return ("view", k, t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
-
-    def unpack(h):
-        if h[0] == "param":
-            if rec.param_flats is None:
-                raise RuntimeError(f"block {rec.block}'s parameters are not loaded for its backward")
-            _, i, dt, shape, stride, off = h
-            return rec.param_flats[i].view(dt).as_strided(shape, stride, off)
-        if rec.entries is None:
-            raise RuntimeError(f"saved[{rec.block}] is not on the GPU for its backward")
-        if h[0] == "whole":
-            return rec.entries[h[1]]
-        _, k, dt, shape, stride, off = h
-        return rec.entries[k].view(dt).as_strided(shape, stride, off)
-
-    return saved_tensors_hooks(pack, unpack)
-
-
 def _forward(ctx: Step, op: Op, save: bool) -> None:
     j, mb = op.block, op.mb
     L = ctx.run.L
@@ -143,34 +85,19 @@ def _forward(ctx: Step, op: Op, save: bool) -> None:
     params: GpuParams = ctx.params(j)
     a_in: dict = ctx.get(_tid(TensorKind.ACT, j, mb), G)
     prog = ctx.run.program
+    cb = prog.compiled.get(j)
     with ctx.run.streams.on(Resource.GPU), _random_draws(ctx, op):
-        if not save:
+        if cb is not None and (save or cb.infer is not None):
+            out, rec, entries = compiled_block.forward(ctx, j, cb, params, a_in, save)
+        elif not save:
             with torch.no_grad():
                 out = prog.run_block(j, params.views, a_in)
         else:
-            rec = SavedRecord(block=j)
-            rec.params = {n: v.detach().requires_grad_(n not in ctx.run.frozen) for n, v in params.views.items()}
-            rec.leaves = {n: v.detach().requires_grad_() for n, v in a_in.items()
-                          if n in ctx.run.requires_grad and isinstance(v, torch.Tensor) and v.is_floating_point()}
-            entries: dict = {}
-            with torch.enable_grad(), _hooks(rec, entries, params.flats):
-                out = prog.run_block(j, rec.params, {**a_in, **rec.leaves})
-            by_id = {id(v): n for n, v in rec.leaves.items()}
-            for name, t in out.items():
-                if not isinstance(t, torch.Tensor) or not t.requires_grad:
-                    continue
-                if t.grad_fn is None:
-                    if id(t) in by_id:
-                        rec.direct[name] = by_id[id(t)]
-                    continue
-                rec.roots.append((name, get_gradient_edge(t), tuple(t.shape), t.dtype))
-        out = {n: (v.detach() if isinstance(v, torch.Tensor) else v) for n, v in out.items()}
-        if save:       # after detaching: an output may be an input leaf passed through unchanged
-            for t in (*rec.params.values(), *rec.leaves.values()):
-                _release(t)
-            # autograd keeps the pack hook (and so its closure) with every saved tensor until the
-            # backward: the copy goes to the residency table and the hook's own dict is emptied, so an
-            # offloaded saved[j] holds no GPU memory through the graph (each one would: 10 GiB on a 7B plan)
+            out, rec, entries = _eager_forward(ctx, j, params, a_in)
+        if save:
+            # the copy goes to the residency table; an eager block's pack hook (kept by autograd with every
+            # saved tensor until the backward) has its own dict emptied, so an offloaded saved[j] holds no GPU
+            # memory through the graph (each one would: 10 GiB on a 7B plan)
             ctx.put(_tid(TensorKind.SAVED, j, mb), G, dict(entries))
             entries.clear()
             ctx.saved_rec[(j, mb)] = rec
@@ -190,6 +117,30 @@ def _forward(ctx: Step, op: Op, save: bool) -> None:
                 raise KeyError(f"boundary {j + 1} value {n!r} is neither an output of block {j} nor live before it")
         ctx.put(_tid(TensorKind.ACT, j + 1, mb), G, nxt)
     ctx.end(op, Resource.GPU)
+
+
+def _eager_forward(ctx: Step, j: int, params: GpuParams, a_in: dict) -> tuple[dict, SavedRecord, dict]:
+    """Block j's program under autograd, every saved tensor packed into the returned entries; outputs detached."""
+    rec = SavedRecord(block=j)
+    rec.params = {n: v.detach().requires_grad_(n not in ctx.run.frozen) for n, v in params.views.items()}
+    rec.leaves = {n: v.detach().requires_grad_() for n, v in a_in.items()
+                  if n in ctx.run.requires_grad and isinstance(v, torch.Tensor) and v.is_floating_point()}
+    entries: dict = {}
+    with torch.enable_grad(), Packer(rec, entries, params.flats).hooks():
+        out = ctx.run.program.run_block(j, rec.params, {**a_in, **rec.leaves})
+    by_id = {id(v): n for n, v in rec.leaves.items()}
+    for name, t in out.items():
+        if not isinstance(t, torch.Tensor) or not t.requires_grad:
+            continue
+        if t.grad_fn is None:
+            if id(t) in by_id:
+                rec.direct[name] = by_id[id(t)]
+            continue
+        rec.roots.append((name, get_gradient_edge(t), tuple(t.shape), t.dtype))
+    out = {n: (v.detach() if isinstance(v, torch.Tensor) else v) for n, v in out.items()}
+    for t in (*rec.params.values(), *rec.leaves.values()):     # after detaching: an output may be an input leaf
+        _release(t)
+    return out, rec, entries
 
 
 def _random_draws(ctx: Step, op: Op):
@@ -227,6 +178,23 @@ def _inv_tokens(ctx: Step) -> torch.Tensor:
     return ctx.inv_tokens
 
 
+def _eager_gradients(ctx: Step, rec: SavedRecord, dout: dict) -> tuple[list[str], list[str], list]:
+    """(trained parameter names, input leaf names, their gradients) of an eager block's saved graph."""
+    roots, grads = [], []
+    for name, edge, _, dtype in rec.roots:
+        if rec.block == ctx.run.L - 1 and name == "loss_sum":
+            roots.append(edge)
+            grads.append(_inv_tokens(ctx).to(device=ctx.run.device, dtype=dtype).reshape(()))
+        elif name in dout:
+            roots.append(edge)
+            grads.append(dout[name])
+    pnames = [n for n, v in rec.params.items() if v.requires_grad]
+    lnames = list(rec.leaves)
+    wrt = [rec.params[n] for n in pnames] + [rec.leaves[n] for n in lnames]
+    res = torch.autograd.grad(roots, wrt, grads, allow_unused=True) if roots else [None] * len(wrt)
+    return pnames, lnames, res
+
+
 def backward(ctx: Step, op: Op) -> None:
     j, mb = op.block, op.mb
     L = ctx.run.L
@@ -238,18 +206,10 @@ def backward(ctx: Step, op: Op) -> None:
     dout = ctx.take(_tid(TensorKind.GRAD_ACT, j + 1, mb), G) if j + 1 < L else {}
     lay = ctx.run.gpu_layouts[j] if ctx.run.gpu_layouts else ctx.run.store.layouts[j]
     with ctx.run.streams.on(Resource.GPU):
-        roots, grads = [], []
-        for name, edge, _, dtype in rec.roots:
-            if j == L - 1 and name == "loss_sum":
-                roots.append(edge)
-                grads.append(_inv_tokens(ctx).to(device=ctx.run.device, dtype=dtype).reshape(()))
-            elif name in dout:
-                roots.append(edge)
-                grads.append(dout[name])
-        pnames = [n for n, v in rec.params.items() if v.requires_grad]
-        lnames = list(rec.leaves)
-        wrt = [rec.params[n] for n in pnames] + [rec.leaves[n] for n in lnames]
-        res = torch.autograd.grad(roots, wrt, grads, allow_unused=True) if roots else [None] * len(wrt)
+        if rec.handles is not None:
+            pnames, lnames, res = compiled_block.gradients(ctx, rec, dout)
+        else:
+            pnames, lnames, res = _eager_gradients(ctx, rec, dout)
         rec.entries = rec.param_flats = None
         targets = ctx.run.resident_targets.get(j)
         if targets is None:

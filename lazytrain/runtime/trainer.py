@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..frontend.program import build_program
-from ..ir import Plan, PlanError, TensorId, TensorKind, Tier, verify
+from ..ir import OpKind, Plan, PlanError, TensorId, TensorKind, Tier, verify
 from ..ir.order import UpdateOrder
 from ..ir.semantics import Sizes
 from . import checkpoint, interpreter
@@ -90,7 +90,8 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, plan: Plan, optimizer=None, device=None, nvme_dir=None,
                  profile: bool = False, verbose: bool = True):
-        """``verbose``: print the host memory estimate (before allocating) to stderr."""
+        """``verbose``: print the host memory estimate (before allocating) and, for a plan with compiled blocks,
+        what compiling them took, to stderr."""
         check_trainer_args(model, plan, optimizer, device)
         #: the data-parallel world (``distributed.World``; None for one process): joined before the
         #: device is chosen (a rank's GPU is its LOCAL_RANK's)
@@ -138,6 +139,8 @@ class Trainer:
                           resident_grad=grads)
         updates.world = self.world
         rg = frozenset(t.name for b in self.program.graph.blocks for t in (*b.inputs, *b.outputs) if t.requires_grad)
+        #: what compiling the block programs did (``frontend/compiled.py``); None when the plan runs them eager
+        self.compile_report = _compile_blocks(self.program, plan, self.device, param_dtype, frozen, rg, verbose)
         self.ctx = Run(plan=plan, program=self.program, device=self.device, streams=streams, store=self.store,
                        pool=HostPool(self.device.type == "cuda"), nvme=nvme, optimizer=optimizer, tracker=tracker,
                        requires_grad=rg, frozen=frozen, resident=params, resident_targets=targets, updates=updates,
@@ -357,6 +360,21 @@ def _program(model: torch.nn.Module, plan: Plan, device: torch.device):
         raise PlanError(f"the plan was compiled for another model (plan {plan.graph.name}, fingerprint "
                         f"{plan.fingerprint}; this model's fingerprint is {have}): compile a plan for this model")
     return program
+
+
+def _compile_blocks(program, plan: Plan, device: torch.device, param_dtype: torch.dtype, frozen: frozenset[str],
+                    requires_grad: frozenset[str], verbose: bool):
+    """Compile the program's blocks when the plan asks for it (``compile(..., compile_blocks=True)``), with the
+    forward that saves nothing for the blocks the plan runs so (a recomputed block's first forward)."""
+    if not plan.options.get("compile_blocks"):
+        return None
+    infer = {op.block for op in plan.ops if op.kind is OpKind.COMPUTE and not op.save}
+    report = program.compile(device, param_dtype=param_dtype, frozen=frozen, requires_grad=requires_grad,
+                             infer=infer)
+    log.info("%s", report.line())
+    if verbose:
+        print(f"[lazytrain] {report.line()}", file=sys.stderr)
+    return report
 
 
 def _loss_chunk(plan: Plan) -> dict:
