@@ -299,10 +299,10 @@ class Trainer:
 
     @classmethod
     def load_checkpoint(cls, directory, model: torch.nn.Module, *, optimizer=None, device=None,
-                        plan: Plan | None = None) -> Trainer:
+                        plan: Plan | None = None, verbose: bool = True) -> Trainer:
         """A trainer for ``model`` resumed from ``directory`` (parameters, optimizer state, step, RNGs).
         ``optimizer``: default, rebuilt from the checkpoint; ``plan``: default, the checkpoint's own."""
-        return checkpoint.load(cls, directory, model, optimizer=optimizer, device=device, plan=plan)
+        return checkpoint.load(cls, directory, model, optimizer=optimizer, device=device, plan=plan, verbose=verbose)
 
     def close(self) -> None:
         self.flush()
