@@ -85,8 +85,9 @@ def _first_failure(failures: dict, n: int) -> str:
 
 def _said(failure) -> str:
     """The one-line error the rank left (``leave_error``), or ''."""
-    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-    msg = data.get("message")
+    if not os.path.isfile(str(failure.error_file)):     # (torchrun's placeholder message then)
+        return ""
+    msg = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
     return msg if isinstance(msg, str) else ""
 
 

@@ -64,6 +64,8 @@ class Ranks:
     _store: object = field(default=None, repr=False)
     _shared: int = 0
     _stdout: object = field(default=None, repr=False)
+    #: this run started the process group (and ends it in ``close``), rather than its caller
+    _owns: bool = False
 
     @staticmethod
     def join(device_type: str) -> Ranks:
@@ -72,13 +74,15 @@ class Ranks:
         if size == 1:
             return Ranks()
         import torch.distributed as dist
-        rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-        if device_type == "cuda":
-            torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=collective_timeout()))
+        owns = not dist.is_initialized()
+        if owns:
+            if device_type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                                    timeout=timedelta(seconds=collective_timeout()))
+        rank, size = dist.get_rank(), dist.get_world_size()
         out = Ranks(rank=rank, size=size, local_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(size))),
-                    _store=dist.distributed_c10d._get_default_store())
+                    _store=dist.distributed_c10d._get_default_store(), _owns=owns)
         if rank:
             out._stdout, sys.stdout = sys.stdout, open(os.devnull, "w")    # noqa: SIM115 - closed in close()
         return out
@@ -147,7 +151,8 @@ class Ranks:
         if dist.is_initialized():
             if self.world is not None:
                 self.world.barrier("the end of the run")
-            dist.destroy_process_group()
+            if self._owns:
+                dist.destroy_process_group()
         if self._stdout is not None:
             with contextlib.suppress(OSError):
                 sys.stdout.close()

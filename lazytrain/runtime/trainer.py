@@ -195,6 +195,8 @@ class Trainer:
             raise RuntimeError("a previous step failed; the trainer's state is inconsistent: "
                                "build a new Trainer") from self._broken
         ids, labels, positions = self._batch(batch)
+        if self.world is not None:
+            self.world.mark_step(self.steps + 1)
         run = self.ctx
         t0 = time.perf_counter()
         run.updates.begin_step(getattr(self.optimizer, "lr", None))

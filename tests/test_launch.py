@@ -1,0 +1,129 @@
+"""``lazytrain train --nproc 2``: the command line's own launcher (torch.distributed.run) starts two gloo
+ranks that train like one process on the same global batch, on the built-in task and on a data file
+(the exported Hugging Face folder too); a rank killed mid-run is named in the command's one-line error
+and the last checkpoint stays whole.  Each launch costs seconds (every rank imports torch and traces
+the model), so each test launches once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lazytrain.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the task's GPT, untied (tied parameters are not sharded), small enough for seconds a run
+UNTIED = {"model_type": "lazytrain-gpt", "vocab": 98, "max_seq": 128, "tie_weights": False, "d_model": 32,
+          "n_layer": 2, "n_head": 2, "d_ff": 64, "rope": True}
+COMMON = ["--batch", "8", "--steps", "3", "--policy", "keep-all", "--no-progress", "--time-limit-min", "0"]
+
+
+def _cli(args: list[str], **popen) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONUNBUFFERED": "1", "LAZYTRAIN_COLLECTIVE_TIMEOUT": "60"}
+    return subprocess.Popen([sys.executable, "-m", "lazytrain", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _losses(out: Path) -> list[float]:
+    return [h["loss"] for h in json.loads((out / "metrics.json").read_text())["loss_curve"]]
+
+
+def test_two_processes_train_the_task_like_one_and_a_killed_rank_is_named(tmp_path):
+    """Launch 1: two ranks, 3 steps, the losses of one process (same global batch, fp32: rtol 1e-5, the
+    tolerance of tests/test_world_runtime.py).  Launch 2 resumes it and rank 1 is killed as it starts
+    (killed mid-step, the launcher's part is the same: tests/test_world_runtime.py has the ranks' own
+    report): the command exits non-zero with one line naming rank 1, and the checkpoint stays whole."""
+    cfg = tmp_path / "untied.json"
+    cfg.write_text(json.dumps(UNTIED))
+    two, one = tmp_path / "two", tmp_path / "one"
+    args = ["train", *COMMON, "--model", str(cfg), "--eval-size", "20"]
+    proc = _cli([*args, "--nproc", "2", "--output", str(two)])
+    assert main([*args, "--threads", "1", "--device", "cpu", "--output", str(one)]) == 0
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    np.testing.assert_allclose(_losses(two), _losses(one), rtol=1e-5)
+    m = json.loads((two / "metrics.json").read_text())
+    assert m["steps_done"] == 3 and m["exact_match"] is not None and out.count("wrote ") == 1   # rank 0 speaks
+    meta = json.loads((two / "checkpoint" / "checkpoint.json").read_text())
+    assert meta["world"]["size"] == 2 and meta["step"] == 3
+
+    proc = _cli(["train", "--resume", str(two), "--output", str(two), "--steps", "100000", "--nproc", "2",
+                 "--no-progress", "--time-limit-min", "0"])
+    os.kill(_child_with(proc.pid, "RANK=1"), signal.SIGKILL)
+    _, err = proc.communicate(timeout=90)
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith("lazytrain train: error: rank 1 of 2 (pid "), err
+    assert "killed by SIGKILL" in last and "resume from the last one" in last, last
+    assert main(["train", "--resume", str(two), "--output", str(tmp_path / "on"), "--steps", "4", "--device", "cpu",
+                 "--threads", "1", "--no-progress"]) == 0          # and resumes in one process (another world size)
+    assert _losses(tmp_path / "on")[:3] == _losses(two)
+
+
+def test_the_launcher_names_the_rank_that_failed_first(tmp_path):
+    """A rank killed from outside before the ranks that failed because of it; else a rank's own error
+    (rank 0 first within its second: the others' copies of it come as early); the launcher's SIGTERM last."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from lazytrain.launch import _first_failure
+
+    def failure(rank: int, code: int, said: str | None = None) -> ProcessFailure:
+        path = tmp_path / f"err{rank}.{code}.json"
+        if said is not None:
+            path.write_text(json.dumps({"message": said, "timestamp": 100}))
+        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file=str(path))
+    dead = {0: failure(0, 2, "all_gather failed on rank 0 of 3: rank 2 exited"), 1: failure(1, -15),
+            2: failure(2, -9)}
+    assert "rank 2 of 3 (pid 1002) was killed by SIGKILL; the other ranks were stopped" in _first_failure(dead, 3)
+    copied = {1: failure(1, 2, "rank 0 stopped while computing the plan: ..."), 0: failure(0, -15, "no plan fits")}
+    assert _first_failure(copied, 2).startswith("rank 0 of 2 (pid 1000) failed: no plan fits; the other rank was")
+    assert "rank 1 of 2 (pid 1001) exited with status 3" in _first_failure({1: failure(1, 3)}, 2)
+
+
+def _child_with(parent: int, env_entry: str, timeout: float = 30) -> int:
+    """The pid of ``parent``'s child whose environment holds ``env_entry`` (Linux /proc)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == parent and env_entry.encode() in (stat.parent / "environ").read_bytes().split(b"\0"):
+                    return int(stat.parent.name)
+            except (OSError, ValueError, IndexError):
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no child of {parent} with {env_entry}")
+
+
+def test_two_processes_fine_tune_and_export_like_one(tmp_path):
+    """``--data``: two ranks' losses and exported folder equal one process's (fp32, rtol 1e-5 / atol
+    1e-6), and ``lazytrain export`` of the two ranks' sharded checkpoint writes the same weights."""
+    pytest.importorskip("transformers")
+    from ft_fixtures import chat, tiny_folder, write_jsonl
+    from safetensors.torch import load_file
+    folder = tiny_folder(tmp_path / "hf", tied=False)
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(f"{i}+3=?", f"{i}+3={i + 3}") for i in range(24)])
+    args = ["train", *COMMON, "--batch", "4", "--model", str(folder), "--data", str(data), "--eval-size", "2",
+            "--max-new-tokens", "4"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    proc = _cli([*args, "--nproc", "2", "--output", str(two)])
+    assert main([*args, "--threads", "1", "--device", "cpu", "--output", str(one)]) == 0
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    np.testing.assert_allclose(_losses(two), _losses(one), rtol=1e-5)
+    assert main(["export", str(two / "checkpoint"), "-o", str(tmp_path / "again")]) == 0
+    shard = "model-00001-of-00001.safetensors"
+    a, b, c = (load_file(p / shard) for p in (one / "model", two / "model", tmp_path / "again"))
+    assert a.keys() == b.keys() == c.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+        assert torch.equal(c[k], b[k]), k
