@@ -345,8 +345,8 @@ def cmd_train(a) -> int:
     from .train import TrainConfig, run
     n = a.gpus or a.nproc
     if n and (a.device or ("cuda" if a.gpus else "cpu")) != ("cuda" if a.gpus else "cpu"):
-        raise ValueError(f"--device {a.device} with {'--gpus' if a.gpus else '--nproc'}: --gpus runs on CUDA GPUs, "
-                         "--nproc on the CPU")
+        raise ValueError(f"--device {a.device} with {'--gpus' if a.gpus else '--nproc'}: "
+                         "--gpus runs on CUDA GPUs, --nproc on the CPU")
     if n:
         from .launch import check_launch, launch
         a.device = "cuda" if a.gpus else "cpu"

@@ -106,8 +106,9 @@ class Ranks:
     def per_rank_batch(self, batch: int) -> int:
         """The plan's batch: this rank's share of the global ``--batch``."""
         if batch % self.size:
-            raise ValueError(f"--batch {batch} is not a multiple of the {self.size} processes: every rank takes the "
-                             f"same share of the global batch (give a multiple of {self.size})")
+            raise ValueError(f"--batch {batch} is not a multiple of the {self.size} "
+                             "processes: every rank takes the same share of the global batch "
+                             f"(give a multiple of {self.size})")
         return batch // self.size
 
     def share(self, what: str, fn):

@@ -127,3 +127,17 @@ def test_two_processes_fine_tune_and_export_like_one(tmp_path):
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
         assert torch.equal(c[k], b[k]), k
+
+
+def test_launch_mistakes_are_one_line_errors(capsys, monkeypatch):
+    from lazytrain.ranks import Ranks
+    if not torch.cuda.is_available():
+        assert main(["train", "--gpus", "2"]) == 2
+        assert "--gpus 2: 0 CUDA GPU(s) are visible here; --nproc 2 starts" in capsys.readouterr().err
+    assert main(["train", "--nproc", "2", "--device", "cuda"]) == 2
+    assert "--device cuda with --nproc: --gpus runs on CUDA GPUs" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["train", "--nproc", "2"]) == 2
+    assert "--gpus/--nproc 2, but the launcher started 4 processes" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--batch 6 is not a multiple of the 4 processes"):
+        Ranks(size=4).per_rank_batch(6)
