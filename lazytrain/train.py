@@ -431,7 +431,7 @@ def _commit(trainer, out: Path, metrics: dict, run: Progress, evals: list, em_cu
     return ckpt
 
 
-def _final_eval(trainer, evals, dev: torch.device, flag: _StopFlag, ranks: Ranks) -> float | None:
+def _final_eval(trainer, evals, dev: torch.device, flag: _StopFlag, ranks: Ranks | None = None) -> float | None:
     """Exact match on the eval split; None when a Ctrl-C stopped it (at once: the state is committed)."""
     t = time.perf_counter()
     flag.immediate = True
