@@ -1,8 +1,7 @@
 """``lazytrain train --nproc 2``: the command line's own launcher (torch.distributed.run) starts two gloo
-ranks that train like one process on the same global batch, on the built-in task and on a data file
-(the exported Hugging Face folder too); a rank killed mid-run is named in the command's one-line error
-and the last checkpoint stays whole.  Each launch costs seconds (every rank imports torch and traces
-the model), so each test launches once."""
+ranks that train like one process on the same global batch, and export the same Hugging Face folder; a
+rank killed is named in the command's one-line error and the last checkpoint stays whole.  Each launch
+costs seconds (every rank imports torch and transformers and traces the model), so there are two."""
 
 from __future__ import annotations
 
@@ -20,33 +19,38 @@ import torch
 
 from lazytrain.cli import main
 
+pytest.importorskip("transformers")
+from ft_fixtures import tiny_folder  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-#: the task's GPT, untied (tied parameters are not sharded), small enough for seconds a run
-UNTIED = {"model_type": "lazytrain-gpt", "vocab": 98, "max_seq": 128, "tie_weights": False, "d_model": 32,
-          "n_layer": 2, "n_head": 2, "d_ff": 64, "rope": True}
-COMMON = ["--batch", "8", "--steps", "3", "--policy", "keep-all", "--no-progress", "--time-limit-min", "0"]
+COMMON = ["--batch", "8", "--steps", "3", "--policy", "keep-all", "--no-progress", "--time-limit-min", "0",
+          "--eval-size", "8"]
 
 
-def _cli(args: list[str], **popen) -> subprocess.Popen:
+def _cli(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "PYTHONUNBUFFERED": "1", "LAZYTRAIN_COLLECTIVE_TIMEOUT": "60"}
     return subprocess.Popen([sys.executable, "-m", "lazytrain", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **popen)
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _losses(out: Path) -> list[float]:
     return [h["loss"] for h in json.loads((out / "metrics.json").read_text())["loss_curve"]]
 
 
-def test_two_processes_train_the_task_like_one_and_a_killed_rank_is_named(tmp_path):
-    """Launch 1: two ranks, 3 steps, the losses of one process (same global batch, fp32: rtol 1e-5, the
-    tolerance of tests/test_world_runtime.py).  Launch 2 resumes it and rank 1 is killed as it starts
-    (killed mid-step, the launcher's part is the same: tests/test_world_runtime.py has the ranks' own
-    report): the command exits non-zero with one line naming rank 1, and the checkpoint stays whole."""
-    cfg = tmp_path / "untied.json"
-    cfg.write_text(json.dumps(UNTIED))
+def test_two_processes_train_and_export_like_one_and_a_killed_rank_is_named(tmp_path):
+    """Launch 1: two ranks train the built-in task for 3 steps (a tiny Llama, untied: tied parameters are
+    not sharded) with the losses of one process (same global batch, fp32: rtol 1e-5, the tolerance of
+    tests/test_world_runtime.py); ``lazytrain export`` of their sharded checkpoint gives the folder of the
+    one-process checkpoint (rtol 1e-5, atol 1e-6).  Launch 2 resumes it and rank 1 is killed as it starts
+    (killed mid-step, the launcher's part is the same; tests/test_world_runtime.py has the ranks' own
+    report): the command exits non-zero with one line naming rank 1, and the checkpoint stays whole.
+    Checked by hand, not here (a launch each): ``--data`` runs (end-of-run export equal to one process's)
+    and ``--resume`` at another number of processes, 1 -> 2 and 2 -> 1."""
+    from safetensors.torch import load_file
+    model = tiny_folder(tmp_path / "hf", tied=False, tokenizer=False)
     two, one = tmp_path / "two", tmp_path / "one"
-    args = ["train", *COMMON, "--model", str(cfg), "--eval-size", "20"]
+    args = ["train", *COMMON, "--model", str(model)]
     proc = _cli([*args, "--nproc", "2", "--output", str(two)])
     assert main([*args, "--threads", "1", "--device", "cpu", "--output", str(one)]) == 0
     out, err = proc.communicate(timeout=120)
@@ -56,6 +60,12 @@ def test_two_processes_train_the_task_like_one_and_a_killed_rank_is_named(tmp_pa
     assert m["steps_done"] == 3 and m["exact_match"] is not None and out.count("wrote ") == 1   # rank 0 speaks
     meta = json.loads((two / "checkpoint" / "checkpoint.json").read_text())
     assert meta["world"]["size"] == 2 and meta["step"] == 3
+    for run in (one, two):
+        assert main(["export", str(run), "-o", str(run / "model")]) == 0
+    a, b = (load_file(run / "model" / "model-00001-of-00001.safetensors") for run in (one, two))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
 
     proc = _cli(["train", "--resume", str(two), "--output", str(two), "--steps", "100000", "--nproc", "2",
                  "--no-progress", "--time-limit-min", "0"])
@@ -64,9 +74,8 @@ def test_two_processes_train_the_task_like_one_and_a_killed_rank_is_named(tmp_pa
     last = err.strip().splitlines()[-1]
     assert proc.returncode == 2 and last.startswith("lazytrain train: error: rank 1 of 2 (pid "), err
     assert "killed by SIGKILL" in last and "resume from the last one" in last, last
-    assert main(["train", "--resume", str(two), "--output", str(tmp_path / "on"), "--steps", "4", "--device", "cpu",
-                 "--threads", "1", "--no-progress"]) == 0          # and resumes in one process (another world size)
-    assert _losses(tmp_path / "on")[:3] == _losses(two)
+    meta = json.loads((two / "checkpoint" / "checkpoint.json").read_text())
+    assert meta["step"] == 3 and json.loads((two / "metrics.json").read_text())["steps_done"] == 3
 
 
 def test_the_launcher_names_the_rank_that_failed_first(tmp_path):
@@ -102,31 +111,6 @@ def _child_with(parent: int, env_entry: str, timeout: float = 30) -> int:
                 continue
         time.sleep(0.05)
     raise AssertionError(f"no child of {parent} with {env_entry}")
-
-
-def test_two_processes_fine_tune_and_export_like_one(tmp_path):
-    """``--data``: two ranks' losses and exported folder equal one process's (fp32, rtol 1e-5 / atol
-    1e-6), and ``lazytrain export`` of the two ranks' sharded checkpoint writes the same weights."""
-    pytest.importorskip("transformers")
-    from ft_fixtures import chat, tiny_folder, write_jsonl
-    from safetensors.torch import load_file
-    folder = tiny_folder(tmp_path / "hf", tied=False)
-    data = write_jsonl(tmp_path / "train.jsonl", [chat(f"{i}+3=?", f"{i}+3={i + 3}") for i in range(24)])
-    args = ["train", *COMMON, "--batch", "4", "--model", str(folder), "--data", str(data), "--eval-size", "2",
-            "--max-new-tokens", "4"]
-    two, one = tmp_path / "two", tmp_path / "one"
-    proc = _cli([*args, "--nproc", "2", "--output", str(two)])
-    assert main([*args, "--threads", "1", "--device", "cpu", "--output", str(one)]) == 0
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    np.testing.assert_allclose(_losses(two), _losses(one), rtol=1e-5)
-    assert main(["export", str(two / "checkpoint"), "-o", str(tmp_path / "again")]) == 0
-    shard = "model-00001-of-00001.safetensors"
-    a, b, c = (load_file(p / shard) for p in (one / "model", two / "model", tmp_path / "again"))
-    assert a.keys() == b.keys() == c.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
-        assert torch.equal(c[k], b[k]), k
 
 
 def test_launch_mistakes_are_one_line_errors(capsys, monkeypatch):
