@@ -34,6 +34,11 @@ import time
 
 from .runtime.distributed import env_world_size
 
+#: seconds torchrun waits after its SIGTERM before it kills a rank: a rank ends at once on SIGTERM (it has
+#: no handler), so one still there is stopped or stuck (a rank stopped with SIGSTOP kept the launcher
+#: waiting torchrun's default 30 s)
+SHUTDOWN_S = 5
+
 
 class LaunchError(RuntimeError):
     """A rank of a launched run failed; the message names it."""
@@ -56,7 +61,8 @@ def launch(argv: list[str], n: int, *, gpus: bool) -> int:
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        run(parse_args(["--standalone", "--nproc-per-node", str(n), "--module", "--", "lazytrain", *argv]))
+        run(parse_args(["--standalone", "--nproc-per-node", str(n), "--shutdown-timeout", str(SHUTDOWN_S),
+                        "--module", "--", "lazytrain", *argv]))
     except ChildFailedError as e:
         raise LaunchError(_first_failure(e.failures, n)) from None
     except SignalException:
@@ -65,14 +71,16 @@ def launch(argv: list[str], n: int, *, gpus: bool) -> int:
 
 
 def _first_failure(failures: dict, n: int) -> str:
-    """One line on the rank whose failure came first: a rank killed from outside (a signal other than the
-    launcher's SIGTERM, no error of its own), else a rank's own error (the earliest, rank 0 first within a
-    second: another rank's copy of rank 0's error comes as early), else the earliest failure."""
+    """One line on the rank whose failure came first (torchrun's times are whole seconds); within a second,
+    a rank killed from outside (a signal other than the launcher's SIGTERM, no error of its own) before a
+    rank's own error (a survivor's report of it), before the rest; then rank 0 first (the others' copy of
+    rank 0's error comes as early).  A rank killed by the launcher after its shutdown timeout comes
+    later than the error that made it stop the others."""
     def order(r: int):
         f = failures[r]
         said = _said(f)
         killed = f.exitcode < 0 and not said and f.signal_name() not in ("SIGTERM", "SIGINT")
-        return (0 if killed else 1 if said else 2, f.timestamp, r)
+        return (f.timestamp, 0 if killed else 1 if said else 2, r)
     rank = min(failures, key=order)
     f = failures[rank]
     said = _said(f)

@@ -79,23 +79,29 @@ def test_two_processes_train_and_export_like_one_and_a_killed_rank_is_named(tmp_
 
 
 def test_the_launcher_names_the_rank_that_failed_first(tmp_path):
-    """A rank killed from outside before the ranks that failed because of it; else a rank's own error
-    (rank 0 first within its second: the others' copies of it come as early); the launcher's SIGTERM last."""
+    """The first failure: within a second, a rank killed from outside before the ranks that failed because
+    of it, a rank's own error before the launcher's SIGTERM, rank 0 before the others' copies of its
+    error; a rank the launcher killed later (stopped, so its SIGTERM waited) after the error."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from lazytrain.launch import _first_failure
 
-    def failure(rank: int, code: int, said: str | None = None) -> ProcessFailure:
+    def failure(rank: int, code: int, said: str | None = None, at: int = 100) -> ProcessFailure:
         path = tmp_path / f"err{rank}.{code}.json"
         if said is not None:
-            path.write_text(json.dumps({"message": said, "timestamp": 100}))
-        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file=str(path))
+            path.write_text(json.dumps({"message": said, "timestamp": at}))
+        out = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file=str(path))
+        out.timestamp = at
+        return out
     dead = {0: failure(0, 2, "all_gather failed on rank 0 of 3: rank 2 exited"), 1: failure(1, -15),
             2: failure(2, -9)}
     assert "rank 2 of 3 (pid 1002) was killed by SIGKILL; the other ranks were stopped" in _first_failure(dead, 3)
     copied = {1: failure(1, 2, "rank 0 stopped while computing the plan: ..."), 0: failure(0, -15, "no plan fits")}
     assert _first_failure(copied, 2).startswith("rank 0 of 2 (pid 1000) failed: no plan fits; the other rank was")
     assert "rank 1 of 2 (pid 1001) exited with status 3" in _first_failure({1: failure(1, 3)}, 2)
+    hung = {0: failure(0, 2, "agreeing on the next step failed on rank 0 of 2: rank 1 stopped answering"),
+            1: failure(1, -9, at=106)}        # SIGSTOPped: the launcher's SIGKILL comes after its shutdown timeout
+    assert _first_failure(hung, 2).startswith("rank 0 of 2 (pid 1000) failed: agreeing on the next step")
 
 
 def _child_with(parent: int, env_entry: str, timeout: float = 30) -> int:
