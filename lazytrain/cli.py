@@ -193,6 +193,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-only-loss", action="store_true",
                    help="loss on the answer only (default: on every token; see lazytrain/train.py)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--gpus", type=_positive, default=None, metavar="N",
+                   help="train on N GPUs of this host: N processes started by torch.distributed.run, data parallel "
+                        "with the host state sharded; --batch is the global batch (a multiple of N)")
+    g.add_argument("--nproc", type=_positive, default=None, metavar="N",
+                   help="as --gpus, but N processes on the CPU (gloo): a run of several ranks without GPUs")
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="CPU threads, at most the cores (default: measured, starting from the cores idle at the start)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -338,6 +344,15 @@ def _has_cuda() -> bool:
 
 def cmd_train(a) -> int:
     from .train import TrainConfig, run
+    n = a.gpus or a.nproc
+    if n and (a.device or ("cuda" if a.gpus else "cpu")) != ("cuda" if a.gpus else "cpu"):
+        raise ValueError(f"--device {a.device} with {'--gpus' if a.gpus else '--nproc'}: "
+                         "--gpus runs on CUDA GPUs, --nproc on the CPU")
+    if n:
+        from .launch import check_launch, launch
+        a.device = "cuda" if a.gpus else "cpu"
+        if n > 1 and check_launch(n):
+            return launch(a.argv, n, gpus=bool(a.gpus))
     cls, extra = TrainConfig, {}
     if a.data:
         from .finetune import FinetuneConfig as cls
@@ -448,10 +463,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)     # what --gpus N starts on every rank
     try:
         return a.fn(a)
     except (PlanError, ValueError, OSError, RuntimeError) as e:
-        print(f"lazytrain {a.command}: error: {e}", file=sys.stderr)
+        if not getattr(e, "quiet", False):       # (a rank's copy of rank 0's error, which rank 0 prints)
+            print(f"lazytrain {a.command}: error: {e}", file=sys.stderr)
+        from .launch import leave_error
+        leave_error(str(e))
         return 2
     except KeyboardInterrupt:
         print(f"lazytrain {a.command}: interrupted", file=sys.stderr)

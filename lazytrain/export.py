@@ -129,9 +129,16 @@ def hf_config(config, model_class: str | None = None) -> dict:
 
 # ---- where the weights come from ---------------------------------------------------------------------
 
-def trainer_weights(trainer) -> list[Weight]:
+def trainer_weights(trainer, checkpoint=None) -> list[Weight]:
     """The trainer's current weights (pending updates applied), block by block from its host store;
-    tied weights once, under their first name, and the model's persistent buffers."""
+    tied weights once, under their first name, and the model's persistent buffers.  A trainer of several
+    ranks holds only its shard: its weights are those of ``checkpoint``, which every rank saved just now
+    (read by one rank, tensor by tensor, so no rank gathers a second copy of the model)."""
+    if trainer.world is not None:
+        if checkpoint is None:
+            raise ExportError("a trainer of several ranks exports from the checkpoint the ranks saved: pass it")
+        out = checkpoint_weights(checkpoint)
+        return out + _buffers(trainer.model, {w.name for w in out})
     trainer.flush()
     cache: dict[int, torch.Tensor] = {}
 
@@ -168,9 +175,7 @@ def checkpoint_weights(directory) -> list[Weight]:
     """The weights of a checkpoint folder (``runtime/checkpoint.py``), read one tensor at a time."""
     folder, meta = read_meta(directory)
     if "world" in meta:                 # each file holds flat pieces of the tensors (checkpoint_world.py)
-        raise ExportError(f"{folder} is a checkpoint of {meta['world']['size']} ranks, "
-                          "which export does not read yet: load it in one process (Trainer.load_checkpoint with a "
-                          "plan for world size 1), save it, and export that")
+        return _sharded_weights(folder, meta)
     out = []
     for fname in sorted(meta["files"]):
         path = folder / fname
@@ -179,6 +184,32 @@ def checkpoint_weights(directory) -> list[Weight]:
                 if key.startswith("param."):
                     shape = tuple(f.get_slice(key).get_shape())
                     out.append(Weight(key.removeprefix("param."), shape, lambda p=path, k=key: _read(p, k)))
+    return out
+
+
+def _sharded_weights(folder: Path, meta: dict) -> list[Weight]:
+    """The weights of a checkpoint of several ranks: each tensor's pieces (``[first, end)`` of its flat
+    elements, one per rank file that holds some, as the manifest records them) read and joined in
+    element order, one tensor at a time; shapes from the checkpoint's plan."""
+    from .ir import Plan, PlanError
+    try:
+        graph = Plan.from_json(meta["plan"]).graph
+    except PlanError as e:
+        raise ExportError(f"{folder}: {e}") from None
+    where: dict[str, list[tuple[int, int, str]]] = {}
+    for fname, rng in meta["world"]["pieces"].items():
+        for name, (a, b) in rng.items():
+            where.setdefault(name, []).append((a, b, fname))
+    out = []
+    for block in graph.blocks:
+        for p in block.params:
+            parts = sorted(where.get(p.name, []))
+            ends = [0] + [b for _a, b, _f in parts]
+            if [a for a, _b, _f in parts] != ends[:-1] or ends[-1] != p.numel:
+                raise ExportError(f"{folder}: the saved pieces of {p.name} do not cover elements [0, {p.numel}): "
+                                  "use another checkpoint")
+            out.append(Weight(p.name, tuple(p.shape), lambda parts=parts, shape=tuple(p.shape), name=p.name: torch.cat(
+                [_read(folder / f, f"param.{name}").reshape(-1) for _a, _b, f in parts]).view(shape)))
     return out
 
 

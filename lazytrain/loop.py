@@ -25,6 +25,7 @@ from .compiler.hardware import _cpu_cores
 from .threads import ThreadTuner
 
 if TYPE_CHECKING:       # annotations only: train.py runs this loop
+    from .ranks import Ranks
     from .train import TrainConfig
 
 
@@ -67,19 +68,28 @@ class Progress:
                              "t": round(time.perf_counter() - t_start, 2)})
 
 
-def steps(cfg: TrainConfig, opt, run: Progress, flag, *, start: int) -> Iterator[int]:
+def steps(cfg: TrainConfig, opt, run: Progress, flag, *, start: int, ranks: Ranks | None = None) -> Iterator[int]:
     """Each step to run, with ``opt.lr`` set for it (see the module docstring); ``run`` says why it
-    stopped and how long the loop took."""
+    stopped and how long the loop took.  With several ranks the rate, the time limit and a stop are
+    agreed before each step (``Ranks.agree``): every rank runs the same steps."""
     limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else None
     t_train = time.perf_counter()
+    world = ranks is not None and ranks.size > 1
     while run.step < cfg.steps:
         elapsed = time.perf_counter() - t_train
-        if limit_s is not None and elapsed >= limit_s:
+        over = limit_s is not None and elapsed >= limit_s
+        lr = lr_at(cfg, run.step, schedule_progress(run.step, start, cfg.steps, elapsed, limit_s))
+        if world:
+            lr, over, stop = ranks.agree(lr, over, flag.set)
+            if stop:
+                run.interrupted, run.stop_reason = True, "interrupted"
+                break
+        if over:
             run.stop_reason = "time limit"
             break
-        opt.lr = lr_at(cfg, run.step, schedule_progress(run.step, start, cfg.steps, elapsed, limit_s))
+        opt.lr = lr
         yield run.step
-        if flag.set:
+        if flag.set and not world:
             run.interrupted, run.stop_reason = True, "interrupted"
             break
     run.train_s = time.perf_counter() - t_train
@@ -98,25 +108,50 @@ def output_folder(path: str) -> Path:
 
 
 def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, seq_len: int, hardware,
-                  param_dtype: str, packed: bool = False):
+                  param_dtype: str, packed: bool = False, ranks: Ranks | None = None):
     """Hybrid 8-bit AdamW and the Trainer: a resumed run loads its checkpoint (which carries its plan: no
-    recompile, the same schedule), a new one compiles a plan for this machine.  Returns (trainer,
-    optimizer, seconds)."""
+    recompile, the same schedule, unless it was saved by another number of processes), a new one
+    compiles a plan for this machine (with several ranks: rank 0 compiles it for all, ``Ranks.share``).
+    Returns (trainer, optimizer, seconds)."""
     # the compiler and the runtime load when a run starts, not when the CLI builds its parser (0.5 s)
-    from . import compile as compile_plan
+    from .ranks import Ranks
+    from .runtime.checkpoint import read_meta
     from .runtime.optim import Hybrid8bitAdamW
     from .runtime.trainer import Trainer
+    ranks = ranks or Ranks()
     opt = Hybrid8bitAdamW(lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                           num_threads=torch.get_num_threads() if dev.type == "cpu" else None)
     t = time.perf_counter()
+    plan = None
     if resumed:
-        trainer = Trainer.load_checkpoint(Path(cfg.resume) / "checkpoint", model, optimizer=opt, device=dev)
+        saved = read_meta(Path(cfg.resume) / "checkpoint")[1]["plan"].get("world_size", 1)
+        if saved != ranks.size:     # the global batch is kept: a plan for this world's share of it
+            print(f"the checkpoint was saved by {saved} process(es), this run has {ranks.size}: compiling a plan for "
+                  f"{ranks.size} (global batch {cfg.batch} kept)")
+    if not resumed or saved != ranks.size:
+        plan = _shared_plan(cfg, model, ranks, seq_len=seq_len, hardware=hardware, param_dtype=param_dtype,
+                            packed=packed)
+    if resumed:
+        trainer = Trainer.load_checkpoint(Path(cfg.resume) / "checkpoint", model, optimizer=opt, device=dev, plan=plan,
+                                          verbose=ranks.main)
     else:
-        plan = compile_plan(model, batch_size=cfg.batch, seq_len=seq_len, hardware=hardware, gpu_memory=cfg.gpu_memory,
-                            host_memory=cfg.host_memory, policy=cfg.policy, optimizer="hybrid8bit",
-                            param_dtype=param_dtype, resident=cfg.resident, packed=packed)
-        trainer = Trainer(model, plan, optimizer=opt, device=dev)
+        trainer = Trainer(model, plan, optimizer=opt, device=dev, verbose=ranks.main)
+    ranks.world = trainer.world
     return trainer, opt, time.perf_counter() - t
+
+
+def _shared_plan(cfg: TrainConfig, model, ranks: Ranks, *, seq_len: int, hardware, param_dtype: str, packed: bool):
+    """The plan every rank runs: compiled by rank 0 for this world (``Ranks``'s docstring says why)."""
+    from . import compile as compile_plan
+    from .ir import Plan
+    batch = ranks.per_rank_batch(cfg.batch)
+
+    def compiled() -> dict:
+        return compile_plan(model, batch_size=batch, seq_len=seq_len, hardware=hardware, gpu_memory=cfg.gpu_memory,
+                            host_memory=cfg.host_memory, policy=cfg.policy, optimizer="hybrid8bit",
+                            param_dtype=param_dtype, resident=cfg.resident, packed=packed, world_size=ranks.size,
+                            nodes=ranks.nodes).to_json()
+    return Plan.from_json(ranks.share("plan", compiled))
 
 
 def thread_tuner(dev: torch.device, cfg: TrainConfig, opt, **probe) -> ThreadTuner | None:

@@ -67,10 +67,12 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def commit(trainer, out: Path, metrics: dict) -> Path:
-    """Commit 1: the trainer's state and ``metrics`` in one atomic checkpoint; then the copy."""
+def commit(trainer, out: Path, metrics: dict, *, main: bool = True) -> Path:
+    """Commit 1: the trainer's state and ``metrics`` in one atomic checkpoint; then the copy (``main``: the
+    rank that writes it; with several ranks every one calls this, rank 0's metrics are committed)."""
     ckpt = checkpoint.save(trainer, out / "checkpoint", extras={METRICS: _encode(metrics)})
-    write_json(out / METRICS, metrics)
+    if main:
+        write_json(out / METRICS, metrics)
     return ckpt
 
 

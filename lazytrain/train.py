@@ -59,9 +59,11 @@ from .compiler.hardware import PROFILES, _cpu_cores
 from .compiler.timeline import plot_loss, write_step
 from .frontend.presets import PRESETS, build_from_config, build_model, read_config
 from .frontend.validate import check_positions, check_sizes
+from .generate import placement
 from .loop import Progress, output_folder, start_trainer, steps, thread_tuner
 from .model_loading import from_pretrained as _from_pretrained
 from .model_loading import is_hf_folder as _is_hf_folder
+from .ranks import Ranks
 from .tasks import CharTokenizer, check_eval_size, eval_examples, exact_match, get_difficulty, train_batches
 
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
@@ -220,16 +222,17 @@ def logits_fn(model: torch.nn.Module, device: torch.device, vocab: int | None = 
 
 
 @torch.no_grad()
-def evaluate(trainer, examples, device: torch.device, batch: int = 100) -> float:
+def evaluate(trainer, examples, device: torch.device, batch: int = 100, ranks: Ranks | None = None) -> float:
     """Exact match by greedy decoding with the trained weights (``sync_to_model``, then the model
-    runs eagerly; on the GPU when it fits in a quarter of the free memory, else on the CPU)."""
+    runs eagerly; on the GPU when it fits in a quarter of the free memory, else on the CPU).  With
+    several ranks every rank calls it: each gathers the weights (a collective), rank 0 decodes and the
+    others take its figure (``Ranks.share``)."""
     trainer.sync_to_model()
-    model = trainer.model
-    where = torch.device("cpu")
-    if device.type == "cuda":
-        need = sum(p.numel() * p.element_size() for p in model.parameters())
-        if need < torch.cuda.mem_get_info(device)[0] // 4:
-            where = device
+    return (ranks or Ranks()).share("evaluation", lambda: _exact_match(trainer.model, examples, device, batch))
+
+
+def _exact_match(model, examples, device: torch.device, batch: int) -> float:
+    where = placement(model, device)
     was_training = model.training
     model.eval()
     moved = model.to(where) if where.type != "cpu" else model
@@ -317,8 +320,9 @@ def run(cfg: TrainConfig) -> dict:
     check_config(cfg, diff, seq)
     tok = CharTokenizer()
     dev = _device(cfg)
-    if dev.type == "cpu":
-        torch.set_num_threads(cfg.threads or cpu_threads())
+    ranks = Ranks.join(dev.type)
+    if dev.type == "cpu" or ranks.size > 1:      # (torchrun sets OMP_NUM_THREADS=1: the host update's threads)
+        torch.set_num_threads(cfg.threads or ranks.cpu_threads(cpu_threads))
     out = output_folder(cfg.output)
     t_start = time.perf_counter()
 
@@ -331,7 +335,7 @@ def run(cfg: TrainConfig) -> dict:
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
     hardware = _hardware(dev)
     trainer, opt, compile_s = start_trainer(cfg, model, dev, resumed=prev is not None, seq_len=seq, hardware=hardware,
-                                            param_dtype=param_dtype)
+                                            param_dtype=param_dtype, ranks=ranks)
     plan, start = trainer.plan, trainer.steps if prev is not None else 0
     param_dtype = plan.param_dtype if prev is not None else param_dtype
     where = f"cpu, {torch.get_num_threads()} threads" if dev.type == "cpu" else dev.type
@@ -345,10 +349,10 @@ def run(cfg: TrainConfig) -> dict:
     evals = eval_examples(cfg.eval_size, diff, seed=cfg.seed)
     em_curve = list(prev["eval_curve"]) if prev else []
     run = Progress(start, tokens=int(prev["tokens"]) if prev else 0, history=list(prev["loss_curve"]) if prev else [])
-    tuner = thread_tuner(dev, cfg, opt)
-    bar = _progress(cfg, start)
+    tuner = thread_tuner(dev, cfg, opt) if ranks.size == 1 else None
+    bar = _progress(cfg, start) if ranks.main else None
     with _StopFlag() as flag:
-        for step in steps(cfg, opt, run, flag, start=start):
+        for step in steps(cfg, opt, run, flag, start=start, ranks=ranks):
             b = next(batches)
             profiled = cfg.profile is not None and step + 1 == max(cfg.profile, start + 1)
             trainer.profile = profiled
@@ -357,14 +361,15 @@ def run(cfg: TrainConfig) -> dict:
                 tuner.observe(stats.step_s)
             if profiled:
                 trainer.profile = False
-                _report_profile(trainer, out, bar)
+                if ranks.main:
+                    _report_profile(trainer, out, bar)
             run.record(stats, opt.lr, t_start)
             if bar is not None:
                 bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
                                 tflops=f"{stats.model_tflops:.3f}", lr=f"{opt.lr:.1e}", refresh=False)
                 bar.update(1)
             if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps:
-                em = evaluate(trainer, evals[:min(len(evals), 200)], dev)
+                em = evaluate(trainer, evals[:min(len(evals), 200)], dev, ranks=ranks)
                 em_curve.append({"step": run.step, "exact_match": em, "n": min(len(evals), 200)})
                 _note(bar, f"step {run.step}: exact match {em:.1%} on {min(len(evals), 200)} eval problems")
         if bar is not None:
@@ -372,11 +377,13 @@ def run(cfg: TrainConfig) -> dict:
         metrics = _metrics(cfg, seq, run, desc=desc, n_params=n_params, dev=dev, tuner=tuner, hardware=hardware,
                            param_dtype=param_dtype, plan=plan, compile_s=compile_s, evals=evals, em_curve=em_curve,
                            prev=prev, t_start=t_start, out=out)
-        ckpt = _commit(trainer, out, metrics, run, evals, em_curve, dev, flag, t_start)
-        _plot_loss(out / "loss.png", run.history, metrics["eval_curve"], cfg)
+        ckpt = _commit(trainer, out, metrics, run, evals, em_curve, dev, flag, t_start, ranks)
+        if ranks.main:
+            _plot_loss(out / "loss.png", run.history, metrics["eval_curve"], cfg)
     trainer.close()
     print(f"wrote {out / 'metrics.json'} and {ckpt}" + (" (interrupted: no final eval)"
                                                          if metrics["exact_match"] is None else ""))
+    ranks.close()
     return metrics
 
 
@@ -406,28 +413,30 @@ def _metrics(cfg: TrainConfig, seq: int, run: Progress, *, desc, n_params: int, 
 
 
 def _commit(trainer, out: Path, metrics: dict, run: Progress, evals: list, em_curve: list, dev: torch.device,
-            flag: _StopFlag, t_start: float) -> Path:
+            flag: _StopFlag, t_start: float, ranks: Ranks) -> Path:
     """Commit 1 (checkpoint + metrics) before the final eval, so an eval that fails (out of memory) or is
-    killed loses no training; then the eval and commit 2 (the metrics with it)."""
-    ckpt = runfiles.commit(trainer, out, metrics)
+    killed loses no training; then the eval and commit 2 (the metrics with it).  Every rank saves its
+    shards; the metrics are rank 0's."""
+    ckpt = runfiles.commit(trainer, out, metrics, main=ranks.main)
     if not run.interrupted:         # (a Ctrl-C during commit 1 skips the eval too)
-        em = None if flag.set else _final_eval(trainer, evals, dev, flag)
+        em = None if flag.set else _final_eval(trainer, evals, dev, flag, ranks)
         if em is None:
             metrics.update(final_eval="skipped (interrupted)", interrupted=True)
         else:
             em_curve.append({"step": run.step, "exact_match": em, "n": len(evals)})
             metrics.update(exact_match=em, final_eval="done")
         metrics["wall_s"] = round(time.perf_counter() - t_start, 2)
-        runfiles.update_metrics(out, metrics)       # commit 2
+        if ranks.main:
+            runfiles.update_metrics(out, metrics)       # commit 2
     return ckpt
 
 
-def _final_eval(trainer, evals, dev: torch.device, flag: _StopFlag) -> float | None:
+def _final_eval(trainer, evals, dev: torch.device, flag: _StopFlag, ranks: Ranks | None = None) -> float | None:
     """Exact match on the eval split; None when a Ctrl-C stopped it (at once: the state is committed)."""
     t = time.perf_counter()
     flag.immediate = True
     try:
-        em = evaluate(trainer, evals, dev)
+        em = evaluate(trainer, evals, dev, ranks=ranks)
     except KeyboardInterrupt:
         print("final eval interrupted: the checkpoint and metrics are committed without it")
         return None

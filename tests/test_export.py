@@ -92,3 +92,37 @@ def test_what_is_not_exported(tmp_path, capsys):
     other = tiny_folder(tmp_path / "other", layers=3, tokenizer=False)
     assert main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "y"), "--config", str(other)]) == 2
     assert "lack model.layers.2" in capsys.readouterr().err
+
+
+def test_a_sharded_checkpoints_tensors_are_joined_from_their_pieces(tmp_path):
+    """Export reads a checkpoint of several ranks tensor by tensor: each tensor's pieces (here cut at
+    uneven places over two rank files, as a rank's shard cuts a large tensor) joined in element order;
+    a gap between pieces is refused in one line."""
+    from safetensors.torch import save_file
+
+    from lazytrain.export import _sharded_weights
+    from lazytrain.frontend.presets import build_from_config
+    torch.manual_seed(0)
+    model = build_from_config({"model_type": "lazytrain-gpt", "vocab": 61, "d_model": 32, "n_layer": 1, "n_head": 2,
+                               "d_ff": 48, "max_seq": 16, "tie_weights": False}, device="cpu", dtype=torch.float32)
+    plan = lazytrain.compile(model, batch_size=2, seq_len=16, hardware="cpu", policy="keep-all", param_dtype="float32",
+                             optimizer="adamw", world_size=2)
+    named = dict(model.named_parameters())
+    files, pieces = ({"a.safetensors": {}, "b.safetensors": {}} for _ in range(2))
+    for i, (name, p) in enumerate(named.items()):
+        cut = (i * 7) % p.numel()                   # 0: all in b; else a holds [0, cut)
+        flat = p.detach().reshape(-1)
+        for f, (lo, hi) in (("a.safetensors", (0, cut)), ("b.safetensors", (cut, p.numel()))):
+            if lo < hi:
+                files[f][f"param.{name}"] = flat[lo:hi].clone()
+                pieces[f][name] = [lo, hi]
+    for f, tensors in files.items():
+        save_file(tensors, str(tmp_path / f))
+    meta = {"plan": plan.to_json(), "world": {"size": 2, "pieces": pieces}}
+    got = {w.name: w.read() for w in _sharded_weights(tmp_path, meta)}
+    assert got.keys() == named.keys()
+    for name, p in named.items():
+        assert torch.equal(got[name], p.detach()), name
+    del pieces["a.safetensors"]["layers.0.fc.weight"]
+    with pytest.raises(ExportError, match=r"saved pieces of layers.0.fc.weight do not cover elements \[0, 1536\)"):
+        _sharded_weights(tmp_path, meta)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import world_worker as W
 
+from lazytrain.export import checkpoint_weights
 from lazytrain.ir import PlanError
 
 
@@ -81,6 +82,10 @@ def test_two_ranks_train_like_one_process_resume_at_another_size_and_name_a_dead
     meta = json.loads((plans / "ck2" / "checkpoint.json").read_text())
     assert meta["step"] == W.SAVED_AT and meta["world"]["size"] == 2
     assert {"block_0001.rank0000.safetensors", "block_0001.rank0001.safetensors"} <= set(meta["files"])
+    one_w, two_w = ({w.name: w.read() for w in checkpoint_weights(plans / ck)} for ck in ("ck1", "ck2"))
+    assert one_w.keys() == two_w.keys()
+    for k, v in one_w.items():        # export's view of the sharded checkpoint: each tensor's pieces joined
+        np.testing.assert_allclose(two_w[k].numpy(), v.numpy(), rtol=1e-4, atol=1e-6, err_msg=k)
     _close(W.resume(plans / "ck2", str(plans / f"{last}_1.json")),
            {"losses": two[last]["losses"][W.SAVED_AT:], "params": two[last]["params"]}, "saved by 2, resumed in 1")
     assert time.time() - t0 < 100
@@ -89,3 +94,26 @@ def test_two_ranks_train_like_one_process_resume_at_another_size_and_name_a_dead
 def test_a_plan_for_another_world_size_is_refused(plans):
     with pytest.raises(PlanError, match="compiled for world size 2 but the runtime has 1 process"):
         W.trainer(str(plans / "adamw_2.json"), "adamw")
+
+
+def test_a_rank_alive_but_behind_is_named_as_hung(monkeypatch):
+    """No rank gone (its process alive, its heartbeat fresh), but one never entered this rank's step: the
+    failure names it as hung (the store is a local HashStore; the heartbeat period shortened)."""
+    import os
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from lazytrain.runtime import distributed as D
+    monkeypatch.setattr(D, "HEARTBEAT_S", 0.02)
+    store = dist.HashStore()
+    me = D.World(rank=0, size=2, local_rank=0, device=torch.device("cpu"), _store=store)
+    store.set("lazytrain/rank/1", f"{socket.gethostname()}:{os.getpid()}")
+    store.set("lazytrain/rank/1/beat", repr(time.time() + 60))
+    store.set("lazytrain/rank/1/step", "3")
+    me.mark_step(4)
+    assert me.culprits() == f"rank 1 ({socket.gethostname()}:{os.getpid()}) is alive but still in step 3 while this " \
+                            "rank is in step 4: it hangs"
+    me.mark_step(3)
+    assert me.culprits() == "another rank failed (every rank still answers)"

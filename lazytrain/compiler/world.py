@@ -28,7 +28,8 @@ def check_world(graph: ModelGraph, world_size: int, nodes: int, resident: frozen
     if tied:
         raise PlanError(f"{graph.name} ties parameters across blocks (blocks {tied} read another block's): "
                         f"sharding tied parameters over {world_size} ranks is not supported; untie them "
-                        "(tie_word_embeddings=False) or train on one GPU")
+                        "(tie_word_embeddings=False, or tie_weights false for the built-in GPT, in the model's "
+                        "config) or train on one GPU")
 
 
 def per_rank_budgets(budgets: dict, world_size: int, nodes: int) -> dict:

@@ -10,16 +10,26 @@ import torch
 from ..data.batches import collate
 from ..data.encode import Example
 from ..generate import eval_loss, greedy_generate, placement, same_answer
+from ..ranks import Ranks
 
 
 def evaluate(trainer, tok, examples: list[Example], *, stop_ids: list[int], pad_id: int,
              max_new_tokens: int, device: torch.device, answer_regex: str | None = None, samples: int = 3,
-             batch: int = 32) -> dict:
+             batch: int = 32, ranks: Ranks | None = None) -> dict:
     """Exact match, eval loss and ``samples`` replies on ``examples`` with the trainer's weights (synced
-    into its model, which runs eagerly: on the GPU when it fits in a quarter of the free memory)."""
+    into its model, which runs eagerly: on the GPU when it fits in a quarter of the free memory).  With
+    several ranks every rank calls it: each gathers the weights (a collective), rank 0 generates and the
+    others take its results (``Ranks.share``)."""
     t0 = time.perf_counter()
     trainer.sync_to_model()
-    model = trainer.model
+    return (ranks or Ranks()).share("evaluation", lambda: _evaluate(trainer.model, tok, examples, stop_ids=stop_ids,
+                                                                   pad_id=pad_id, max_new_tokens=max_new_tokens,
+                                                                   device=device, answer_regex=answer_regex,
+                                                                   samples=samples, batch=batch, t0=t0))
+
+
+def _evaluate(model, tok, examples: list[Example], *, stop_ids: list[int], pad_id: int, max_new_tokens: int,
+              device: torch.device, answer_regex: str | None, samples: int, batch: int, t0: float) -> dict:
     where = placement(model, device)
     was_training = model.training
     model.eval()

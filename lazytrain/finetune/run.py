@@ -31,6 +31,7 @@ from ..export import _write_json as write_hf_json
 from ..export import hf_config, trainer_weights, write_folder
 from ..loop import Progress, output_folder, start_trainer, steps, thread_tuner
 from ..models.named import generation_config
+from ..ranks import Ranks
 from ..runfiles import write_json as _write_json
 from ..train import (
     TrainConfig,
@@ -129,12 +130,13 @@ def run(cfg: TrainConfig) -> dict:
     if not cfg.data:
         raise ValueError("lazytrain train --data FILE: no data file given")
     dev = _device(cfg)
-    if dev.type == "cpu":
-        torch.set_num_threads(cfg.threads or cpu_threads())
+    ranks = Ranks.join(dev.type)
+    if dev.type == "cpu" or ranks.size > 1:      # (torchrun sets OMP_NUM_THREADS=1: the host update's threads)
+        torch.set_num_threads(cfg.threads or ranks.cpu_threads(cpu_threads))
     out = output_folder(cfg.output)
     t_start = time.perf_counter()
 
-    src, tok, data, model, stop_ids, load_s = _inputs(cfg, prev, dev, out)
+    src, tok, data, model, stop_ids, load_s = _inputs(cfg, prev, dev, out, main=ranks.main)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
     hardware = _hardware(dev)
@@ -142,7 +144,7 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.steps is None:
         cfg.steps = max(1, math.ceil(cfg.epochs * batches.steps_per_epoch))
     trainer, opt, compile_s = start_trainer(cfg, model, dev, resumed=prev is not None, seq_len=data.seq_len,
-                                            hardware=hardware, param_dtype=param_dtype, packed=cfg.pack)
+                                            hardware=hardware, param_dtype=param_dtype, packed=cfg.pack, ranks=ranks)
     plan, start = trainer.plan, trainer.steps if prev is not None else 0
     if dev.type == "cuda":
         # the trainer's host store holds the fp32 masters; the model is only what evaluation runs (in bf16 on
@@ -153,7 +155,7 @@ def run(cfg: TrainConfig) -> dict:
                compile_s=compile_s)
 
     n_new = cfg.max_new_tokens or max_new_tokens(tok, data.eval)
-    tuner = thread_tuner(dev, cfg, opt, **TUNER)
+    tuner = thread_tuner(dev, cfg, opt, **TUNER) if ranks.size == 1 else None
 
     def run_eval(step: int) -> dict:
         threads = torch.get_num_threads()
@@ -161,7 +163,7 @@ def run(cfg: TrainConfig) -> dict:
             torch.set_num_threads(_fastest(tuner) or threads)
         try:
             ev = evaluate(trainer, tok, data.eval, stop_ids=stop_ids, pad_id=pad_id(tok),
-                          max_new_tokens=n_new, device=dev, answer_regex=cfg.answer_regex)
+                          max_new_tokens=n_new, device=dev, answer_regex=cfg.answer_regex, ranks=ranks)
         finally:
             torch.set_num_threads(threads)
         return {"step": step, **ev}
@@ -171,9 +173,9 @@ def run(cfg: TrainConfig) -> dict:
     if prev is None and data.eval:
         evals.append(run_eval(0))
         print(describe(evals[-1], 0))
-    bar = _progress(cfg, start)
+    bar = _progress(cfg, start) if ranks.main else None
     with _StopFlag() as flag:
-        for step in steps(cfg, opt, run, flag, start=start):
+        for step in steps(cfg, opt, run, flag, start=start, ranks=ranks):
             stats = trainer.step(batches.batch(step))
             if tuner is not None:
                 tuner.observe(stats.step_s)
@@ -192,16 +194,18 @@ def run(cfg: TrainConfig) -> dict:
             evals.append(run_eval(run.step))
             print(describe(evals[-1], run.step))
         exported = None
-        if cfg.export and not run.interrupted:
-            exported = _export(cfg, src, param_dtype, out / "model", trainer, model, tok, stop_ids)
+        if cfg.export and not run.interrupted and ranks.main:
+            exported = _export(cfg, src, param_dtype, out / "model", trainer, model, tok, stop_ids, ckpt)
         metrics = _metrics(cfg, run, src=src, model=model, n_params=n_params, dev=dev, hardware=hardware,
                            param_dtype=param_dtype, data=data, batches=batches, pad=pad, stop_ids=stop_ids,
                            n_new=n_new, plan=plan, compile_s=compile_s, evals=evals, prev=prev, t_start=t_start,
                            ckpt=ckpt, exported=exported)
-        _write_json(out / "metrics.json", metrics)
-        _plot(out / "loss.png", run.history, evals, src.spec)
+        if ranks.main:
+            _write_json(out / "metrics.json", metrics)
+            _plot(out / "loss.png", run.history, evals, src.spec)
     trainer.close()
     print(f"wrote {out / 'metrics.json'}, {ckpt}" + (f" and {exported}" if exported else ""))
+    ranks.close()
     return metrics
 
 
@@ -247,10 +251,11 @@ def _metrics(cfg: FinetuneConfig, run: Progress, *, src: Source, model, n_params
     }
 
 
-def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path):
+def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path, *, main: bool = True):
     """The model's source, its tokenizer, the examples (encoded and checked against the model) and the
     model itself: (source, tokenizer, data, model, stop ids, seconds to load the model).  A new run
-    writes its source into ``OUTPUT/source/``; a resumed one refuses data files that changed."""
+    writes its source into ``OUTPUT/source/`` (``main``: rank 0 does); a resumed one refuses data files
+    that changed."""
     src = _source(cfg, prev)
     tok = tokenizer_for(src, cfg.tokenizer)
     enc = Encoder(tok, cfg.loss_on, name=f"the tokenizer of {cfg.tokenizer or src.spec}")
@@ -267,17 +272,18 @@ def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path
         raise ValueError(f"--seq {data.seq_len} is longer than the model's {max_positions(model.config)} positions")
     check_vocab(model, data.train + data.eval, src.spec)
     stop_ids = enc.stop_ids(getattr(model, "generation_config", None))
-    if prev is None:
+    if prev is None and main:
         _write_source(out / "source", model, tok, stop_ids)
     return src, tok, data, model, stop_ids, load_s
 
 
 def _export(cfg: FinetuneConfig, src: Source, param_dtype: str, folder: Path, trainer, model, tok,
-            stop_ids: list[int]) -> str:
-    """The trained model as a Hugging Face folder: weights, config, tokenizer, generation config."""
+            stop_ids: list[int], ckpt: Path) -> str:
+    """The trained model as a Hugging Face folder: weights, config, tokenizer, generation config (with
+    several ranks, rank 0 reads the weights from the checkpoint every rank just saved)."""
     dtype = _export_dtype(cfg, src, param_dtype)
-    return str(write_folder(folder, trainer_weights(trainer), config=hf_config(model.config, type(model).__name__),
-                            dtype=dtype, tokenizer=tok, generation_config=generation_config(model, stop_ids, tok)))
+    return str(write_folder(folder, trainer_weights(trainer, ckpt), config=hf_config_dict(model), dtype=dtype,
+                            tokenizer=tok, generation_config=generation_config(model, stop_ids, tok)))
 
 
 def hf_config_dict(model) -> dict:

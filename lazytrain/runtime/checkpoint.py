@@ -313,7 +313,7 @@ def _optimizer(opt, saved: dict, where: Path):
     return opt
 
 
-def load(cls, directory, model, *, optimizer=None, device=None, plan=None):
+def load(cls, directory, model, *, optimizer=None, device=None, plan=None, verbose: bool = True):
     """A ``cls`` (Trainer) for ``model`` in the state saved at ``directory``."""
     folder, meta = read_meta(directory)
     try:
@@ -333,7 +333,7 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None):
     _check_model(plan, model, folder)
     optimizer = _optimizer(optimizer, meta["optimizer"], folder)
     try:
-        trainer = cls(model, plan, optimizer=optimizer, device=device)
+        trainer = cls(model, plan, optimizer=optimizer, device=device, verbose=verbose)
     except PlanError as e:
         raise CheckpointError(f"checkpoint {folder} does not fit this model: {e}") from None
     _check_steps(meta, folder / META)

@@ -10,7 +10,9 @@ Failure: every collective waits at most the process group's timeout (``LAZYTRAIN
 seconds, default ``COLLECTIVE_TIMEOUT_S``).  A rank that dies makes the others' next collective fail
 (gloo: the connection closes; NCCL: the watchdog's timeout); the error then names the rank, found from
 what each rank registered in the process group's store at the start (host, pid) and from its
-heartbeat there, which a background thread renews every ``HEARTBEAT_S``.
+heartbeat there, which a background thread renews every ``HEARTBEAT_S``.  A rank that hangs (alive, its
+heartbeat still renewed, but its training stopped) is named by the step it last entered
+(``mark_step``, one store write a step): the ranks behind this one's step.
 """
 
 from __future__ import annotations
@@ -117,6 +119,11 @@ class World:
             except Exception:  # noqa: BLE001 - the store's host is gone: the collectives will say so
                 return
 
+    def mark_step(self, step: int) -> None:
+        """This rank has entered step ``step`` (``culprits`` names a rank that stays behind)."""
+        if self._store is not None:
+            self._store.set(f"{_KEY}{self.rank}/step", str(step))
+
     def close(self) -> None:
         import torch.distributed as dist
         self._stop.set()
@@ -163,7 +170,8 @@ class World:
 
     def culprits(self) -> str:
         """Which ranks are gone: those on this host whose process no longer exists, and those whose
-        heartbeat stopped (waited for up to ``STALE_BEATS`` periods)."""
+        heartbeat stopped (waited for up to ``STALE_BEATS`` periods); else those alive but behind this
+        rank's step (hung)."""
         if self._store is None:
             return "another rank died or hung (no store to tell which)"
         deadline = time.time() + STALE_BEATS * HEARTBEAT_S
@@ -182,9 +190,24 @@ class World:
                         gone.append(f"rank {r} ({who}) {'exited' if dead else 'stopped answering'}")
             except Exception:  # noqa: BLE001 - the store lives in rank 0's process (or the launcher)
                 return "rank 0 or the launcher is gone (the process group's store does not answer)"
-            if gone or time.time() > deadline:
-                return ", ".join(gone) if gone else "another rank failed (every rank still answers)"
+            if gone:
+                return ", ".join(gone)
+            if time.time() > deadline:
+                return self._behind() or "another rank failed (every rank still answers)"
             time.sleep(HEARTBEAT_S / 2)
+
+    def _behind(self) -> str:
+        """Ranks alive whose last step (``mark_step``) is before this rank's: they hang."""
+        def step(r: int) -> int:
+            key = f"{_KEY}{r}/step"
+            return int(self._store.get(key).decode()) if self._store.check([key]) else 0
+        try:
+            mine = step(self.rank)
+            late = [(r, step(r)) for r in range(self.size) if r != self.rank]
+            return ", ".join(f"rank {r} ({self._store.get(f'{_KEY}{r}').decode()}) is alive but still in step {s} "
+                             f"while this rank is in step {mine}: it hangs" for r, s in late if s < mine)
+        except Exception:  # noqa: BLE001 - the store went away meanwhile
+            return ""
 
 
 def _alive(pid: int) -> bool:

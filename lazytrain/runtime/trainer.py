@@ -198,6 +198,8 @@ class Trainer:
             raise RuntimeError("a previous step failed; the trainer's state is inconsistent: "
                                "build a new Trainer") from self._broken
         ids, labels, positions = self._batch(batch)
+        if self.world is not None:
+            self.world.mark_step(self.steps + 1)
         run = self.ctx
         t0 = time.perf_counter()
         run.updates.begin_step(getattr(self.optimizer, "lr", None))
@@ -302,10 +304,10 @@ class Trainer:
 
     @classmethod
     def load_checkpoint(cls, directory, model: torch.nn.Module, *, optimizer=None, device=None,
-                        plan: Plan | None = None) -> Trainer:
+                        plan: Plan | None = None, verbose: bool = True) -> Trainer:
         """A trainer for ``model`` resumed from ``directory`` (parameters, optimizer state, step, RNGs).
         ``optimizer``: default, rebuilt from the checkpoint; ``plan``: default, the checkpoint's own."""
-        return checkpoint.load(cls, directory, model, optimizer=optimizer, device=device, plan=plan)
+        return checkpoint.load(cls, directory, model, optimizer=optimizer, device=device, plan=plan, verbose=verbose)
 
     def close(self) -> None:
         self.flush()
