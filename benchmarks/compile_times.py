@@ -71,17 +71,11 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("-o", "--output", default=None, help="path stem for NAME.json and NAME.md")
-    ap.add_argument("--models", default=",".join(PRESETS))
-    ap.add_argument("--trace-cache", default=None, help="trace cache folder (default: a fresh one, so each model's "
-                    "first compile traces and the others read the cache)")
-    a = ap.parse_args()
-    cache = a.trace_cache or tempfile.mkdtemp(prefix="lazytrain-traces-")
+def run(models: list[str], cache: str) -> list[dict]:
+    """Every compile of the grid, one process each, with the trace cache in ``cache``."""
     env = {**os.environ, "LAZYTRAIN_TRACE_CACHE": cache}
     rows = []
-    for model in a.models.split(","):
+    for model in models:
         for gb in (24, 48, 80):
             for batch in (8, 32, 72):
                 t, cpu = time.perf_counter(), _children_cpu()
@@ -95,27 +89,80 @@ def main() -> None:
                 row.update(model=model, gpu_gb=gb, batch=batch, wall_s=wall, cpu_s=cpu, load=os.getloadavg()[0])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    return rows
+
+
+def _over(rows: list[dict], key: str) -> str:
+    """How many compiles of up to 8B miss 5 s and how many of all miss 20 s, by ``key``."""
+    ok = [r for r in rows if key in r]
+    small = [r for r in ok if r["params_b"] <= 8.1]
+    return (f"{sum(r[key] > 5 for r in small)} of {len(small)} up to 8B over 5 s, "
+            f"{sum(r[key] > 20 for r in ok)} of {len(ok)} over 20 s")
+
+
+def report(rows: list[dict], base: list[dict] | None) -> tuple[str, str]:
+    """(summary lines, table); with ``base`` (an earlier run's rows) its step and CPU time beside each row."""
     from tabulate import tabulate
     cols = ["model", "gpu_gb", "batch", "wall_s", "cpu_s", "trace_s", "trace_cached", "compile_s", "compile_cpu_s",
             "load", "step_s", "megatrain_s", "micro_batch", "resident", "policy", "solver", "gap", "error"]
+    if base is not None:
+        before = {(r["model"], r["gpu_gb"], r["batch"]): r for r in base}
+        for r in rows:
+            b = before.get((r["model"], r["gpu_gb"], r["batch"]), {})
+            r["base_step_s"], r["base_compile_cpu_s"] = b.get("step_s"), b.get("compile_cpu_s")
+            if r.get("step_s") and b.get("step_s"):
+                r["step_change_pct"] = 100 * (r["step_s"] / b["step_s"] - 1)
+        cols[cols.index("step_s") + 1:cols.index("step_s") + 1] = ["base_step_s", "step_change_pct"]
+        cols[cols.index("compile_cpu_s") + 1:cols.index("compile_cpu_s") + 1] = ["base_compile_cpu_s"]
     table = tabulate([[r.get(c, "") for c in cols] for r in rows], headers=cols, tablefmt="github", floatfmt=".3f")
     ok = [r for r in rows if "compile_s" in r]
-    small = [r for r in ok if r["params_b"] <= 8.1]
-    worst = max(ok, key=lambda r: r["compile_s"]) if ok else None
-    text = (f"- {len(rows)} compiles, {len(ok)} with a plan, the rest a budget error; compile (trace included) max "
-            f"{worst['compile_s']:.1f} s ({worst['model']} {worst['gpu_gb']} GiB b{worst['batch']}); up to 8B: max "
-            f"{max(r['compile_s'] for r in small):.1f} s; wall per process incl. start-up and trace max "
-            f"{max(r['wall_s'] for r in rows):.1f} s") if ok else "- no plan"
+    if not ok:
+        return "- no plan", table
+    worst = max(ok, key=lambda r: r["compile_s"])
+    loads = [r["load"] for r in rows if "load" in r]
+    lines = [f"- {len(rows)} compiles, {len(ok)} with a plan, the rest a budget error; compile (trace included) max "
+             f"{worst['compile_s']:.1f} s ({worst['model']} {worst['gpu_gb']} GiB b{worst['batch']}); wall per "
+             f"process incl. start-up and trace max {max(r['wall_s'] for r in rows):.1f} s",
+             f"- by compile wall time (``compile_s``): {_over(rows, 'compile_s')}",
+             f"- by compile CPU time, solver included (``compile_cpu_s``): {_over(rows, 'compile_cpu_s')}"]
+    if loads:
+        lines.append(f"- load average during the run: {min(loads):.1f} to {max(loads):.1f}")
+    if base is not None:
+        ch = [r["step_change_pct"] for r in rows if "step_change_pct" in r]
+        lines.append(f"- predicted step against the base run: {sum(c > 0.5 for c in ch)} of {len(ch)} rows more than "
+                     f"0.5% slower, {sum(c < -0.5 for c in ch)} more than 0.5% faster (worst {max(ch):+.2f}%)")
+    return "\n".join(lines), table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-o", "--output", default=None, help="path stem for NAME.json and NAME.md")
+    ap.add_argument("--models", default=",".join(PRESETS))
+    ap.add_argument("--trace-cache", default=None, help="trace cache folder (default: a fresh one, so each model's "
+                    "first compile traces and the others read the cache)")
+    ap.add_argument("--from-json", default=None, help="report a saved run (its NAME.json) instead of compiling")
+    ap.add_argument("--compare", default=None, help="an earlier run's NAME.json: its step and CPU time beside each row")
+    a = ap.parse_args()
+    if a.from_json:
+        with open(a.from_json) as f:
+            saved = json.load(f)
+        rows, date, machine = saved["rows"], saved["date"], saved["machine"]
+    else:
+        rows = run(a.models.split(","), a.trace_cache or tempfile.mkdtemp(prefix="lazytrain-traces-"))
+        date, machine = str(datetime.date.today()), f"{platform.machine()}, {os.cpu_count()} cores"
+    base = None
+    if a.compare:
+        with open(a.compare) as f:
+            base = json.load(f)["rows"]
+    text, table = report(rows, base)
     print(text)
     if a.output:
         cmd = f"python benchmarks/compile_times.py -o {a.output}"
         with open(a.output + ".json", "w") as f:
-            json.dump({"command": cmd, "date": str(datetime.date.today()),
-                       "machine": f"{platform.machine()}, {os.cpu_count()} cores", "rows": rows}, f, indent=1)
+            json.dump({"command": cmd, "date": date, "machine": machine, "rows": rows}, f, indent=1)
         with open(a.output + ".md", "w") as f:
-            f.write(f"# Compile time of every preset\n\n`{cmd}` on {datetime.date.today()}, {platform.machine()} "
-                    f"({os.cpu_count()} cores); h200 profile, seq 1024, host 1 TiB; one process per compile.\n\n"
-                    f"{text}\n\n{table}\n")
+            f.write(f"# Compile time of every preset\n\n`{cmd}` on {date}, {machine}; h200 profile, seq 1024, "
+                    f"host 1 TiB; one process per compile.\n\n{text}\n\n{table}\n")
 
 
 if __name__ == "__main__":
