@@ -23,9 +23,9 @@ from torch import nn
 
 from ..ir import ModelGraph
 from .loss_head import DEFAULT_CHUNK_LOGITS, fused_next_token_loss
+from .split import split as split_graph
 from .tiling import tile_split
 from .trace_export import BlockCode, Split, TraceError, export, find_layers, meta_clone, reduce_layers, reducible
-from .trace_export import split as split_graph
 
 
 @dataclass
