@@ -1,6 +1,6 @@
 """Host optimizer throughput (G params/s) on one transformer-layer-sized block.
 
-    /work/venv/bin/python benchmarks/optim_rate.py [--numel 77100000] [--threads N] [--steps 3]
+    python benchmarks/optim_rate.py [--numel 77100000] [--threads N] [--steps 3]
 
 A block of ``--numel`` parameters (default: one Qwen2.5-3B decoder layer, 77.1M) with a bf16 load
 buffer and bf16 gradients, as the runtime hands them over.  Reports the median step time of
