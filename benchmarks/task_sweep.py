@@ -38,6 +38,8 @@ SETTINGS = {
     "b16-minlr0.02": {"batch": 16, "min_lr_ratio": 0.02},
     "b16-lr2e-3-minlr0.02": {"batch": 16, "lr": 2e-3, "min_lr_ratio": 0.02},
     "b24-lr4e-3-minlr0.02": {"batch": 24, "lr": 4e-3, "min_lr_ratio": 0.02},
+    "b16-lr4e-3-minlr0.02": {"batch": 16, "lr": 4e-3, "min_lr_ratio": 0.02},
+    "b12-minlr0.02": {"batch": 12, "min_lr_ratio": 0.02},
 }
 
 
