@@ -27,18 +27,13 @@ if not torch.cuda.is_available():
 from test_runtime import EPS, LR, SEQ, B, _batches, _build, _eager_loss, _mixed, _model  # noqa: E402
 
 
-def test_fp32_all_tiers_matches_eager_on_gpu(tmp_path):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    model = _model("gpt")
-    ref = copy.deepcopy(model).cuda()
-    plan = _build(model, _mixed("host-nvme-a", 2), tmp_path)
-    opt = TorchAdamW(lr=LR, eps=EPS, max_grad_norm=1.0)
-    tr = Trainer(model, plan, optimizer=opt, device="cuda", profile=True)
+def _trains_like_eager_fp32(kind: str, model, ref, tr) -> None:
+    """Every step's loss of ``tr`` equals eager fp32 AdamW training of ``ref`` (a CUDA copy of ``model``), and
+    so do the parameters after the last step."""
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
-    for ids, labels in _batches("gpt"):
+    for ids, labels in _batches(kind):
         st = tr.step((ids, labels))
-        loss = _eager_loss("gpt", ref, ids.cuda(), labels.cuda())
+        loss = _eager_loss(kind, ref, ids.cuda(), labels.cuda())
         ref_opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
@@ -47,6 +42,17 @@ def test_fp32_all_tiers_matches_eager_on_gpu(tmp_path):
     tr.sync_to_model()
     for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(a, b.cpu(), rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_fp32_all_tiers_matches_eager_on_gpu(tmp_path):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = _model("gpt")
+    ref = copy.deepcopy(model).cuda()
+    plan = _build(model, _mixed("host-nvme-a", 2), tmp_path)
+    opt = TorchAdamW(lr=LR, eps=EPS, max_grad_norm=1.0)
+    tr = Trainer(model, plan, optimizer=opt, device="cuda", profile=True)
+    _trains_like_eager_fp32("gpt", model, ref, tr)
     prof = tr.last_profile
     assert prof is not None and all(0 <= v <= 1 for v in prof.hidden.values())
     tr.close()
@@ -153,16 +159,5 @@ def test_compiled_blocks_match_eager_on_gpu(tmp_path):
     plan = _plan(model, "every-tier", 2, tmp_path)
     tr = Trainer(model, plan, optimizer=TorchAdamW(lr=LR, eps=EPS, max_grad_norm=1.0), device="cuda")
     assert tr.compile_report.blocks == plan.graph.n_blocks - 1 and not tr.compile_report.failed
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
-    for ids, labels in _batches("qwen2"):
-        st = tr.step((ids, labels))
-        loss = _eager_loss("qwen2", ref, ids.cuda(), labels.cuda())
-        ref_opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        torch.testing.assert_close(st.loss, loss.item(), rtol=1e-5, atol=1e-6)
-    tr.sync_to_model()
-    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(a, b.cpu(), rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    _trains_like_eager_fp32("qwen2", model, ref, tr)
     tr.close()
