@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .compiler.api import BudgetError, compile_model, compiled_kw
+from .compiler.api import BudgetError, compile_model
 from .compiler.hardware import BlockTiming, HardwareProfile, get_profile
 from .frontend.presets import build_model
 from .frontend.trace import trace
@@ -182,7 +182,7 @@ def compile_calibrated(compile_fn, model, options: dict, *, verbose: bool = True
                          f"(`lazytrain profile -o hw.json`, or 'cpu' without a GPU)")
     tile = options.get("seq_tile") if isinstance(options.get("seq_tile"), int) else None
     graph = trace(model, seq_len=options["seq_len"], dtype=options["param_dtype"], seq_tile=tile,
-                  **compiled_kw(options))
+                  compile_blocks=bool(options.get("compile_blocks")))
     plan = compile_fn(graph, **{**options, "hardware": hw})
     if missing(graph, hw, plan.micro_batch):
         mb = plan.micro_batch

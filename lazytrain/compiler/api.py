@@ -60,18 +60,12 @@ def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool
         if isinstance(model, str):
             model = build_model(model)
         graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile,
-                      **compiled_kw({"compile_blocks": compile_blocks}))
+                      compile_blocks=compile_blocks)
         if cache is not None:
             cache.store(graph)
     history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4),
                     **({"cached": True} if hit else {})})
     return graph
-
-
-def compiled_kw(options: dict) -> dict:
-    """``trace``'s argument for compiled blocks, given only when they are asked for (the eager trace is the
-    call it always was)."""
-    return {"compile_blocks": True} if options.get("compile_blocks") else {}
 
 
 class Compiler:

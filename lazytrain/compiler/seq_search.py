@@ -23,7 +23,7 @@ from ..frontend.trace import trace
 from ..frontend.validate import declared_positions, scaled_rope
 from ..ir import PlanError
 from ..ir.graph import ModelGraph
-from .api import POLICIES, BudgetError, Compiler, binding, compiled_kw, make_budgets
+from .api import POLICIES, BudgetError, Compiler, binding, make_budgets
 from .hardware import get_profile
 from .resident import resident_request
 from .solvers.heuristics import HEURISTICS
@@ -82,7 +82,8 @@ def compile_max_seq(compile_fn, model, options: dict):
         if seq in why:
             return why[seq] is None
         for t in [t for t in tiles if t is None or seq > t] or [None]:
-            graph = trace(model, seq_len=seq, dtype=options["param_dtype"], seq_tile=t, **compiled_kw(options))
+            graph = trace(model, seq_len=seq, dtype=options["param_dtype"], seq_tile=t,
+                          compile_blocks=bool(options.get("compile_blocks")))
             if t is not None and not graph.meta.get("seq_tile") and seq in why:
                 continue        # nothing to tile: the untiled probe stands
             fixed, _ = resident_request(graph, options["resident"])
