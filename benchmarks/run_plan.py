@@ -67,6 +67,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibrate", action="store_true",
                     help="compile(..., calibrate=True): time the model's own blocks at each plan's shape first "
                          "(kept in a copy of the hardware profile, so a shape is timed once per invocation)")
+    ap.add_argument("--memory-report", action="store_true",
+                    help="run the first warm-up step with device memory recorded op by op (synchronised, slow) and "
+                         "print the ops whose measured peak most exceeds the plan's; also when that step runs out "
+                         "of memory")
     ap.add_argument("--compile-blocks", action="store_true",
                     help="compile(..., compile_blocks=True): block programs compiled by Inductor (the compile's "
                          "seconds, distinct programs and cache hits go into the output as block_compile)")
@@ -175,10 +179,14 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
         return ids, ids.clone()
 
     stats = []
+    memory = None
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
             torch.cuda.reset_peak_memory_stats()
-        s = trainer.step(batch())
+        if i == 0 and getattr(a, "memory_report", False):
+            memory, s = memory_report(trainer, plan, batch())
+        else:
+            s = trainer.step(batch())
         print(f"step {i}{' (warm-up)' if i < a.warmup else ''}: loss {s.loss:.4f} {s.step_s:.3f} s "
               f"{s.model_tflops:.1f} model TFLOPS grad norm {s.grad_norm:.3f}")
         if i >= a.warmup:
@@ -217,6 +225,7 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
             "busy_s": prof.busy_s} if prof else {}),
         "build_s": build_s, "compile_s": compile_s, "setup_s": setup_s,
         "compile_blocks": bool(plan.options.get("compile_blocks")), "block_compile": block_compile,
+        **({"memory_report": memory} if memory else {}),
     }
     print(json.dumps({k: v for k, v in out.items() if k != "losses"}, indent=1))
     if getattr(a, "artifacts", None) and prof is not None:
@@ -224,6 +233,35 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
                                          if plan.decisions.resident_blocks else "")
         out["artifacts"] = str(save_artifacts(Path(a.artifacts) / tag, plan, prof))
     return out
+
+
+def memory_report(trainer, plan, batch, top: int = 12):
+    """One step with device memory recorded op by op (``runtime/memtrack.py``), against the plan's curve:
+    the ``top`` ops whose measured peak most exceeds the predicted one, printed and returned with the step's
+    stats; an out-of-memory error is reported the same way (its op's peak is where it stopped) and raised."""
+    from lazytrain.runtime.context import describe
+    from lazytrain.runtime.memtrack import compare, track
+    base = torch.cuda.memory_allocated()
+    error = None
+    with track(trainer) as mem:
+        try:
+            s = trainer.step(batch)
+        except RuntimeError as e:
+            error, s = e, None
+    rows = sorted(compare(plan, mem), key=lambda r: r.predicted_peak - r.measured_peak)[:top]
+    report = {"base_gib": base / GiB, "measured_peak_gib": max(r.peak for r in mem.records) / GiB,
+              "predicted_peak_gib": plan.predicted.get("peak_gpu_bytes", 0) / GiB,
+              "worst": [{"op": describe(r.op), "measured_peak_gib": r.measured_peak / GiB,
+                         "predicted_peak_gib": r.predicted_peak / GiB, "measured_after_gib": r.measured_after / GiB,
+                         "predicted_after_gib": r.predicted_after / GiB} for r in rows]}
+    print("memory report (GiB): base {base_gib:.2f}, measured peak {measured_peak_gib:.2f}, predicted peak "
+          "{predicted_peak_gib:.2f}".format(**report))
+    for w in report["worst"]:
+        print(f"  {w['op']}: peak {w['measured_peak_gib']:.2f} measured / {w['predicted_peak_gib']:.2f} predicted, "
+              f"after {w['measured_after_gib']:.2f} / {w['predicted_after_gib']:.2f}")
+    if error is not None:
+        raise error
+    return report, s
 
 
 def save_artifacts(folder: Path, plan, prof) -> Path:

@@ -43,8 +43,11 @@ from .compiler.hardware import BlockTiming, HardwareProfile, get_profile
 from .frontend.presets import build_model
 from .frontend.trace import trace
 from .frontend.trace_export import find_layers, meta_clone, reduce_layers, reducible
-from .ir import OpKind
+from .ir import OpKind, Tier
 from .ir.graph import ModelGraph
+from .ir.semantics import Sizes, effects
+from .ir.verify import verify
+from .runtime.memtrack import track
 from .runtime.optim.torch_adamw import TorchAdamW
 from .runtime.trainer import Trainer
 
@@ -144,9 +147,11 @@ def measure_blocks(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro
                 op = by_id[i]
                 if op.kind in kinds:
                     samples.setdefault((plan.graph.block_signature(op.block), kinds[op.kind]), []).append(t1 - t0)
+        ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
+        workspace = measured_transients(trainer, plan, (ids, ids))
     finally:
         trainer.close()
-    out = []
+    out, sizes = [], Sizes.of_plan(plan)
     for j, b in enumerate(plan.graph.blocks):
         sig = plan.graph.block_signature(j)
         if any(t.signature == sig for t in out) or (sig, "forward_s") not in samples:
@@ -155,9 +160,40 @@ def measure_blocks(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro
         fig.setdefault("recompute_s", fig["forward_s"])
         out.append(BlockTiming(signature=sig, block=f"{b.name} ({b.kind}) of {type(model).__name__}",
                                micro_batch=micro_batch, seq_len=seq_len, samples=len(samples[(sig, "forward_s")]),
+                               workspace_bytes=workspace.get((sig, "forward"), 0),
+                               backward_workspace_bytes=workspace.get((sig, "backward"), 0),
                                **{k: max(v, 1e-9) for k, v in fig.items()}))
         _log(verbose, f"  {b.name}: forward {fig['forward_s'] * 1e3:.3f} ms, backward {fig['backward_s'] * 1e3:.3f}"
-                      f" ms, recompute {fig['recompute_s'] * 1e3:.3f} ms")
+                      f" ms, recompute {fig['recompute_s'] * 1e3:.3f} ms; workspace forward "
+                      f"{workspace.get((sig, 'forward'), 0) / 2**20:.1f} MiB (traced {sizes.workspace(j) / 2**20:.1f}),"
+                      f" backward {workspace.get((sig, 'backward'), 0) / 2**20:.1f} MiB (traced "
+                      f"{sizes.backward_workspace(j) / 2**20:.1f})")
+    return out
+
+
+def measured_transients(trainer: Trainer, plan, batch) -> dict[tuple[str, str], int]:
+    """Per (block signature, "forward" | "backward"), the workspace its forward and recompute, or its backward,
+    were seen to need in one step of ``plan`` (device memory recorded op by op, ``runtime/memtrack.py``), in the
+    terms of ``Sizes.workspace`` / ``Sizes.backward_workspace``: the traced figure plus how far the op's measured
+    transient (its peak above the larger of the memory before and after it) exceeded the plan's (the same from
+    verify's curve).  The largest over the step."""
+    sizes = Sizes.of_plan(plan)
+    with track(trainer) as mem:
+        trainer.step(batch)
+    measured = {r.op.id: r for r in mem.records}
+    out: dict[tuple[str, str], int] = {}
+    prev = 0
+    for op, after in zip(plan.ops, verify(plan).gpu_curve):
+        r = measured.get(op.id)
+        if r is not None and op.kind in (OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD):
+            eff = effects(op, sizes)
+            peak = prev + sum(sizes.of(t, tier) for t, tier in eff.writes if tier is Tier.GPU) + eff.transient
+            excess = (r.peak - max(r.before, r.after)) - (peak - max(prev, after))
+            backward = op.kind is OpKind.BACKWARD
+            key = (plan.graph.block_signature(op.block), "backward" if backward else "forward")
+            traced = sizes.backward_workspace(op.block) if backward else sizes.workspace(op.block)
+            out[key] = max(out.get(key, 0), traced + max(0, excess))
+        prev = after
     return out
 
 

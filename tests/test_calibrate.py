@@ -51,6 +51,29 @@ def test_every_block_is_timed_and_the_plan_uses_the_times(calibrated):
             seen.add(op.kind)
     assert seen == set(field)
     assert "measured on CPU (no GPU) for 8 of 8 blocks" in plan.summary().replace("\n", " ").replace("  ", " ")
+    assert all(t.workspace_bytes > 0 and t.backward_workspace_bytes > 0 for t in timings)   # transients measured too
+
+
+def test_a_measured_transient_above_the_traced_one_raises_the_plan_memory(calibrated):
+    """A block seen to need more than its traced workspace (a GPU kernel's, an fp32 norm's backward) is charged
+    the measured figure: in the graph's meta (not its signature, which names the timings), in the peak."""
+    from lazytrain.ir import Plan
+    from lazytrain.ir.semantics import Sizes
+    _, plan, path = calibrated
+    hw = HardwareProfile.load(path)
+    j = next(j for j, b in enumerate(plan.graph.blocks) if b.kind == "layer")
+    sig = plan.graph.block_signature(j)
+    mb = plan.micro_batch
+    traced = Sizes.of_plan(plan).workspace(j)
+    more = [dataclasses.replace(t, workspace_bytes=traced + 64 * 2**20, backward_workspace_bytes=0)
+            for t in hw.calibration if t.signature == sig]
+    again = lazytrain.compile(plan.graph, hardware=hw.with_timings(more), micro_batch=mb, **OPTIONS)
+    assert again.graph.meta["measured_workspace"][j] >= (traced + 64 * 2**20) // mb
+    assert Sizes.of_plan(again).workspace(j) >= traced + 64 * 2**20
+    assert again.graph.block_signature(j) == sig and measured_blocks(again) == list(range(again.graph.n_blocks))
+    assert again.predicted["peak_gpu_bytes"] >= plan.predicted["peak_gpu_bytes"] + 60 * 2**20
+    assert Plan.from_json(json.loads(json.dumps(again.to_json()))).graph.meta["measured_workspace"][j] \
+        == again.graph.meta["measured_workspace"][j]
 
 
 def test_the_profile_file_keeps_the_times_for_the_next_compile(calibrated, capsys):
@@ -97,6 +120,10 @@ def test_block_timings_round_trip_and_bad_ones_are_refused():
     assert hw.measured("abc", 2) == t and hw.measured("abc", 4) is None
     assert HardwareProfile.from_json(json.loads(json.dumps(hw.to_json()))) == hw
     assert hw.with_timings([dataclasses.replace(t, forward_s=2e-3)]).measured("abc", 2).forward_s == 2e-3
+    older = {k: v for k, v in dataclasses.asdict(t).items() if "workspace" not in k}   # a profile written before
+    assert BlockTiming.from_json(older) == t
+    with pytest.raises(ValueError, match="workspace_bytes must be a whole number"):
+        BlockTiming.from_json({**older, "workspace_bytes": -1})
     bad = {**dataclasses.asdict(t), "forward_s": -1}
     with pytest.raises(ValueError, match="forward_s must be a positive number"):
         HardwareProfile.from_json({**hw.to_json(), "calibration": [bad]})

@@ -21,6 +21,7 @@ from .cost import CostModel
 from .hardware import get_profile
 from .loss_chunk import with_loss_chunk
 from .lower import lower_with_effects
+from .measured_workspace import with_measured_workspace
 from .resident import resident_request
 from .search import Search
 from .simulate import simulate
@@ -318,6 +319,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     graph = _as_graph(model, seq_len, param_dtype, history, packed, seq_tile, compile_blocks)
     budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
     graph = with_loss_chunk(graph, budgets["gpu_bytes"])     # the loss head's chunk, from the GPU budget
+    graph = with_measured_workspace(graph, hw)               # calibrated transients, where they exceed the traced
     fixed, auto = resident_request(graph, resident)
     if world_size != 1 or nodes != 1:
         check_world(graph, world_size, nodes, fixed)

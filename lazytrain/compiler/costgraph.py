@@ -47,7 +47,7 @@ def build_cost_graph(cost: CostModel, max_segment: int = MAX_SEGMENT) -> nx.DiGr
         G.add_node(("block", j), params_bytes=cost.moving_param_bytes(j),
                    grad_accum_bytes=g.blocks[j].param_numel * 4 if moving else 0,
                    saved_bytes=cost.saved_bytes(j), workspace_bytes=cost.sizes.workspace(j),
-                   backward_transient_bytes=cost.sizes.workspace(j) + cost.sizes.param_grad_transient(j),
+                   backward_transient_bytes=cost.sizes.backward_workspace(j) + cost.sizes.param_grad_transient(j),
                    grad_drain_bytes=(cost.sizes.of(TensorId(kind=TensorKind.GRADS, index=j))
                                      + cost.sizes.grad_cast_transient(j)) if moving else 0,
                    fwd_s=cost.fwd_s(j), bwd_s=cost.bwd_s(j), load_s=cost.load_s(j),

@@ -38,6 +38,28 @@ RESOLUTION = 64
 LIMIT = 1 << 20
 
 
+#: with calibration, how often the longest length steps down when the measured transients do not fit it
+CALIBRATED_RETRIES = 3
+
+
+def _final_plan(compile_fn, model, graphs: dict, options: dict, lo: int, hi: int, why: dict):
+    """(plan, length, the shortest length known not to fit) at the search's answer ``lo``.  Calibration times
+    the model's blocks, so it needs the model (else the probe's trace serves), and it measures their transients
+    too (``compiler/measured_workspace.py``): where those do not fit ``lo``, a length 1/16 shorter is tried,
+    measured again."""
+    attempt = 0
+    while True:
+        try:
+            return compile_fn(model if options.get("calibrate") else graphs[lo],
+                              **{**options, "seq_len": lo}), lo, hi
+        except BudgetError as e:
+            shorter = (lo - lo // 16) // _step(lo) * _step(lo)
+            attempt += 1
+            if not options.get("calibrate") or attempt > CALIBRATED_RETRIES or shorter < MIN_SEQ:
+                raise
+            hi, why[lo], lo = lo, f"the measured transients do not fit: {e}", shorter
+
+
 def _step(seq: int) -> int:
     """The bisection's resolution at ``seq``: a power of two about ``seq / RESOLUTION``, at least MIN_SEQ."""
     return max(MIN_SEQ, 1 << max(0, seq.bit_length() - RESOLUTION.bit_length()))
@@ -111,8 +133,7 @@ def compile_max_seq(compile_fn, model, options: dict):
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     if lo == 0:
         raise BudgetError(f"no sequence of {MIN_SEQ} tokens or more fits batch {batch} (seq {hi}: {why[hi]})")
-    # calibration times the model's blocks, so it needs the model; otherwise the probe's trace serves
-    plan = compile_fn(model if options.get("calibrate") else graphs[lo], **{**options, "seq_len": lo})
+    plan, lo, hi = _final_plan(compile_fn, model, graphs, options, lo, hi, why)
     if lo < limit:
         note = f"longest feasible seq {lo} at batch {batch}; seq {hi} does not fit: {why[hi]}"
     elif limit == LIMIT:

@@ -134,7 +134,7 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
     compiled: list[int] = []
     blocks = []
     for j, b in enumerate(sp.blocks):
-        figs = (0, 0, 0, 0, 0, AttentionCount())
+        figs = (0, 0, 0, 0, 0, AttentionCount(), 0)
         if measure:
             key = (id(b.gm), b.loss is not None)
             if key not in cache:
@@ -152,7 +152,7 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
                 if partitioned[b.gm] is not None:
                     figs = (partitioned[b.gm], *figs[1:])
                     compiled.append(j)
-        saved, ws, fixed, ff, bf, attn = figs
+        saved, ws, fixed, ff, bf, attn, bws = figs
         outputs = tuple(spec(n) for n in b.output_names)
         if b.loss is not None or b.user_loss:
             outputs = (TensorSpec(name="loss_sum", shape=(), dtype="float32", requires_grad=True),
@@ -162,6 +162,7 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
             params=tuple(ParamSpec(name=n, shape=shapes[n][0], owner=owner[n]) for n in b.param_names),
             inputs=tuple(spec(n) for n in b.input_names), outputs=outputs,
             saved_bytes=math.ceil(saved / mb), workspace_bytes=math.ceil(ws / mb), workspace_fixed_bytes=fixed,
+            backward_workspace_bytes=math.ceil(bws / mb),
             fwd_flops=math.ceil(ff / mb), bwd_flops=math.ceil(bf / mb), fwd_ops=_op_count(b.gm),
             attn_fwd_flops=math.ceil(attn.fwd_flops / mb), attn_bwd_flops=math.ceil(attn.bwd_flops / mb),
             attn_head_dim=attn.head_dim, attn_kv_len=attn.kv_len))
@@ -230,6 +231,7 @@ class _Liveness(fx.Interpreter):
     def __init__(self, gm, saved: dict, exclude: set):
         super().__init__(gm, garbage_collect_values=True)
         self.saved, self.exclude, self.peak, self.op_peak = saved, exclude, 0, 0
+        self.backward_op_peak = 0   # the largest op's footprint in backward: ``_backward_footprint``
         self.tails: list = []   # (tiled tail, footprint of its call) seen
 
     def run_node(self, n):
@@ -247,12 +249,24 @@ class _Liveness(fx.Interpreter):
                      if isinstance(t, torch.Tensor) and t.is_floating_point())
             fp += sum(_tbytes(self.env[a]) for a in ins if isinstance(self.env[a], torch.Tensor)
                       and self.env[a].is_floating_point() and _storage_key(self.env[a]) not in self.exclude)
+            accum = 0
             if is_attention(n.target) and ins and isinstance(self.env[ins[0]], torch.Tensor):
-                fp += self.env[ins[0]].numel() * DQ_ACCUMULATOR_BYTES    # the backward's fp32 dQ accumulator
+                accum = self.env[ins[0]].numel() * DQ_ACCUMULATOR_BYTES    # the backward's fp32 dQ accumulator
             if n.target is run_tail:             # one chunk's backward is added after the run (``_measure``)
                 self.tails.append((self.env[n.args[0]], fp))
-            self.op_peak = max(self.op_peak, fp)
+            else:
+                self.backward_op_peak = max(self.backward_op_peak, _backward_footprint(fp, accum))
+            self.op_peak = max(self.op_peak, fp + accum)
         return out
+
+
+def _backward_footprint(forward: int, accumulator: int) -> int:
+    """An op's footprint in backward: its inputs and outputs (or what its formula saved of them) next to their
+    gradients, twice the forward's, plus a kernel's own accumulator.  The forward's footprint alone fell short
+    on the H200 where a norm computes in fp32 (qwen2.5-3b at 299,008 tokens: the layer's and the head's backward
+    peaked 4.2 and 4.0 GiB above it, ``tokens x hidden`` fp32 gradients of its fp32 temporaries; twice the
+    footprint is 4.3 and 4.6 above)."""
+    return 2 * forward + accumulator
 
 
 def _tail_transient(tail: TiledTail) -> tuple[int, int]:
@@ -283,8 +297,9 @@ def loss_head_figures(lh, weight_shape: tuple, dtype: torch.dtype, seq_len: int)
 
 
 def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: int):
-    """(saved bytes, workspace bytes, fixed workspace bytes, fwd FLOPs, bwd FLOPs, attention count) of
-    one block at micro-batch ``mb``; the fixed part does not scale with the micro-batch (a loss chunk)."""
+    """(saved bytes, workspace bytes, fixed workspace bytes, fwd FLOPs, bwd FLOPs, attention count, backward
+    workspace bytes) of one block at micro-batch ``mb``; the fixed part does not scale with the micro-batch (a
+    loss chunk)."""
     params = {}
     for n in b.param_names:
         shape, dt = shapes[n]
@@ -336,4 +351,4 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
     with FlopCounterMode(display=False, custom_mapping=attn.mapping()) as fc2:
         if grad_outs:
             torch.autograd.backward(grad_outs, [torch.ones_like(t) for t in grad_outs])
-    return sum(saved.values()), ws, fixed, fwd, fc2.get_total_flops(), attn
+    return sum(saved.values()), ws, fixed, fwd, fc2.get_total_flops(), attn, max(ws, interp.backward_op_peak)

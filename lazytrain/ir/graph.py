@@ -79,6 +79,7 @@ class Block:
     fwd_flops: int                # per sample
     bwd_flops: int                # per sample
     workspace_fixed_bytes: int = 0   # transient that does not grow with the micro-batch (a loss chunk)
+    backward_workspace_bytes: int = 0  # its backward's transient (per sample) where above workspace_bytes
     fwd_ops: int = 0              # ops of the forward program: each is issued from Python (dispatch floor)
     # the fused attention's share of fwd_flops / bwd_flops (per sample, as the kernel computes them: causal
     # is half the square, backward 2.5x forward), and the head dimension and key length its rate depends on

@@ -126,8 +126,23 @@ class Sizes:
         return tuple(self.graph.owners(j) for j in range(self.graph.n_blocks))
 
     def workspace(self, block: int) -> int:
+        """Block ``block``'s transient in its forward and recompute at this micro-batch: the traced figure, or
+        the measured one where a calibration raised it (``compiler/measured_workspace.py``)."""
         b = self.graph.blocks[block]
-        return b.workspace_bytes * self.micro_batch + b.workspace_fixed_bytes
+        per_sample = max(b.workspace_bytes, self._measured("measured_workspace")[block])
+        return per_sample * self.micro_batch + b.workspace_fixed_bytes
+
+    def backward_workspace(self, block: int) -> int:
+        """Block ``block``'s transient in its backward: the largest of its forward's, the traced backward figure
+        (an op's values next to their gradients, ``frontend/trace.py``) and a measured one."""
+        b = self.graph.blocks[block]
+        per_sample = max(b.workspace_bytes, b.backward_workspace_bytes,
+                         self._measured("measured_backward_workspace")[block])
+        return max(self.workspace(block), per_sample * self.micro_batch + b.workspace_fixed_bytes)
+
+    def _measured(self, key: str) -> tuple[int, ...]:
+        measured = self.graph.meta.get(key)
+        return tuple(measured) if measured else (0,) * self.graph.n_blocks
 
     def param_grad_transient(self, block: int) -> int:
         """Backward returns all of a block's parameter gradients at once (``autograd.grad``), in the
@@ -199,7 +214,8 @@ def effects(op: Op, sizes: Sizes) -> Effects:
         writes = [] if resident else [(TensorId(kind=TensorKind.GRADS, index=j), G)]
         if j > 0:
             writes.append((TensorId(kind=TensorKind.GRAD_ACT, index=j, mb=m), G))
-        return Effects(tuple(reads), tuple(writes), tuple(drops), sizes.workspace(j) + sizes.param_grad_transient(j))
+        return Effects(tuple(reads), tuple(writes), tuple(drops),
+                       sizes.backward_workspace(j) + sizes.param_grad_transient(j))
     if k in (OpKind.OFFLOAD, OpKind.RELOAD):
         return Effects(((op.tensor, op.src),), ((op.tensor, op.dst),), ())
     if k is OpKind.GRAD_OFFLOAD:

@@ -121,10 +121,12 @@ def track(trainer):
             torch.cuda.synchronize(trainer.device)
             torch.cuda.reset_peak_memory_stats(trainer.device)
             before = torch.cuda.memory_allocated(trainer.device)
-            fn(c, op)
-            torch.cuda.synchronize(trainer.device)
-            mem.records.append(OpMemory(op=op, before=before, peak=torch.cuda.max_memory_allocated(trainer.device),
-                                        after=torch.cuda.memory_allocated(trainer.device)))
+            try:
+                fn(c, op)
+                torch.cuda.synchronize(trainer.device)
+            finally:        # an op that runs out of memory is recorded too: its peak is where it stopped
+                mem.records.append(OpMemory(op=op, before=before, peak=torch.cuda.max_memory_allocated(trainer.device),
+                                            after=torch.cuda.memory_allocated(trainer.device)))
         return run
 
     def wrap(fn):
