@@ -1,6 +1,6 @@
 """Sample efficiency of ``lazytrain train``'s default task setup: exact match after N steps, per setting.
 
-    python benchmarks/task_sweep.py --steps 2000 --out sweep.json [--device cuda]
+    python benchmarks/task_sweep.py --steps 2000 --out sweep.json [--device cuda] [--seeds 0,1,2 --jobs 8]
 
 Plain PyTorch (fp32, ``torch.optim.AdamW`` with the train defaults' betas and clipping, the same
 warm-up + cosine schedule over ``--steps``, the same batches), so many settings fit in minutes on a GPU;
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import time
 
 import torch
@@ -40,18 +41,32 @@ SETTINGS = {
     "b24-lr4e-3-minlr0.02": {"batch": 24, "lr": 4e-3, "min_lr_ratio": 0.02},
     "b16-lr4e-3-minlr0.02": {"batch": 16, "lr": 4e-3, "min_lr_ratio": 0.02},
     "b12-minlr0.02": {"batch": 12, "min_lr_ratio": 0.02},
+    # the loss on the answer only: the prompt's names and numbers are noise a model cannot predict
+    "answer": {"loss_on_prompt": False},
+    "answer-lr5e-3": {"loss_on_prompt": False, "lr": 5e-3},
+    "answer-b16-minlr0.02": {"loss_on_prompt": False, "batch": 16, "min_lr_ratio": 0.02},
+    "answer-b16-lr2e-3-minlr0.02": {"loss_on_prompt": False, "batch": 16, "lr": 2e-3, "min_lr_ratio": 0.02},
+    "answer-b16-lr5e-3-minlr0.02": {"loss_on_prompt": False, "batch": 16, "lr": 5e-3, "min_lr_ratio": 0.02},
+    "answer-b8-lr2e-3-minlr0.02": {"loss_on_prompt": False, "batch": 8, "lr": 2e-3, "min_lr_ratio": 0.02},
+    "answer-b64-lr5e-3": {"loss_on_prompt": False, "batch": 64, "lr": 5e-3},
+    "b64-lr5e-3-minlr0.02": {"batch": 64, "lr": 5e-3, "min_lr_ratio": 0.02},
+    "b32-lr5e-3-minlr0.02": {"batch": 32, "lr": 5e-3, "min_lr_ratio": 0.02},
+    "answer-d96-b16-minlr0.02": {"loss_on_prompt": False, "batch": 16, "min_lr_ratio": 0.02,
+                                 "extra": {"d_model": 96, "d_ff": 384}},
+    "answer-l3-b16-minlr0.02": {"loss_on_prompt": False, "batch": 16, "min_lr_ratio": 0.02, "extra": {"n_layer": 3}},
 }
 
 
-def run(name: str, over: dict, steps: int, device: torch.device, checkpoints: list[int]) -> dict:
+def run(name: str, over: dict, steps: int, device: torch.device, checkpoints: list[int], seed: int = 0) -> dict:
     betas = over.get("betas", (0.9, 0.98))
-    cfg = TrainConfig(**{k: v for k, v in over.items() if k != "betas"}, steps=steps)
+    cfg = TrainConfig(**{k: v for k, v in over.items() if k != "betas"}, steps=steps, seed=seed)
     tok = CharTokenizer()
     seq = 88
     model, _ = build_task_model(cfg, seq, tok.vocab_size)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=betas, weight_decay=0.0)
-    batches = train_batches(cfg.batch, difficulty="tiny", seed=0, seq_len=seq, tokenizer=tok, loss_on_prompt=True)
+    batches = train_batches(cfg.batch, difficulty="tiny", seed=seed, seq_len=seq, tokenizer=tok,
+                            loss_on_prompt=cfg.loss_on_prompt)
     evals = eval_examples(500, "tiny", seed=0)
     curve, t0 = [], time.perf_counter()
     for step in range(steps):
@@ -69,10 +84,16 @@ def run(name: str, over: dict, steps: int, device: torch.device, checkpoints: li
                 em = exact_match(logits_fn(model, device, tok.vocab_size), evals, 250)
             model.train()
             curve.append({"step": step + 1, "exact_match": em, "loss": round(loss.item(), 4)})
-            print(f"{name:20s} step {step + 1:5d} loss {loss.item():.3f} exact match {em:.1%}", flush=True)
+            print(f"{name:20s} seed {seed} step {step + 1:5d} loss {loss.item():.3f} exact match {em:.1%}", flush=True)
     params = sum(p.numel() for p in model.parameters())
-    return {"name": name, "setting": {k: v for k, v in over.items()}, "params": params, "curve": curve,
+    return {"name": name, "seed": seed, "setting": {k: v for k, v in over.items()}, "params": params, "curve": curve,
             "seconds": round(time.perf_counter() - t0, 1), "task_gpt": {**TASK_GPT, **over.get("extra", {})}}
+
+
+def _run_in_process(name, over, steps, device, checkpoints, seed, threads) -> dict:
+    if threads:
+        torch.set_num_threads(threads)
+    return run(name, over, steps, torch.device(device), checkpoints, seed)
 
 
 def main() -> None:
@@ -84,16 +105,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default=None, help="comma-separated setting names")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds (model init and data), each a run")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    dev = torch.device(a.device)
-    if a.threads:
-        torch.set_num_threads(a.threads)
     names = a.only.split(",") if a.only else list(SETTINGS)
-    results = []
+    runs = []
     for n in names:
         steps = a.steps * 32 // SETTINGS[n].get("batch", 32) if a.equal_tokens else a.steps
-        results.append(run(n, SETTINGS[n], steps, dev, sorted({steps // 2, 3 * steps // 4, steps})))
+        for seed in (int(x) for x in a.seeds.split(",")):
+            runs.append((n, SETTINGS[n], steps, a.device, sorted({steps // 2, 3 * steps // 4, steps}), seed,
+                         a.threads))
+    if a.jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(a.jobs) as pool:
+            results = pool.starmap(_run_in_process, runs)
+    else:
+        results = [_run_in_process(*r) for r in runs]
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"format": "lazytrain.task-sweep/1", "steps": a.steps, "device": a.device, "results": results},
