@@ -11,13 +11,17 @@ worker processes whose memory is measured).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
+
+from .units import parse_size
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 #: system name -> (module in benchmarks/systems/, options passed to its ``run``)
@@ -85,7 +89,6 @@ def cap_gpu(cfg: dict) -> None:
     """``set_per_process_memory_fraction`` to the ``--gpu-memory`` cap, as run_plan.py does."""
     import torch
 
-    from .units import parse_size
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(cfg["gpu_memory"]) / total))
 
@@ -98,8 +101,6 @@ def loss_of(model, ids, labels):
 def eager_step(model, opt, device, autocast=None):
     """The baselines' training step: forward (under ``autocast`` if given), backward, clip at 1.0
     (the same clipping LazyTrain's rows use), optimizer step; returns the loss."""
-    import contextlib
-
     import torch
 
     def step(ids, labels):
@@ -230,7 +231,6 @@ def worker_main(argv: list[str]) -> int:
         # a batch-search answer that was not run (predicted only) has no measurement to finish
         row = {**base, **(finish_row(system, cfg, raw) if "median_step_s" in raw else raw)}
     except Exception as e:  # noqa: BLE001 - any failure of the system is its row, not a crash of the run
-        import traceback
         traceback.print_exc()
         oom = type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
         msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__

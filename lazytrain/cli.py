@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 from .ir import GiB, Plan, PlanError, verify
@@ -319,7 +320,6 @@ def cmd_trace(a) -> int:
 
 
 def cmd_profile(a) -> int:
-    import os
 
     from .profile import measure
     if not (a.model and os.path.isfile(a.output)):

@@ -34,6 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .ir import Plan, PlanError
 from .runtime.checkpoint import _commit, _fsync_dir, _fsync_file, read_meta
 
 #: shard size: ``save_pretrained``'s default ("5GB"), so one shard is what an export holds in memory
@@ -191,7 +192,6 @@ def _sharded_weights(folder: Path, meta: dict) -> list[Weight]:
     """The weights of a checkpoint of several ranks: each tensor's pieces (``[first, end)`` of its flat
     elements, one per rank file that holds some, as the manifest records them) read and joined in
     element order, one tensor at a time; shapes from the checkpoint's plan."""
-    from .ir import Plan, PlanError
     try:
         graph = Plan.from_json(meta["plan"]).graph
     except PlanError as e:

@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tabulate import tabulate
+from tqdm import tqdm
 
 from . import runfiles
 from .compiler.hardware import PROFILES, _cpu_cores
@@ -448,8 +450,6 @@ def _final_eval(trainer, evals, dev: torch.device, flag: _StopFlag, ranks: Ranks
 
 def _report_profile(trainer, out: Path, bar) -> None:
     """The ``--profile`` step: hidden fractions on the console; profile, measured trace and memory plot."""
-    from tabulate import tabulate
-
     prof = trainer.last_profile
     rows = [[kind, f"{prof.transfer_s.get(kind, 0.0) * 1e3:.1f}", f"{100 * frac:.0f}%"]
             for kind, frac in prof.hidden.items()]
@@ -481,7 +481,6 @@ def _plot_loss(path: Path, history: list[dict], em_curve: list[dict], cfg: Train
 def _progress(cfg: TrainConfig, start: int):
     if not cfg.progress:
         return None
-    from tqdm import tqdm
     return tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True)
 
 

@@ -39,6 +39,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -210,10 +211,6 @@ def rng_state() -> dict:
     out = {"torch": _b64(torch.get_rng_state()), "python": [version, list(internal), gauss]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    try:
-        import numpy as np
-    except ImportError:
-        return out
     st = np.random.get_state(legacy=False)
     out["numpy"] = {"bit_generator": st["bit_generator"], "key": [int(k) for k in st["state"]["key"]],
                     "pos": int(st["state"]["pos"]), "has_gauss": int(st["has_gauss"]), "gauss": float(st["gauss"])}
@@ -240,7 +237,6 @@ def set_rng_state(d: dict) -> None:
             for i, s in enumerate(cuda[:torch.cuda.device_count()]):
                 torch.cuda.set_rng_state(s, i)
         if d.get("numpy") is not None:
-            import numpy as np
             n = d["numpy"]
             np.random.set_state({"bit_generator": n["bit_generator"],
                                  "state": {"key": np.array(n["key"], dtype=np.uint32), "pos": int(n["pos"])},

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from ..ir import GiB, ModelGraph
 from .pinned import host_empty
+from .streams import Streams
 
 log = logging.getLogger("lazytrain")
 
@@ -183,7 +185,6 @@ class HostPool:
         self.allocated_bytes = 0
 
     def acquire(self, nbytes: int) -> torch.Tensor:
-        from .streams import Streams
         with self._lock:
             cands = self._free.get(nbytes, [])
             pick = None
@@ -206,7 +207,6 @@ class HostPool:
 
 
 def _is_done(h) -> bool:
-    from concurrent.futures import Future
     if h is None:
         return True
     if isinstance(h, Future):
