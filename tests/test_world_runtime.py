@@ -71,7 +71,7 @@ def test_two_ranks_train_like_one_process_resume_at_another_size_and_name_a_dead
     one, _ = W.train(1, str(plans), plans / "ck1")
     assert _join(procs, 120) == [0, 3]
     two = json.loads((plans / "out.json").read_text())
-    for name, _, _ in W.CASES:
+    for name, *_ in W.CASES:
         _close(two[name], one[name], name)
     last = W.CASES[-1][0]
     after = {"losses": one[last]["losses"][W.SAVED_AT:], "params": one[last]["params"]}

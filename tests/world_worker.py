@@ -1,5 +1,5 @@
 """What each rank of the multi-process tests runs (a module of its own so spawned processes import
-it): train a tiny untied GPT on a global batch and write the losses and final parameters as JSON."""
+it): train a tiny GPT (tied or not) on a global batch and write the losses and final parameters as JSON."""
 
 from __future__ import annotations
 
@@ -20,13 +20,16 @@ from lazytrain.runtime.trainer import Trainer
 CFG = {"model_type": "lazytrain-gpt", "vocab": 67, "d_model": 64, "n_layer": 2, "n_head": 2, "d_ff": 128,
        "max_seq": 16, "tie_weights": False}
 B, SEQ, STEPS = 4, 16, 3
-#: (name, policy, optimizer) of every case each spawn trains, one after the other
-CASES = (("adamw", "megatrain", "adamw"), ("hybrid8bit", "keep-all", "hybrid8bit"))
+#: (name, policy, optimizer, tied embedding, resident) of every case each spawn trains, one after the
+#: other: tied, its embedding shared by the first and the last block; resident 1, the first block and
+#: (its tie group) the last kept on the "GPU", their shards updated there
+CASES = (("tied", "megatrain", "adamw", True, "none"), ("tied_resident", "keep-all", "adamw", True, 1),
+         ("adamw", "megatrain", "adamw", False, "none"), ("hybrid8bit", "keep-all", "hybrid8bit", False, "none"))
 
 
-def model() -> torch.nn.Module:
+def model(tied: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    return build_from_config(CFG, device="cpu", dtype=torch.float32)
+    return build_from_config({**CFG, "tie_weights": tied}, device="cpu", dtype=torch.float32)
 
 
 def batches(steps: int = STEPS):
@@ -49,20 +52,21 @@ def optimizer(kind: str):
 def compile_plans(folder: Path) -> dict:
     """Every case's plan for one process and for two ranks, compiled once (by the test process) into
     ``folder``: what the ranks load."""
-    m = model()
     paths = {}
-    for name, policy, opt in CASES:
+    for name, policy, opt, tied, resident in CASES:
+        m = model(tied)
         for world in (1, 2):
             plan = lazytrain.compile(m, batch_size=B // world, seq_len=SEQ, micro_batch=1, hardware="cpu",
-                                     policy=policy, param_dtype="float32", optimizer=opt, world_size=world)
+                                     policy=policy, param_dtype="float32", optimizer=opt, world_size=world,
+                                     resident=resident)
             paths[(name, world)] = str(folder / f"{name}_{world}.json")
             plan.save(paths[(name, world)])
     return paths
 
 
-def trainer(plan_path: str, opt: str) -> Trainer:
+def trainer(plan_path: str, opt: str, tied: bool = False) -> Trainer:
     from lazytrain.ir import Plan
-    return Trainer(model(), Plan.load(plan_path), optimizer=optimizer(opt), device="cpu", verbose=False)
+    return Trainer(model(tied), Plan.load(plan_path), optimizer=optimizer(opt), device="cpu", verbose=False)
 
 
 #: the last case is checkpointed after this many steps (``train``'s ``ckpt``)
@@ -73,8 +77,8 @@ def train(world: int, folder: str, ckpt: Path | None = None) -> tuple[dict, Trai
     """Every case: losses and final parameters (the same on every rank); and the last case's trainer,
     checkpointed to ``ckpt`` after ``SAVED_AT`` steps."""
     out = {}
-    for name, _policy, opt in CASES:
-        tr = trainer(str(Path(folder) / f"{name}_{world}.json"), opt)
+    for name, _policy, opt, tied, _resident in CASES:
+        tr = trainer(str(Path(folder) / f"{name}_{world}.json"), opt, tied)
         losses = []
         for b in batches():
             losses.append(tr.step(b).loss)
@@ -92,7 +96,7 @@ def resume(ckpt: Path, plan_path: str) -> dict:
     """The last case resumed from ``ckpt`` with the plan at ``plan_path`` (another world size) and
     trained to the end: its losses after the checkpoint and final parameters."""
     from lazytrain.ir import Plan
-    name, _policy, opt = CASES[-1]
+    name, _policy, opt, _tied, _resident = CASES[-1]
     tr = Trainer.load_checkpoint(ckpt, model(), optimizer=optimizer(opt), device="cpu", plan=Plan.load(plan_path))
     return result(tr, [tr.step(b).loss for b in batches()[tr.steps:]])
 

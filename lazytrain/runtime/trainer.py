@@ -126,13 +126,16 @@ class Trainer:
         # next to it and updates it in place there
         gpu_params = {j: torch.empty(lay.owned_numel, dtype=param_dtype, device=self.device)
                       for j, lay in enumerate(lays) if j in resident}
+        buffers = {j: gpu_params.get(j, self.store.load[j]) for j in range(len(lays))}
         if self.world is not None:
             init_shards(dict(model.named_parameters(remove_duplicate=False)), gathered, lays, self.world.size,
-                        self.world.rank, optimizer, self.store.load)
+                        self.world.rank, optimizer, buffers)
+            # a resident block's shard stays on the GPU; gathered every step, it is a plan tensor
+            params, targets = {}, {}
+            grads = {j: torch.zeros(lays[j].owned_numel, dtype=torch.float32, device=self.device) for j in gpu_params}
         else:
-            _init_parameters(model, lays, optimizer,
-                             {j: gpu_params.get(j, self.store.load[j]) for j in range(len(lays))})
-        params, targets, grads = _resident(lays, gpu_params, self.device)
+            _init_parameters(model, lays, optimizer, buffers)
+            params, targets, grads = _resident(lays, gpu_params, self.device)
         streams = Streams(self.device, collectives=self.world is not None)
         tracker = GradNormTracker(optimizer.max_grad_norm)
         updates = Updates(order, streams=streams, optimizer=optimizer, tracker=tracker, store=self.store,
@@ -144,7 +147,8 @@ class Trainer:
         self.ctx = Run(plan=plan, program=self.program, device=self.device, streams=streams, store=self.store,
                        pool=HostPool(self.device.type == "cuda"), nvme=nvme, optimizer=optimizer, tracker=tracker,
                        requires_grad=rg, frozen=frozen, resident=params, resident_targets=targets, updates=updates,
-                       schedule=Schedule(plan, updates), world=self.world, gpu_layouts=gathered)
+                       schedule=Schedule(plan, updates), world=self.world, gpu_layouts=gathered,
+                       resident_shards=gpu_params if self.world is not None else {})
         self._profiler = Profiler(self.device.type == "cuda") if profile else None
         self.steps = 0
         self.last_profile: StepProfile | None = None
