@@ -227,8 +227,9 @@ def evaluate(trainer, examples, device: torch.device, batch: int = 100, ranks: R
     runs eagerly; on the GPU when it fits in a quarter of the free memory, else on the CPU).  With
     several ranks every rank calls it: each gathers the weights (a collective), rank 0 decodes and the
     others take its figure (``Ranks.share``)."""
-    trainer.sync_to_model()
-    return (ranks or Ranks()).share("evaluation", lambda: _exact_match(trainer.model, examples, device, batch))
+    ranks = ranks or Ranks()
+    trainer.sync_to_model(keep=ranks.main)      # the others hold one block at a time, not a model
+    return ranks.share("evaluation", lambda: _exact_match(trainer.model, examples, device, batch))
 
 
 def _exact_match(model, examples, device: torch.device, batch: int) -> float:

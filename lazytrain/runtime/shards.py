@@ -110,18 +110,18 @@ def shard_layouts(gathered: list[PaddedLayout], world_size: int, rank: int) -> l
     return out
 
 
-def init_shards(named: dict[str, torch.Tensor], gathered: list[PaddedLayout], shards: list[PaddedLayout],
-                world_size: int, rank: int, optimizer, buffers) -> None:
-    """Each block's shard of its initial parameters (the ones it updates) into its load buffer (host, or a
-    resident block's GPU buffer: ``buffers[j]``), and the optimizer's state for it (padding is zero, and
-    stays zero: its gradient is zero)."""
+def init_shards(weights, gathered: list[PaddedLayout], shards: list[PaddedLayout], world_size: int, rank: int,
+                optimizer, buffers) -> None:
+    """Each block's shard of its initial parameters (the ones it updates; ``weights.piece``, see
+    ``weights.py``) into its load buffer (host, or a resident block's GPU buffer: ``buffers[j]``), and the
+    optimizer's state for it (padding is zero, and stays zero: its gradient is zero)."""
     for lay, sh in zip(gathered, shards):
         if not sh.owned_numel:
             continue
         init = torch.zeros(sh.owned_numel, dtype=torch.float32)
         for seg, a, b, at in _placed(lay, world_size, rank):
             if at < sh.owned_numel:
-                init[at:at + b - a].copy_(named[seg.name].detach().reshape(-1)[a:b])
+                init[at:at + b - a].copy_(weights.piece(seg.name, a, b))
         buffers[lay.index].copy_(init)
         optimizer.setup(lay.index, init, buffers[lay.index], sh.opt_segments())
 
@@ -148,9 +148,10 @@ def scatter(world, out: torch.Tensor, full: torch.Tensor, lay: PaddedLayout, wha
         at += s
 
 
-def gathered_masters(world, gathered: list[PaddedLayout], master) -> dict[str, torch.Tensor]:
+def gathered_masters(world, gathered: list[PaddedLayout], master, keep: bool = True) -> dict[str, torch.Tensor]:
     """The fp32 master weights by parameter name, assembled from every rank's shard (a collective:
-    every rank calls it).  ``master(j)``: this rank's flat shard of block j's owned parameters."""
+    every rank calls it).  ``master(j)``: this rank's flat shard of block j's owned parameters.  ``keep``
+    False: take part, keep nothing (a rank that needs no copy holds one block at a time, not the model)."""
     out = {}
     for lay in gathered:
         if not lay.owned_numel:
@@ -158,6 +159,8 @@ def gathered_masters(world, gathered: list[PaddedLayout], master) -> dict[str, t
         full = torch.empty(lay.owned_numel, dtype=torch.float32, device=world.device)
         gather(world, full, master(lay.index).to(world.device, torch.float32), lay,
                f"gathering block {lay.index}'s master weights", owned=True)
+        if not keep:
+            continue
         full = full.cpu()
         for seg in lay.segments:
             if seg.offset < lay.owned_numel:
