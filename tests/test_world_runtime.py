@@ -117,3 +117,37 @@ def test_a_rank_alive_but_behind_is_named_as_hung(monkeypatch):
                             "rank is in step 4: it hangs"
     me.mark_step(3)
     assert me.culprits() == "another rank failed (every rank still answers)"
+
+
+def test_the_others_wait_for_rank_0s_evaluation_as_at_a_barrier_with_a_timeout(monkeypatch):
+    """Rank 1 waits for what rank 0 shares (``Ranks.share``): it gets the value rank 0 stored; a rank 0 whose
+    heartbeat stopped is named within seconds; one alive that never answers fails the wait after the
+    collective timeout (the store is a local HashStore, the timeout shortened)."""
+    import os
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from lazytrain.ranks import Ranks
+    from lazytrain.runtime import distributed as D
+    from lazytrain.runtime.distributed import RankFailure
+    monkeypatch.setattr("lazytrain.ranks.WAIT_SLICE_S", 0.05)
+    monkeypatch.setenv("LAZYTRAIN_COLLECTIVE_TIMEOUT", "0.3")
+    store = dist.HashStore()
+    me = Ranks(rank=1, size=2, _store=store,
+               world=D.World(rank=1, size=2, local_rank=1, device=torch.device("cpu"), _store=store))
+    who = f"{socket.gethostname()}:{os.getpid()}"
+    store.set("lazytrain/rank/0", who)
+    store.set("lazytrain/rank/0/beat", repr(time.time() + 60))       # alive
+    store.set("lazytrain/shared/0", json.dumps({"value": 0.75}))
+    assert me.share("evaluation", lambda: None) == 0.75
+    t0 = time.time()
+    with pytest.raises(RankFailure, match=r"rank 0's evaluation failed on rank 1 of 2: rank 0 is alive but did not "
+                                          r"answer within 0.3 s"):
+        me.share("evaluation", lambda: None)
+    assert 0.3 <= time.time() - t0 < 5
+    store.set("lazytrain/rank/0/beat", repr(time.time() - 60))       # its heartbeat stopped
+    with pytest.raises(RankFailure, match=f"rank 0's evaluation failed on rank 1 of 2: rank 0 \\({who}\\) "
+                                          "stopped answering"):
+        me.share("evaluation", lambda: None)
