@@ -20,11 +20,8 @@ from lazytrain.runtime.trainer import Trainer
 CFG = {"model_type": "lazytrain-gpt", "vocab": 67, "d_model": 64, "n_layer": 2, "n_head": 2, "d_ff": 128,
        "max_seq": 16, "tie_weights": False}
 B, SEQ, STEPS = 4, 16, 3
-#: (name, policy, optimizer, tied embedding, resident) of every case each spawn trains, one after the
-#: other: tied, its embedding shared by the first and the last block; resident 1, the first block and
-#: (its tie group) the last kept on the "GPU", their shards updated there
-CASES = (("tied", "megatrain", "adamw", True, "none"), ("tied_resident", "keep-all", "adamw", True, 1),
-         ("adamw", "megatrain", "adamw", False, "none"), ("hybrid8bit", "keep-all", "hybrid8bit", False, "none"))
+#: (name, policy, optimizer, tied embedding, resident) of every case each spawn trains, one after the other
+CASES = (("adamw", "megatrain", "adamw", False, "none"), ("hybrid8bit", "keep-all", "hybrid8bit", False, "none"))
 
 
 def model(tied: bool = False) -> torch.nn.Module:
@@ -43,25 +40,57 @@ def batches(steps: int = STEPS):
     return out
 
 
+#: the optimizers' learning rate
+LR = 1e-3
+
+
 def optimizer(kind: str):
     if kind == "adamw":
-        return TorchAdamW(lr=1e-3, eps=1e-6, max_grad_norm=1.0)
-    return Hybrid8bitAdamW(lr=1e-3, eps=1e-6, max_grad_norm=1.0, num_threads=1)
+        return TorchAdamW(lr=LR, eps=1e-6, max_grad_norm=1.0)
+    return Hybrid8bitAdamW(lr=LR, eps=1e-6, max_grad_norm=1.0, num_threads=1)
 
 
-def compile_plans(folder: Path) -> dict:
-    """Every case's plan for one process and for two ranks, compiled once (by the test process) into
-    ``folder``: what the ranks load."""
-    paths = {}
-    for name, policy, opt, tied, resident in CASES:
+def eight_bit(name: str) -> bool:
+    """Does case ``name`` train with the 8-bit optimizer?"""
+    return any(c[0] == name and c[2] == "hybrid8bit" for c in (*CASES, *CASES4))
+
+
+#: the 4-rank test's cases (``world4_rank``): the other two policies, each on the tied GPT (its embedding
+#: shared by the first and the last block), the MILP's with the first block resident (and so, its tie group,
+#: the last: their shards updated on the "GPU"); activations on the host and NVMe; and the 8-bit case,
+#: checkpointed at 4 ranks and resumed at 2 and 1
+CASES4 = (("tied", "recompute-all", "adamw", True, "none"), ("tied_resident", "milp", "adamw", True, 1),
+          ("host_nvme", "host-nvme", "adamw", False, "none"), CASES[-1])
+
+
+def compile_plans(folder: Path, worlds=(1, 2), cases=CASES) -> None:
+    """Every case's plan for each world size, compiled once (by the test process) into ``folder``: what the
+    ranks load (``{name}_{world}.json``)."""
+    for name, policy, opt, tied, resident in cases:
         m = model(tied)
-        for world in (1, 2):
-            plan = lazytrain.compile(m, batch_size=B // world, seq_len=SEQ, micro_batch=1, hardware="cpu",
-                                     policy=policy, param_dtype="float32", optimizer=opt, world_size=world,
-                                     resident=resident)
-            paths[(name, world)] = str(folder / f"{name}_{world}.json")
-            plan.save(paths[(name, world)])
-    return paths
+        for world in worlds:
+            if policy == "host-nvme":
+                plan = _host_nvme(m, world, folder / "nvme")
+            else:
+                plan = lazytrain.compile(m, batch_size=B // world, seq_len=SEQ, micro_batch=1, hardware="cpu",
+                                         policy=policy, param_dtype="float32", optimizer=opt, world_size=world,
+                                         resident=resident, time_limit=5)
+            plan.save(folder / f"{name}_{world}.json")
+
+
+def _host_nvme(m: torch.nn.Module, world: int, nvme: Path):
+    """Boundaries and saved activations on the host and on NVMe (the 4 blocks: embedding, 2 layers, head)."""
+    from lazytrain.compiler.api import Compiler
+    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.frontend.trace import trace
+    from lazytrain.ir import Decisions, GiB, Place, Saved
+    dec = Decisions(policy="host-nvme", micro_batch=1, n_micro=B // world,
+                    boundary=(Place.HOST, Place.NVME, Place.NONE, Place.GPU),
+                    saved=(Saved.HOST, Saved.RECOMPUTE, Saved.NVME, Saved.KEEP))
+    budgets = {"gpu_bytes": 8 * GiB, "host_bytes": 16 * GiB, "nvme_bytes": GiB, "nvme_dir": str(nvme)}
+    comp = Compiler(trace(m, seq_len=SEQ, dtype="float32"), get_profile("cpu"), budgets, param_dtype="float32",
+                    optimizer="adamw", clip=True, world_size=world)
+    return comp.build(dec, B // world)
 
 
 def trainer(plan_path: str, opt: str, tied: bool = False) -> Trainer:
@@ -73,16 +102,16 @@ def trainer(plan_path: str, opt: str, tied: bool = False) -> Trainer:
 SAVED_AT = 2
 
 
-def train(world: int, folder: str, ckpt: Path | None = None) -> tuple[dict, Trainer]:
+def train(world: int, folder: str, ckpt: Path | None = None, cases=CASES) -> tuple[dict, Trainer]:
     """Every case: losses and final parameters (the same on every rank); and the last case's trainer,
     checkpointed to ``ckpt`` after ``SAVED_AT`` steps."""
     out = {}
-    for name, _policy, opt, tied, _resident in CASES:
+    for name, _policy, opt, tied, _resident in cases:
         tr = trainer(str(Path(folder) / f"{name}_{world}.json"), opt, tied)
         losses = []
         for b in batches():
             losses.append(tr.step(b).loss)
-            if ckpt is not None and name == CASES[-1][0] and tr.steps == SAVED_AT:
+            if ckpt is not None and name == cases[-1][0] and tr.steps == SAVED_AT:
                 tr.save_checkpoint(ckpt)
         out[name] = result(tr, losses)
     return out, tr
@@ -136,3 +165,20 @@ def equivalence_rank(rank: int, world: int, port: int, folder: str) -> None:
         except Exception as e:  # noqa: BLE001 - the test reads the message
             errors.append(str(e))
     (f / "err.txt").write_text("\n".join(errors))
+
+
+def world4_rank(rank: int, world: int, port: int, folder: str) -> None:
+    """Train ``CASES4`` (the last checkpointed to ``ck4`` at ``SAVED_AT``); rank 0 writes ``out4.json``."""
+    join(rank, world, port)
+    res, tr = train(world, folder, Path(folder) / "ck4", CASES4)
+    tr.close()
+    if rank == 0:
+        (Path(folder) / "out4.json").write_text(json.dumps(res))
+
+
+def resume4_rank(rank: int, world: int, port: int, folder: str) -> None:
+    """The 4-rank checkpoint ``ck4`` resumed by this world and trained to the end; rank 0 writes it."""
+    join(rank, world, port)
+    res = resume(Path(folder) / "ck4", str(Path(folder) / f"{CASES[-1][0]}_{world}.json"))
+    if rank == 0:
+        (Path(folder) / f"resumed4_{world}.json").write_text(json.dumps(res))

@@ -104,7 +104,7 @@ class Trainer:
         verify(plan)                  # a plan read back from a file or checkpoint is checked like a fresh one
         self.plan = plan
         self.model = model
-        nvme = _nvme_store(plan, nvme_dir)
+        nvme = _nvme_store(plan, nvme_dir, None if self.world is None else self.world.rank)
         if weights is None and any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("the model's parameters are on the meta device: build it with real weights to train, "
                              "or pass weights= (a SafetensorsWeights of its folder)")
@@ -360,11 +360,16 @@ def _device(device) -> torch.device:
     return out
 
 
-def _nvme_store(plan: Plan, nvme_dir) -> NvmeStore | None:
-    """The NVMe folder, checked (writable, room for the plan's NVMe peak) before anything is allocated."""
+def _nvme_store(plan: Plan, nvme_dir, rank: int | None) -> NvmeStore | None:
+    """The NVMe folder, checked (writable, room for the plan's NVMe peak) before anything is allocated.  Each
+    of several ranks writes into its own ``rankRRRR`` folder in it: they run one plan, so they would name
+    their files alike."""
     if not any(Tier.NVME in (op.src, op.dst) for op in plan.ops):
         return None
-    return NvmeStore(nvme_dir or plan.budgets.get("nvme_dir"), need_bytes=int(plan.predicted.get("peak_nvme_bytes", 0)))
+    root = nvme_dir or plan.budgets.get("nvme_dir")
+    if root is not None and rank is not None:
+        root = os.path.join(root, f"rank{rank:04d}")
+    return NvmeStore(root, need_bytes=int(plan.predicted.get("peak_nvme_bytes", 0)))
 
 
 def _program(model: torch.nn.Module, plan: Plan, device: torch.device):
