@@ -3,8 +3,8 @@
 ``measure_collectives(world_size, backend)`` starts ``world_size`` processes (one per GPU with NCCL; gloo
 processes on the CPU, how the tests check this logic), joins them in a process group over a local TCP
 store, and times on each, after a warm-up, the median of ``repeats`` of a ring ``all_gather`` and a
-``reduce_scatter`` (the calls the runtime issues, ``runtime/distributed.py``) of gathered buffers of several sizes.  Each time is the slowest rank's: a
-collective ends when its last rank does.
+``reduce_scatter`` (the calls the runtime issues, ``runtime/distributed.py``) of gathered buffers of
+several sizes.  Each time is the slowest rank's: a collective ends when its last rank does.
 
 The figures fit the cost model's collective (``HardwareProfile.collective_seconds``): a gathered buffer
 of n bytes over N ranks takes ``(N - 1) * (latency + n / N / bandwidth)``, linear in n.  A least-squares
