@@ -92,6 +92,15 @@ def shard_loadable(folder: Path) -> tuple[torch.nn.Module, object]:
     return model, SafetensorsWeights(folder, model)
 
 
+def meta_weights(model: torch.nn.Module, desc: dict):
+    """The weights of a model that ``shard_loadable`` left on the meta device (``desc["pretrained"]``: its
+    folder), or None for a model with real weights."""
+    if all(p.device.type != "meta" for p in model.parameters()):
+        return None
+    from .runtime.weights import SafetensorsWeights
+    return SafetensorsWeights(Path(desc["pretrained"]), model)
+
+
 def is_gguf(spec: str | Path) -> bool:
     return Path(spec).suffix.lower() == ".gguf" and Path(spec).is_file()
 
