@@ -103,6 +103,13 @@ def test_tied_and_resident_plans_for_several_ranks_verify_with_their_collectives
         up = next(op for op in plan.ops if op.kind is OpKind.UPDATE and op.block == 0)    # the tied owner's
         assert len(ag) == len(rs) == 1 and up.id < ag[0].id and up.id in ag[0].deps
         assert not any(op.kind is OpKind.LOAD and op.block == j for op in plan.ops)
+    # without clipping the next step's update waits for the reduce-scatters adding into its accumulator
+    from lazytrain.ir.order import cross_period
+    from lazytrain.ir.semantics import Sizes
+    loose = compile_model(g, batch_size=8, policy="megatrain", world_size=2, resident=1, clip=False)
+    u0 = next(op.id for op in loose.ops if op.kind is OpKind.UPDATE and op.block == 0)
+    rs = {op.id for op in loose.ops if op.kind is OpKind.REDUCE_SCATTER and op.block in res}
+    assert len(rs) == 2 and rs <= set(cross_period(loose.ops, Sizes.of_plan(loose), clip=False)[u0])
     # the gather moved before the update: the forward would read last step's parameters
     ag = next(op for op in plan.ops if op.kind is OpKind.ALL_GATHER and op.block == 0)
     up = next(op for op in plan.ops if op.kind is OpKind.UPDATE and op.block == 0)
