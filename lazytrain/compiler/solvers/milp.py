@@ -178,12 +178,14 @@ def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
 
 
 def _resident_gib(cost, j: int, per_resident: float) -> float:
-    """GiB block j holds on the GPU for the whole run when resident: its state, and with several ranks
-    its shard of it plus the gathered parameters, kept from its forward to its backward."""
+    """GiB block j holds on the GPU for the whole run when resident: its state; with several ranks its
+    shard of it, plus the gathered parameters (kept from its forward to its backward) and the gathered
+    fp32 accumulator (from its backward to its reduce-scatter: counted for the whole step, an upper bound)."""
     n = cost.sizes.owned_shard_numel(j)
     if not cost.sharded:
         return n * per_resident / GiB
-    return (n * per_resident + cost.sizes.of(TensorId(kind=TensorKind.PARAMS, index=j))) / GiB
+    gathered = sum(cost.sizes.of(TensorId(kind=k, index=j)) for k in (TensorKind.PARAMS, TensorKind.GRADS))
+    return (n * per_resident + gathered) / GiB
 
 
 @dataclass
