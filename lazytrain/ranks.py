@@ -156,7 +156,7 @@ class Ranks:
             except Exception as e:  # noqa: BLE001 - the slice's timeout, or the store's host is gone
                 err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             try:
-                gone = self.world.gone(0) if self.world is not None and self.world._store is not None else ""
+                gone = self.world.gone(0) if self.world is not None else ""
             except Exception:  # noqa: BLE001 - the store does not answer: its host (rank 0, the launcher) is gone
                 raise failed(f"rank 0 did not answer ({err})") from None
             if gone:

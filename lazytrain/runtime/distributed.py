@@ -188,8 +188,10 @@ class World:
 
     def gone(self, r: int) -> str:
         """``"rank r (host:pid) exited"`` / ``"... stopped answering"`` when rank r's process on this host no
-        longer exists or its heartbeat is older than ``STALE_BEATS`` periods; "" while it lives (the store's
-        errors are the caller's)."""
+        longer exists or its heartbeat is older than ``STALE_BEATS`` periods; "" while it lives, or when there
+        is no store to tell (the store's errors are the caller's)."""
+        if self._store is None:
+            return ""
         who = self._store.get(f"{_KEY}{r}").decode()
         h, _, pid = who.rpartition(":")
         beat = float(self._store.get(f"{_KEY}{r}/beat").decode())
