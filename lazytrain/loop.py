@@ -108,11 +108,12 @@ def output_folder(path: str) -> Path:
 
 
 def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, seq_len: int, hardware,
-                  param_dtype: str, packed: bool = False, ranks: Ranks | None = None):
+                  param_dtype: str, packed: bool = False, ranks: Ranks | None = None, weights=None):
     """Hybrid 8-bit AdamW and the Trainer: a resumed run loads its checkpoint (which carries its plan: no
     recompile, the same schedule, unless it was saved by another number of processes), a new one
     compiles a plan for this machine (with several ranks: rank 0 compiles it for all, ``Ranks.share``).
-    Returns (trainer, optimizer, seconds)."""
+    ``weights``: where a new trainer's initial parameters come from (``model_loading.shard_loadable``; the
+    model is then on the meta device).  Returns (trainer, optimizer, seconds)."""
     # the compiler and the runtime load when a run starts, not when the CLI builds its parser (0.5 s)
     from .ranks import Ranks
     from .runtime.checkpoint import read_meta
@@ -135,7 +136,7 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
         trainer = Trainer.load_checkpoint(Path(cfg.resume) / "checkpoint", model, optimizer=opt, device=dev, plan=plan,
                                           verbose=ranks.main)
     else:
-        trainer = Trainer(model, plan, optimizer=opt, device=dev, verbose=ranks.main)
+        trainer = Trainer(model, plan, optimizer=opt, device=dev, verbose=ranks.main, weights=weights)
     ranks.world = trainer.world
     return trainer, opt, time.perf_counter() - t
 

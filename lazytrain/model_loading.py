@@ -79,6 +79,28 @@ def from_pretrained(folder: Path, *, check: bool = True) -> torch.nn.Module:
     return model
 
 
+def shard_loadable(folder: Path) -> tuple[torch.nn.Module, object]:
+    """A Hugging Face folder's model on the meta device and its weights to be read a piece at a time
+    (``runtime.weights.SafetensorsWeights``): what each of several ranks loads, so that its host memory at
+    start is its shard of the model, not the whole of it.  The config is checked as ``from_pretrained``
+    checks it, and every weight's name and shape against the model, from the files' headers."""
+    from .runtime.weights import SafetensorsWeights
+    cfg = read_config(folder / "config.json")
+    model = build_from_config(cfg, device="meta", dtype=torch.float32, source=str(folder / "config.json"))
+    if (folder / "generation_config.json").is_file():     # its stop tokens, as from_pretrained reads them
+        model.generation_config = _transformers().GenerationConfig.from_pretrained(folder)
+    return model, SafetensorsWeights(folder, model)
+
+
+def meta_weights(model: torch.nn.Module, desc: dict):
+    """The weights of a model that ``shard_loadable`` left on the meta device (``desc["pretrained"]``: its
+    folder), or None for a model with real weights."""
+    if all(p.device.type != "meta" for p in model.parameters()):
+        return None
+    from .runtime.weights import SafetensorsWeights
+    return SafetensorsWeights(Path(desc["pretrained"]), model)
+
+
 def is_gguf(spec: str | Path) -> bool:
     return Path(spec).suffix.lower() == ".gguf" and Path(spec).is_file()
 

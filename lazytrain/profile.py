@@ -19,7 +19,10 @@ several repeats after a warm-up:
 - sequential write (with fsync) and read of a 256 MB temp file (64 MB with ``quick``) in
   ``disk_dir`` (default: the temp directory); the page cache is dropped for the file before reading
   (``posix_fadvise``), so the read is the disk's, best effort;
-- CPU cores (affinity), host memory (physical or the cgroup limit), GPU memory.
+- CPU cores (affinity), host memory (physical or the cgroup limit), GPU memory;
+- with more than one GPU visible, the collectives between them (``profile_collectives``: ring all-gather
+  and reduce-scatter over NCCL, fitted to the cost model's ``collective_gbps`` and
+  ``collective_latency_s``); with one, they keep the profile's modelled defaults.
 
 Without CUDA the "GPU" is the CPU: matmul and the block run on the CPU in fp32 (what CPU mode
 computes in; ``bf16_tflops`` then holds the fp32 rate), transfers are memcpy rates, and
@@ -51,6 +54,7 @@ from .compiler.hardware import HardwareProfile, _cpu_cores, _host_memory_bytes, 
 from .compiler.plausible import measure_checked
 from .ir import OpKind
 from .models.gpt import GPT, GPTConfig
+from .profile_collectives import GPU_SIZES, measure_collectives
 from .runtime.optim.torch_adamw import TorchAdamW
 from .runtime.trainer import Trainer
 
@@ -377,15 +381,24 @@ def measure(device: str | torch.device | None = None, quick: bool = False, disk_
     disk_read, disk_write = _disk_gbps(disk_dir, disk_bytes)
     log(f"  read {disk_read:.2f} GB/s, write {disk_write:.2f} GB/s")
 
+    collectives, coll_note = {}, "collectives modelled (one GPU visible)"
+    gpus = torch.cuda.device_count() if on_gpu else 0
+    if gpus > 1:     # ring all-gather / reduce-scatter over every visible GPU (``profile_collectives``)
+        log(f"collectives over {gpus} GPUs (NCCL), {len(GPU_SIZES)} buffer sizes ...")
+        collectives = measure_checked("collectives", lambda: measure_collectives(gpus, "nccl", repeats=repeats), log)
+        log(f"  {collectives['collective_gbps']:.1f} GB/s bus bandwidth, "
+            f"{collectives['collective_latency_s'] * 1e6:.1f} us per ring step")
+        coll_note = f"collectives measured over {gpus} GPUs (NCCL); between hosts modelled"
+
     where = (f"measured on {gpu_name}" if on_gpu else
              "measured on the CPU without CUDA: GPU figures are the CPU's (fp32 matmul, memcpy transfers)")
     profile = HardwareProfile(
         name="measured", gpu_name=gpu_name, gpu_memory_bytes=int(gpu_memory), host_memory_bytes=int(host_memory),
-        cpu_cores=cores, bf16_tflops=tflops, **fit, **rates, **attention, **dispatch,
+        cpu_cores=cores, bf16_tflops=tflops, **fit, **rates, **attention, **dispatch, **collectives,
         cpu_adam_gparams=adam, cpu_adam8_gparams=adam, nvme_read_gbps=disk_read, nvme_write_gbps=disk_write,
         source=f"{where} by lazytrain profile{' (quick)' if quick else ''}, torch {torch.__version__}; "
         f"{adam_kind} AdamW; 8-bit optimizer rate assumed equal to fp32 (not measured); "
-        f"disk = {disk_dir or tempfile.gettempdir()}",
+        f"disk = {disk_dir or tempfile.gettempdir()}; {coll_note}",
     )
     log(str(profile))
     return profile

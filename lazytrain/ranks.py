@@ -25,8 +25,10 @@ Choices, written down so the next person sees them:
 - *Rank 0 speaks and writes.*  Progress, metrics, plots, the exported model are rank 0's; the other
   ranks' standard output is dropped (their standard error, where errors go, is kept).  Checkpoints
   are every rank's (``runtime/checkpoint_world.py``); an evaluation by generation runs on rank 0
-  after every rank gathered the weights (``sync_to_model`` is a collective), and its result reaches
-  the others through the store, which they wait on.
+  after every rank gathered the weights (``sync_to_model`` is a collective; only rank 0 keeps them), and
+  its result reaches the others through the store, which they wait on as at a barrier with a timeout
+  (``_wait``: a rank 0 that died is named within seconds, one that never answers after the collective
+  timeout).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -43,6 +46,9 @@ import torch
 from .runtime.distributed import RankFailure, collective_timeout, env_world_size
 
 _KEY = "lazytrain/shared/"
+#: a rank waiting for rank 0 (``Ranks.share``) checks rank 0's heartbeat this often: a rank 0 that died is
+#: named within about this plus the heartbeat's staleness (``distributed.STALE_BEATS`` x ``HEARTBEAT_S``, 2 s)
+WAIT_SLICE_S = 1.0
 
 
 class RankZeroError(RuntimeError):
@@ -126,15 +132,37 @@ class Ranks:
                 raise
             self._store.set(key, json.dumps({"value": value}))
             return value
-        try:
-            got = json.loads(self._store.get(key))
-        except Exception as e:  # noqa: BLE001 - the store's timeout, or its host is gone
-            raise RankFailure(f"waiting for rank 0's {what} failed on rank {self.rank} of {self.size}: rank 0 "
-                              f"did not answer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                              ) from None
+        got = json.loads(self._wait(key, what))
         if "error" in got:
             raise RankZeroError(f"rank 0 stopped while computing the {what}: {got['error']}")
         return got["value"]
+
+    def _wait(self, key: str, what: str) -> bytes:
+        """Rank 0's answer under ``key``: a barrier with a timeout.  Waited for in slices of ``WAIT_SLICE_S``;
+        between two, rank 0's liveness is read from its heartbeat (once the trainer's ``World`` exists), so
+        a rank 0 that died fails the others within seconds, one that lives but never answers within the
+        collective timeout (``LAZYTRAIN_COLLECTIVE_TIMEOUT``)."""
+        limit = collective_timeout()
+        deadline = time.monotonic() + limit
+
+        def failed(why: str) -> RankFailure:
+            return RankFailure(f"waiting for rank 0's {what} failed on rank {self.rank} of {self.size}: {why}; the "
+                               "others stop too: resume from the last checkpoint")
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self._store.wait([key], timedelta(seconds=max(0.01, min(WAIT_SLICE_S, left))))
+                return self._store.get(key)
+            except Exception as e:  # noqa: BLE001 - the slice's timeout, or the store's host is gone
+                err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            try:
+                gone = self.world.gone(0) if self.world is not None else ""
+            except Exception:  # noqa: BLE001 - the store does not answer: its host (rank 0, the launcher) is gone
+                raise failed(f"rank 0 did not answer ({err})") from None
+            if gone:
+                raise failed(gone)
+            if time.monotonic() >= deadline:
+                raise failed(f"rank 0 is alive but did not answer within {limit:g} s (LAZYTRAIN_COLLECTIVE_TIMEOUT)")
 
     def agree(self, lr: float, over: bool, stop: bool) -> tuple[float, bool, bool]:
         """Rank 0's learning rate and time limit, and whether any rank was asked to stop (Ctrl-C)."""

@@ -65,6 +65,7 @@ from .generate import placement
 from .loop import Progress, output_folder, start_trainer, steps, thread_tuner
 from .model_loading import from_pretrained as _from_pretrained
 from .model_loading import is_hf_folder as _is_hf_folder
+from .model_loading import meta_weights, shard_loadable
 from .ranks import Ranks
 from .tasks import CharTokenizer, check_eval_size, eval_examples, exact_match, get_difficulty, train_batches
 
@@ -159,9 +160,11 @@ def _hardware(dev: torch.device) -> str:
     return "h200"
 
 
-def build_task_model(cfg: TrainConfig, seq: int, vocab: int) -> tuple[torch.nn.Module, dict]:
+def build_task_model(cfg: TrainConfig, seq: int, vocab: int, shard: bool = False) -> tuple[torch.nn.Module, dict]:
     """The model to train, in fp32 on the CPU (the Trainer copies it into its host store), and a JSON
-    description that rebuilds it (for ``--resume``)."""
+    description that rebuilds it (for ``--resume``).  ``shard`` (one of several ranks): a pretrained
+    safetensors folder's model on the meta device instead, its weights read a rank's pieces at a time
+    (``model_loading.meta_weights``)."""
     torch.manual_seed(cfg.seed)
     if cfg.model == "task":
         spec = {"model_type": "lazytrain-gpt", "vocab": vocab, "max_seq": seq, "tie_weights": True,
@@ -175,7 +178,7 @@ def build_task_model(cfg: TrainConfig, seq: int, vocab: int) -> tuple[torch.nn.M
         raise ValueError(f"--model {cfg.model}: the folder has no config.json (a Hugging Face model folder holds "
                          f"config.json and, to fine-tune them, its weights as *.safetensors)")
     elif _is_hf_folder(cfg.model):
-        model = _from_pretrained(path)
+        model = shard_loadable(path)[0] if shard and any(path.glob("*.safetensors")) else _from_pretrained(path)
         desc = {"pretrained": str(path.resolve()), "config": read_config(path / "config.json")}
         if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             print(f"note: {cfg.model}'s tokenizer is not used: the task's character tokenizer ({vocab} ids) "
@@ -229,8 +232,9 @@ def evaluate(trainer, examples, device: torch.device, batch: int = 100, ranks: R
     runs eagerly; on the GPU when it fits in a quarter of the free memory, else on the CPU).  With
     several ranks every rank calls it: each gathers the weights (a collective), rank 0 decodes and the
     others take its figure (``Ranks.share``)."""
-    trainer.sync_to_model()
-    return (ranks or Ranks()).share("evaluation", lambda: _exact_match(trainer.model, examples, device, batch))
+    ranks = ranks or Ranks()
+    trainer.sync_to_model(keep=ranks.main)      # the others hold one block at a time, not a model
+    return ranks.share("evaluation", lambda: _exact_match(trainer.model, examples, device, batch))
 
 
 def _exact_match(model, examples, device: torch.device, batch: int) -> float:
@@ -332,12 +336,13 @@ def run(cfg: TrainConfig) -> dict:
         model = rebuild_model(prev["model"], allow_factory=cfg.allow_factory)
         desc = prev["model"]
     else:
-        model, desc = build_task_model(cfg, seq, tok.vocab_size)
+        model, desc = build_task_model(cfg, seq, tok.vocab_size, shard=ranks.size > 1)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
     hardware = _hardware(dev)
     trainer, opt, compile_s = start_trainer(cfg, model, dev, resumed=prev is not None, seq_len=seq, hardware=hardware,
-                                            param_dtype=param_dtype, ranks=ranks)
+                                            param_dtype=param_dtype, ranks=ranks,
+                                            weights=None if prev is not None else meta_weights(model, desc))
     plan, start = trainer.plan, trainer.steps if prev is not None else 0
     param_dtype = plan.param_dtype if prev is not None else param_dtype
     where = f"cpu, {torch.get_num_threads()} threads" if dev.type == "cpu" else dev.type

@@ -87,13 +87,60 @@ def test_verify_refuses_a_missing_gather_or_a_collective_in_a_world_of_one():
         Plan.from_json(d)
 
 
-def test_compile_for_several_ranks_refuses_tied_and_resident():
-    with pytest.raises(PlanError, match="tie_word_embeddings=False"):
-        compile_model(_graph(tied=True), batch_size=8, policy="megatrain", world_size=2)
-    with pytest.raises(ValueError, match="resident='none'"):
-        compile_model(_graph(), batch_size=8, policy="megatrain", world_size=2, resident=2)
+def test_tied_and_resident_plans_for_several_ranks_verify_with_their_collectives():
+    """A tied parameter is a section of its own (the reader gathers and reduce-scatters it like its other
+    parameters); a resident block keeps its shards on the GPU and is gathered once a step after its update,
+    reduce-scattered into its accumulator after its backward, its gathered copy freed."""
+    g = _graph(tied=True)
+    plain = compile_model(g, batch_size=8, policy="megatrain", world_size=2, resident="none")
+    assert plain.count(OpKind.ALL_GATHER) == plain.count(OpKind.LOAD)
+    plan = compile_model(g, batch_size=8, policy="megatrain", world_size=2, resident=1)
+    res = sorted(plan.decisions.resident_blocks)
+    assert res == [0, g.n_blocks - 1]           # the tie group, whole
+    for j in res:
+        ag = [op for op in plan.ops if op.kind is OpKind.ALL_GATHER and op.block == j]
+        rs = [op for op in plan.ops if op.kind is OpKind.REDUCE_SCATTER and op.block == j]
+        up = next(op for op in plan.ops if op.kind is OpKind.UPDATE and op.block == 0)    # the tied owner's
+        assert len(ag) == len(rs) == 1 and up.id < ag[0].id and up.id in ag[0].deps
+        assert not any(op.kind is OpKind.LOAD and op.block == j for op in plan.ops)
+    # without clipping the next step's update waits for the reduce-scatters adding into its accumulator
+    from lazytrain.ir.order import cross_period
+    from lazytrain.ir.semantics import Sizes
+    loose = compile_model(g, batch_size=8, policy="megatrain", world_size=2, resident=1, clip=False)
+    u0 = next(op.id for op in loose.ops if op.kind is OpKind.UPDATE and op.block == 0)
+    rs = {op.id for op in loose.ops if op.kind is OpKind.REDUCE_SCATTER and op.block in res}
+    assert len(rs) == 2 and rs <= set(cross_period(loose.ops, Sizes.of_plan(loose), clip=False)[u0])
+    # the gather moved before the update: the forward would read last step's parameters
+    ag = next(op for op in plan.ops if op.kind is OpKind.ALL_GATHER and op.block == 0)
+    up = next(op for op in plan.ops if op.kind is OpKind.UPDATE and op.block == 0)
+    ops = [dataclasses.replace(op, id=up.id) if op.id == ag.id else dataclasses.replace(op, id=ag.id)
+           if op.id == up.id else op for op in plan.ops]
+    ops = sorted(ops, key=lambda op: op.id)
+    with pytest.raises(PlanError):
+        verify(dataclasses.replace(plan, ops=[dataclasses.replace(op, deps=tuple(d for d in op.deps if d < op.id))
+                                              for op in ops]))
     with pytest.raises(ValueError, match="not a multiple of the 2 nodes"):
         compile_model(_graph(), batch_size=8, policy="megatrain", world_size=3, nodes=2)
+
+
+def test_a_tied_sections_slice_is_the_same_elements_in_its_owner_and_its_reader():
+    """Every element of every tensor is in exactly one rank's owned pieces, and a reader's link slice is
+    the owner's tied slice (same length, linked both ways), on every rank."""
+    from lazytrain.runtime.shards import gathered_layouts, owned_pieces, shard_layouts
+    g = _graph(tied=True)
+    for world in (2, 3):
+        gathered = gathered_layouts(g, world)
+        covered = {}
+        for r in range(world):
+            shards = shard_layouts(gathered, world, r)
+            for lay in gathered:
+                for seg, a, b in owned_pieces(lay, world, r):
+                    covered[seg.name] = covered.get(seg.name, 0) + b - a
+            (here, owner, off), = shards[-1].links
+            there, readers = shards[owner].shared[0]
+            assert owner == 0 and there.offset == off and there.numel == here.numel
+            assert readers == [(g.n_blocks - 1, here.offset)] and here.offset >= shards[-1].owned_numel
+        assert covered == {p.name: p.numel for b in g.blocks for p in b.params if p.owner == b.index}
 
 
 def test_host_budget_is_shared_by_the_ranks_of_a_host():

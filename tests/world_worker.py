@@ -1,5 +1,5 @@
 """What each rank of the multi-process tests runs (a module of its own so spawned processes import
-it): train a tiny untied GPT on a global batch and write the losses and final parameters as JSON."""
+it): train a tiny GPT (tied or not) on a global batch and write the losses and final parameters as JSON."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ from lazytrain.runtime.trainer import Trainer
 CFG = {"model_type": "lazytrain-gpt", "vocab": 67, "d_model": 64, "n_layer": 2, "n_head": 2, "d_ff": 128,
        "max_seq": 16, "tie_weights": False}
 B, SEQ, STEPS = 4, 16, 3
-#: (name, policy, optimizer) of every case each spawn trains, one after the other
-CASES = (("adamw", "megatrain", "adamw"), ("hybrid8bit", "keep-all", "hybrid8bit"))
+#: (name, policy, optimizer, tied embedding, resident) of every case each spawn trains, one after the other
+CASES = (("adamw", "megatrain", "adamw", False, "none"), ("hybrid8bit", "keep-all", "hybrid8bit", False, "none"))
 
 
-def model() -> torch.nn.Module:
+def model(tied: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    return build_from_config(CFG, device="cpu", dtype=torch.float32)
+    return build_from_config({**CFG, "tie_weights": tied}, device="cpu", dtype=torch.float32)
 
 
 def batches(steps: int = STEPS):
@@ -40,45 +40,78 @@ def batches(steps: int = STEPS):
     return out
 
 
+#: the optimizers' learning rate
+LR = 1e-3
+
+
 def optimizer(kind: str):
     if kind == "adamw":
-        return TorchAdamW(lr=1e-3, eps=1e-6, max_grad_norm=1.0)
-    return Hybrid8bitAdamW(lr=1e-3, eps=1e-6, max_grad_norm=1.0, num_threads=1)
+        return TorchAdamW(lr=LR, eps=1e-6, max_grad_norm=1.0)
+    return Hybrid8bitAdamW(lr=LR, eps=1e-6, max_grad_norm=1.0, num_threads=1)
 
 
-def compile_plans(folder: Path) -> dict:
-    """Every case's plan for one process and for two ranks, compiled once (by the test process) into
-    ``folder``: what the ranks load."""
-    m = model()
-    paths = {}
-    for name, policy, opt in CASES:
-        for world in (1, 2):
-            plan = lazytrain.compile(m, batch_size=B // world, seq_len=SEQ, micro_batch=1, hardware="cpu",
-                                     policy=policy, param_dtype="float32", optimizer=opt, world_size=world)
-            paths[(name, world)] = str(folder / f"{name}_{world}.json")
-            plan.save(paths[(name, world)])
-    return paths
+def eight_bit(name: str) -> bool:
+    """Does case ``name`` train with the 8-bit optimizer?"""
+    return any(c[0] == name and c[2] == "hybrid8bit" for c in (*CASES, *CASES4))
 
 
-def trainer(plan_path: str, opt: str) -> Trainer:
+#: the 4-rank test's cases (``world4_rank``): the other two policies, each on the tied GPT (its embedding
+#: shared by the first and the last block), the MILP's with the first block resident (and so, its tie group,
+#: the last: their shards updated on the "GPU"); activations on the host and NVMe; and the 8-bit case,
+#: checkpointed at 4 ranks and resumed at 2 and 1
+CASES4 = (("tied", "recompute-all", "adamw", True, "none"), ("tied_resident", "milp", "adamw", True, 1),
+          ("host_nvme", "host-nvme", "adamw", False, "none"), CASES[-1])
+
+
+def compile_plans(folder: Path, worlds=(1, 2), cases=CASES) -> None:
+    """Every case's plan for each world size, compiled once (by the test process) into ``folder``: what the
+    ranks load (``{name}_{world}.json``)."""
+    for name, policy, opt, tied, resident in cases:
+        m = model(tied)
+        for world in worlds:
+            if policy == "host-nvme":
+                plan = _host_nvme(m, world, folder / "nvme")
+            else:
+                plan = lazytrain.compile(m, batch_size=B // world, seq_len=SEQ, micro_batch=1, hardware="cpu",
+                                         policy=policy, param_dtype="float32", optimizer=opt, world_size=world,
+                                         resident=resident, time_limit=5)
+            plan.save(folder / f"{name}_{world}.json")
+
+
+def _host_nvme(m: torch.nn.Module, world: int, nvme: Path):
+    """Boundaries and saved activations on the host and on NVMe (the 4 blocks: embedding, 2 layers, head)."""
+    from lazytrain.compiler.api import Compiler
+    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.frontend.trace import trace
+    from lazytrain.ir import Decisions, GiB, Place, Saved
+    dec = Decisions(policy="host-nvme", micro_batch=1, n_micro=B // world,
+                    boundary=(Place.HOST, Place.NVME, Place.NONE, Place.GPU),
+                    saved=(Saved.HOST, Saved.RECOMPUTE, Saved.NVME, Saved.KEEP))
+    budgets = {"gpu_bytes": 8 * GiB, "host_bytes": 16 * GiB, "nvme_bytes": GiB, "nvme_dir": str(nvme)}
+    comp = Compiler(trace(m, seq_len=SEQ, dtype="float32"), get_profile("cpu"), budgets, param_dtype="float32",
+                    optimizer="adamw", clip=True, world_size=world)
+    return comp.build(dec, B // world)
+
+
+def trainer(plan_path: str, opt: str, tied: bool = False) -> Trainer:
     from lazytrain.ir import Plan
-    return Trainer(model(), Plan.load(plan_path), optimizer=optimizer(opt), device="cpu", verbose=False)
+    return Trainer(model(tied), Plan.load(plan_path), optimizer=optimizer(opt), device="cpu", verbose=False)
 
 
 #: the last case is checkpointed after this many steps (``train``'s ``ckpt``)
 SAVED_AT = 2
 
 
-def train(world: int, folder: str, ckpt: Path | None = None) -> tuple[dict, Trainer]:
+def train(world: int, folder: str, ckpt: Path | None = None, cases=CASES) -> tuple[dict, Trainer]:
     """Every case: losses and final parameters (the same on every rank); and the last case's trainer,
     checkpointed to ``ckpt`` after ``SAVED_AT`` steps."""
     out = {}
-    for name, _policy, opt in CASES:
-        tr = trainer(str(Path(folder) / f"{name}_{world}.json"), opt)
+    for name, _policy, opt, tied, _resident in cases:
+        tr = trainer(str(Path(folder) / f"{name}_{world}.json"), opt, tied)
         losses = []
         for b in batches():
             losses.append(tr.step(b).loss)
-            if ckpt is not None and name == CASES[-1][0] and tr.steps == SAVED_AT:
+            if ckpt is not None and name == cases[-1][0] and tr.steps == SAVED_AT:
                 tr.save_checkpoint(ckpt)
         out[name] = result(tr, losses)
     return out, tr
@@ -92,7 +125,7 @@ def resume(ckpt: Path, plan_path: str) -> dict:
     """The last case resumed from ``ckpt`` with the plan at ``plan_path`` (another world size) and
     trained to the end: its losses after the checkpoint and final parameters."""
     from lazytrain.ir import Plan
-    name, _policy, opt = CASES[-1]
+    name, _policy, opt, _tied, _resident = CASES[-1]
     tr = Trainer.load_checkpoint(ckpt, model(), optimizer=optimizer(opt), device="cpu", plan=Plan.load(plan_path))
     return result(tr, [tr.step(b).loss for b in batches()[tr.steps:]])
 
@@ -132,3 +165,20 @@ def equivalence_rank(rank: int, world: int, port: int, folder: str) -> None:
         except Exception as e:  # noqa: BLE001 - the test reads the message
             errors.append(str(e))
     (f / "err.txt").write_text("\n".join(errors))
+
+
+def world4_rank(rank: int, world: int, port: int, folder: str) -> None:
+    """Train ``CASES4`` (the last checkpointed to ``ck4`` at ``SAVED_AT``); rank 0 writes ``out4.json``."""
+    join(rank, world, port)
+    res, tr = train(world, folder, Path(folder) / "ck4", CASES4)
+    tr.close()
+    if rank == 0:
+        (Path(folder) / "out4.json").write_text(json.dumps(res))
+
+
+def resume4_rank(rank: int, world: int, port: int, folder: str) -> None:
+    """The 4-rank checkpoint ``ck4`` resumed by this world and trained to the end; rank 0 writes it."""
+    join(rank, world, port)
+    res = resume(Path(folder) / "ck4", str(Path(folder) / f"{CASES[-1][0]}_{world}.json"))
+    if rank == 0:
+        (Path(folder) / f"resumed4_{world}.json").write_text(json.dumps(res))

@@ -157,8 +157,8 @@ class CostModel:
         n = self.graph.blocks[j].owned_numel
         if not n:
             return 0.0
-        if j in self.resident:
-            return self.hw.gpu_update_seconds(n, self.eight_bit)
+        if j in self.resident:      # with several ranks, its shard
+            return self.hw.gpu_update_seconds(n / self.world_size if self.sharded else n, self.eight_bit)
         if self.sharded:     # each rank updates its 1/N with its GPU's share of the host (the profile's cores)
             return self.hw.update_seconds(n / self.world_size, self.eight_bit)
         return self.hw.update_seconds(n, self.eight_bit)

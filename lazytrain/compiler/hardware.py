@@ -188,7 +188,7 @@ class HardwareProfile:
     attn_half_len: float = 0.0
     #: collectives between the GPUs of one host (bus bandwidth of a ring all-gather / reduce-scatter, GB/s,
     #: and latency per ring step) and between hosts (per GPU); defaults: PCIe-class peer copies and 100 Gb/s
-    #: Ethernet, modelled (``lazytrain profile`` does not measure them yet)
+    #: Ethernet, modelled (``lazytrain profile`` measures the first two when several GPUs are visible)
     collective_gbps: float = 20.0
     collective_latency_s: float = 20e-6
     internode_gbps: float = 12.5

@@ -18,7 +18,9 @@ program-order walk is the memory the runtime sees.  The schedule, in named steps
 With several ranks (``CostModel.world_size``, ``ir.sharding``) a ``load`` copies this rank's shard
 and an ``all_gather`` on the collective stream assembles the block; a ``reduce_scatter`` precedes
 each ``grad_offload``, which then moves this rank's shard of the summed gradient; after the backward
-one ``all_reduce`` sums the ranks' squared gradient norms.  A world of one emits none of them.
+one ``all_reduce`` sums the ranks' squared gradient norms.  A resident block keeps only its shards on the
+GPU (``ir.semantics.resident_shards``): it is gathered once a step, before its forward, and after its
+backward reduce-scattered into its shard accumulator and freed.  A world of one emits none of them.
 
 Dependencies: the two the schedule chooses for memory (a compute waits for the offload of the
 micro-batch two before it; a load waits for the latest parameter free), and every hazard on a value
@@ -69,6 +71,7 @@ class _Lowering:
         self.window = 0
         self.owns = [g.blocks[j].owned_numel > 0 for j in range(self.L)]
         self.updated: set[int] = set()
+        self.gathered: set[int] = set()     # resident blocks gathered this step (several ranks)
         self.param_frees: list[int] = []
         self.saved_offloads: dict[int, list[int]] = defaultdict(list)   # block -> d2h offload per micro-batch
         self.segs = dec.segments()
@@ -106,9 +109,14 @@ class _Lowering:
         """Parameter load; it waits for the latest parameter free issued before it, so parameter
         slots are bounded in time as they are in program order (prefetch distance 1).  A resident
         block's parameters never move."""
-        if j in self.resident:
-            return
         c = self.cost
+        if j in self.resident:      # with several ranks, its shards gathered once a step, kept to its backward
+            if c.sharded and j not in self.gathered:
+                self.gathered.add(j)
+                self.emit(OpKind.ALL_GATHER, j, tensor=_tid(TensorKind.PARAMS, j),
+                          nbytes=c.sizes.of(_tid(TensorKind.PARAMS, j)), resource=Resource.NET,
+                          seconds=c.all_gather_s(j))
+            return
         if c.sharded:        # this rank's shard in, then every rank's gathered on the collective stream
             self.emit(OpKind.LOAD, j, tensor=_tid(TensorKind.PARAM_SHARD, j), src=H, dst=G, nbytes=c.load_bytes(j),
                       resource=Resource.H2D, seconds=c.load_s(j), deps=tuple(self.param_frees[-1:]))
@@ -222,6 +230,11 @@ class _Lowering:
             for j in range(e - 1, s - 1, -1):
                 self.window = 2 * L - 1 - j
                 if j in self.resident:
+                    if c.sharded:    # summed into the resident shard accumulators; the gathered copy dropped
+                        self.emit(OpKind.REDUCE_SCATTER, j, tensor=_tid(TensorKind.GRAD_SHARD, j),
+                                  nbytes=c.sizes.of(_tid(TensorKind.GRADS, j)), resource=Resource.NET,
+                                  seconds=c.reduce_scatter_s(j))
+                        self.emit(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G)
                     continue
                 if c.sharded:    # the ranks' gradients summed, this rank's shard kept
                     self.emit(OpKind.REDUCE_SCATTER, j, tensor=_tid(TensorKind.GRAD_SHARD, j),

@@ -15,7 +15,9 @@ for the noise of a median over a few repeats:
   rate (its length at half rate, ``attn_half_len``, has no limit but zero: a CPU's attention can be
   far from its peak at every length measured, and the fitted curve still meets the measurements);
 - the fixed cost of a block launch, and Python's time to issue one op, lie in ``(1 us, 10 ms)`` /
-  ``(1 us, 1 ms)``: outside, the fit or the timer is broken, not the machine.
+  ``(1 us, 1 ms)``: outside, the fit or the timer is broken, not the machine;
+- a collective's bus bandwidth cannot beat the fastest GPU link (``MAX_BUS_GBPS``), and a ring step's
+  latency lies in ``[0, 10 ms)``.
 
 ``measure_checked`` runs one group of measurements, checks it, and measures it again up to
 ``RETRIES`` times; still implausible, it raises ``ImplausibleMeasurement``, one line naming the
@@ -30,6 +32,8 @@ from collections.abc import Callable
 TOLERANCE = 0.10
 #: the fastest CPU-GPU link shipping (GH200's NVLink-C2C: 450 GB/s each way), with room to spare
 MAX_LINK_GBPS = 1000.0
+#: the fastest GPU-GPU link shipping (NVLink 5: 900 GB/s each way per GPU), with room to spare
+MAX_BUS_GBPS = 2000.0
 #: above any dense bf16 rate shipping (B200: 2.25 PFLOP/s), with room to spare
 MAX_TFLOPS = 5000.0
 #: times a figure is measured again after the first try
@@ -77,6 +81,12 @@ def problems(f: dict) -> list[str]:
     for k in ("op_dispatch_s", "op_dispatch_bwd_s"):
         if f.get(k):
             need(1e-6 < f[k] < 1e-3, f"{k} {f[k]:.3g} is outside (1 us, 1 ms)")
+    if "collective_gbps" in f:
+        need(0 < f["collective_gbps"] <= MAX_BUS_GBPS,
+             f"collective_gbps {f['collective_gbps']:.3g} GB/s is outside (0, {MAX_BUS_GBPS:g}]")
+    if "collective_latency_s" in f:
+        need(0 <= f["collective_latency_s"] < 10e-3,
+             f"collective_latency_s {f['collective_latency_s']:.3g} is outside [0, 10 ms)")
     for k in ("cpu_adam_gparams", "nvme_read_gbps", "nvme_write_gbps"):
         if k in f:
             need(f[k] > 0, f"{k} {f[k]:.3g} is not positive")

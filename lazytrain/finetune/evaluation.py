@@ -21,8 +21,9 @@ def evaluate(trainer, tok, examples: list[Example], *, stop_ids: list[int], pad_
     several ranks every rank calls it: each gathers the weights (a collective), rank 0 generates and the
     others take its results (``Ranks.share``)."""
     t0 = time.perf_counter()
-    trainer.sync_to_model()
-    return (ranks or Ranks()).share("evaluation", lambda: _evaluate(trainer.model, tok, examples, stop_ids=stop_ids,
+    ranks = ranks or Ranks()
+    trainer.sync_to_model(keep=ranks.main)      # the others hold one block at a time, not a model
+    return ranks.share("evaluation", lambda: _evaluate(trainer.model, tok, examples, stop_ids=stop_ids,
                                                                    pad_id=pad_id, max_new_tokens=max_new_tokens,
                                                                    device=device, answer_regex=answer_regex,
                                                                    samples=samples, batch=batch, t0=t0))

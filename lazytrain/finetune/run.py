@@ -30,6 +30,7 @@ from ..data.encode import Encoder
 from ..export import _write_json as write_hf_json
 from ..export import hf_config, trainer_weights, write_folder
 from ..loop import Progress, output_folder, start_trainer, steps, thread_tuner
+from ..model_loading import shard_loadable
 from ..models.named import generation_config
 from ..ranks import Ranks
 from ..runfiles import write_json as _write_json
@@ -136,7 +137,8 @@ def run(cfg: TrainConfig) -> dict:
     out = output_folder(cfg.output)
     t_start = time.perf_counter()
 
-    src, tok, data, model, stop_ids, load_s = _inputs(cfg, prev, dev, out, main=ranks.main)
+    src, tok, data, model, weights, stop_ids, load_s = _inputs(cfg, prev, dev, out, main=ranks.main,
+                                                               shard=ranks.size > 1)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
     hardware = _hardware(dev)
@@ -144,7 +146,8 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.steps is None:
         cfg.steps = max(1, math.ceil(cfg.epochs * batches.steps_per_epoch))
     trainer, opt, compile_s = start_trainer(cfg, model, dev, resumed=prev is not None, seq_len=data.seq_len,
-                                            hardware=hardware, param_dtype=param_dtype, packed=cfg.pack, ranks=ranks)
+                                            hardware=hardware, param_dtype=param_dtype, packed=cfg.pack, ranks=ranks,
+                                            weights=weights)
     plan, start = trainer.plan, trainer.steps if prev is not None else 0
     if dev.type == "cuda":
         # the trainer's host store holds the fp32 masters; the model is only what evaluation runs (in bf16 on
@@ -251,11 +254,14 @@ def _metrics(cfg: FinetuneConfig, run: Progress, *, src: Source, model, n_params
     }
 
 
-def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path, *, main: bool = True):
+def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path, *, main: bool = True,
+            shard: bool = False):
     """The model's source, its tokenizer, the examples (encoded and checked against the model) and the
-    model itself: (source, tokenizer, data, model, stop ids, seconds to load the model).  A new run
-    writes its source into ``OUTPUT/source/`` (``main``: rank 0 does); a resumed one refuses data files
-    that changed."""
+    model itself: (source, tokenizer, data, model, weights, stop ids, seconds to load the model).  A new
+    run writes its source into ``OUTPUT/source/`` (``main``: rank 0 does); a resumed one refuses data files
+    that changed.  ``shard`` (one of several ranks): a pretrained safetensors folder's model is built on the
+    meta device and ``weights`` reads only this rank's pieces (``model_loading.shard_loadable``); else
+    ``weights`` is None (the model's own)."""
     src = _source(cfg, prev)
     tok = tokenizer_for(src, cfg.tokenizer)
     enc = Encoder(tok, cfg.loss_on, name=f"the tokenizer of {cfg.tokenizer or src.spec}")
@@ -266,7 +272,11 @@ def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path
     if prev is not None and prev["data"]["fingerprint"] != data.fingerprint:
         raise ValueError(f"--resume {cfg.resume}: the data files changed since the run started; start a new run")
     t = time.perf_counter()
-    model = build(src, cfg.seed, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    weights = None
+    if shard and prev is None and src.kind in ("named", "pretrained") and any(Path(src.path).glob("*.safetensors")):
+        model, weights = shard_loadable(Path(src.path))
+    else:
+        model = build(src, cfg.seed, torch.bfloat16 if dev.type == "cuda" else torch.float32)
     load_s = time.perf_counter() - t
     if (max_positions(model.config) or data.seq_len) < data.seq_len:
         raise ValueError(f"--seq {data.seq_len} is longer than the model's {max_positions(model.config)} positions")
@@ -274,7 +284,7 @@ def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path
     stop_ids = enc.stop_ids(getattr(model, "generation_config", None))
     if prev is None and main:
         _write_source(out / "source", model, tok, stop_ids)
-    return src, tok, data, model, stop_ids, load_s
+    return src, tok, data, model, weights, stop_ids, load_s
 
 
 def _export(cfg: FinetuneConfig, src: Source, param_dtype: str, folder: Path, trainer, model, tok,

@@ -116,7 +116,7 @@ def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dty
     layers' position-wise tails when ``seq_tile`` is given; ``packed``: with ``position_ids`` and the
     per-example mask (``packing.py``)."""
     sequential = isinstance(model, nn.Sequential)
-    buffers = _real_buffers(model, device)
+    buffers = real_buffers(model, device)
     clone = meta_clone(model, dtype)
     n_layers = None
     if reducible(model):
@@ -137,7 +137,7 @@ def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dty
     return sp
 
 
-def _real_buffers(model: nn.Module, device) -> dict[str, torch.Tensor]:
+def real_buffers(model: nn.Module, device) -> dict[str, torch.Tensor]:
     """The model's buffers; those left on ``meta`` (a model built on meta, e.g. rotary ``inv_freq``) are
     recomputed by constructing their module again on the CPU from the model's config, when possible."""
     buffers = dict(model.named_buffers())

@@ -166,9 +166,12 @@ def cross_period(ops: list[Op], sizes: Sizes, *, clip: bool) -> dict[int, list[i
             for o in sizes.owners(op.block):
                 first_load.setdefault(o, op.id)
     extra: dict[int, list[int]] = {}
+    # with several ranks a resident block's reduce_scatter adds into the accumulators its owners' updates read
+    scatters = {op.block: op.id for op in ops if op.kind is OpKind.REDUCE_SCATTER and op.block in sizes.resident}
     for owner, u in order.updates.items():
         if owner in sizes.resident:
-            extra[u] = step_end if clip else list(grad_off.values())
+            extra[u] = step_end if clip else [*grad_off.values(),
+                                              *(scatters[r] for r in sizes.readers(owner) if r in scatters)]
             continue
         gs = [grad_off[r] for r in sizes.readers(owner) if r in grad_off]
         if owner in order.lagged:

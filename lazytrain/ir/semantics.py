@@ -9,7 +9,7 @@ from functools import cached_property
 
 from .graph import DTYPE_BYTES, ModelGraph
 from .ops import Op, OpKind, TensorId, TensorKind, Tier
-from .sharding import padded_numel, shard_numel
+from .sharding import block_sections, sections_owned_shard_numel, sections_shard_numel
 
 GRAD_ACCUM_BYTES = 4   # gradients accumulate in fp32 on the GPU (exact over micro-batches)
 GRAD_WIRE_BYTES = 2    # and cross PCIe / live on the host in bf16 (the clip norm is taken before)
@@ -60,9 +60,10 @@ class Sizes:
 
     def resident_bytes(self) -> int:
         """GPU bytes held for the whole run by resident blocks: parameters, optimizer state and
-        the fp32 gradient accumulator of every owned parameter (tied links are views of the owner's)."""
+        the fp32 gradient accumulator of every owned parameter (tied links are views of the owner's);
+        with several ranks, of this rank's shard of them (the gathered parameters are plan tensors)."""
         per = self.resident_bytes_per_param()
-        return int(sum(self.graph.blocks[j].owned_numel * per for j in self.resident))
+        return int(sum(self.owned_shard_numel(j) * per for j in self.resident))
 
     def resident_bytes_per_param(self) -> float:
         """GPU bytes per owned parameter of a resident block (see ``resident_bytes``)."""
@@ -105,17 +106,27 @@ class Sizes:
         """Elements of one rank's shard of the block (all of them in a world of one)."""
         return self._shard_numel[block]
 
+    def owned_shard_numel(self, block: int) -> int:
+        """Elements of the block's shard this rank updates (its owned elements in a world of one)."""
+        if self.world_size == 1:
+            return self.graph.blocks[block].owned_numel
+        return sections_owned_shard_numel(self._sections[block], block, self.world_size)
+
+    @cached_property
+    def _sections(self):
+        return block_sections(self.graph)
+
     @cached_property
     def _param_numel(self) -> tuple[int, ...]:
         if self.world_size == 1:
             return tuple(b.param_numel for b in self.graph.blocks)
-        return tuple(padded_numel([p.numel for p in b.params], self.world_size) for b in self.graph.blocks)
+        return tuple(self.world_size * s for s in self._shard_numel)
 
     @cached_property
     def _shard_numel(self) -> tuple[int, ...]:
         if self.world_size == 1:
             return self._param_numel
-        return tuple(shard_numel([p.numel for p in b.params], self.world_size) for b in self.graph.blocks)
+        return tuple(sections_shard_numel(secs, self.world_size) for secs in self._sections)
 
     @cached_property
     def _readers(self) -> tuple[tuple[int, ...], ...]:
@@ -159,6 +170,18 @@ class Sizes:
 Value = tuple[TensorId, Tier]    # one copy of a tensor: the unit that is resident, read, written
 
 
+def resident_shards(sizes: Sizes, j: int) -> tuple[Value, ...]:
+    """With several ranks, what resident block j keeps on the GPU for the whole run as plan values: its
+    parameter shard (``pshard[j]``, which its ``update`` changes and every ``all_gather`` of a block
+    reading it copies) and its gradient shard accumulator (``gshard[j]``, which ``reduce_scatter`` adds
+    into and the ``update`` reads and clears).  Resident for the whole run, like the host store: not
+    counted as plan memory (``resident_bytes`` is).  None in a world of one."""
+    if sizes.world_size == 1 or j not in sizes.resident:
+        return ()
+    return ((TensorId(kind=TensorKind.PARAM_SHARD, index=j), Tier.GPU),
+            (TensorId(kind=TensorKind.GRAD_SHARD, index=j), Tier.GPU))
+
+
 @dataclass(frozen=True, slots=True)
 class Effects:
     reads: tuple[Value, ...]
@@ -180,20 +203,31 @@ def effects(op: Op, sizes: Sizes) -> Effects:
     j, m, k = op.block, op.mb, op.kind
     G = Tier.GPU
     params = TensorId(kind=TensorKind.PARAMS, index=j)
-    resident = j in sizes.resident          # its parameters and gradients are not plan tensors
-    pread = () if resident else ((params, G),)
+    resident = j in sizes.resident
+    # a resident block's parameters and gradients are not plan tensors in a world of one; with several
+    # ranks only its shards are (``resident_shards``): the gathered parameters and accumulator are
+    planned = not resident or sizes.world_size > 1
+    pread = ((params, G),) if planned else ()
     if k is OpKind.LOAD:        # with several ranks: this rank's shard, which an all_gather completes
         host = tuple((TensorId(kind=TensorKind.PARAMS, index=o), Tier.HOST) for o in sizes.owners(j))
         dst = params if sizes.world_size == 1 else TensorId(kind=TensorKind.PARAM_SHARD, index=j)
         return Effects(host, ((dst, G),), ())
-    if k is OpKind.ALL_GATHER:
+    if k is OpKind.ALL_GATHER:  # a resident block's shards (its own and its tied owners') stay
+        if resident:
+            return Effects(tuple((TensorId(kind=TensorKind.PARAM_SHARD, index=o), G) for o in sizes.owners(j)),
+                           ((params, G),), ())
         shard = (TensorId(kind=TensorKind.PARAM_SHARD, index=j), G)
         return Effects((shard,), ((params, G),), (shard,))
-    if k is OpKind.REDUCE_SCATTER:
+    if k is OpKind.REDUCE_SCATTER:  # a resident block's adds into its owners' resident shard accumulators
         acc = (TensorId(kind=TensorKind.GRADS, index=j), G)
+        if resident:
+            return Effects((acc,), (), (acc,), mutates=tuple(
+                (TensorId(kind=TensorKind.GRAD_SHARD, index=o), G) for o in sizes.owners(j)))
         return Effects((acc,), ((TensorId(kind=TensorKind.GRAD_SHARD, index=j), G),), (acc,))
-    if k is OpKind.ALL_REDUCE:   # the norms it sums are not plan values; its wait is ``ir.order``'s "norm"
-        return Effects((), (), ())
+    if k is OpKind.ALL_REDUCE:   # the norms it sums are not plan values (its wait on the grad_offloads is
+        # ``ir.order``'s "norm"), but resident blocks' accumulators are read where they are
+        return Effects(tuple((TensorId(kind=TensorKind.GRAD_SHARD, index=r), G) for r in sorted(sizes.resident)),
+                       (), ())
     if k in (OpKind.COMPUTE, OpKind.RECOMPUTE):
         reads = (*pread, (TensorId(kind=TensorKind.ACT, index=j, mb=m), G))
         writes = []
@@ -211,7 +245,7 @@ def effects(op: Op, sizes: Sizes) -> Effects:
             dout = TensorId(kind=TensorKind.GRAD_ACT, index=j + 1, mb=m)
             reads.append((dout, G))
             drops.append((dout, G))
-        writes = [] if resident else [(TensorId(kind=TensorKind.GRADS, index=j), G)]
+        writes = [(TensorId(kind=TensorKind.GRADS, index=j), G)] if planned else []
         if j > 0:
             writes.append((TensorId(kind=TensorKind.GRAD_ACT, index=j, mb=m), G))
         return Effects(tuple(reads), tuple(writes), tuple(drops),
@@ -224,7 +258,7 @@ def effects(op: Op, sizes: Sizes) -> Effects:
         return Effects(((src, G),), ((g, Tier.HOST),), ((src, G),), sizes.grad_cast_transient(j))
     if k is OpKind.UPDATE:   # consumes the host gradients of every block that reads j's parameters
         if resident:         # ... or, on the GPU, the accumulator it owns for the whole run
-            return Effects((), (), ())
+            return Effects((), (), (), mutates=resident_shards(sizes, j))
         gs = tuple((TensorId(kind=TensorKind.GRADS, index=c), Tier.HOST) for c in sizes.readers(j))
         return Effects(gs, (), gs, mutates=((params, Tier.HOST),))
     if k is OpKind.FREE:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .format import PLAN_FORMAT, PlanError
 from .ops import GiB, Op, OpKind, Resource, TensorId, TensorKind, Tier
 from .order import Hazard, HazardWalk, UpdateOrder
-from .semantics import Effects, Sizes, effects, tie_closure
+from .semantics import Effects, Sizes, effects, resident_shards, tie_closure
 
 if TYPE_CHECKING:      # annotations only: plan.py imports this module to check what it reads
     from .plan import Plan
@@ -80,23 +80,19 @@ def _check_ids(plan: Plan) -> None:
 
 
 def _check_sharded(plan: Plan, sizes: Sizes) -> None:
-    """A plan for several ranks: no resident or tied blocks (their sharding is not built), every
-    parameter load completed by an all_gather, every gradient reduce-scattered before its offload
-    (the residency walk checks the order), and one all_reduce of the norms after the last offload."""
+    """A plan for several ranks: every parameter load completed by an all_gather, every gradient
+    reduce-scattered before its offload (the residency walk checks the order), a resident block gathered
+    and reduce-scattered once a step, and one all_reduce of the norms after the last offload."""
     if plan.world_size == 1:
         return
-    if sizes.resident:
-        raise PlanError(f"a plan for world size {plan.world_size} keeps blocks {sorted(sizes.resident)} resident: "
-                        "resident blocks are not sharded; compile with resident='none'")
-    tied = [b.index for b in plan.graph.blocks if any(p.owner != b.index for p in b.params)]
-    if tied:
-        raise PlanError(f"a plan for world size {plan.world_size} has tied parameters (blocks {tied}): sharding "
-                        "tied parameters is not supported; untie them (tie_word_embeddings=False)")
     count = {k: plan.count(k) for k in (OpKind.LOAD, OpKind.ALL_GATHER, OpKind.GRAD_OFFLOAD, OpKind.REDUCE_SCATTER,
                                         OpKind.ALL_REDUCE)}
-    if count[OpKind.ALL_GATHER] != count[OpKind.LOAD] or count[OpKind.REDUCE_SCATTER] != count[OpKind.GRAD_OFFLOAD]:
+    res = len(sizes.resident)
+    if count[OpKind.ALL_GATHER] != count[OpKind.LOAD] + res or \
+            count[OpKind.REDUCE_SCATTER] != count[OpKind.GRAD_OFFLOAD] + res:
         raise PlanError(f"a plan for world size {plan.world_size} needs one all_gather per load and one "
-                        f"reduce_scatter per grad_offload (has {count})")
+                        f"reduce_scatter per grad_offload, and one of each per resident block (has {count}, "
+                        f"{res} resident blocks)")
     last_off = max((op.id for op in plan.ops if op.kind is OpKind.GRAD_OFFLOAD), default=-1)
     if count[OpKind.ALL_REDUCE] != 1 or next(op.id for op in plan.ops if op.kind is OpKind.ALL_REDUCE) < last_off:
         raise PlanError(f"a plan for world size {plan.world_size} needs exactly one all_reduce of the gradient "
@@ -141,10 +137,11 @@ def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
                 raise _fail(first, f"loads parameters of block {owner} before its lagged update #{u.id}")
         elif not all(before):
             raise _fail(u, "update runs between the gradients of its contributors (some before, some after)")
+    gathered = plan.world_size > 1      # with several ranks a resident block's gathered parameters are freed
     for op in ops:
         if op.block in resident and op.kind in (OpKind.LOAD, OpKind.GRAD_OFFLOAD) or (
                 op.kind is OpKind.FREE and op.block in resident and op.tensor is not None
-                and op.tensor.kind in (TensorKind.PARAMS, TensorKind.GRADS)):
+                and op.tensor.kind in (TensorKind.PARAMS, TensorKind.GRADS) and not gathered):
             raise _fail(op, f"block {op.block} is resident: its parameters and gradients never move")
     return UpdateOrder.of(ops, sizes)
 
@@ -154,15 +151,17 @@ def _check_resident_update(plan: Plan, u: Op, readers) -> None:
     previous step's backward (the clip coefficient is known then) and before any forward reads it."""
     if u.resource is not Resource.GPU:
         raise _fail(u, f"block {u.block} is resident: its update must run on the GPU")
-    first = next((op for op in plan.ops if op.kind in (OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD)
-                  and op.block in readers), None)
+    first = next((op for op in plan.ops if op.kind in (OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD,
+                                                       OpKind.ALL_GATHER) and op.block in readers), None)
     if first is not None and first.id < u.id:
         raise _fail(first, f"reads resident block {u.block}'s parameters before its update #{u.id}")
 
 
-def _static(t: TensorId, tier: Tier, batch: set[TensorId]) -> bool:
-    """Copies that are not plan memory: host gradients and parameters (the host store) and the batch."""
-    return tier is Tier.HOST and (t.kind in (TensorKind.GRADS, TensorKind.PARAMS) or t in batch)
+def _static(t: TensorId, tier: Tier, batch: set) -> bool:
+    """Copies that are not plan memory: host gradients and parameters (the host store), the batch on the
+    host, and resident blocks' shards on the GPU (``batch`` holds these copies: ``resident_bytes`` counts
+    the shards)."""
+    return tier is Tier.HOST and t.kind in (TensorKind.GRADS, TensorKind.PARAMS) or (t, tier) in batch
 
 
 def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, early_exit: bool) -> MemoryReport:
@@ -178,9 +177,10 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
     for j in range(graph.n_blocks):
         if j not in resident:
             where[TensorId(kind=TensorKind.PARAMS, index=j)][Tier.HOST] = -1
-    batch = {TensorId(kind=TensorKind.ACT, index=0, mb=m) for m in range(plan.n_micro)}
-    for t in batch:
-        where[t][Tier.HOST] = -1
+    batch = {(TensorId(kind=TensorKind.ACT, index=0, mb=m), Tier.HOST) for m in range(plan.n_micro)}
+    batch |= {v for j in resident for v in resident_shards(sizes, j)}
+    for t, tier in batch:
+        where[t][tier] = -1
     use = {Tier.GPU: sizes.resident_bytes(), Tier.HOST: 0, Tier.NVME: 0}
     peak = dict(use)
     curve = []

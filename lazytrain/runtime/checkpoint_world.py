@@ -37,7 +37,7 @@ from ..ir import ModelGraph
 from ..ir.sharding import ALIGN
 from . import reshard
 from .manifest import DTYPES, META, CheckpointError, hash_async, hashing_pool, read_verified
-from .shards import gathered_layouts, pieces, shard_layouts
+from .shards import gathered_layouts, owned_pieces, shard_layouts
 from .store import layouts
 
 #: a rank's file-name suffix and its part of the manifest
@@ -86,7 +86,8 @@ def save(trainer, target: Path, extras: dict[str, bytes] | None) -> Path:
 
 def _file_pieces(trainer, name: str) -> dict[str, list[int]]:
     j = int(name[len("block_"):len("block_") + 4])
-    return {seg.name: [a, b] for seg, a, b in pieces(trainer._gathered[j], trainer.world.size, trainer.world.rank)}
+    return {seg.name: [a, b] for seg, a, b in owned_pieces(trainer._gathered[j], trainer.world.size,
+                                                           trainer.world.rank)}
 
 
 # ---- the layouts of a world -----------------------------------------------------------------------------
@@ -95,11 +96,8 @@ def _shards(graph: ModelGraph, size: int) -> list[list[tuple[str, list, dict[str
     of each tensor it holds).  A world of one: the dense layout, whole tensors, no rank suffix."""
     if size == 1:
         out = []
-        for lay in layouts(graph):
-            if any(lay.links) or any(lay.shared):
-                raise CheckpointError(f"{graph.name} ties parameters across blocks: "
-                                      "its checkpoint cannot be resharded (untie them, or resume in one process)")
-            rng = {s.name: (0, s.numel) for s in lay.segments}
+        for lay in layouts(graph):       # a block's file holds what it updates (tied links are their owner's)
+            rng = {s.name: (0, s.numel) for s in lay.segments if s.offset < lay.owned_numel}
             out.append([(f"block_{lay.index:04d}.safetensors", lay.opt_segments(), rng)] if lay.owned_numel else [])
         return out
     gathered = gathered_layouts(graph, size)
@@ -107,7 +105,7 @@ def _shards(graph: ModelGraph, size: int) -> list[list[tuple[str, list, dict[str
     out = []
     for j, lay in enumerate(gathered):
         out.append([(f"block_{j:04d}{_SUFFIX.format(r)}.safetensors", per_rank[r][j].opt_segments(),
-                     {seg.name: (a, b) for seg, a, b in pieces(lay, size, r)})
+                     {seg.name: (a, b) for seg, a, b in owned_pieces(lay, size, r)})
                     for r in range(size) if per_rank[r][j].owned_numel])
     return out
 

@@ -97,6 +97,9 @@ class Run:
     #: (``shards``; ``store.layouts`` are then this rank's shards); None in a world of one
     world: World | None = None
     gpu_layouts: list | None = None
+    #: with several ranks, a resident block's shard of its parameters on the GPU (its optimizer updates
+    #: it in place; ``all_gather`` reads it every step); ``resident`` is then empty
+    resident_shards: dict = field(default_factory=dict)
 
     @property
     def L(self) -> int:

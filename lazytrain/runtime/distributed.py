@@ -175,19 +175,9 @@ class World:
         if self._store is None:
             return "another rank died or hung (no store to tell which)"
         deadline = time.time() + STALE_BEATS * HEARTBEAT_S
-        host = socket.gethostname()
         while True:
-            gone = []
             try:
-                for r in range(self.size):
-                    if r == self.rank:
-                        continue
-                    who = self._store.get(f"{_KEY}{r}").decode()
-                    h, _, pid = who.rpartition(":")
-                    beat = float(self._store.get(f"{_KEY}{r}/beat").decode())
-                    dead = h == host and not _alive(int(pid))
-                    if dead or time.time() - beat > STALE_BEATS * HEARTBEAT_S:
-                        gone.append(f"rank {r} ({who}) {'exited' if dead else 'stopped answering'}")
+                gone = [g for r in range(self.size) if r != self.rank and (g := self.gone(r))]
             except Exception:  # noqa: BLE001 - the store lives in rank 0's process (or the launcher)
                 return "rank 0 or the launcher is gone (the process group's store does not answer)"
             if gone:
@@ -195,6 +185,20 @@ class World:
             if time.time() > deadline:
                 return self._behind() or "another rank failed (every rank still answers)"
             time.sleep(HEARTBEAT_S / 2)
+
+    def gone(self, r: int) -> str:
+        """``"rank r (host:pid) exited"`` / ``"... stopped answering"`` when rank r's process on this host no
+        longer exists or its heartbeat is older than ``STALE_BEATS`` periods; "" while it lives, or when there
+        is no store to tell (the store's errors are the caller's)."""
+        if self._store is None:
+            return ""
+        who = self._store.get(f"{_KEY}{r}").decode()
+        h, _, pid = who.rpartition(":")
+        beat = float(self._store.get(f"{_KEY}{r}/beat").decode())
+        dead = h == socket.gethostname() and not _alive(int(pid))
+        if dead or time.time() - beat > STALE_BEATS * HEARTBEAT_S:
+            return f"rank {r} ({who}) {'exited' if dead else 'stopped answering'}"
+        return ""
 
     def _behind(self) -> str:
         """Ranks alive whose last step (``mark_step``) is before this rank's: they hang."""

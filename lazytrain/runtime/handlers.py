@@ -38,31 +38,31 @@ from .saved import Packer, SavedRecord
 
 # ---- parameters ---------------------------------------------------------------------------------
 def load(ctx: Step, op: Op) -> None:
+    """Block j's parameters host -> GPU: with several ranks its shard (``pshard[j]``), which an
+    ``all_gather`` completes."""
     j = op.block
-    lay = ctx.run.store.layouts[j]
+    run = ctx.run
     ctx.begin(op, Resource.H2D)       # after the updates writing these host buffers (re-raises a failed one)
+    with run.streams.on(Resource.H2D):
+        flat = assemble(run.store.layouts[j], run.store.load, run.device, run.store.param_dtype)
     if op.tensor is not None and op.tensor.kind is TensorKind.PARAM_SHARD:
-        _load_shard(ctx, op)
-        return
-    with ctx.run.streams.on(Resource.H2D):
-        flat = torch.empty(lay.numel, dtype=ctx.run.store.param_dtype, device=ctx.run.device)
-        flat[:lay.owned_numel].copy_(ctx.run.store.load[j], non_blocking=True)
-        for seg, owner, off in lay.links:
-            flat[seg.offset:seg.offset + seg.numel].copy_(ctx.run.store.load[owner][off:off + seg.numel],
-                                                          non_blocking=True)
-    ctx.run.streams.keep_alive(flat, Resource.GPU)
-    views = {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in lay.segments}
-    ctx.put(op.tensor or _tid(TensorKind.PARAMS, j), G, GpuParams(flat, views))
+        run.streams.keep_alive(flat, Resource.NET)
+        ctx.put(op.tensor, G, flat)
+    else:
+        run.streams.keep_alive(flat, Resource.GPU)
+        views = {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in run.store.layouts[j].segments}
+        ctx.put(op.tensor or _tid(TensorKind.PARAMS, j), G, GpuParams(flat, views))
     ctx.end(op, Resource.H2D)
 
 
-def _load_shard(ctx: Step, op: Op) -> None:
-    """This rank's shard of the block's parameters to the GPU (an ``all_gather`` completes it)."""
-    with ctx.run.streams.on(Resource.H2D):
-        shard = ctx.run.store.load[op.block].to(ctx.run.device, non_blocking=True, copy=True)
-    ctx.run.streams.keep_alive(shard, Resource.NET)
-    ctx.put(op.tensor, G, shard)
-    ctx.end(op, Resource.H2D)
+def assemble(lay, owned, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A block's flat parameters (or, with several ranks, its shard) on ``device``: its owned part from
+    ``owned[j]``, each tied link from its owner's ``owned[o]``, so the host keeps one copy of a tied weight."""
+    flat = torch.empty(lay.numel, dtype=dtype, device=device)
+    flat[:lay.owned_numel].copy_(owned[lay.index], non_blocking=True)
+    for seg, owner, off in lay.links:
+        flat[seg.offset:seg.offset + seg.numel].copy_(owned[owner][off:off + seg.numel], non_blocking=True)
+    return flat
 
 
 # ---- forward ------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from .store import BlockLayout, HostPool, HostStore, layouts
 from .streams import Streams
 from .updates import Updates, check_clipping
 from .validate import check_trainer_args
+from .weights import ModelWeights, materialize
 
 log = logging.getLogger("lazytrain")
 
@@ -89,9 +90,11 @@ class Trainer:
     no-ops; used to test every schedule against eager training)."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, optimizer=None, device=None, nvme_dir=None,
-                 profile: bool = False, verbose: bool = True):
+                 profile: bool = False, verbose: bool = True, weights=None):
         """``verbose``: print the host memory estimate (before allocating) and, for a plan with compiled blocks,
-        what compiling them took, to stderr."""
+        what compiling them took, to stderr.  ``weights``: where the initial parameters come from
+        (``weights.SafetensorsWeights``: only this rank's pieces are read, so ``model`` may be on the meta
+        device); default, the model's own."""
         check_trainer_args(model, plan, optimizer, device)
         #: the data-parallel world (``distributed.World``; None for one process): joined before the
         #: device is chosen (a rank's GPU is its LOCAL_RANK's)
@@ -101,9 +104,11 @@ class Trainer:
         verify(plan)                  # a plan read back from a file or checkpoint is checked like a fresh one
         self.plan = plan
         self.model = model
-        nvme = _nvme_store(plan, nvme_dir)
-        if any(p.device.type == "meta" for p in model.parameters()):
-            raise ValueError("the model's parameters are on the meta device: build it with real weights to train")
+        nvme = _nvme_store(plan, nvme_dir, None if self.world is None else self.world.rank)
+        if weights is None and any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError("the model's parameters are on the meta device: build it with real weights to train, "
+                             "or pass weights= (a SafetensorsWeights of its folder)")
+        weights = ModelWeights(model) if weights is None else weights
         param_dtype = _torch_dtype(plan.param_dtype)
         self._token_limits = token_limits(model, plan)
         self.program = _program(model, plan, self.device)
@@ -126,13 +131,15 @@ class Trainer:
         # next to it and updates it in place there
         gpu_params = {j: torch.empty(lay.owned_numel, dtype=param_dtype, device=self.device)
                       for j, lay in enumerate(lays) if j in resident}
+        buffers = {j: gpu_params.get(j, self.store.load[j]) for j in range(len(lays))}
         if self.world is not None:
-            init_shards(dict(model.named_parameters(remove_duplicate=False)), gathered, lays, self.world.size,
-                        self.world.rank, optimizer, self.store.load)
+            init_shards(weights, gathered, lays, self.world.size, self.world.rank, optimizer, buffers)
+            # a resident block's shard stays on the GPU; gathered every step, it is a plan tensor
+            params, targets = {}, {}
+            grads = {j: torch.zeros(lays[j].owned_numel, dtype=torch.float32, device=self.device) for j in gpu_params}
         else:
-            _init_parameters(model, lays, optimizer,
-                             {j: gpu_params.get(j, self.store.load[j]) for j in range(len(lays))})
-        params, targets, grads = _resident(lays, gpu_params, self.device)
+            _init_parameters(weights, lays, optimizer, buffers)
+            params, targets, grads = _resident(lays, gpu_params, self.device)
         streams = Streams(self.device, collectives=self.world is not None)
         tracker = GradNormTracker(optimizer.max_grad_norm)
         updates = Updates(order, streams=streams, optimizer=optimizer, tracker=tracker, store=self.store,
@@ -144,7 +151,8 @@ class Trainer:
         self.ctx = Run(plan=plan, program=self.program, device=self.device, streams=streams, store=self.store,
                        pool=HostPool(self.device.type == "cuda"), nvme=nvme, optimizer=optimizer, tracker=tracker,
                        requires_grad=rg, frozen=frozen, resident=params, resident_targets=targets, updates=updates,
-                       schedule=Schedule(plan, updates), world=self.world, gpu_layouts=gathered)
+                       schedule=Schedule(plan, updates), world=self.world, gpu_layouts=gathered,
+                       resident_shards=gpu_params if self.world is not None else {})
         self._profiler = Profiler(self.device.type == "cuda") if profile else None
         self.steps = 0
         self.last_profile: StepProfile | None = None
@@ -275,11 +283,13 @@ class Trainer:
         """Apply the pending lagged updates (last step's gradients) now and wait for every update."""
         self.ctx.updates.flush()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Current fp32 master weights by parameter name (pending updates applied first)."""
+    def state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        """Current fp32 master weights by parameter name (pending updates applied first).  With several
+        ranks every rank must call it (the shards are gathered); ``keep`` False: an empty dict (this rank
+        takes part but needs no copy)."""
         self.flush()
-        if self.world is not None:     # every rank's shards gathered (every rank must call this)
-            return gathered_masters(self.world, self._gathered, self.optimizer.master)
+        if self.world is not None:
+            return gathered_masters(self.world, self._gathered, self.optimizer.master, keep)
         out = {}
         for j, lay in enumerate(self.store.layouts):
             if not lay.owned_numel:
@@ -290,11 +300,17 @@ class Trainer:
                     out[s.name] = master[s.offset:s.offset + s.numel].view(s.shape).clone()
         return out
 
-    def sync_to_model(self) -> None:
-        """Write the current master weights into the model's parameters (after ``flush``)."""
+    def sync_to_model(self, keep: bool = True) -> None:
+        """Write the current master weights into the model's parameters (after ``flush``); a model built on
+        the meta device is made real first (``weights.materialize``).  With several ranks a collective:
+        ``keep`` False on a rank that needs no model (it holds one block at a time, its model untouched)."""
+        sd = self.state_dict(keep)
+        if not keep:
+            return
+        materialize(self.model)
         named = dict(self.model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
-            for name, v in self.state_dict().items():
+            for name, v in sd.items():
                 named[name].copy_(v)
 
     def save_checkpoint(self, directory) -> None:
@@ -344,11 +360,16 @@ def _device(device) -> torch.device:
     return out
 
 
-def _nvme_store(plan: Plan, nvme_dir) -> NvmeStore | None:
-    """The NVMe folder, checked (writable, room for the plan's NVMe peak) before anything is allocated."""
+def _nvme_store(plan: Plan, nvme_dir, rank: int | None) -> NvmeStore | None:
+    """The NVMe folder, checked (writable, room for the plan's NVMe peak) before anything is allocated.  Each
+    of several ranks writes into its own ``rankRRRR`` folder in it: they run one plan, so they would name
+    their files alike."""
     if not any(Tier.NVME in (op.src, op.dst) for op in plan.ops):
         return None
-    return NvmeStore(nvme_dir or plan.budgets.get("nvme_dir"), need_bytes=int(plan.predicted.get("peak_nvme_bytes", 0)))
+    root = nvme_dir or plan.budgets.get("nvme_dir")
+    if root is not None and rank is not None:
+        root = os.path.join(root, f"rank{rank:04d}")
+    return NvmeStore(root, need_bytes=int(plan.predicted.get("peak_nvme_bytes", 0)))
 
 
 def _program(model: torch.nn.Module, plan: Plan, device: torch.device):
@@ -411,11 +432,9 @@ def _host_store(plan: Plan, lays: list[BlockLayout], param_dtype: torch.dtype, o
                      announce=(lambda line: print(line, file=sys.stderr)) if verbose else None)
 
 
-def _init_parameters(model: torch.nn.Module, lays: list[BlockLayout], optimizer, buffers: dict[int, torch.Tensor]):
-    """Each block's owned parameters into its load buffer (``buffers``: host, or a resident block's GPU
-    buffer), and the optimizer's state for it."""
-    named = dict(model.named_parameters(remove_duplicate=False))
-    sd = None
+def _init_parameters(weights, lays: list[BlockLayout], optimizer, buffers: dict[int, torch.Tensor]):
+    """Each block's owned parameters (``weights.piece``) into its load buffer (``buffers``: host, or a
+    resident block's GPU buffer), and the optimizer's state for it."""
     for j, lay in enumerate(lays):
         if not lay.owned_numel:
             continue
@@ -423,11 +442,7 @@ def _init_parameters(model: torch.nn.Module, lays: list[BlockLayout], optimizer,
         for s in lay.segments:
             if s.offset >= lay.owned_numel:
                 break
-            src = named.get(s.name)
-            if src is None:
-                sd = sd if sd is not None else model.state_dict()
-                src = sd[s.name]
-            init[s.offset:s.offset + s.numel].copy_(src.detach().reshape(-1))
+            init[s.offset:s.offset + s.numel].copy_(weights.piece(s.name, 0, s.numel))
         buffers[j].copy_(init)
         optimizer.setup(j, init, buffers[j], lay.opt_segments())
 

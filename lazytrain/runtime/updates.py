@@ -109,14 +109,14 @@ class Updates:
             return step.coef
         Streams.wait_on_host([step.done.get(i) for i in self.order.grad_offloads.values()])
         self.tracker.begin_step()
-        with self.streams.on(Resource.GPU):   # resident accumulators hold whole gradients, tied shares included
+        # resident accumulators hold whole gradients, tied shares included (with several ranks, this rank's
+        # shard of them, which the reduce-scatters on the collective stream added)
+        with self.streams.on(Resource.GPU if self.world is None else Resource.NET):
             for o, acc in self.resident_grad.items():
                 step.grad_sq[o] = torch.linalg.vector_norm(acc).square()
         on_device = [j for j in range(len(self.store.layouts)) if step.grad_sq.get(j) is not None]
         sqs = dict(zip(on_device, torch.stack([step.grad_sq[j] for j in on_device]).tolist())) if on_device else {}
-        if self.world is not None:       # each rank holds a shard of every block: sum the ranks' squares
-            sqs = dict(zip(on_device, self.world.sum_floats([sqs[j] for j in on_device], "all_reduce of the "
-                                                                                         "gradient norms")))
+        totals = {}
         for j, lay in enumerate(self.store.layouts):      # one device->host read for every block's norm
             sq = sqs.get(j)
             total = 0.0 if sq is None else sq
@@ -129,7 +129,12 @@ class Updates:
                     self.tied.ready.add(j)
                 total += sum(seg_sq)
             if sq is not None or tied:
-                self.tracker.add(j, total)
+                totals[j] = total
+        if self.world is not None:       # each rank holds a shard of every block: sum the ranks' squares
+            totals = dict(zip(totals, self.world.sum_floats(list(totals.values()), "all_reduce of the gradient "
+                                                                                  "norms")))
+        for j, total in totals.items():
+            self.tracker.add(j, total)
         step.coef = self.tracker.finish_step()
         step.norm_done = True
         return step.coef

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...ir import Decisions, GiB, Place, PlanError, Saved, SolverStats
+from ...ir import Decisions, GiB, Place, PlanError, Saved, SolverStats, TensorId, TensorKind
 from ...ir.semantics import tie_closure
 from ..costgraph import block_attr, build_cost_graph
 from . import isolated
@@ -159,9 +159,9 @@ def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
         fwd=[t * MS for t in block_attr(cg, "fwd_s")],
         bwd=[t * MS for t in block_attr(cg, "bwd_s")],
         U=[t * MS for t in block_attr(cg, "update_s")],
-        U_gpu=[hw.gpu_update_seconds(b.owned_numel, cost.eight_bit) * MS if b.owned_numel else 0.0
+        U_gpu=[hw.gpu_update_seconds(b.owned_numel / cost.world_size, cost.eight_bit) * MS if b.owned_numel else 0.0
                for b in g.blocks],
-        R=[b.owned_numel * per_resident / GiB for b in g.blocks],
+        R=[_resident_gib(cost, j, per_resident) for j in range(L)],
         load=[t * MS for t in block_attr(cg, "load_s")],
         gout=[t * MS for t in block_attr(cg, "grad_offload_s")],
         first_of_group=[min(tie_closure(g, [j])) for j in range(L)],
@@ -175,6 +175,17 @@ def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
         ag=[cost.all_gather_s(j) * MS for j in range(L)] if cost.sharded else [],
         rs=[cost.reduce_scatter_s(j) * MS for j in range(L)] if cost.sharded else [],
         ar=cost.all_reduce_s() * MS if cost.sharded else 0.0)
+
+
+def _resident_gib(cost, j: int, per_resident: float) -> float:
+    """GiB block j holds on the GPU for the whole run when resident: its state; with several ranks its
+    shard of it, plus the gathered parameters (kept from its forward to its backward) and the gathered
+    fp32 accumulator (from its backward to its reduce-scatter: counted for the whole step, an upper bound)."""
+    n = cost.sizes.owned_shard_numel(j)
+    if not cost.sharded:
+        return n * per_resident / GiB
+    gathered = sum(cost.sizes.of(TensorId(kind=k, index=j)) for k in (TensorKind.PARAMS, TensorKind.GRADS))
+    return (n * per_resident + gathered) / GiB
 
 
 @dataclass

@@ -1,0 +1,106 @@
+"""Where a trainer's initial parameters come from: the model's own tensors, or a Hugging Face safetensors
+folder read piece by piece.
+
+A trainer copies into its host store only what it holds: with N ranks, its shard of every block
+(``shards.init_shards``: elements ``[a, b)`` of some tensors).  Building the whole model on every rank
+first holds N copies of it in host memory at start-up.  A model built on the meta device with a
+``SafetensorsWeights`` instead reads, for each piece, only the rows of the tensor that cover it
+(``safe_open(...).get_slice``): a rank's host memory at start is its shard plus one tensor's rows.
+Both sources answer ``piece(name, a, b)``: elements ``[a, b)`` of the flat tensor, fp32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+
+class ModelWeights:
+    """The model's own parameters (and, for a name ``named_parameters`` does not list, its state dict)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.named = dict(model.named_parameters(remove_duplicate=False))
+        self._sd = None
+
+    def piece(self, name: str, a: int, b: int) -> torch.Tensor:
+        src = self.named.get(name)
+        if src is None:
+            self._sd = self._sd if self._sd is not None else self.model.state_dict()
+            src = self._sd[name]
+        return src.detach().reshape(-1)[a:b].to(torch.float32)
+
+
+class SafetensorsWeights:
+    """The tensors of a Hugging Face folder's ``*.safetensors`` files, read a piece at a time.
+
+    Built against the model (on the meta device is enough): every parameter it trains must be in the
+    folder with the model's shape, checked from the files' headers before anything is read, so a missing
+    or misshapen weight is one error naming it, not a layer silently left uninitialised."""
+
+    def __init__(self, folder: str | Path, model: torch.nn.Module):
+        from safetensors import safe_open
+        self.folder = Path(folder)
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{self.folder}: no *.safetensors weights to read the model's shards from")
+        self.where: dict[str, Path] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    self.where[k] = f
+                    shapes[k] = tuple(st.get_slice(k).get_shape())
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():        # the index names each tensor's file (the headers agree with it)
+            for k, f in json.loads(index.read_text()).get("weight_map", {}).items():
+                if k in shapes:
+                    self.where[k] = self.folder / f
+        bad = []
+        for name, p in model.named_parameters():       # each tensor once (tied ones by their first name)
+            if name not in shapes:
+                bad.append(f"{name} (missing from the weights)")
+            elif shapes[name] != tuple(p.shape):
+                bad.append(f"{name} (weights {shapes[name]}, config {tuple(p.shape)})")
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise ValueError(f"{self.folder}: the weights do not match config.json: {', '.join(bad[:3])}{more}")
+
+    def piece(self, name: str, a: int, b: int) -> torch.Tensor:
+        """Elements ``[a, b)`` of tensor ``name`` (flat), reading only the rows that hold them."""
+        from safetensors import safe_open
+        with safe_open(str(self.where[name]), framework="pt") as st:
+            sl = st.get_slice(name)
+            shape = sl.get_shape()
+            if len(shape) <= 1:
+                t = sl[a:b].reshape(-1)
+            else:
+                row = math.prod(shape[1:])
+                first = a // row
+                t = sl[first:-(-b // row)].reshape(-1)[a - first * row:b - first * row]
+        return t.to(torch.float32)
+
+
+def materialize(model: torch.nn.Module) -> None:
+    """A model built on the meta device made real on the CPU (uninitialised parameters: the caller writes
+    them), its buffers recomputed from its config where they were left on meta (rotary ``inv_freq``)."""
+    from ..frontend.program import real_buffers
+    if all(p.device.type != "meta" for p in model.parameters()):
+        return
+    buffers = real_buffers(model, "cpu")
+    tied: dict[int, list[tuple[torch.nn.Module, str]]] = {}     # to_empty gives each module its own tensor
+    for mod in model.modules():
+        for n, p in mod.named_parameters(recurse=False):
+            tied.setdefault(id(p), []).append((mod, n))
+    model.to_empty(device="cpu")
+    for places in tied.values():
+        first = getattr(places[0][0], places[0][1])
+        for mod, n in places[1:]:
+            setattr(mod, n, first)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in buffers and buffers[name].device.type != "meta":
+                b.copy_(buffers[name])
