@@ -28,10 +28,24 @@ TIGHTENINGS = 3
 #: ``SHORT_BUDGET_BLOCKS`` blocks (8B-class models) get less.
 SOLVER_BUDGET_S, SHORT_SOLVER_BUDGET_S, SHORT_BUDGET_BLOCKS = 12.0, 4.0, 48
 MIN_SOLVE_S = 0.5
+#: wall seconds the MILP search of one compile may take, from its start (the graph traced) to its answer: the
+#: heuristics, every solve, re-solve and the build that checks its plan in time order.  Past it no solve
+#: starts and the best plan so far is returned (``SolverStats.out_of_time``); a solve's limit is cut so that
+#: it and its plan's build (as long as the slowest build so far) end by then.  The solver budget above plus
+#: the builds of its plans: without a deadline qwen2.5-72b at 48 GiB, batch 72 searched for 23.9 s (six
+#: solves, seven 45,000-op builds of ~2.5 s), over the 20 s a whole compile may take; 8B-class chains
+#: (``SHORT_BUDGET_BLOCKS``) get the short one (llama3-8b at 48 GiB, batch 8 re-solved ten times)
+DEADLINE_S, SHORT_DEADLINE_S = 15.0, 4.0
 
 
 def _step(p: Plan) -> float:
     return p.predicted["step_time_s"]
+
+
+def _out_of_time(plan: Plan) -> Plan:
+    """A copy of ``plan`` (memoized) whose solver stats say the search's deadline ran out after it."""
+    stats = dataclasses.replace(plan.solver or SolverStats(status="not_solved"), out_of_time=True)
+    return dataclasses.replace(plan, solver=stats, history=list(plan.history))
 
 
 def _with_note(plan: Plan, note: str, stats: SolverStats | None) -> Plan:
@@ -49,19 +63,46 @@ class Search:
         #: solver failures met in this search (the caller warns once)
         self.failures: list[str] = []
         L = comp.graph.n_blocks
+        short = L <= SHORT_BUDGET_BLOCKS
         #: solver seconds left to this search (``SOLVER_BUDGET_S``); unused when the caller set a time limit
-        self.solver_left = SHORT_SOLVER_BUDGET_S if L <= SHORT_BUDGET_BLOCKS else SOLVER_BUDGET_S
+        self.solver_left = SHORT_SOLVER_BUDGET_S if short else SOLVER_BUDGET_S
         self._tries_left = 1      # micro-batches the MILP search still means to try (shares the budget)
+        #: when this search must answer (``time.monotonic()``; ``DEADLINE_S``): the caller's deadline, else the
+        #: default unless the caller set a time limit per solve (then each solve takes it whole), else none
+        seconds = comp.deadline if comp.deadline is not None else \
+            None if comp.time_limit is not None else SHORT_DEADLINE_S if short else DEADLINE_S
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.build_s = 0.0        # the slowest build of a plan so far: what a solve must leave time for
+        self.ran_out = False      # a solve or re-solve was skipped for the deadline
 
-    def time_limit(self) -> float:
-        """The next solve's limit: the caller's, else this micro-batch's share of the seconds left."""
+    def solve_limit(self) -> float:
+        """The next solve's limit before the deadline's cut: the caller's, else this micro-batch's share of the
+        solver seconds left (at least ``MIN_SOLVE_S``)."""
         if self.comp.time_limit is not None:
             return self.comp.time_limit
         share = self.solver_left / max(1, self._tries_left)
         return max(MIN_SOLVE_S, min(self.comp.solve_time_limit(), share))
 
+    def time_limit(self) -> float:
+        """The next solve's limit, cut so that the solve and its plan's build end by the deadline."""
+        limit = self.solve_limit()
+        return limit if self.deadline is None else min(limit, self.seconds_left() - self.build_s)
+
+    def seconds_left(self) -> float:
+        """Wall seconds to the deadline (infinite without one)."""
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def can_solve(self) -> bool:
+        """Is there time for one more solve (``MIN_SOLVE_S``, or the caller's limit if shorter) and its
+        build before the deadline?  No: the search stops and says so."""
+        floor = min(MIN_SOLVE_S, self.comp.time_limit or MIN_SOLVE_S)
+        if self.seconds_left() - self.build_s >= floor:
+            return True
+        self.ran_out = True
+        return False
+
     def out_of_time(self) -> bool:
-        return self.comp.time_limit is None and self.solver_left <= 0
+        return (self.comp.time_limit is None and self.solver_left <= 0) or self.seconds_left() <= self.build_s
 
     # -- any policy ------------------------------------------------------------------------------
     def best(self, policy: str, batch_size: int, micro_batch: int | None = None, tries: int = 2) -> Plan | None:
@@ -133,6 +174,8 @@ class Search:
         best: Plan | None = None
         extra = 0
         while tries or (larger and extra < 1):
+            if best is not None and not self.can_solve():
+                return _out_of_time(best)      # the deadline: the best plan so far
             if not tries and best is not None and self.out_of_time():
                 break            # the budget is spent: no larger micro-batch
             self._tries_left = len(tries) + (1 if larger and extra < 1 else 0)
@@ -168,13 +211,20 @@ class Search:
         n_cuts = NO_GOOD_CUTS_SHORT if comp.graph.n_blocks <= 12 else NO_GOOD_CUTS_LONG
         coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, n_micro, comp.options["host_bytes_per_param"])
         for attempt in range(n_cuts + TIGHTENINGS):
+            if not self.can_solve():
+                why = "the search deadline ran out" + (" before the solver found a plan in budget" if attempt else "")
+                break
             try:
                 t_solve = time.perf_counter()
                 try:
-                    dec, stats = solve(coef, opts(), micro_batch=mb, warm=warm.decisions if warm else None,
+                    o = opts()
+                    cut = o.time_limit < self.solve_limit()      # by the deadline
+                    dec, stats = solve(coef, o, micro_batch=mb, warm=warm.decisions if warm else None,
                                        exclude=tuple(excluded))
                 finally:
                     self.solver_left -= time.perf_counter() - t_solve
+                if stats.status != "optimal" and cut:
+                    self.ran_out = True      # the deadline cut this solve short
             except isolated.SolverFailure as e:
                 self.failures += [f for f in e.failures if f not in self.failures]
                 stats = SolverStats(status="solver failed", failures=tuple(e.failures))
@@ -183,8 +233,11 @@ class Search:
             except PlanError as e:
                 why = f"the MILP gave no plan ({e})"
                 stats = getattr(e, "stats", stats)
+                self.ran_out = self.ran_out or cut
                 break
+            t_build = time.perf_counter()
             trial = comp.build(dec, batch_size, check_budget=False)
+            self.build_s = max(self.build_s, time.perf_counter() - t_build)
             excess = trial.predicted["peak_gpu_bytes"] - comp.budgets["gpu_bytes"]
             if excess <= 0:
                 plan = trial if comp.within_budgets(trial) else None
@@ -197,6 +250,8 @@ class Search:
                 budget -= int(excess * 1.05) + 1
                 coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, n_micro,
                                     comp.options["host_bytes_per_param"], gpu_bytes=budget)
+        if self.ran_out:
+            stats = dataclasses.replace(stats or SolverStats(status="not_solved"), out_of_time=True)
         if warm is not None and (plan is None or _step(warm) < _step(plan)):
             if plan is None and stats is not None and stats.status != "solver failed":
                 warnings.warn(f"micro-batch {mb}: {why}; using the {warm.decisions.policy} plan instead",
