@@ -67,11 +67,12 @@ class Search:
         #: solver seconds left to this search (``SOLVER_BUDGET_S``); unused when the caller set a time limit
         self.solver_left = SHORT_SOLVER_BUDGET_S if short else SOLVER_BUDGET_S
         self._tries_left = 1      # micro-batches the MILP search still means to try (shares the budget)
-        #: when this search must answer (``time.monotonic()``; ``DEADLINE_S``): the caller's deadline, else the
-        #: default unless the caller set a time limit per solve (then each solve takes it whole), else none
-        seconds = comp.deadline if comp.deadline is not None else \
+        #: seconds this search may take (``DEADLINE_S``): the caller's, else the default unless the caller set a
+        #: time limit per solve (then each solve takes it whole), else none; counted per question of the caller's
+        self.seconds = comp.deadline if comp.deadline is not None else \
             None if comp.time_limit is not None else SHORT_DEADLINE_S if short else DEADLINE_S
-        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.deadline: float | None = None       # when the question in progress must be answered (monotonic)
+        self._depth = 0                          # questions in progress (the MILP's asks the heuristics')
         self.build_s = 0.0        # the slowest build of a plan so far: what a solve must leave time for
         self.ran_out = False      # a solve or re-solve was skipped for the deadline
 
@@ -109,8 +110,15 @@ class Search:
         """Best feasible plan over micro-batch sizes (the given one only, if given)."""
         key = (policy, batch_size, micro_batch, tries)
         if key not in self._memo:
-            self._memo[key] = (self.best_milp(batch_size, micro_batch) if policy == "milp"
-                               else self.best_heuristic(policy, batch_size, micro_batch, tries))
+            outer = self._depth == 0        # a question of the caller's, not one the search asks itself
+            if outer and self.seconds is not None:
+                self.deadline, self.ran_out = time.monotonic() + self.seconds, False
+            self._depth += 1
+            try:
+                self._memo[key] = (self.best_milp(batch_size, micro_batch) if policy == "milp"
+                                   else self.best_heuristic(policy, batch_size, micro_batch, tries))
+            finally:
+                self._depth -= 1
         return self._memo[key]
 
     def best_heuristic(self, policy: str, batch_size: int, micro_batch: int | None, tries: int) -> Plan | None:
