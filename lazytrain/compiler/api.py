@@ -23,7 +23,7 @@ from .loss_chunk import with_loss_chunk
 from .lower import lower_with_effects
 from .resident import resident_request
 from .search import Search
-from .simulate import simulate
+from .simulate import SimResult, simulate
 from .solvers import isolated
 from .solvers.heuristics import HEURISTICS
 from .solvers.isolated import DEFAULT_ORDER, SOLVERS
@@ -117,6 +117,10 @@ class Compiler:
 
     def build(self, decisions, batch_size: int, *, check_budget: bool = True) -> Plan:
         """Lower, verify (against the budgets unless told not to) and simulate one decision."""
+        return self.build_simulated(decisions, batch_size, check_budget=check_budget)[0]
+
+    def build_simulated(self, decisions, batch_size: int, *, check_budget: bool = True) -> tuple[Plan, SimResult]:
+        """``build``, and the simulation its predictions come from (the search reads where memory peaks)."""
         cost = self.cost(decisions.micro_batch, decisions.resident_blocks)
         if check_budget:
             self._quick_reject(decisions, cost)
@@ -131,7 +135,7 @@ class Compiler:
         if plan.budgets.get("gpu_bytes") and plan.predicted["peak_gpu_bytes"] > plan.budgets["gpu_bytes"]:
             raise PlanError(f"simulated peak GPU memory {plan.predicted['peak_gpu_bytes'] / GiB:.2f} GiB "
                             f"exceeds the budget")
-        return plan
+        return plan, sim
 
     def _predicted(self, plan: Plan, rep, sim) -> dict:
         """The plan's predicted figures: the simulated step, verify's memory peaks and the rates they imply."""

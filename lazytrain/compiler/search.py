@@ -12,7 +12,7 @@ import dataclasses
 import time
 import warnings
 
-from ..ir import Decisions, Place, Plan, PlanError, Saved, SolverStats
+from ..ir import Decisions, OpKind, Place, Plan, PlanError, Saved, SolverStats
 from .solvers import isolated
 from .solvers.heuristics import HEURISTICS
 from .solvers.milp import MilpOptions, coefficients, solve
@@ -40,6 +40,21 @@ DEADLINE_S, SHORT_DEADLINE_S = 15.0, 4.0
 
 def _step(p: Plan) -> float:
     return p.predicted["step_time_s"]
+
+
+def _peaks_under_drain(plan: Plan, sim) -> bool:
+    """Does ``plan``'s time-ordered GPU memory peak as the first backward of an offloaded block (not the
+    last) starts, while the block after it drains its gradients?"""
+    if not sim.memory:
+        return False
+    t_peak = max(sim.memory, key=lambda e: e[1])[0]
+    dec, L = plan.decisions, plan.graph.n_blocks
+    for op in plan.ops:
+        if op.kind is OpKind.BACKWARD and op.mb == 0 and sim.start[op.id] == t_peak and op.block + 1 < L \
+                and dec.saved[op.block] in (Saved.HOST, Saved.NVME):
+            return any(o.kind is OpKind.GRAD_OFFLOAD and o.block == op.block + 1
+                       and sim.start[o.id] <= t_peak < sim.end[o.id] for o in plan.ops)
+    return False
 
 
 def _out_of_time(plan: Plan) -> Plan:
@@ -210,9 +225,11 @@ class Search:
         comp = self.comp
         t = time.perf_counter()
         n_micro = batch_size // mb
+        drain = False        # the rows for an offloaded block's backward under the next block's drain
         def opts() -> MilpOptions:
             return MilpOptions(clip=comp.clip, order=comp.solver_order, time_limit=self.time_limit(),
-                               resident=comp.resident, choose_resident=comp.choose_resident)
+                               resident=comp.resident, choose_resident=comp.choose_resident,
+                               drain_under_reloads=drain)
         plan, stats, why = None, None, "the heuristic warm start simulated faster"
         excluded: list[Decisions] = []
         budget = comp.budgets["gpu_bytes"]
@@ -244,15 +261,20 @@ class Search:
                 self.ran_out = self.ran_out or cut
                 break
             t_build = time.perf_counter()
-            trial = comp.build(dec, batch_size, check_budget=False)
+            trial, sim = comp.build_simulated(dec, batch_size, check_budget=False)
             self.build_s = max(self.build_s, time.perf_counter() - t_build)
             excess = trial.predicted["peak_gpu_bytes"] - comp.budgets["gpu_bytes"]
             if excess <= 0:
                 plan = trial if comp.within_budgets(trial) else None
                 break
-            # over budget in time order: first exclude this assignment (exact: the next best one
-            # is tried), then, if that keeps failing, tighten the window model's budget
-            if attempt < n_cuts:
+            # over budget in time order: where the peak is an offloaded block's backward starting under the
+            # next block's gradient drain, which the rows take as certain only for other blocks, add the rows
+            # that take it for offloaded blocks too (one re-solve: every such assignment, not this one only);
+            # else first exclude this assignment (exact: the next best one is tried), then, if that keeps
+            # failing, tighten the window model's budget
+            if not drain and _peaks_under_drain(trial, sim):
+                drain = True
+            elif attempt < n_cuts:
                 excluded.append(dec)
             else:
                 budget -= int(excess * 1.05) + 1
