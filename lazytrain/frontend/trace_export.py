@@ -20,8 +20,8 @@ exports it and defines the records both share.
 Large models are exported with only two layers when all layers are structurally identical, and the second
 layer's code then serves every layer after the first (``program.expand``; three layers, first, one middle and
 last, where the two layers' programs differ).  The export records no stack trace per node
-(``torch.fx.config.do_not_emit_stack_traces``): nothing reads them, and collecting them was ~15% of the
-export's time.
+(``torch.fx.config.do_not_emit_stack_traces``): nothing reads them, and collecting them was about a tenth
+of the export's CPU time (qwen2.5-7b's three layers: 0.55 -> 0.50 s).
 """
 
 from __future__ import annotations
