@@ -43,18 +43,11 @@ def _step(p: Plan) -> float:
 
 
 def _peaks_under_drain(plan: Plan, sim) -> bool:
-    """Does ``plan``'s time-ordered GPU memory peak as the first backward of an offloaded block (not the
-    last) starts, while the block after it drains its gradients?"""
+    """Does ``plan``'s time-ordered GPU memory peak while a block's gradients drain to the host?"""
     if not sim.memory:
         return False
     t_peak = max(sim.memory, key=lambda e: e[1])[0]
-    dec, L = plan.decisions, plan.graph.n_blocks
-    for op in plan.ops:
-        if op.kind is OpKind.BACKWARD and op.mb == 0 and sim.start[op.id] == t_peak and op.block + 1 < L \
-                and dec.saved[op.block] in (Saved.HOST, Saved.NVME):
-            return any(o.kind is OpKind.GRAD_OFFLOAD and o.block == op.block + 1
-                       and sim.start[o.id] <= t_peak < sim.end[o.id] for o in plan.ops)
-    return False
+    return any(op.kind is OpKind.GRAD_OFFLOAD and sim.start[op.id] <= t_peak < sim.end[op.id] for op in plan.ops)
 
 
 def _out_of_time(plan: Plan) -> Plan:
@@ -117,6 +110,16 @@ class Search:
         self.ran_out = True
         return False
 
+    def build(self, decisions: Decisions, batch_size: int, *, check_budget: bool = True, simulated: bool = False):
+        """``Compiler.build`` (``build_simulated`` when ``simulated``), timed: the slowest build so far is what
+        a solve leaves time for before the deadline (a solution is built to be checked)."""
+        t = time.perf_counter()
+        try:
+            out = self.comp.build_simulated(decisions, batch_size, check_budget=check_budget)
+        finally:
+            self.build_s = max(self.build_s, time.perf_counter() - t)
+        return out if simulated else out[0]
+
     def out_of_time(self) -> bool:
         return (self.comp.time_limit is None and self.solver_left <= 0) or self.seconds_left() <= self.build_s
 
@@ -150,7 +153,7 @@ class Search:
                 t = time.perf_counter()
                 try:
                     dec = self.comp.with_resident(HEURISTICS[policy](self.comp.graph, mb, batch_size // mb))
-                    plan = self.comp.build(dec, batch_size)
+                    plan = self.build(dec, batch_size)
                     plan.history.append({"pass": f"{policy} micro-batch {mb}: decide+lower+verify+simulate",
                                          "seconds": round(time.perf_counter() - t, 4)})
                 except PlanError:
@@ -260,18 +263,15 @@ class Search:
                 stats = getattr(e, "stats", stats)
                 self.ran_out = self.ran_out or cut
                 break
-            t_build = time.perf_counter()
-            trial, sim = comp.build_simulated(dec, batch_size, check_budget=False)
-            self.build_s = max(self.build_s, time.perf_counter() - t_build)
+            trial, sim = self.build(dec, batch_size, check_budget=False, simulated=True)
             excess = trial.predicted["peak_gpu_bytes"] - comp.budgets["gpu_bytes"]
             if excess <= 0:
                 plan = trial if comp.within_budgets(trial) else None
                 break
-            # over budget in time order: where the peak is an offloaded block's backward starting under the
-            # next block's gradient drain, which the rows take as certain only for other blocks, add the rows
-            # that take it for offloaded blocks too (one re-solve: every such assignment, not this one only);
-            # else first exclude this assignment (exact: the next best one is tried), then, if that keeps
-            # failing, tighten the window model's budget
+            # over budget in time order: where the peak is under a block's gradient drain, which the rows take
+            # as certain only where nothing is reloaded, add the rows that take it for reloaded blocks too (one
+            # re-solve: every such assignment, not this one only); else first exclude this assignment (exact:
+            # the next best one is tried), then, if that keeps failing, tighten the window model's budget
             if not drain and _peaks_under_drain(trial, sim):
                 drain = True
             elif attempt < n_cuts:
@@ -305,7 +305,7 @@ class Search:
     def frugal_plan(self, batch_size: int, micro_batch: int) -> Plan | None:
         """The frugal plan built and checked against the budgets, or None where it does not fit."""
         try:
-            return self.comp.build(self.frugal(batch_size, micro_batch), batch_size)
+            return self.build(self.frugal(batch_size, micro_batch), batch_size)
         except PlanError:
             return None
 

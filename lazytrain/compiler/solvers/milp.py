@@ -96,8 +96,8 @@ class MilpOptions:
     time_limit: float = 10.0
     resident: frozenset = frozenset()
     choose_resident: bool = False
-    #: an offloaded block's backward starts while the next block's gradients drain (``memory_rows``): set once
-    #: the time-ordered check of a solution found its peak there
+    #: a block whose saved activations or boundary are reloaded starts its backward while the next block's
+    #: gradients drain (``memory_rows``): set once the time-ordered check of a solution found its peak under a drain
     drain_under_reloads: bool = False
 
 
@@ -370,14 +370,16 @@ def memory_rows(m: LinearModel, c: Coefficients, v: Variables, drain_under_reloa
             # kept block's first backward; a recompute from a GPU boundary (and its backward when
             # the drain outlasts that recompute).  A reload may hold B_j back past the drain; where the
             # reloads ran during B_{j+1} it does not (``drain_under_reloads``: the time-ordered check of a
-            # solution found its peak there, as qwen2.5-72b's at 48 GiB, batch 72 did, 2.4 GiB over: then
-            # an offloaded block is taken to overlap the drain too).  A resident block j+1 drains nothing.
-            overlap = v.keep[j] + (v.bg[j] if c.gout[j + 1] > c.fwd[j] else 0.0) + \
-                (v.host[j] + v.nvme[j] if drain_under_reloads else 0.0)
+            # solution found its peak under a drain, as qwen2.5-72b's at 48 GiB, batch 72 did, 2.4 GiB over
+            # at an offloaded block's first backward: then a block whose saved activations or boundary are
+            # reloaded is taken to start at once too).  A resident block j+1 drains nothing.
+            at_once = v.bg[j] + (boff[j] if drain_under_reloads else 0.0)
+            overlap = v.keep[j] + (at_once if c.gout[j + 1] > c.fwd[j] else 0.0) + \
+                (off[j] if drain_under_reloads else 0.0)
             m += (backward + c.D[j + 1] * v.unless_resident(m, overlap, j + 1, f"drain_under_B[{j}]")
                   <= c.budget), f"gpu_memory_B_start[{j}]"
             m += (start + (c.S[j] + c.W[j]) * v.rec[j]
-                  + c.D[j + 1] * v.unless_resident(m, 1 * v.bg[j], j + 1, f"drain_under_recompute[{j}]")
+                  + c.D[j + 1] * v.unless_resident(m, 1 * at_once, j + 1, f"drain_under_recompute[{j}]")
                   <= c.budget), f"gpu_memory_recompute[{j}]"
     if c.host_cap:
         m += c.host_static + M * xsum(c.S[j] * v.host[j] + c.A[j] * v.bh[j] for j in range(L)) <= c.host_cap, \
