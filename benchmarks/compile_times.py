@@ -5,7 +5,8 @@
 
 Each compile runs in a fresh process (``lazytrain compile``'s path: the preset is traced, then the
 search, the resident choice and the megatrain baseline), so the wall time is what a user waits, trace
-included and reported apart.  The contract: <= 20 s for every preset, <= 5 s up to 8B parameters.
+included and reported apart; ``out_of_time``: the search's deadline (``compiler/search.py``) ran out.
+The contract: <= 20 s for every preset, <= 5 s up to 8B parameters.
 
 The trace cache (``frontend/trace_cache.py``) is a fresh folder unless ``--trace-cache`` names one, so
 each model's first compile traces it and the other eight read the trace (``trace_cached``).  Beside the
@@ -48,7 +49,8 @@ with warnings.catch_warnings(record=True) as caught:
                "params_b": p.graph.total_params / 1e9, "trace_s": hist.get("trace", {}).get("seconds", 0.0),
                "trace_cached": hist.get("trace", {}).get("cached", False), "compile_s": hist["total"]["seconds"],
                "megatrain_s": p.predicted.get("megatrain_step_time_s"),
-               "solver": p.solver.solver if p.solver else None, "gap": p.solver.gap if p.solver else None}
+               "solver": p.solver.solver if p.solver else None, "gap": p.solver.gap if p.solver else None,
+               "out_of_time": bool(getattr(p.solver, "out_of_time", False))}
     except PlanError as e:
         out = {"error": str(e)[:100]}
 try:      # the solver workers exit here, so their CPU time is counted as this process's children's
@@ -104,7 +106,8 @@ def report(rows: list[dict], base: list[dict] | None) -> tuple[str, str]:
     """(summary lines, table); with ``base`` (an earlier run's rows) its step and CPU time beside each row."""
     from tabulate import tabulate
     cols = ["model", "gpu_gb", "batch", "wall_s", "cpu_s", "trace_s", "trace_cached", "compile_s", "compile_cpu_s",
-            "load", "step_s", "megatrain_s", "micro_batch", "resident", "policy", "solver", "gap", "error"]
+            "load", "step_s", "megatrain_s", "micro_batch", "resident", "policy", "solver", "gap", "out_of_time",
+            "error"]
     if base is not None:
         before = {(r["model"], r["gpu_gb"], r["batch"]): r for r in base}
         for r in rows:
@@ -125,6 +128,9 @@ def report(rows: list[dict], base: list[dict] | None) -> tuple[str, str]:
              f"process incl. start-up and trace max {max(r['wall_s'] for r in rows):.1f} s",
              f"- by compile wall time (``compile_s``): {_over(rows, 'compile_s')}",
              f"- by compile CPU time, solver included (``compile_cpu_s``): {_over(rows, 'compile_cpu_s')}"]
+    late = [f"{r['model']} {r['gpu_gb']} GiB b{r['batch']}" for r in ok if r.get("out_of_time")]
+    lines.append(f"- the search's deadline ran out in {len(late)} of {len(ok)}"
+                 + (f": {', '.join(late)}" if late else ""))
     if loads:
         lines.append(f"- load average during the run: {min(loads):.1f} to {max(loads):.1f}")
     if base is not None:

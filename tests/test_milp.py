@@ -140,3 +140,38 @@ def test_cost_graph_has_boundaries_segments_windows_and_mandatory_traffic():
     assert G.nodes[("window", window_of("F", 2, L))]["h2d_s"] == pytest.approx(cost.load_s(3))
     assert G.nodes[("window", window_of("B", 2, L))]["d2h_s"] == pytest.approx(cost.grad_offload_s(3))
     assert G.nodes[("window", 2 * L)]["kind"] == "X"
+
+
+def test_a_tiny_deadline_returns_the_best_plan_so_far_and_says_so():
+    """The search's deadline bounds it whole: none left, no solve starts, and the best heuristic plan comes
+    back with ``out_of_time`` in its solver stats (kept through the plan file) and one warning."""
+    from lazytrain.ir import Plan
+    g = trace(build_model("tiny"), seq_len=64)
+    with pytest.warns(UserWarning, match="search deadline ran out"):
+        plan = compile_model(g, batch_size=8, hardware="cpu", gpu_memory="2GiB", deadline=1e-6)
+    assert plan.solver.out_of_time and plan.decisions.policy != "milp" and "milp_fallback" in plan.decisions.notes
+    assert Plan.from_json(plan.to_json()).solver.out_of_time
+    roomy = compile_model(g, batch_size=8, hardware="cpu", gpu_memory="2GiB", deadline=60.0)
+    assert not roomy.solver.out_of_time and roomy.decisions.policy == "milp"
+    assert roomy.predicted["step_time_s"] <= plan.predicted["step_time_s"]
+    with pytest.raises(ValueError, match="deadline must be a positive number of seconds"):
+        compile_model(g, batch_size=8, hardware="cpu", gpu_memory="2GiB", deadline=0)
+
+
+def test_a_peak_under_a_gradient_drain_is_answered_by_the_drain_rows(monkeypatch):
+    """A 10-block chain whose first MILP solution peaks over budget in time order while a block's gradients
+    drain: one re-solve with the drain rows (``MilpOptions.drain_under_reloads``) gives a plan in budget, where
+    no-good cuts and tightenings took 19 solves to the same step time."""
+    import lazytrain.compiler.search as search
+    asked = []
+    real = search.solve
+
+    def spy(coef, opts, **kw):
+        asked.append(opts.drain_under_reloads)
+        return real(coef, opts, **kw)
+    monkeypatch.setattr(search, "solve", spy)
+    g = chain(10, seed=5, hidden=1024, seq_len=1024, layer_params=100_000_000, saved_per_token=200_000, vocab=32000)
+    comp = _compiler(g, 0.3, mb=2, M=8)
+    plan = comp.best("milp", 16, micro_batch=2)
+    assert asked == [False, True]
+    assert plan.decisions.policy == "milp" and plan.predicted["peak_gpu_bytes"] <= comp.budgets["gpu_bytes"]

@@ -10,9 +10,11 @@ import time
 import pytest
 import torch
 
+from lazytrain.frontend import program
 from lazytrain.frontend.presets import PRESETS, build_from_config, build_model
 from lazytrain.frontend.program import build_program, build_split
 from lazytrain.frontend.trace import _measure, trace
+from lazytrain.models.gpt import GPT, Block, GPTConfig
 
 TINY_QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 6,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 301, "tie_word_embeddings": True,
@@ -153,3 +155,37 @@ def test_qwen25_72b_traces_fast_and_small():
     seconds, rss, n = float(out[0]), int(out[1]), int(out[2])
     assert n == 82 and seconds < 30 and rss < 2 * 1024**3, (seconds, rss)
     assert time.perf_counter() - t0 < 60
+
+
+def _graph_json(g) -> dict:
+    j = g.to_json()
+    j["meta"] = {k: v for k, v in j["meta"].items() if k not in ("trace_seconds", "replicated_layers")}
+    return j
+
+
+class _FirstDoubles(Block):
+    """A GPT layer whose first instance doubles its output: every layer has the same type and parameters,
+    but layer 0's program is not the others'."""
+
+    first = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y * 2 if self.first else y
+
+
+@pytest.mark.parametrize("first_differs", [False, True])
+def test_layers_exported_as_two_trace_what_the_whole_model_does(first_differs, monkeypatch):
+    """Identical layers are exported as two, the second's program serving every later layer; where the first
+    layer's program differs, as three.  Either way the graph is the one the export of every layer gives."""
+    cfg = GPTConfig(vocab=97, d_model=32, n_layer=6, n_head=2, d_ff=64, max_seq=64)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        if first_differs:
+            model.layers = torch.nn.ModuleList(_FirstDoubles(cfg) for _ in range(cfg.n_layer))
+            model.layers[0].first = True
+    sp = build_split(model, micro_batch=2, seq_len=32, device="meta", dtype=torch.bfloat16)
+    assert sp.meta["replicated_from"] == (3 if first_differs else 2) and len(sp.blocks) == 8
+    reduced = trace(model, seq_len=32)
+    monkeypatch.setattr(program, "reducible", lambda m: False)
+    assert _graph_json(reduced) == _graph_json(trace(model, seq_len=32))

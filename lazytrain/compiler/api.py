@@ -24,7 +24,8 @@ from .lower import lower_with_effects
 from .measured_workspace import with_measured_workspace
 from .resident import resident_request
 from .search import Search
-from .simulate import simulate
+from .simulate import SimResult, simulate
+from .solvers import isolated
 from .solvers.heuristics import HEURISTICS
 from .solvers.isolated import DEFAULT_ORDER, SOLVERS
 from .world import check_world, per_rank_budgets
@@ -75,7 +76,8 @@ class Compiler:
 
     def __init__(self, graph: ModelGraph, hw, budgets: dict, *, param_dtype: str, optimizer: str, clip: bool,
                  solver: str = DEFAULT_SOLVER, time_limit: float | None = None, resident: frozenset = frozenset(),
-                 choose_resident: bool = False, world_size: int = 1, nodes: int = 1, compile_blocks: bool = False):
+                 choose_resident: bool = False, world_size: int = 1, nodes: int = 1, compile_blocks: bool = False,
+                 deadline: float | None = None):
         if solver not in SOLVERS:
             raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
         self.graph, self.hw, self.budgets = graph, hw, budgets
@@ -87,6 +89,8 @@ class Compiler:
         #: the solver asked for first, the other one if it fails
         self.solver_order = (solver, *(s for s in SOLVERS if s != solver))
         self.time_limit = time_limit
+        #: wall seconds the MILP search may take in all (``search.DEADLINE_S`` when None)
+        self.deadline = deadline
         self.options = {"host_bytes_per_param": HOST_BYTES_PER_PARAM[optimizer], "optimizer": optimizer,
                         "clip": clip}
         #: data-parallel ranks and hosts (``ir.sharding``); a world of one writes nothing of them
@@ -114,6 +118,10 @@ class Compiler:
 
     def build(self, decisions, batch_size: int, *, check_budget: bool = True) -> Plan:
         """Lower, verify (against the budgets unless told not to) and simulate one decision."""
+        return self.build_simulated(decisions, batch_size, check_budget=check_budget)[0]
+
+    def build_simulated(self, decisions, batch_size: int, *, check_budget: bool = True) -> tuple[Plan, SimResult]:
+        """``build``, and the simulation its predictions come from (the search reads where memory peaks)."""
         cost = self.cost(decisions.micro_batch, decisions.resident_blocks)
         if check_budget:
             self._quick_reject(decisions, cost)
@@ -128,7 +136,7 @@ class Compiler:
         if plan.budgets.get("gpu_bytes") and plan.predicted["peak_gpu_bytes"] > plan.budgets["gpu_bytes"]:
             raise PlanError(f"simulated peak GPU memory {plan.predicted['peak_gpu_bytes'] / GiB:.2f} GiB "
                             f"exceeds the budget")
-        return plan
+        return plan, sim
 
     def _predicted(self, plan: Plan, rep, sim) -> dict:
         """The plan's predicted figures: the simulated step, verify's memory peaks and the rates they imply."""
@@ -252,7 +260,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                   time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16,
                   resident="auto", calibrate: bool = False, packed: bool = False,
                   seq_tile: int | str | None = "auto", world_size: int = 1, nodes: int = 1,
-                  compile_blocks: bool = False) -> Plan:
+                  compile_blocks: bool = False, deadline: float | None = None) -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
     to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
 
@@ -271,7 +279,10 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     ``solver``: the MILP solver tried first (``"highs"`` or ``"cbc"``); every solve runs in a child
     process, so a solver that crashes or hangs costs that solve only: the other solver is tried,
     then the best heuristic plan is used, with one warning and the failures in ``plan.solver``.
-    ``time_limit``: seconds per solve (default ``SOLVE_TIME_LIMIT``).
+    ``time_limit``: seconds per solve (default ``SOLVE_TIME_LIMIT``).  ``deadline``: wall seconds the search
+    for the plan may take in all, heuristics, solves and the checks of their plans included (default
+    ``search.DEADLINE_S``, none when ``time_limit`` is given); when it runs out the best plan found so far is
+    returned and ``plan.solver.out_of_time`` says so.
 
     ``calibrate=True`` times the model's own blocks on this machine at the plan's micro-batch and
     sequence length and compiles with those times (``lazytrain.calibrate``; written into ``hardware``
@@ -309,10 +320,13 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     if calibrate:
         from ..calibrate import compile_calibrated
         return compile_calibrated(compile_model, model, {k: v for k, v in options.items() if k != "calibrate"})
-    _check_options(policy=policy, optimizer=optimizer, seq_len=seq_len, micro_batch=micro_batch, seq_tile=seq_tile)
+    _check_options(policy=policy, optimizer=optimizer, seq_len=seq_len, micro_batch=micro_batch, seq_tile=seq_tile,
+                   deadline=deadline)
     check_compile_args(model, batch_size=batch_size, seq_len=seq_len, micro_batch=micro_batch, nvme_dir=nvme_dir)
     history: list[dict] = []
     t0 = time.perf_counter()
+    if policy == "milp":
+        isolated.prestart(solver)       # its start-up overlaps the trace
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
     if not isinstance(compile_blocks, bool):
         raise ValueError(f"compile_blocks must be True or False, got {compile_blocks!r}")
@@ -328,7 +342,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
                     solver=solver, time_limit=time_limit, resident=fixed,
                     choose_resident=auto and policy == "milp" and hw.has_gpu, world_size=world_size, nodes=nodes,
-                    compile_blocks=compile_blocks)
+                    compile_blocks=compile_blocks, deadline=deadline)
     # cost, lower, verify and simulate run for each candidate the search builds (``Compiler.build``)
     plan = _search(comp, policy, batch_size, micro_batch, max_batch_limit)
     if comp.search.failures:
@@ -339,7 +353,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     return plan
 
 
-def _check_options(*, policy: str, optimizer: str, seq_len, micro_batch, seq_tile) -> None:
+def _check_options(*, policy: str, optimizer: str, seq_len, micro_batch, seq_tile, deadline=None) -> None:
     """The options ``compile_model`` checks itself, before the sizes (``frontend/validate.py``)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -351,6 +365,9 @@ def _check_options(*, policy: str, optimizer: str, seq_len, micro_batch, seq_til
         raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
     if seq_tile is not None and (not isinstance(seq_tile, int) or isinstance(seq_tile, bool) or seq_tile < 1):
         raise ValueError(f"seq_tile must be a positive number of tokens, 'auto' or None, got {seq_tile!r}")
+    if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool)
+                                 or not deadline > 0):
+        raise ValueError(f"deadline must be a positive number of seconds or None, got {deadline!r}")
 
 
 def _search(comp: Compiler, policy: str, batch_size, micro_batch: int | None, max_batch_limit) -> Plan:

@@ -12,7 +12,7 @@ import dataclasses
 import time
 import warnings
 
-from ..ir import Decisions, Place, Plan, PlanError, Saved, SolverStats
+from ..ir import Decisions, OpKind, Place, Plan, PlanError, Saved, SolverStats
 from .solvers import isolated
 from .solvers.heuristics import HEURISTICS
 from .solvers.milp import MilpOptions, coefficients, solve
@@ -28,10 +28,32 @@ TIGHTENINGS = 3
 #: ``SHORT_BUDGET_BLOCKS`` blocks (8B-class models) get less.
 SOLVER_BUDGET_S, SHORT_SOLVER_BUDGET_S, SHORT_BUDGET_BLOCKS = 12.0, 4.0, 48
 MIN_SOLVE_S = 0.5
+#: wall seconds the MILP search of one compile may take, from its start (the graph traced) to its answer: the
+#: heuristics, every solve, re-solve and the build that checks its plan in time order.  Past it no solve
+#: starts and the best plan so far is returned (``SolverStats.out_of_time``); a solve's limit is cut so that
+#: it and its plan's build (as long as the slowest build so far) end by then.  The solver budget above plus
+#: the builds of its plans: without a deadline qwen2.5-72b at 48 GiB, batch 72 searched for 23.9 s (six
+#: solves, seven 45,000-op builds of ~2.5 s), over the 20 s a whole compile may take; 8B-class chains
+#: (``SHORT_BUDGET_BLOCKS``) get the short one (llama3-8b at 48 GiB, batch 8 re-solved ten times)
+DEADLINE_S, SHORT_DEADLINE_S = 15.0, 4.0
 
 
 def _step(p: Plan) -> float:
     return p.predicted["step_time_s"]
+
+
+def _peaks_under_drain(plan: Plan, sim) -> bool:
+    """Does ``plan``'s time-ordered GPU memory peak while a block's gradients drain to the host?"""
+    if not sim.memory:
+        return False
+    t_peak = max(sim.memory, key=lambda e: e[1])[0]
+    return any(op.kind is OpKind.GRAD_OFFLOAD and sim.start[op.id] <= t_peak < sim.end[op.id] for op in plan.ops)
+
+
+def _out_of_time(plan: Plan) -> Plan:
+    """A copy of ``plan`` (memoized) whose solver stats say the search's deadline ran out after it."""
+    stats = dataclasses.replace(plan.solver or SolverStats(status="not_solved"), out_of_time=True)
+    return dataclasses.replace(plan, solver=stats, history=list(plan.history))
 
 
 def _with_note(plan: Plan, note: str, stats: SolverStats | None) -> Plan:
@@ -49,27 +71,72 @@ class Search:
         #: solver failures met in this search (the caller warns once)
         self.failures: list[str] = []
         L = comp.graph.n_blocks
+        short = L <= SHORT_BUDGET_BLOCKS
         #: solver seconds left to this search (``SOLVER_BUDGET_S``); unused when the caller set a time limit
-        self.solver_left = SHORT_SOLVER_BUDGET_S if L <= SHORT_BUDGET_BLOCKS else SOLVER_BUDGET_S
+        self.solver_left = SHORT_SOLVER_BUDGET_S if short else SOLVER_BUDGET_S
         self._tries_left = 1      # micro-batches the MILP search still means to try (shares the budget)
+        #: seconds this search may take (``DEADLINE_S``): the caller's, else the default unless the caller set a
+        #: time limit per solve (then each solve takes it whole), else none; counted per question of the caller's
+        self.seconds = comp.deadline if comp.deadline is not None else \
+            None if comp.time_limit is not None else SHORT_DEADLINE_S if short else DEADLINE_S
+        self.deadline: float | None = None       # when the question in progress must be answered (monotonic)
+        self._depth = 0                          # questions in progress (the MILP's asks the heuristics')
+        self.build_s = 0.0        # the slowest build of a plan so far: what a solve must leave time for
+        self.ran_out = False      # a solve or re-solve was skipped for the deadline
 
-    def time_limit(self) -> float:
-        """The next solve's limit: the caller's, else this micro-batch's share of the seconds left."""
+    def solve_limit(self) -> float:
+        """The next solve's limit before the deadline's cut: the caller's, else this micro-batch's share of the
+        solver seconds left (at least ``MIN_SOLVE_S``)."""
         if self.comp.time_limit is not None:
             return self.comp.time_limit
         share = self.solver_left / max(1, self._tries_left)
         return max(MIN_SOLVE_S, min(self.comp.solve_time_limit(), share))
 
+    def time_limit(self) -> float:
+        """The next solve's limit, cut so that the solve and its plan's build end by the deadline."""
+        limit = self.solve_limit()
+        return limit if self.deadline is None else min(limit, self.seconds_left() - self.build_s)
+
+    def seconds_left(self) -> float:
+        """Wall seconds to the deadline (infinite without one)."""
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def can_solve(self) -> bool:
+        """Is there time for one more solve (``MIN_SOLVE_S``, or the caller's limit if shorter) and its
+        build before the deadline?  No: the search stops and says so."""
+        floor = min(MIN_SOLVE_S, self.comp.time_limit or MIN_SOLVE_S)
+        if self.seconds_left() - self.build_s >= floor:
+            return True
+        self.ran_out = True
+        return False
+
+    def build(self, decisions: Decisions, batch_size: int, *, check_budget: bool = True, simulated: bool = False):
+        """``Compiler.build`` (``build_simulated`` when ``simulated``), timed: the slowest build so far is what
+        a solve leaves time for before the deadline (a solution is built to be checked)."""
+        t = time.perf_counter()
+        try:
+            out = self.comp.build_simulated(decisions, batch_size, check_budget=check_budget)
+        finally:
+            self.build_s = max(self.build_s, time.perf_counter() - t)
+        return out if simulated else out[0]
+
     def out_of_time(self) -> bool:
-        return self.comp.time_limit is None and self.solver_left <= 0
+        return (self.comp.time_limit is None and self.solver_left <= 0) or self.seconds_left() <= self.build_s
 
     # -- any policy ------------------------------------------------------------------------------
     def best(self, policy: str, batch_size: int, micro_batch: int | None = None, tries: int = 2) -> Plan | None:
         """Best feasible plan over micro-batch sizes (the given one only, if given)."""
         key = (policy, batch_size, micro_batch, tries)
         if key not in self._memo:
-            self._memo[key] = (self.best_milp(batch_size, micro_batch) if policy == "milp"
-                               else self.best_heuristic(policy, batch_size, micro_batch, tries))
+            outer = self._depth == 0        # a question of the caller's, not one the search asks itself
+            if outer and self.seconds is not None:
+                self.deadline, self.ran_out = time.monotonic() + self.seconds, False
+            self._depth += 1
+            try:
+                self._memo[key] = (self.best_milp(batch_size, micro_batch) if policy == "milp"
+                                   else self.best_heuristic(policy, batch_size, micro_batch, tries))
+            finally:
+                self._depth -= 1
         return self._memo[key]
 
     def best_heuristic(self, policy: str, batch_size: int, micro_batch: int | None, tries: int) -> Plan | None:
@@ -86,7 +153,7 @@ class Search:
                 t = time.perf_counter()
                 try:
                     dec = self.comp.with_resident(HEURISTICS[policy](self.comp.graph, mb, batch_size // mb))
-                    plan = self.comp.build(dec, batch_size)
+                    plan = self.build(dec, batch_size)
                     plan.history.append({"pass": f"{policy} micro-batch {mb}: decide+lower+verify+simulate",
                                          "seconds": round(time.perf_counter() - t, 4)})
                 except PlanError:
@@ -133,6 +200,8 @@ class Search:
         best: Plan | None = None
         extra = 0
         while tries or (larger and extra < 1):
+            if best is not None and not self.can_solve():
+                return _out_of_time(best)      # the deadline: the best plan so far
             if not tries and best is not None and self.out_of_time():
                 break            # the budget is spent: no larger micro-batch
             self._tries_left = len(tries) + (1 if larger and extra < 1 else 0)
@@ -159,22 +228,31 @@ class Search:
         comp = self.comp
         t = time.perf_counter()
         n_micro = batch_size // mb
+        drain = False        # the rows for an offloaded block's backward under the next block's drain
         def opts() -> MilpOptions:
             return MilpOptions(clip=comp.clip, order=comp.solver_order, time_limit=self.time_limit(),
-                               resident=comp.resident, choose_resident=comp.choose_resident)
+                               resident=comp.resident, choose_resident=comp.choose_resident,
+                               drain_under_reloads=drain)
         plan, stats, why = None, None, "the heuristic warm start simulated faster"
         excluded: list[Decisions] = []
         budget = comp.budgets["gpu_bytes"]
         n_cuts = NO_GOOD_CUTS_SHORT if comp.graph.n_blocks <= 12 else NO_GOOD_CUTS_LONG
         coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, n_micro, comp.options["host_bytes_per_param"])
         for attempt in range(n_cuts + TIGHTENINGS):
+            if not self.can_solve():
+                why = "the search deadline ran out" + (" before the solver found a plan in budget" if attempt else "")
+                break
             try:
                 t_solve = time.perf_counter()
                 try:
-                    dec, stats = solve(coef, opts(), micro_batch=mb, warm=warm.decisions if warm else None,
+                    o = opts()
+                    cut = o.time_limit < self.solve_limit()      # by the deadline
+                    dec, stats = solve(coef, o, micro_batch=mb, warm=warm.decisions if warm else None,
                                        exclude=tuple(excluded))
                 finally:
                     self.solver_left -= time.perf_counter() - t_solve
+                if stats.status != "optimal" and cut:
+                    self.ran_out = True      # the deadline cut this solve short
             except isolated.SolverFailure as e:
                 self.failures += [f for f in e.failures if f not in self.failures]
                 stats = SolverStats(status="solver failed", failures=tuple(e.failures))
@@ -183,20 +261,27 @@ class Search:
             except PlanError as e:
                 why = f"the MILP gave no plan ({e})"
                 stats = getattr(e, "stats", stats)
+                self.ran_out = self.ran_out or cut
                 break
-            trial = comp.build(dec, batch_size, check_budget=False)
+            trial, sim = self.build(dec, batch_size, check_budget=False, simulated=True)
             excess = trial.predicted["peak_gpu_bytes"] - comp.budgets["gpu_bytes"]
             if excess <= 0:
                 plan = trial if comp.within_budgets(trial) else None
                 break
-            # over budget in time order: first exclude this assignment (exact: the next best one
-            # is tried), then, if that keeps failing, tighten the window model's budget
-            if attempt < n_cuts:
+            # over budget in time order: where the peak is under a block's gradient drain, which the rows take
+            # as certain only where nothing is reloaded, add the rows that take it for reloaded blocks too (one
+            # re-solve: every such assignment, not this one only); else first exclude this assignment (exact:
+            # the next best one is tried), then, if that keeps failing, tighten the window model's budget
+            if not drain and _peaks_under_drain(trial, sim):
+                drain = True
+            elif attempt < n_cuts:
                 excluded.append(dec)
             else:
                 budget -= int(excess * 1.05) + 1
                 coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, n_micro,
                                     comp.options["host_bytes_per_param"], gpu_bytes=budget)
+        if self.ran_out:
+            stats = dataclasses.replace(stats or SolverStats(status="not_solved"), out_of_time=True)
         if warm is not None and (plan is None or _step(warm) < _step(plan)):
             if plan is None and stats is not None and stats.status != "solver failed":
                 warnings.warn(f"micro-batch {mb}: {why}; using the {warm.decisions.policy} plan instead",
@@ -220,7 +305,7 @@ class Search:
     def frugal_plan(self, batch_size: int, micro_batch: int) -> Plan | None:
         """The frugal plan built and checked against the budgets, or None where it does not fit."""
         try:
-            return self.comp.build(self.frugal(batch_size, micro_batch), batch_size)
+            return self.build(self.frugal(batch_size, micro_batch), batch_size)
         except PlanError:
             return None
 

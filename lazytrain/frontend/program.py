@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from ..ir import ModelGraph
@@ -112,20 +113,24 @@ def build_program(model: nn.Module, *, micro_batch: int, seq_len: int, device: s
 
 def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dtype, example_inputs=None,
                 loss_fn=None, packed: bool = False, seq_tile: int | None = None) -> Split:
-    """Export (three layers when the layers are identical), split, expand to the full depth, and tile the
+    """Export (two layers when the layers are identical, three when their programs differ: ``same_code``),
+    split, expand to the full depth, and tile the
     layers' position-wise tails when ``seq_tile`` is given; ``packed``: with ``position_ids`` and the
     per-example mask (``packing.py``)."""
     sequential = isinstance(model, nn.Sequential)
     buffers = real_buffers(model, device)
-    clone = meta_clone(model, dtype)
-    n_layers = None
-    if reducible(model):
-        n_layers = len(find_layers(model)[1])
-        clone = reduce_layers(clone)
-    ep, root = export(clone, micro_batch, seq_len, example_inputs, loss_fn, packed=packed)
-    sp = split_graph(ep, root, device=device, buffers=buffers, sequential=sequential)
-    if n_layers is not None:
-        sp = expand(sp, n_layers)
+    n_layers = len(find_layers(model)[1]) if reducible(model) else None
+    for keep in ((2, 3) if n_layers else (None,)):
+        clone = meta_clone(model, dtype)
+        if keep:
+            clone = reduce_layers(clone, keep)
+        ep, root = export(clone, micro_batch, seq_len, example_inputs, loss_fn, packed=packed)
+        sp = split_graph(ep, root, device=device, buffers=buffers, sequential=sequential)
+        if keep == 2 and not same_code(sp):
+            continue        # the first layer's program differs from the second's: three layers tell which serves
+        if keep:
+            sp = expand(sp, n_layers)
+        break
     names = {n for b in sp.blocks for n in b.param_names}
     missing = [n for n, _ in model.named_parameters() if n not in names]
     sp.meta["unused_params"] = missing
@@ -160,16 +165,42 @@ def real_buffers(model: nn.Module, device) -> dict[str, torch.Tensor]:
     return buffers
 
 
-def expand(sp: Split, n_layers: int) -> Split:
-    """Blocks of a 3-layer export -> blocks of the n-layer model (layer 1's code serves layers 1..n-2)."""
+def same_code(sp: Split) -> bool:
+    """In a two-layer export, is layer 1's program layer 0's, up to the names of its parameters and inputs?
+    Then layer 1's code serves every layer after the first: it computes what layer 0 computes, reads
+    layer 0's outputs where layer 0 reads the embedding's, and outputs what the next layer (or the head) reads,
+    since layer 0's outputs are what layer 1 reads; no node between two layers (which would join layer 0's
+    block and not the last layer's) can hide."""
+    _, l0, l1, _ = sp.blocks
     pre = sp.layers_prefix
-    emb, l0, l1, l2, head = sp.blocks
-    from_prev = {1: l0, 2: l1}
-    for r, blk in ((1, l1), (2, l2)):
-        allowed = set(sp.user_inputs) | set(emb.output_names) | set(from_prev[r].output_names)
-        if not set(blk.input_names) <= allowed or blk.gm.graph.find_nodes(op="get_attr"):
+    if [n.replace(f"{pre}.0.", f"{pre}.1.", 1) for n in l0.param_names] != l1.param_names or \
+            [sp.values[n] for n in l0.input_names] != [sp.values[n] for n in l1.input_names]:
+        return False
+    return _op_sequence(l0.gm) == _op_sequence(l1.gm)
+
+
+def _op_sequence(gm) -> list[tuple]:
+    """A graph's nodes as (op, target, arguments), every node argument replaced by its position."""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def ref(n):
+        return ("node", pos[n])
+    return [(n.op, n.target if n.op != "placeholder" else None, fx.node.map_arg(n.args, ref),
+             fx.node.map_arg(n.kwargs, ref)) for n in gm.graph.nodes]
+
+
+def expand(sp: Split, n_layers: int) -> Split:
+    """Blocks of a 3-layer export -> blocks of the n-layer model (layer 1's code serves layers 1..n-2, layer
+    2's the last); of a 2-layer export whose layers are the same code (``same_code``): layer 1's code serves
+    layers 1..n-1."""
+    pre = sp.layers_prefix
+    emb, *kept, head = sp.blocks
+    last = len(kept) - 1               # the exported last layer: 2 of a 3-layer export, 1 of a 2-layer one
+    for r in sorted({1, last}):
+        allowed = set(sp.user_inputs) | set(emb.output_names) | set(kept[r - 1].output_names)
+        if not set(kept[r].input_names) <= allowed or kept[r].gm.graph.find_nodes(op="get_attr"):
             raise TraceError(f"{pre}.{r} reads values other than the previous layer's; cannot replicate layers")
-    if not set(head.input_names) <= set(sp.user_inputs) | set(emb.output_names) | set(l2.output_names):
+    if not set(head.input_names) <= set(sp.user_inputs) | set(emb.output_names) | set(kept[last].output_names):
         raise TraceError("the head reads values from layers before the last; cannot replicate layers")
 
     def rename(name: str, r: int, j: int) -> str:
@@ -185,14 +216,15 @@ def expand(sp: Split, n_layers: int) -> Split:
                          output_names=[rename(n, r, j) for n in bc.output_names], loss=bc.loss,
                          user_loss=bc.user_loss)
 
-    layers = [l0] + [relabel(l1, 1, j) for j in range(1, n_layers - 1)] + [relabel(l2, 2, n_layers - 1)]
-    head2 = relabel(head, 3, n_layers, name=head.name)
+    def template(j: int) -> int:
+        return 1 if j < n_layers - 1 else last
+
+    layers = [kept[0]] + [relabel(kept[template(j)], template(j), j) for j in range(1, n_layers)]
+    head2 = relabel(head, last + 1, n_layers, name=head.name)
     values = {k: v for k, v in sp.values.items() if not k.startswith(f"{pre}.")}
-    values.update({k: sp.values[k] for k in l0.output_names})
+    values.update({k: sp.values[k] for k in kept[0].output_names})
     for j in range(1, n_layers):
-        r = 1 if j < n_layers - 1 else 2
-        tmpl = l1 if r == 1 else l2
-        for k in tmpl.output_names:
-            values[rename(k, r, j)] = sp.values[k]
+        for k in kept[template(j)].output_names:
+            values[rename(k, template(j), j)] = sp.values[k]
     return Split(blocks=[emb, *layers, head2], values=values, user_inputs=sp.user_inputs, layers_prefix=pre,
-                 meta={**sp.meta, "replicated_from": 3})
+                 meta={**sp.meta, "replicated_from": len(kept)})

@@ -1,7 +1,7 @@
 """A cache of traces: the ``ModelGraph`` of a model at one sequence length, as versioned JSON on disk.
 
 Tracing a Hugging Face model costs seconds that no compile after the first needs: importing
-transformers to build it and ``torch.export`` of its three-layer clone (~3.5 s of the 5 s a small
+transformers to build it and ``torch.export`` of its two-layer clone (~3.5 s of the 5 s a small
 model's compile may take on 2 cores), yet the result is a pure function of the model's structure, the
 trace's arguments and the code that traces.  The key is a hash of all of them:
 

@@ -17,12 +17,16 @@ Hugging Face models get ``is_causal`` attention and a check of their logits path
 The cut itself (nodes to blocks, one ``GraphModule`` each) is ``split.py``; this module prepares the model,
 exports it and defines the records both share.
 
-Large models are exported with only three layers (first, one middle, last) when all layers are
-structurally identical; the middle layer's code then serves every middle layer of the full model.
+Large models are exported with only two layers when all layers are structurally identical, and the second
+layer's code then serves every layer after the first (``program.expand``; three layers, first, one middle and
+last, where the two layers' programs differ).  The export records no stack trace per node
+(``torch.fx.config.do_not_emit_stack_traces``): nothing reads them, and collecting them was about a tenth
+of the export's CPU time (qwen2.5-7b's three layers: 0.55 -> 0.50 s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from dataclasses import dataclass, field
@@ -192,7 +196,8 @@ def reducible(model: nn.Module) -> bool:
 
 
 def reduce_layers(clone: nn.Module, keep: int = 3) -> nn.Module:
-    """Keep layers 0, 1 and the last (renumbered 0, 1, 2) of a meta clone, in place."""
+    """Keep layers 0, 1 and the last (renumbered 0, 1, 2) of a meta clone, in place; ``keep=2``: layers 0
+    and 1."""
     prefix, layers = find_layers(clone)
     parent_name, _, attr = prefix.rpartition(".")
     parent = clone.get_submodule(parent_name) if parent_name else clone
@@ -233,7 +238,7 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
             kwargs.update(packed_inputs(clone, ids))
 
     def run():
-        with TensorsFromData():
+        with TensorsFromData(), _no_stack_traces():
             return torch.export.export(root, (), kwargs, strict=False)
     try:
         ep = export_hf(clone, seq_len, run) if is_hf(clone) and not packed else run()
@@ -243,6 +248,19 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
         from .packing import check_document_mask  # (as above)
         check_document_mask(ep, type(clone).__name__)
     return ep, root
+
+
+@contextlib.contextmanager
+def _no_stack_traces():
+    """Export without a stack trace on every node: they serve only debugging, and the block programs are
+    built from the op graph alone."""
+    import torch.fx.config as fx_config
+    before = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = before
 
 
 def _to_meta_batch(t: torch.Tensor, micro_batch: int) -> torch.Tensor:

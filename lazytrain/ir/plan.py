@@ -39,6 +39,9 @@ class SolverStats:
     #: when none answered, to every one ("cbc crashed (SIGSEGV)"): the plan then comes from a heuristic
     solver: str = ""
     failures: tuple[str, ...] = ()
+    #: the compile's search deadline (``compiler/search.py``) ran out before the search was done: no further
+    #: solve or re-solve was started, and the plan is the best one found by then
+    out_of_time: bool = False
 
 
 @dataclass(kw_only=True)

@@ -150,7 +150,8 @@ def summary_rows(plan) -> list[list]:
         gap = f"{st.gap:.2%}" if isinstance(st.gap, (int, float)) else st.gap
         name = f"{st.solver} " if st.solver else ""
         rows.append(["solver", f"{name}{st.status}, objective {objective}, gap {gap}, {st.n_vars} vars, "
-                               f"{st.n_constraints} constraints, {st.seconds:.2f} s"])
+                               f"{st.n_constraints} constraints, {st.seconds:.2f} s"
+                               f"{'; the search deadline ran out' if st.out_of_time else ''}"])
         if st.failures:
             rows.append(["solver failures", "; ".join(st.failures)])
     # a value wraps onto more lines rather than widening the table past a terminal (~100 columns)

@@ -96,6 +96,9 @@ class MilpOptions:
     time_limit: float = 10.0
     resident: frozenset = frozenset()
     choose_resident: bool = False
+    #: a block whose saved activations or boundary are reloaded starts its backward while the next block's
+    #: gradients drain (``memory_rows``): set once the time-ordered check of a solution found its peak under a drain
+    drain_under_reloads: bool = False
 
 
 @dataclass(frozen=True)
@@ -347,7 +350,7 @@ def net_rows(m: LinearModel, c: Coefficients, v: Variables) -> None:
             m += TB[j] >= gather + scatter, f"net_B[{j}]"
 
 
-def memory_rows(m: LinearModel, c: Coefficients, v: Variables) -> None:
+def memory_rows(m: LinearModel, c: Coefficients, v: Variables, drain_under_reloads: bool = False) -> None:
     L, M = c.L, c.M
     off = [v.host[j] + v.nvme[j] for j in range(L)]
     boff = [v.bh[j] + v.bn[j] for j in range(L)]
@@ -376,13 +379,18 @@ def memory_rows(m: LinearModel, c: Coefficients, v: Variables) -> None:
             # early in B_j, before block j-1's reloads, block j+1's gradients are still draining
             # (cast, then D2H, from the end of B_{j+1}).  Certain only where B_j starts at once: a
             # kept block's first backward; a recompute from a GPU boundary (and its backward when
-            # the drain outlasts that recompute).  A reload may hold B_j back past the drain.  A
-            # resident block j+1 drains nothing.
-            overlap = v.keep[j] + (v.bg[j] if c.gout[j + 1] > c.fwd[j] else 0.0)
+            # the drain outlasts that recompute).  A reload may hold B_j back past the drain; where the
+            # reloads ran during B_{j+1} it does not (``drain_under_reloads``: the time-ordered check of a
+            # solution found its peak under a drain, as qwen2.5-72b's at 48 GiB, batch 72 did, 2.4 GiB over
+            # at an offloaded block's first backward: then a block whose saved activations or boundary are
+            # reloaded is taken to start at once too).  A resident block j+1 drains nothing.
+            at_once = v.bg[j] + (boff[j] if drain_under_reloads else 0.0)
+            overlap = v.keep[j] + (at_once if c.gout[j + 1] > c.fwd[j] else 0.0) + \
+                (off[j] if drain_under_reloads else 0.0)
             m += (backward + c.D[j + 1] * v.unless_resident(m, overlap, j + 1, f"drain_under_B[{j}]")
                   <= c.budget), f"gpu_memory_B_start[{j}]"
             m += (start + (c.S[j] + c.W[j]) * v.rec[j]
-                  + c.D[j + 1] * v.unless_resident(m, 1 * v.bg[j], j + 1, f"drain_under_recompute[{j}]")
+                  + c.D[j + 1] * v.unless_resident(m, 1 * at_once, j + 1, f"drain_under_recompute[{j}]")
                   <= c.budget), f"gpu_memory_recompute[{j}]"
     if c.host_cap:
         m += c.host_static + M * xsum(c.S[j] * v.host[j] + c.A[j] * v.bh[j] for j in range(L)) <= c.host_cap, \
@@ -428,7 +436,7 @@ def build_model(c: Coefficients, opts: MilpOptions, *, warm: Decisions | None = 
     v = variables(m, c, opts)
     choice_rows(m, c, v, opts)
     time_rows(m, c, v, opts)
-    memory_rows(m, c, v)
+    memory_rows(m, c, v, opts.drain_under_reloads)
     m.objective = objective(c, v)
     for n, bad in enumerate(exclude):
         ones = assignment(bad, v, c.L) or []

@@ -54,6 +54,10 @@ def main() -> None:
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    try:    # now, not at the first request: the caller starts this process early (``isolated.prestart``), so
+        import mip  # noqa: F401 - mip's ~0.2 s import overlaps the caller's trace on another core
+    except ImportError:
+        pass        # answered at the first request, as an error naming the missing library
     for line in sys.stdin:
         if not line.strip():
             continue
