@@ -10,6 +10,8 @@ compiles the plan's block programs when it starts (``compile_program``).  How on
    into a forward returning ``(outputs..., saved...)`` and a backward taking ``(saved..., output
    gradients...)`` and returning one gradient per argument.  It saves what is expensive to recompute
    (matmul and attention outputs) and recomputes cheap pointwise and normalisation ops in the backward;
+   or, at the cut the plan chose for the block (``Decisions.cut``, ``cuts.py``), saves less and recomputes
+   more in the backward;
 3. each half compiled by Inductor (``compile_fx_inner``: static shapes, no CUDA graphs, whose private
    memory pool would sit outside the plan's accounting).  A block the plan runs forward without saving
    (a recomputed block's first forward) also gets the forward without its saved outputs (``infer``).
@@ -22,8 +24,8 @@ What is compiled: every block but the head with the fused loss (its chunked auto
 ``loss_head.py``), a block that draws random numbers (its recomputation replays the generator through
 eager kernels, ``rng.py``) and a block with a tiled tail (``tiling.py`` recomputes it chunk by chunk);
 those run eager.  Blocks whose programs are the same code (identical layers: the structure of the graph,
-not its names, plus every argument's shape, stride, dtype and gradient flag; ``structure_key``) share one
-compiled pair.  Across runs Inductor's FX graph cache serves a program compiled before (in
+not its names, plus every argument's shape, stride, dtype and gradient flag; ``structure_key``) and cuts
+share one compiled pair.  Across runs Inductor's FX graph cache serves a program compiled before (in
 ``~/.cache/lazytrain/inductor``, or ``TORCHINDUCTOR_CACHE_DIR`` when the process set one).  A block whose
 compile fails runs eager; one warning names every such block.
 """
@@ -41,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
+from .cuts import budget as cut_budget
 from .tiling import run_tail
 from .trace_export import BlockCode
 
@@ -124,9 +127,10 @@ def _fake_args(specs: list[ArgSpec], device: torch.device, mode) -> list[torch.T
                 for s in specs]
 
 
-def partition(gm: fx.GraphModule, specs: list[ArgSpec], device, n_params: int) -> Partition:
+def partition(gm: fx.GraphModule, specs: list[ArgSpec], device, n_params: int, budget: float = 1.0) -> Partition:
     """The joint forward + backward of ``gm`` at ``specs``, cut by the min-cut rematerialization partitioner
-    (parameters have a static lifetime: saving one costs nothing, the runtime passes it again)."""
+    (parameters have a static lifetime: saving one costs nothing, the runtime passes it again) at activation
+    memory budget ``budget`` (1.0: min-cut; less: ``cuts.py``)."""
     from torch._functorch.aot_autograd import aot_export_joint_simple
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
@@ -149,8 +153,9 @@ def partition(gm: fx.GraphModule, specs: list[ArgSpec], device, n_params: int) -
         probe = fn(*args)
     grad_out = [kept[k] for k, o in enumerate(probe) if isinstance(o, torch.Tensor) and o.requires_grad]
     joint = aot_export_joint_simple(fn, args, trace_joint=True, decompositions=select_decomp_table())
-    fw, bw = min_cut_rematerialization_partition(joint, args, num_fwd_outputs=len(kept),
-                                                 static_lifetime_input_indices=list(range(n_params)))
+    with cut_budget(budget):
+        fw, bw = min_cut_rematerialization_partition(joint, args, num_fwd_outputs=len(kept),
+                                                     static_lifetime_input_indices=list(range(n_params)))
     n_tan = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and str(n.target).startswith("tangents"))
     if n_tan != len(grad_out):
         raise RuntimeError(f"the backward takes {n_tan} output gradients, {len(grad_out)} outputs need one")
@@ -305,10 +310,13 @@ def _counter(name: str) -> int:
 
 
 def compile_blocks(blocks: list[BlockCode], specs: list[list[ArgSpec]], device, *, infer: set[int] = frozenset(),
-                   compile_fn=inductor) -> tuple[dict[int, CompiledBlock], CompileReport]:
-    """Compile each block (``specs[j]``: its arguments, parameters first) once per distinct program;
-    ``infer``: blocks that also need the forward without saved tensors.  A block that fails runs eager, and
-    one warning names them all."""
+                   compile_fn=inductor, budgets: dict[int, float] | None = None
+                   ) -> tuple[dict[int, CompiledBlock], CompileReport]:
+    """Compile each block (``specs[j]``: its arguments, parameters first) once per distinct program and cut
+    (``budgets[j]``: the activation memory budget of block j's cut, ``cuts.py``; 1.0, the min-cut, where
+    absent); ``infer``: blocks that also need the forward without saved tensors.  A block that fails runs
+    eager, and one warning names them all."""
+    budgets = budgets or {}
     use_cache_folder()
     device = torch.device(device)
     rep = CompileReport()
@@ -320,12 +328,12 @@ def compile_blocks(blocks: list[BlockCode], specs: list[list[ArgSpec]], device, 
         if why is not None:
             rep.eager[j] = why
         else:
-            groups.setdefault(structure_key(bc.gm, specs[j], device), []).append(j)
+            groups.setdefault((structure_key(bc.gm, specs[j], device), budgets.get(j, 1.0)), []).append(j)
     out: dict[int, CompiledBlock] = {}
-    for key, members in groups.items():
+    for (key, budget), members in groups.items():
         bc, sp = blocks[members[0]], specs[members[0]]
         try:
-            part = partition(bc.gm, sp, device, len(bc.param_names))
+            part = partition(bc.gm, sp, device, len(bc.param_names), budget=budget)
             # cut before compiling: Inductor rewrites the graph it compiles (not on a cache hit), and the forward-
             # only graph must be the same code every run for its own cache entry to hit
             only = _without_saved(part) if infer & set(members) else None

@@ -366,13 +366,16 @@ def _program(model: torch.nn.Module, plan: Plan, device: torch.device):
 
 def _compile_blocks(program, plan: Plan, device: torch.device, param_dtype: torch.dtype, frozen: frozenset[str],
                     requires_grad: frozenset[str], verbose: bool):
-    """Compile the program's blocks when the plan asks for it (``compile(..., compile_blocks=True)``), with the
-    forward that saves nothing for the blocks the plan runs so (a recomputed block's first forward)."""
+    """Compile the program's blocks when the plan asks for it (``compile(..., compile_blocks=True)``), each at
+    the cut the plan chose for it (``Decisions.cut``), with the forward that saves nothing for the blocks the plan
+    runs so (a recomputed block's first forward)."""
     if not plan.options.get("compile_blocks"):
         return None
     infer = {op.block for op in plan.ops if op.kind is OpKind.COMPUTE and not op.save}
+    dec, blocks = plan.decisions, plan.graph.blocks
+    budgets = {j: blocks[j].cuts[dec.cut_of(j)].budget for j in range(len(blocks)) if dec.cut_of(j)}
     report = program.compile(device, param_dtype=param_dtype, frozen=frozen, requires_grad=requires_grad,
-                             infer=infer)
+                             infer=infer, budgets=budgets)
     log.info("%s", report.line())
     if verbose:
         print(f"[lazytrain] {report.line()}", file=sys.stderr)

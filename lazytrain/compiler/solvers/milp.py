@@ -55,6 +55,13 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
               host: static store + M sum_j (S_j host[j] + A_j bhost[j]) <= budget;  NVMe likewise.
     head      the last block neither offloads nor stores its boundary off the GPU (it runs its
               forward and backward back to back).
+    cuts      a compiled block with several cuts (``frontend/cuts.py``) has one binary per (placement, cut):
+              keep[j] = sum_k keep[j,k] (host, nvme likewise), and every S_j above is the chosen cut's:
+              S_j keep[j] -> sum_k S_jk keep[j,k]; its backward window adds M sum_k R_jk (keep+host+nvme)[j,k]
+              (R_jk: what cut k recomputes) and its backward transient sum_k (S_j0 - S_jk) (...)[j,k] (the
+              regenerated values); spill[j] and reload_late[j] are then in GiB (<= their fraction times the
+              chosen cut's offloaded bytes) rather than fractions of S_j.  A block with one cut has the columns,
+              rows and coefficients above exactly.
 
 Coefficients come from the cost graph (``compiler/costgraph.py``), built for the streamed model.  The
 model is small (8L binaries, 4L+1 continuous); identical layers are symmetric, so a time limit
@@ -129,6 +136,9 @@ class Coefficients:
     host_static: float
     nvme_cap: float
     use_nvme: bool
+    #: per block, per cut (``Block.cuts``; one entry: the min-cut only): saved GiB, backward ms it adds
+    cut_S: list = field(default_factory=list)
+    cut_R: list = field(default_factory=list)
     #: with several ranks (``ir.sharding``): per block its all-gather and reduce-scatter on the collective
     #: stream, and the all-reduce of the norms (empty / 0 in a world of one: no rows)
     ag: list = field(default_factory=list)
@@ -174,7 +184,9 @@ def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
         nvme_cap=nvme_cap / GiB, use_nvme=bool(budgets.get("nvme_dir")) and nvme_cap > 0,
         ag=[cost.all_gather_s(j) * MS for j in range(L)] if cost.sharded else [],
         rs=[cost.reduce_scatter_s(j) * MS for j in range(L)] if cost.sharded else [],
-        ar=cost.all_reduce_s() * MS if cost.sharded else 0.0)
+        ar=cost.all_reduce_s() * MS if cost.sharded else 0.0,
+        cut_S=[[cost.saved_bytes(j, k) / GiB for k in range(cost.n_cuts(j))] for j in range(L)],
+        cut_R=[[cost.cut_recompute_s(j, k) * MS for k in range(cost.n_cuts(j))] for j in range(L)])
 
 
 @dataclass
@@ -199,6 +211,38 @@ class Variables:
 
     #: res[j] where the compile fixed it (0 or 1), None where the solver chooses
     fixed_res: list = field(default_factory=list)
+    #: per block, per cut: keep / host / nvme binaries (one cut: the keep[j], host[j], nvme[j] columns themselves)
+    keep_c: list = field(default_factory=list)
+    host_c: list = field(default_factory=list)
+    nvme_c: list = field(default_factory=list)
+
+    def cuts(self, j: int) -> int:
+        return len(self.keep_c[j])
+
+    def saved(self, c: Coefficients, j: int, place: str):
+        """GiB block j saves per micro-batch where ``place`` says ("keep", "host", "nvme", "off": host or nvme),
+        at the chosen cut: S_j times the binary for a block of one cut."""
+        cols = {"keep": (self.keep_c,), "host": (self.host_c,), "nvme": (self.nvme_c,),
+                "off": (self.host_c, self.nvme_c)}[place]
+        if self.cuts(j) == 1:
+            x = cols[0][j][0] if len(cols) == 1 else cols[0][j][0] + cols[1][j][0]
+            return c.S[j] * x
+        return xsum(c.cut_S[j][k] * col[j][k] for col in cols for k in range(self.cuts(j)))
+
+    def by_cut(self, c: Coefficients, j: int, coef: list):
+        """sum_k coef[k] (keep+host+nvme)[j,k]: what the chosen cut adds (0 for a block of one cut)."""
+        if self.cuts(j) == 1:
+            return 0.0
+        return xsum(coef[k] * (self.keep_c[j][k] + self.host_c[j][k] + self.nvme_c[j][k])
+                    for k in range(1, self.cuts(j)) if coef[k])
+
+    def spilled(self, c: Coefficients, j: int):
+        """GiB of block j's offload per micro-batch that finishes in the next window."""
+        return c.S[j] * self.spill[j] if self.cuts(j) == 1 else 1 * self.spill[j]
+
+    def late_gib(self, c: Coefficients, j: int):
+        """GiB of block j's reload per micro-batch that finishes in its own backward window."""
+        return c.S[j] * self.late[j] if self.cuts(j) == 1 else 1 * self.late[j]
 
     def streamed(self, j: int):
         """1 - res[j]: the factor of block j's streamed terms."""
@@ -218,9 +262,13 @@ class Variables:
 def variables(m: LinearModel, c: Coefficients, opts: MilpOptions) -> Variables:
     L, M = c.L, c.M
     nv = 1.0 if c.use_nvme else 0.0
-    keep = [m.binary(f"keep_saved[{j}]") for j in range(L)]
-    host = [m.binary(f"saved_on_host[{j}]") for j in range(L)]
-    nvme = [m.binary(f"saved_on_nvme[{j}]", ub=nv) for j in range(L)]
+    K = [len(c.cut_S[j]) if c.cut_S else 1 for j in range(L)]
+    keep_c = [[m.binary(f"keep_saved[{j}]" + (f"[cut {k}]" if k else "")) for k in range(K[j])] for j in range(L)]
+    host_c = [[m.binary(f"saved_on_host[{j}]" + (f"[cut {k}]" if k else "")) for k in range(K[j])] for j in range(L)]
+    nvme_c = [[m.binary(f"saved_on_nvme[{j}]" + (f"[cut {k}]" if k else ""), ub=nv) for k in range(K[j])]
+              for j in range(L)]
+    keep, host, nvme = ([col[j][0] if K[j] == 1 else xsum(col[j]) for j in range(L)]
+                        for col in (keep_c, host_c, nvme_c))
     rec = [m.binary(f"recompute[{j}]") for j in range(L)]
     bg = [m.binary(f"boundary_on_gpu[{j}]") for j in range(L)]
     bh = [m.binary(f"boundary_on_host[{j}]") for j in range(L)]
@@ -228,8 +276,11 @@ def variables(m: LinearModel, c: Coefficients, opts: MilpOptions) -> Variables:
     # transfers overlap the next window at micro-batch granularity: offloads of block j may finish
     # during F_{j+1} (at most two micro-batches: the lowering throttles compute), and reloads of
     # block k may finish during B_k (each micro-batch's backward waits only for its own)
-    spill = [m.add_var(f"offload_spill[{j}]", ub=min(1.0, 2.0 / M)) for j in range(L)]
-    late = [m.add_var(f"reload_late[{j}]", ub=(M - 1) / M) for j in range(L)]   # the first micro-batch is early
+    # (in GiB for a block of several cuts: a fraction times the chosen cut's bytes, bounded in ``choice_rows``)
+    spill = [m.add_var(f"offload_spill[{j}]", ub=min(1.0, 2.0 / M) * (1 if K[j] == 1 else max(c.cut_S[j])))
+             for j in range(L)]
+    late = [m.add_var(f"reload_late[{j}]", ub=(M - 1) / M * (1 if K[j] == 1 else max(c.cut_S[j])))
+            for j in range(L)]   # the first micro-batch is early
     prefix = []
     for j in range(L):
         fixed = 1.0 if j in opts.resident else None
@@ -241,8 +292,11 @@ def variables(m: LinearModel, c: Coefficients, opts: MilpOptions) -> Variables:
     TF = [m.add_var(f"T_F[{j}]") for j in range(L)]
     TB = [m.add_var(f"T_B[{j}]") for j in range(L)]
     TX = m.add_var("T_X")
-    v = Variables(keep, host, nvme, rec, bg, bh, bn, spill, late, prefix, res, TF, TB, TX)
-    v.decisions = [*keep, *host, *nvme, *rec, *bg, *bh, *bn, *prefix]
+    v = Variables(keep, host, nvme, rec, bg, bh, bn, spill, late, prefix, res, TF, TB, TX,
+                  keep_c=keep_c, host_c=host_c, nvme_c=nvme_c)
+    cols = [x for col in (keep_c, host_c, nvme_c) for j in range(L) for x in col[j][1:]]
+    v.decisions = [*(x[0] for x in keep_c), *(x[0] for x in host_c), *(x[0] for x in nvme_c), *rec, *bg, *bh, *bn,
+                   *prefix, *cols]
     v.fixed_res = [None if opts.choose_resident and c.first_of_group[j] not in opts.resident
                    else float(c.first_of_group[j] in opts.resident) for j in range(L)]
     return v
@@ -253,8 +307,12 @@ def choice_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions
     for j in range(L):
         m += v.keep[j] + v.host[j] + v.nvme[j] + v.rec[j] == 1, f"one_policy[{j}]"
         m += v.bg[j] + v.bh[j] + v.bn[j] == v.rec[j], f"boundary_iff_recompute[{j}]"
-        m += v.spill[j] <= v.host[j] + v.nvme[j], f"spill_only_offloads[{j}]"
-        m += v.late[j] <= v.host[j] + v.nvme[j], f"late_only_reloads[{j}]"
+        if v.cuts(j) == 1:
+            m += v.spill[j] <= v.host[j] + v.nvme[j], f"spill_only_offloads[{j}]"
+            m += v.late[j] <= v.host[j] + v.nvme[j], f"late_only_reloads[{j}]"
+        else:
+            m += v.spill[j] <= min(1.0, 2.0 / c.M) * v.saved(c, j, "off"), f"spill_only_offloads[{j}]"
+            m += v.late[j] <= (c.M - 1) / c.M * v.saved(c, j, "off"), f"late_only_reloads[{j}]"
     m += 1 * v.spill[L - 1] == 0, "nothing_after_the_last_forward"
     h = L - 1
     m += v.host[h] + v.nvme[h] + v.bh[h] + v.bn[h] == 0, "head_stays_on_gpu"
@@ -271,8 +329,8 @@ def choice_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions
 def time_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions) -> None:
     L, M = c.L, c.M
     TF, TB, TX = v.TF, v.TB, v.TX
-    off = [v.host[j] + v.nvme[j] for j in range(L)]
     boff = [v.bh[j] + v.bn[j] for j in range(L)]
+    cut_ms = [v.by_cut(c, j, c.cut_R[j]) if c.cut_R else 0.0 for j in range(L)]
     load = [c.load[j] * v.streamed(j) for j in range(L)]
     gout = [c.gout[j] * v.streamed(j) for j in range(L)]
     U = [c.U[j] * v.streamed(j) for j in range(L)]
@@ -280,14 +338,15 @@ def time_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions) 
         m += TF[j] >= M * c.fwd[j], f"gpu_F[{j}]"
         if j + 1 < L:
             m += TF[j] >= load[j + 1], f"h2d_F[{j}]"
-        spilled_in = c.S[j - 1] * v.spill[j - 1] if j >= 1 else 0.0
-        m += TF[j] >= M * c.d2h_ms * (c.S[j] * (off[j] - v.spill[j]) + spilled_in + c.A[j] * boff[j]), f"d2h_F[{j}]"
+        spilled_in = v.spilled(c, j - 1) if j >= 1 else 0.0
+        m += TF[j] >= M * c.d2h_ms * (v.saved(c, j, "off") - v.spilled(c, j) + spilled_in + c.A[j] * boff[j]), \
+            f"d2h_F[{j}]"
         if c.use_nvme:
-            m += TF[j] >= M * c.nvw_ms * (c.S[j] * v.nvme[j] + c.A[j] * v.bn[j]), f"nvme_F[{j}]"
-        m += TB[j] >= M * c.bwd[j] + M * c.fwd[j] * v.rec[j], f"gpu_B[{j}]"
+            m += TF[j] >= M * c.nvw_ms * (v.saved(c, j, "nvme") + c.A[j] * v.bn[j]), f"nvme_F[{j}]"
+        m += TB[j] >= M * c.bwd[j] + M * c.fwd[j] * v.rec[j] + M * cut_ms[j], f"gpu_B[{j}]"
         if j >= 1:
             k = j - 1
-            reloads = M * c.h2d_ms * (c.S[k] * (off[k] - v.late[k]) + c.S[j] * v.late[j] + c.A[k] * boff[k])
+            reloads = M * c.h2d_ms * (v.saved(c, k, "off") - v.late_gib(c, k) + v.late_gib(c, j) + c.A[k] * boff[k])
             if j == L - 1:
                 # the head runs forward and backward back to back: block L-2's parameters load while
                 # the head's forward runs (nothing else uses H2D then); its reloads wait for the
@@ -297,14 +356,15 @@ def time_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions) 
             else:
                 m += TB[j] >= (load[k] if k != L - 1 else 0.0) + reloads, f"h2d_B[{j}]"
             if c.use_nvme:
-                m += TB[j] >= M * c.nvr_ms * (c.S[k] * v.nvme[k] + c.A[k] * v.bn[k]), f"nvme_B[{j}]"
+                m += TB[j] >= M * c.nvr_ms * (v.saved(c, k, "nvme") + c.A[k] * v.bn[k]), f"nvme_B[{j}]"
         if j + 1 < L:
             m += TB[j] >= gout[j + 1], f"d2h_B[{j}]"
         # the last late reload must land before the last micro-batch's backward can run
-        m += TB[j] >= M * c.h2d_ms * c.S[j] * v.late[j] + c.bwd[j], f"late_reload_then_backward[{j}]"
+        m += TB[j] >= M * c.h2d_ms * v.late_gib(c, j) + c.bwd[j] + cut_ms[j], f"late_reload_then_backward[{j}]"
     # block 0's reloads happen before its backward (nothing left to hide them under)
-    m += TB[0] >= M * c.bwd[0] + M * c.fwd[0] * v.rec[0] + M * c.h2d_ms * c.A[0] * v.bh[0], "h2d_B_first"
-    m += TB[0] >= M * c.h2d_ms * c.S[0] * v.late[0], "h2d_B_0_late"
+    m += TB[0] >= M * c.bwd[0] + M * c.fwd[0] * v.rec[0] + M * cut_ms[0] + M * c.h2d_ms * c.A[0] * v.bh[0], \
+        "h2d_B_first"
+    m += TB[0] >= M * c.h2d_ms * v.late_gib(c, 0), "h2d_B_0_late"
     # with several ranks block 0's gradient is reduce-scattered before its offload, the norms all-reduced
     # before any update, and each load all-gathered before its forward (0 for one rank)
     net = [c.rs[0] + c.ar + c.ag[j] for j in range(L)] if c.ag else None
@@ -338,7 +398,7 @@ def net_rows(m: LinearModel, c: Coefficients, v: Variables) -> None:
 
 def memory_rows(m: LinearModel, c: Coefficients, v: Variables) -> None:
     L, M = c.L, c.M
-    off = [v.host[j] + v.nvme[j] for j in range(L)]
+    off = [v.saved(c, j, "off") for j in range(L)]      # GiB per micro-batch
     boff = [v.bh[j] + v.bn[j] for j in range(L)]
     P = [c.P[j] * v.streamed(j) for j in range(L)]
     held = xsum(c.R[j] * v.res[j] for j in range(L))     # what resident blocks hold for the whole run
@@ -346,20 +406,22 @@ def memory_rows(m: LinearModel, c: Coefficients, v: Variables) -> None:
         # boundary values in flight: micro-batch k of a window holds M - k of one side's values and
         # k + 1 of the other's (activations j -> j+1 forward, their gradients backward)
         flowing = max(c.A[j], c.A[j + 1]) * M + min(c.A[j], c.A[j + 1])
-        kept = xsum(c.S[i] * M * v.keep[i] + c.A[i] * M * v.bg[i] for i in range(j + 1))
+        kept = xsum(M * v.saved(c, i, "keep") + c.A[i] * M * v.bg[i] for i in range(j + 1))
         nxt = P[j + 1] if j + 1 < L else 0.0
-        spilled = min(2, M) * c.S[j - 1] * off[j - 1] if j >= 1 else 0.0
-        m += (held + P[j] + nxt + kept + flowing + min(2, M) * c.S[j] * off[j] + spilled + c.W[j]
+        spilled = min(2, M) * off[j - 1] if j >= 1 else 0.0
+        m += (held + P[j] + nxt + kept + flowing + min(2, M) * off[j] + spilled + c.W[j]
               <= c.budget), f"gpu_memory_F[{j}]"
         prev = j - 1
         pre_p = P[prev] if prev >= 0 else 0.0
         # block j's reloads (saved activations, or the boundary its recompute starts from) are in
-        start = held + P[j] + pre_p + kept + flowing + c.S[j] * M * off[j] + c.A[j] * M * boff[j]
+        start = held + P[j] + pre_p + kept + flowing + M * off[j] + c.A[j] * M * boff[j]
         # in program order (when the runtime allocates) block j-1's reloads are issued before B_j's
         # backward: the allocator holds them all
-        reloaded = c.S[prev] * M * off[prev] + c.A[prev] * M * boff[prev] if prev >= 0 else 0.0
+        reloaded = M * off[prev] + c.A[prev] * M * boff[prev] if prev >= 0 else 0.0
         # a backward follows its micro-batch's recompute, which freed that micro-batch's boundary
-        backward = (start - c.A[j] * v.rec[j] + c.Gacc[j] * v.streamed(j) + c.S[j] * v.rec[j] + c.WB[j])
+        # (a cut's backward regenerates what it did not save: live while it runs)
+        regen = v.by_cut(c, j, [c.cut_S[j][0] - s for s in c.cut_S[j]]) if c.cut_S else 0.0
+        backward = (start - c.A[j] * v.rec[j] + c.Gacc[j] * v.streamed(j) + c.S[j] * v.rec[j] + c.WB[j] + regen)
         m += backward + reloaded <= c.budget, f"gpu_memory_B[{j}]"
         if j + 1 < L:
             # early in B_j, before block j-1's reloads, block j+1's gradients are still draining
@@ -374,10 +436,10 @@ def memory_rows(m: LinearModel, c: Coefficients, v: Variables) -> None:
                   + c.D[j + 1] * v.unless_resident(m, 1 * v.bg[j], j + 1, f"drain_under_recompute[{j}]")
                   <= c.budget), f"gpu_memory_recompute[{j}]"
     if c.host_cap:
-        m += c.host_static + M * xsum(c.S[j] * v.host[j] + c.A[j] * v.bh[j] for j in range(L)) <= c.host_cap, \
+        m += c.host_static + M * xsum(v.saved(c, j, "host") + c.A[j] * v.bh[j] for j in range(L)) <= c.host_cap, \
             "host_memory"
     if c.use_nvme:
-        m += M * xsum(c.S[j] * v.nvme[j] + c.A[j] * v.bn[j] for j in range(L)) <= c.nvme_cap, "nvme_capacity"
+        m += M * xsum(v.saved(c, j, "nvme") + c.A[j] * v.bn[j] for j in range(L)) <= c.nvme_cap, "nvme_capacity"
 
 
 def objective(c: Coefficients, v: Variables):
@@ -385,7 +447,7 @@ def objective(c: Coefficients, v: Variables):
     bytes on the GPU (a margin for the time-ordered peak that the windows cannot see); 1e-4 ms per
     GiB never outweighs a real time difference at the solver's gap."""
     step = xsum(v.TF) + xsum(v.TB) + v.TX
-    on_gpu = xsum(c.S[j] * c.M * v.keep[j] + c.A[j] * c.M * v.bg[j] for j in range(c.L))
+    on_gpu = xsum(c.M * v.saved(c, j, "keep") + c.A[j] * c.M * v.bg[j] for j in range(c.L))
     return step + 1e-4 * on_gpu
 
 
@@ -396,9 +458,12 @@ def assignment(dec: Decisions, v: Variables, L: int) -> list[tuple[Var, float]] 
         return None
     out = []
     for j in range(L):
-        s = dec.saved[j]
-        out += [(v.keep[j], float(s is Saved.KEEP)), (v.host[j], float(s is Saved.HOST)),
-                (v.nvme[j], float(s is Saved.NVME)), (v.rec[j], float(s is Saved.RECOMPUTE))]
+        s, cut = dec.saved[j], dec.cut_of(j)
+        if cut >= v.cuts(j):
+            return None
+        for col, place in ((v.keep_c, Saved.KEEP), (v.host_c, Saved.HOST), (v.nvme_c, Saved.NVME)):
+            out += [(col[j][k], float(s is place and k == cut)) for k in range(v.cuts(j))]
+        out.append((v.rec[j], float(s is Saved.RECOMPUTE)))
         p = dec.boundary[j] if s is Saved.RECOMPUTE else Place.NONE
         if j == 0 and s is Saved.RECOMPUTE:
             p = Place.HOST
@@ -432,13 +497,14 @@ def build_model(c: Coefficients, opts: MilpOptions, *, warm: Decisions | None = 
 
 def decode(v: Variables, x: list[float], *, micro_batch: int, n_micro: int, objective_s: float) -> Decisions:
     def on(var) -> bool:
-        return x[var.index] > 0.5
+        return (x[var.index] if isinstance(var, Var) else var.value(x)) > 0.5
 
     L = len(v.keep)
-    saved, boundary = [], []
+    saved, boundary, cut = [], [], []
     for j in range(L):
         saved.append(Saved.KEEP if on(v.keep[j]) else Saved.HOST if on(v.host[j]) else
                      Saved.NVME if on(v.nvme[j]) else Saved.RECOMPUTE)
+        cut.append(next((k for k in range(v.cuts(j)) for col in (v.keep_c, v.host_c, v.nvme_c) if on(col[j][k])), 0))
         boundary.append(Place.GPU if on(v.bg[j]) else Place.HOST if on(v.bh[j]) else
                         Place.NVME if on(v.bn[j]) else Place.NONE)
     if saved[0] is Saved.RECOMPUTE:
@@ -446,7 +512,7 @@ def decode(v: Variables, x: list[float], *, micro_batch: int, n_micro: int, obje
     resident = tuple(on(v.res[j]) for j in range(L))
     return Decisions(policy="milp", micro_batch=micro_batch, n_micro=n_micro, boundary=tuple(boundary),
                      saved=tuple(saved), resident=resident if any(resident) else (),
-                     notes={"objective_s": objective_s})
+                     notes={"objective_s": objective_s}, cut=tuple(cut) if any(cut) else ())
 
 
 def solve(c: Coefficients, opts: MilpOptions, *, micro_batch: int, warm: Decisions | None = None,
