@@ -127,12 +127,21 @@ def _fake_args(specs: list[ArgSpec], device: torch.device, mode) -> list[torch.T
                 for s in specs]
 
 
-def partition(gm: fx.GraphModule, specs: list[ArgSpec], device, n_params: int, budget: float = 1.0) -> Partition:
-    """The joint forward + backward of ``gm`` at ``specs``, cut by the min-cut rematerialization partitioner
-    (parameters have a static lifetime: saving one costs nothing, the runtime passes it again) at activation
-    memory budget ``budget`` (1.0: min-cut; less: ``cuts.py``)."""
+@dataclass
+class Joint:
+    """A block program's joint forward + backward graph (AOTAutograd), before it is cut: ``cut`` partitions a
+    copy, so one joint serves every cut of the program (``cuts.propose``)."""
+
+    graph: fx.GraphModule
+    args: list                  # the fake arguments it was traced at
+    n_outputs: int              # outputs the forward computes (passthrough outputs excluded)
+    grad_out: list[int]         # indices into the program's outputs whose gradients the backward takes
+    passthrough: dict[int, int]
+
+
+def joint(gm: fx.GraphModule, specs: list[ArgSpec], device) -> Joint:
+    """The joint forward + backward of ``gm`` at ``specs``, decomposed as Inductor decomposes."""
     from torch._functorch.aot_autograd import aot_export_joint_simple
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -152,14 +161,30 @@ def partition(gm: fx.GraphModule, specs: list[ArgSpec], device, n_params: int, b
     with mode:
         probe = fn(*args)
     grad_out = [kept[k] for k, o in enumerate(probe) if isinstance(o, torch.Tensor) and o.requires_grad]
-    joint = aot_export_joint_simple(fn, args, trace_joint=True, decompositions=select_decomp_table())
+    graph = aot_export_joint_simple(fn, args, trace_joint=True, decompositions=select_decomp_table())
+    return Joint(graph=graph, args=args, n_outputs=len(kept), grad_out=grad_out, passthrough=passthrough)
+
+
+def cut(j: Joint, n_params: int, budget: float = 1.0) -> Partition:
+    """A copy of the joint graph cut by the min-cut rematerialization partitioner (parameters have a static
+    lifetime: saving one costs nothing, the runtime passes it again) at activation memory budget ``budget``
+    (1.0: min-cut; less: ``cuts.py``).  The partitioner rewrites the graph it is given, hence the copy."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    g = fx.Graph()
+    g.output(g.graph_copy(j.graph.graph, {}))
     with cut_budget(budget):
-        fw, bw = min_cut_rematerialization_partition(joint, args, num_fwd_outputs=len(kept),
+        fw, bw = min_cut_rematerialization_partition(fx.GraphModule(j.graph, g), j.args, num_fwd_outputs=j.n_outputs,
                                                      static_lifetime_input_indices=list(range(n_params)))
     n_tan = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and str(n.target).startswith("tangents"))
-    if n_tan != len(grad_out):
-        raise RuntimeError(f"the backward takes {n_tan} output gradients, {len(grad_out)} outputs need one")
-    return Partition(fw=fw, bw=bw, n_outputs=len(kept), tangents=tuple(grad_out), passthrough=passthrough)
+    if n_tan != len(j.grad_out):
+        raise RuntimeError(f"the backward takes {n_tan} output gradients, {len(j.grad_out)} outputs need one")
+    return Partition(fw=fw, bw=bw, n_outputs=j.n_outputs, tangents=tuple(j.grad_out), passthrough=j.passthrough)
+
+
+def partition(gm: fx.GraphModule, specs: list[ArgSpec], device, n_params: int, budget: float = 1.0) -> Partition:
+    """``gm``'s joint graph at ``specs`` (``joint``), cut at ``budget`` (``cut``)."""
+    return cut(joint(gm, specs, device), n_params, budget)
 
 
 def saved_bytes(part: Partition, n_params: int) -> int:

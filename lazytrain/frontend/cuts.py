@@ -118,11 +118,12 @@ def propose(gm: fx.GraphModule, specs, device, n_params: int) -> list[tuple[floa
     """The distinct cuts of block program ``gm`` (``compiled.partition`` at each of ``CUT_BUDGETS``):
     (budget, saved bytes, backward FLOPs beyond the min-cut backward's, of them attention), min-cut first, each
     later one saving fewer bytes than every one before it."""
-    from .compiled import partition, saved_bytes
+    from .compiled import cut, joint, saved_bytes
     out: list[tuple[float, int, int, int]] = []
     base = None
+    whole = joint(gm, specs, device)
     for b in CUT_BUDGETS:
-        part = partition(gm, specs, device, n_params, budget=b)
+        part = cut(whole, n_params, budget=b)
         nbytes = saved_bytes(part, n_params)
         flops, attn = graph_flops(part.bw)
         if base is None:

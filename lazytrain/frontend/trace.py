@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..ir import Block, Cut, ModelGraph, ParamSpec, TensorSpec
 from ..ir.graph import DTYPE_BYTES, LOSS_MIN_COLUMNS
 from .attention import DQ_ACCUMULATOR_BYTES, AttentionCount, is_attention
-from .compiled import contiguous_spec, why_eager
+from .compiled import contiguous_spec, structure_key, why_eager
 from .cuts import CUT_BUDGETS, propose
 from .loss_head import DEFAULT_CHUNK_LOGITS, bytes_per_logit, fused_next_token_loss, row_bytes
 from .program import build_split
@@ -148,12 +148,13 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
                                      f"{str(e).splitlines()[0] if str(e) else ''}") from None
             figs = cache[key]
             if compile_blocks and why_eager(b) is None:
-                if b.gm not in partitioned:
-                    partitioned[b.gm] = _partition_saved(b, sp, model, dtype)
-                if partitioned[b.gm] is not None:
+                pkey = _partition_key(b, sp, model, dtype)
+                if pkey not in partitioned:
+                    partitioned[pkey] = _partition_saved(b, sp, model, dtype)
+                if partitioned[pkey] is not None:
                     cuts = tuple(Cut(budget=bg, saved_bytes=math.ceil(n / mb), recompute_flops=math.ceil(f / mb),
-                                     recompute_attn_flops=math.ceil(a / mb)) for bg, n, f, a in partitioned[b.gm])
-                    figs = (partitioned[b.gm][0][1], *figs[1:])
+                                     recompute_attn_flops=math.ceil(a / mb)) for bg, n, f, a in partitioned[pkey])
+                    figs = (partitioned[pkey][0][1], *figs[1:])
                     cuts = cuts if len(cuts) > 1 else ()
                     compiled.append(j)
         saved, ws, fixed, ff, bf, attn = figs
@@ -187,16 +188,28 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
                       edges=tuple(e for e in edges if e[1] != e[0] + 1), meta=meta)
 
 
-def _partition_saved(b, sp: Split, model: nn.Module, dtype: torch.dtype) -> list | None:
-    """Block ``b``'s cuts when compiled (``cuts.propose`` on meta tensors: budget, saved bytes, recomputed
-    FLOPs, of them attention, at the trace's micro-batch), or None when it cannot be partitioned (the runtime
-    then runs it eager: its hook-measured figure stands)."""
+def _specs(b, sp: Split, model: nn.Module, dtype: torch.dtype) -> list:
+    """Block ``b``'s arguments as the trace's meta program passes them (``compiled.ArgSpec``)."""
     params = dict(model.named_parameters())
     specs = [contiguous_spec(params[n].shape, dtype if params[n].is_floating_point() else params[n].dtype,
                              params[n].requires_grad) for n in b.param_names]
     for n in b.input_names:
         shape, dt, rg = sp.values[n]
         specs.append(contiguous_spec(shape, dt, rg and dt.is_floating_point))
+    return specs
+
+
+def _partition_key(b, sp: Split, model: nn.Module, dtype: torch.dtype) -> str:
+    """Blocks of the same program code and arguments (identical layers) are partitioned once, as the runtime
+    compiles them once (``compiled.structure_key``)."""
+    return structure_key(b.gm, _specs(b, sp, model, dtype), torch.device("meta"))
+
+
+def _partition_saved(b, sp: Split, model: nn.Module, dtype: torch.dtype) -> list | None:
+    """Block ``b``'s cuts when compiled (``cuts.propose`` on meta tensors: budget, saved bytes, recomputed
+    FLOPs, of them attention, at the trace's micro-batch), or None when it cannot be partitioned (the runtime
+    then runs it eager: its hook-measured figure stands)."""
+    specs = _specs(b, sp, model, dtype)
     try:
         return propose(b.gm, specs, "meta", len(b.param_names))
     except Exception:  # noqa: BLE001 - not compiled: the runtime's compile fails the same way and runs it eager
