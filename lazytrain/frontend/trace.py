@@ -6,7 +6,8 @@ are amortised rather than counted once per sample:
 - FLOPs: ``FlopCounterMode`` over the forward, and over ``autograd.backward`` of the block's
   outputs (the head's backward includes recomputing each chunk of logits);
 - saved bytes: every tensor ``saved_tensors_hooks`` sees, deduplicated by storage, parameters
-  excluded (a block input that backward reads *is* counted);
+  excluded (a block input that backward reads *is* counted); for a block traced to run compiled
+  (``compile_blocks``), what its partitioned forward saves, at each of its cuts (``cuts.propose``);
 - workspace: the forward's peak of live values (fx liveness, plus what autograd has saved so far)
   above what survives it (saved + outputs), or the largest single op's gradient footprint
   (its output and inputs), whichever is larger; the fused loss head (``loss_head.py``) adds per token
