@@ -85,6 +85,7 @@ def test_partitioned_blocks_match_eager(kind, name, mb, tmp_path, monkeypatch):
     assert rep.programs == (2 if name == "every-tier" else 4)   # the embedding, one per layer program and cut
     assert set(plans[0].decisions.saved[:L - 1]) == set(Saved)
     assert name != "every-tier-cuts" or plans[0].graph.blocks[1].cuts[3].budget == 0.0
+    assert 0 < rep.saved_vs_plan <= 1.0          # the CPU's partitions save at most what the plan counted
 
 
 def test_failed_compile_runs_eager_with_one_warning(tmp_path, monkeypatch):

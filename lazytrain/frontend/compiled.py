@@ -295,10 +295,15 @@ class CompileReport:
     cache_misses: int = 0
     eager: dict[int, str] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
+    #: the largest ratio over the compiled blocks of the bytes this device's partition saves to what the plan
+    #: counted (the trace partitions on ``meta``; above 1 the plan's memory peak is optimistic); 0 before set
+    saved_vs_plan: float = 0.0
 
     def line(self) -> str:
         text = (f"compiled {self.blocks} blocks ({self.programs} distinct programs) in {self.seconds:.1f} s, "
                 f"Inductor cache {self.cache_hits} hits / {self.cache_misses} misses")
+        if self.saved_vs_plan:
+            text += f", saved bytes at most {self.saved_vs_plan:.2f}x the plan's"
         if self.eager or self.failed:
             text += f"; eager: {len(self.eager) + len(self.failed)} blocks"
         return text
@@ -306,6 +311,7 @@ class CompileReport:
     def to_json(self) -> dict:
         return {"seconds": round(self.seconds, 3), "blocks": self.blocks, "programs": self.programs,
                 "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
+                "saved_vs_plan": round(self.saved_vs_plan, 4),
                 "eager": {str(j): why for j, why in {**self.eager, **self.failed}.items()}}
 
 

@@ -376,10 +376,21 @@ def _compile_blocks(program, plan: Plan, device: torch.device, param_dtype: torc
     budgets = {j: blocks[j].cuts[dec.cut_of(j)].budget for j in range(len(blocks)) if dec.cut_of(j)}
     report = program.compile(device, param_dtype=param_dtype, frozen=frozen, requires_grad=requires_grad,
                              infer=infer, budgets=budgets)
+    report.saved_vs_plan = _saved_vs_plan(program, plan)
     log.info("%s", report.line())
     if verbose:
         print(f"[lazytrain] {report.line()}", file=sys.stderr)
     return report
+
+
+def _saved_vs_plan(program, plan: Plan) -> float:
+    """The largest ratio of what a compiled block's partition on this device saves to what the plan counted for
+    ``saved[j]`` (traced on ``meta``: grouped-query attention there repeats K and V, so it counts more)."""
+    from ..frontend.compiled import saved_bytes
+    sizes = Sizes.of_plan(plan)
+    ratios = [saved_bytes(cb.part, len(program.blocks[j].param_names))
+              / max(sizes.of(TensorId(kind=TensorKind.SAVED, index=j)), 1) for j, cb in program.compiled.items()]
+    return max(ratios, default=0.0)
 
 
 def _loss_chunk(plan: Plan) -> dict:
