@@ -77,7 +77,8 @@ def _compiled_text(plan) -> str:
     if not isinstance(blocks, list):
         return "block programs compiled by Inductor when the trainer starts"
     return (f"{len(blocks)} of {n} blocks compiled by Inductor when the trainer starts (saved bytes: what the "
-            f"min-cut partition's forward saves); the others run eager")
+            f"partition's forward saves at the block's cut, the min-cut unless a cut is named below); the others "
+            f"run eager")
 
 
 def _cuts_text(plan) -> str:
