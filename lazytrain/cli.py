@@ -11,7 +11,7 @@ import math
 import os
 import sys
 
-from .ir import GiB, Plan, PlanError, verify
+from .ir import GiB, Plan, PlanError, Sizes, verify
 from .ir.summary import model_tflops_text
 from .units import parse_size
 
@@ -272,11 +272,15 @@ def cmd_show(a) -> int:
 def _blocks_table(plan) -> str:
     from tabulate import tabulate
     d = plan.decisions
+    sizes = Sizes.of_plan(plan)
     rows = []
     for b in plan.graph.blocks:
+        k = d.cut_of(b.index)
+        saved = d.saved[b.index].value + (f" (cut {b.cuts[k].budget:g})" if k else "")
         rows.append([b.index, b.name, b.kind, f"{b.param_numel / 1e6:.1f}",
-                     f"{b.saved_bytes * d.micro_batch / GiB:.3f}", f"{b.fwd_flops * d.micro_batch / 1e12:.3f}",
-                     d.saved[b.index].value, d.boundary[b.index].value, "yes" if d.is_resident(b.index) else ""])
+                     f"{sizes.saved_per_sample(b.index) * d.micro_batch / GiB:.3f}",
+                     f"{b.fwd_flops * d.micro_batch / 1e12:.3f}",
+                     saved, d.boundary[b.index].value, "yes" if d.is_resident(b.index) else ""])
     # two-line headers keep the table inside ~90 columns
     return tabulate(rows, headers=["#", "block", "kind", "params\nM", "saved\nGiB/mb", "fwd\nTFLOP/mb", "saved",
                                    "boundary", "resident"])

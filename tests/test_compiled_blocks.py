@@ -43,10 +43,12 @@ EVERY_TIER = ((Place.HOST, Place.GPU, Place.NVME, Place.HOST, Place.NONE),
 
 
 def _decisions(name: str, mb: int) -> Decisions:
-    if name != "every-tier":
+    if not name.startswith("every-tier"):
         return _mixed(name, mb)
     boundary, saved = EVERY_TIER
-    return Decisions(policy=name, micro_batch=mb, n_micro=B // mb, boundary=boundary, saved=saved)
+    # with cuts (``frontend/cuts.py``): the kept layer saves its input only, the NVMe one the cheapest cut
+    cut = (0, 3, 1, 0, 0) if name == "every-tier-cuts" else ()
+    return Decisions(policy=name, micro_batch=mb, n_micro=B // mb, boundary=boundary, saved=saved, cut=cut)
 
 
 def _plan(model, name: str, mb: int, nvme_dir) -> lazytrain.Plan:
@@ -70,16 +72,20 @@ def _train_beside_eager(kind: str, plan_fn) -> Trainer:
     return trainer
 
 
-@pytest.mark.parametrize("kind,name,mb", [("qwen2", "every-tier", 2)])
+@pytest.mark.parametrize("kind,name,mb", [("qwen2", "every-tier-cuts", 2)])
 def test_partitioned_blocks_match_eager(kind, name, mb, tmp_path, monkeypatch):
-    """Keep, host, NVMe and recompute of compiled blocks' saved tensors (the plan has all four)."""
+    """Keep, host, NVMe and recompute of compiled blocks' saved tensors (the plan has all four), at the min-cut
+    (host, recompute) and at cuts that save less and recompute in the backward (keep, NVMe)."""
     monkeypatch.setattr(compiled, "inductor", _graphs)
     plans = []
     tr = _train_beside_eager(kind, lambda m: plans.append(_plan(m, name, mb, tmp_path)) or plans[-1])
     rep, L = tr.compile_report, plans[0].graph.n_blocks
     assert set(tr.program.compiled) == set(range(L - 1)) and rep.eager == {L - 1: "the loss head"}
-    assert rep.programs == 2 and not rep.failed      # the embedding and one program for every layer
+    assert not rep.failed
+    assert rep.programs == (2 if name == "every-tier" else 4)   # the embedding, one per layer program and cut
     assert set(plans[0].decisions.saved[:L - 1]) == set(Saved)
+    assert name != "every-tier-cuts" or plans[0].graph.blocks[1].cuts[3].budget == 0.0
+    assert 0 < rep.saved_vs_plan <= 1.0          # the CPU's partitions save at most what the plan counted
 
 
 def test_failed_compile_runs_eager_with_one_warning(tmp_path, monkeypatch):

@@ -105,10 +105,10 @@ class Compiler:
         """Seconds one MILP solve may take: the caller's, else ``SOLVE_TIME_LIMIT``."""
         return self.time_limit if self.time_limit is not None else SOLVE_TIME_LIMIT
 
-    def cost(self, micro_batch: int, resident: frozenset | None = None) -> CostModel:
+    def cost(self, micro_batch: int, resident: frozenset | None = None, cut: tuple = ()) -> CostModel:
         return CostModel(self.graph, self.hw, micro_batch, self.param_dtype, self.optimizer == "hybrid8bit",
                          resident=self.resident if resident is None else resident, world_size=self.world_size,
-                         nodes=self.nodes)
+                         nodes=self.nodes, cut=cut)
 
     def with_resident(self, decisions):
         """``decisions`` with this compiler's fixed resident blocks (policies decide the rest)."""
@@ -122,7 +122,7 @@ class Compiler:
 
     def build_simulated(self, decisions, batch_size: int, *, check_budget: bool = True) -> tuple[Plan, SimResult]:
         """``build``, and the simulation its predictions come from (the search reads where memory peaks)."""
-        cost = self.cost(decisions.micro_batch, decisions.resident_blocks)
+        cost = self.cost(decisions.micro_batch, decisions.resident_blocks, decisions.cut)
         if check_budget:
             self._quick_reject(decisions, cost)
         ops, effs = lower_with_effects(decisions, cost, clip=self.clip)
@@ -142,9 +142,11 @@ class Compiler:
         """The plan's predicted figures: the simulated step, verify's memory peaks and the rates they imply."""
         ops = plan.ops
         flops = 6 * self.graph.total_params * plan.batch_size * self.graph.seq_len
-        hw_flops = sum(self.graph.blocks[op.block].fwd_flops if op.kind.value in ("compute", "recompute")
-                       else self.graph.blocks[op.block].bwd_flops for op in ops
-                       if op.kind.value in ("compute", "recompute", "backward")) * plan.decisions.micro_batch
+        blocks, dec = self.graph.blocks, plan.decisions
+        hw_flops = sum(blocks[op.block].fwd_flops if op.kind.value in ("compute", "recompute")
+                       else blocks[op.block].bwd_flops + (blocks[op.block].cuts[dec.cut_of(op.block)].recompute_flops
+                                                          if dec.cut_of(op.block) else 0)
+                       for op in ops if op.kind.value in ("compute", "recompute", "backward")) * dec.micro_batch
         return {
             "step_time_s": sim.step_time_s, "peak_gpu_bytes": max(rep.peak_gpu_bytes, sim.peak_gpu_bytes),
             "peak_host_bytes": rep.peak_host_bytes, "peak_nvme_bytes": rep.peak_nvme_bytes,

@@ -7,6 +7,11 @@ A block's compute is measured where the hardware profile has a timing of its pro
 micro-batch (``HardwareProfile.calibration``, from ``lazytrain profile --model``: forward, backward and
 recompute as LazyTrain's runtime ran them), else modelled from its FLOPs (``block_seconds``: matmuls
 and attention at their rates; recompute costs the same as forward).
+
+A compiled block's cut (``Decisions.cut``, ``frontend/cuts.py``) other than the min-cut adds to its backward
+the forward work the cut does not save: the block's recompute time (measured or modelled) scaled by the cut's
+*modelled* share of it (its recomputed matmul and attention FLOPs at their rates, over the forward's).  The
+calibration times the min-cut backward only; that scaling is the cut's whole time model.
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ class CostModel:
     #: updates its shard, with the host share the profile describes (one GPU's cores and PCIe link)
     world_size: int = 1
     nodes: int = 1
+    #: each block's cut (``Decisions.cut``; empty: the min-cut everywhere)
+    cut: tuple = ()
 
     @cached_property
     def sizes(self) -> Sizes:
         return Sizes(self.graph, self.micro_batch, self.param_dtype, resident=self.resident,
                      device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit" if self.eight_bit else "adamw"],
-                     world_size=self.world_size)
+                     world_size=self.world_size, cut=tuple(self.cut))
 
     @property
     def sharded(self) -> bool:
@@ -68,7 +75,29 @@ class CostModel:
         return self._block_s[j][1]
 
     def bwd_s(self, j: int) -> float:
-        return self._block_s[j][2]
+        """Backward of block j at its cut: the min-cut backward plus what the cut recomputes."""
+        k = self.cut[j] if self.cut else 0
+        return self._block_s[j][2] + (self.cut_recompute_s(j, k) if k else 0.0)
+
+    def cut_recompute_s(self, j: int, k: int) -> float:
+        """Seconds block j's backward adds at cut ``k`` (module docstring; 0 for the min-cut)."""
+        return self.recompute_s(j) * self._cut_share(j, k) if k else 0.0
+
+    def _cut_share(self, j: int, k: int) -> float:
+        """Cut k's recomputed work as a share of block j's forward, both modelled from FLOPs (kernels only: the
+        dispatch floor is the forward's, which the backward issues anyway)."""
+        b, c = self.graph.blocks[j], self.graph.blocks[j].cuts[k]
+        mb, hw = self.micro_batch, self.hw
+
+        def kernels(flops, attn):
+            return hw.block_seconds(flops * mb, launches=0, attn_flops=attn * mb, head_dim=b.attn_head_dim,
+                                    kv_len=b.attn_kv_len)
+        fwd = kernels(b.fwd_flops, b.attn_fwd_flops)
+        return kernels(c.recompute_flops, c.recompute_attn_flops) / fwd if fwd > 0 else 0.0
+
+    def n_cuts(self, j: int) -> int:
+        """Cuts the compiler may choose for block j (1: the min-cut only)."""
+        return max(len(self.graph.blocks[j].cuts), 1)
 
     @cached_property
     def _block_s(self) -> tuple[tuple[float, float, float], ...]:
@@ -172,8 +201,9 @@ class CostModel:
     def act_bytes(self, i: int) -> int:
         return self.graph.boundary_bytes[i] * self.micro_batch
 
-    def saved_bytes(self, j: int) -> int:
-        return self.graph.blocks[j].saved_bytes * self.micro_batch
+    def saved_bytes(self, j: int, cut: int | None = None) -> int:
+        """Bytes block j saves per micro-batch at ``cut`` (default: this cost model's cut of it)."""
+        return self.sizes.saved_per_sample(j, cut) * self.micro_batch
 
     def d2h_s(self, nbytes: int) -> float:
         return self.hw.d2h_seconds(nbytes)

@@ -10,6 +10,8 @@ compiles the plan's block programs when it starts (``compile_program``).  How on
    into a forward returning ``(outputs..., saved...)`` and a backward taking ``(saved..., output
    gradients...)`` and returning one gradient per argument.  It saves what is expensive to recompute
    (matmul and attention outputs) and recomputes cheap pointwise and normalisation ops in the backward;
+   or, at the cut the plan chose for the block (``Decisions.cut``, ``cuts.py``), saves less and recomputes
+   more in the backward;
 3. each half compiled by Inductor (``compile_fx_inner``: static shapes, no CUDA graphs, whose private
    memory pool would sit outside the plan's accounting).  A block the plan runs forward without saving
    (a recomputed block's first forward) also gets the forward without its saved outputs (``infer``).
@@ -22,8 +24,8 @@ What is compiled: every block but the head with the fused loss (its chunked auto
 ``loss_head.py``), a block that draws random numbers (its recomputation replays the generator through
 eager kernels, ``rng.py``) and a block with a tiled tail (``tiling.py`` recomputes it chunk by chunk);
 those run eager.  Blocks whose programs are the same code (identical layers: the structure of the graph,
-not its names, plus every argument's shape, stride, dtype and gradient flag; ``structure_key``) share one
-compiled pair.  Across runs Inductor's FX graph cache serves a program compiled before (in
+not its names, plus every argument's shape, stride, dtype and gradient flag; ``structure_key``) and cuts
+share one compiled pair.  Across runs Inductor's FX graph cache serves a program compiled before (in
 ``~/.cache/lazytrain/inductor``, or ``TORCHINDUCTOR_CACHE_DIR`` when the process set one).  A block whose
 compile fails runs eager; one warning names every such block.
 """
@@ -41,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
+from .cuts import budget as cut_budget
 from .tiling import run_tail
 from .trace_export import BlockCode
 
@@ -124,11 +127,21 @@ def _fake_args(specs: list[ArgSpec], device: torch.device, mode) -> list[torch.T
                 for s in specs]
 
 
-def partition(gm: fx.GraphModule, specs: list[ArgSpec], device, n_params: int) -> Partition:
-    """The joint forward + backward of ``gm`` at ``specs``, cut by the min-cut rematerialization partitioner
-    (parameters have a static lifetime: saving one costs nothing, the runtime passes it again)."""
+@dataclass
+class Joint:
+    """A block program's joint forward + backward graph (AOTAutograd), before it is cut: ``cut`` partitions a
+    copy, so one joint serves every cut of the program (``cuts.propose``)."""
+
+    graph: fx.GraphModule
+    args: list                  # the fake arguments it was traced at
+    n_outputs: int              # outputs the forward computes (passthrough outputs excluded)
+    grad_out: list[int]         # indices into the program's outputs whose gradients the backward takes
+    passthrough: dict[int, int]
+
+
+def joint(gm: fx.GraphModule, specs: list[ArgSpec], device) -> Joint:
+    """The joint forward + backward of ``gm`` at ``specs``, decomposed as Inductor decomposes."""
     from torch._functorch.aot_autograd import aot_export_joint_simple
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -148,13 +161,30 @@ def partition(gm: fx.GraphModule, specs: list[ArgSpec], device, n_params: int) -
     with mode:
         probe = fn(*args)
     grad_out = [kept[k] for k, o in enumerate(probe) if isinstance(o, torch.Tensor) and o.requires_grad]
-    joint = aot_export_joint_simple(fn, args, trace_joint=True, decompositions=select_decomp_table())
-    fw, bw = min_cut_rematerialization_partition(joint, args, num_fwd_outputs=len(kept),
-                                                 static_lifetime_input_indices=list(range(n_params)))
+    graph = aot_export_joint_simple(fn, args, trace_joint=True, decompositions=select_decomp_table())
+    return Joint(graph=graph, args=args, n_outputs=len(kept), grad_out=grad_out, passthrough=passthrough)
+
+
+def cut(j: Joint, n_params: int, budget: float = 1.0) -> Partition:
+    """A copy of the joint graph cut by the min-cut rematerialization partitioner (parameters have a static
+    lifetime: saving one costs nothing, the runtime passes it again) at activation memory budget ``budget``
+    (1.0: min-cut; less: ``cuts.py``).  The partitioner rewrites the graph it is given, hence the copy."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    g = fx.Graph()
+    g.output(g.graph_copy(j.graph.graph, {}))
+    with cut_budget(budget):
+        fw, bw = min_cut_rematerialization_partition(fx.GraphModule(j.graph, g), j.args, num_fwd_outputs=j.n_outputs,
+                                                     static_lifetime_input_indices=list(range(n_params)))
     n_tan = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and str(n.target).startswith("tangents"))
-    if n_tan != len(grad_out):
-        raise RuntimeError(f"the backward takes {n_tan} output gradients, {len(grad_out)} outputs need one")
-    return Partition(fw=fw, bw=bw, n_outputs=len(kept), tangents=tuple(grad_out), passthrough=passthrough)
+    if n_tan != len(j.grad_out):
+        raise RuntimeError(f"the backward takes {n_tan} output gradients, {len(j.grad_out)} outputs need one")
+    return Partition(fw=fw, bw=bw, n_outputs=j.n_outputs, tangents=tuple(j.grad_out), passthrough=j.passthrough)
+
+
+def partition(gm: fx.GraphModule, specs: list[ArgSpec], device, n_params: int, budget: float = 1.0) -> Partition:
+    """``gm``'s joint graph at ``specs`` (``joint``), cut at ``budget`` (``cut``)."""
+    return cut(joint(gm, specs, device), n_params, budget)
 
 
 def saved_bytes(part: Partition, n_params: int) -> int:
@@ -265,10 +295,15 @@ class CompileReport:
     cache_misses: int = 0
     eager: dict[int, str] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
+    #: the largest ratio over the compiled blocks of the bytes this device's partition saves to what the plan
+    #: counted (the trace partitions on ``meta``; above 1 the plan's memory peak is optimistic); 0 before set
+    saved_vs_plan: float = 0.0
 
     def line(self) -> str:
         text = (f"compiled {self.blocks} blocks ({self.programs} distinct programs) in {self.seconds:.1f} s, "
                 f"Inductor cache {self.cache_hits} hits / {self.cache_misses} misses")
+        if self.saved_vs_plan:
+            text += f", saved bytes at most {self.saved_vs_plan:.2f}x the plan's"
         if self.eager or self.failed:
             text += f"; eager: {len(self.eager) + len(self.failed)} blocks"
         return text
@@ -276,6 +311,7 @@ class CompileReport:
     def to_json(self) -> dict:
         return {"seconds": round(self.seconds, 3), "blocks": self.blocks, "programs": self.programs,
                 "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
+                "saved_vs_plan": round(self.saved_vs_plan, 4),
                 "eager": {str(j): why for j, why in {**self.eager, **self.failed}.items()}}
 
 
@@ -305,10 +341,13 @@ def _counter(name: str) -> int:
 
 
 def compile_blocks(blocks: list[BlockCode], specs: list[list[ArgSpec]], device, *, infer: set[int] = frozenset(),
-                   compile_fn=inductor) -> tuple[dict[int, CompiledBlock], CompileReport]:
-    """Compile each block (``specs[j]``: its arguments, parameters first) once per distinct program;
-    ``infer``: blocks that also need the forward without saved tensors.  A block that fails runs eager, and
-    one warning names them all."""
+                   compile_fn=inductor, budgets: dict[int, float] | None = None
+                   ) -> tuple[dict[int, CompiledBlock], CompileReport]:
+    """Compile each block (``specs[j]``: its arguments, parameters first) once per distinct program and cut
+    (``budgets[j]``: the activation memory budget of block j's cut, ``cuts.py``; 1.0, the min-cut, where
+    absent); ``infer``: blocks that also need the forward without saved tensors.  A block that fails runs
+    eager, and one warning names them all."""
+    budgets = budgets or {}
     use_cache_folder()
     device = torch.device(device)
     rep = CompileReport()
@@ -320,12 +359,12 @@ def compile_blocks(blocks: list[BlockCode], specs: list[list[ArgSpec]], device, 
         if why is not None:
             rep.eager[j] = why
         else:
-            groups.setdefault(structure_key(bc.gm, specs[j], device), []).append(j)
+            groups.setdefault((structure_key(bc.gm, specs[j], device), budgets.get(j, 1.0)), []).append(j)
     out: dict[int, CompiledBlock] = {}
-    for key, members in groups.items():
+    for (key, budget), members in groups.items():
         bc, sp = blocks[members[0]], specs[members[0]]
         try:
-            part = partition(bc.gm, sp, device, len(bc.param_names))
+            part = partition(bc.gm, sp, device, len(bc.param_names), budget=budget)
             # cut before compiling: Inductor rewrites the graph it compiles (not on a cache hit), and the forward-
             # only graph must be the same code every run for its own cache entry to hit
             only = _without_saved(part) if infer & set(members) else None

@@ -63,10 +63,12 @@ class BlockProgram:
         return dict(zip(bc.output_names, outs))
 
     def compile(self, device: torch.device, *, param_dtype: torch.dtype, frozen: frozenset[str],
-                requires_grad: frozenset[str], infer: set[int] = frozenset(), compile_fn=None):
+                requires_grad: frozenset[str], infer: set[int] = frozenset(), compile_fn=None,
+                budgets: dict[int, float] | None = None):
         """Compile the block programs (``compiled.py``) on ``device`` for arguments as the runtime passes them:
         parameters in ``param_dtype`` (gradients unless ``frozen``), inputs at this program's shapes (gradients
-        for floating inputs in ``requires_grad``); ``infer``: blocks also run forward without saving.
+        for floating inputs in ``requires_grad``); ``infer``: blocks also run forward without saving; ``budgets``:
+        each block's cut as the partitioner's activation memory budget (``cuts.py``; absent: the min-cut).
         -> ``CompileReport``."""
         from .compiled import compile_blocks, contiguous_spec, inductor
         shapes = {p.name: p.shape for b in self.graph.blocks for p in b.params}
@@ -78,7 +80,7 @@ class BlockProgram:
                 sp.append(contiguous_spec(shape, dt, n in requires_grad and dt.is_floating_point))
             specs.append(sp)
         self.compiled, report = compile_blocks(self.blocks, specs, device, infer=set(infer),
-                                               compile_fn=compile_fn or inductor)
+                                               compile_fn=compile_fn or inductor, budgets=budgets)
         return report
 
     def param_names(self, j: int) -> list[str]:

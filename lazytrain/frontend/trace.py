@@ -6,7 +6,8 @@ are amortised rather than counted once per sample:
 - FLOPs: ``FlopCounterMode`` over the forward, and over ``autograd.backward`` of the block's
   outputs (the head's backward includes recomputing each chunk of logits);
 - saved bytes: every tensor ``saved_tensors_hooks`` sees, deduplicated by storage, parameters
-  excluded (a block input that backward reads *is* counted);
+  excluded (a block input that backward reads *is* counted); for a block traced to run compiled
+  (``compile_blocks``), what its partitioned forward saves, at each of its cuts (``cuts.propose``);
 - workspace: the forward's peak of live values (fx liveness, plus what autograd has saved so far)
   above what survives it (saved + outputs), or the largest single op's gradient footprint
   (its output and inputs), whichever is larger; the fused loss head (``loss_head.py``) adds per token
@@ -31,11 +32,11 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..ir import Block, ModelGraph, ParamSpec, TensorSpec
+from ..ir import Block, Cut, ModelGraph, ParamSpec, TensorSpec
 from ..ir.graph import DTYPE_BYTES, LOSS_MIN_COLUMNS
 from .attention import DQ_ACCUMULATOR_BYTES, AttentionCount, is_attention
-from .compiled import contiguous_spec, partition, why_eager
-from .compiled import saved_bytes as compiled_saved_bytes
+from .compiled import contiguous_spec, structure_key, why_eager
+from .cuts import CUT_BUDGETS, propose
 from .loss_head import DEFAULT_CHUNK_LOGITS, bytes_per_logit, fused_next_token_loss, row_bytes
 from .program import build_split
 from .tiling import TiledTail, run_tail
@@ -130,11 +131,12 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
                     if produced.get(n, 0) > 0 and j > produced[n]})
 
     cache: dict[tuple, tuple] = {}
-    partitioned: dict = {}     # block program -> bytes its compiled forward saves (None: it would run eager)
+    partitioned: dict = {}     # block program -> its compiled cuts, min-cut first (None: it would run eager)
     compiled: list[int] = []
     blocks = []
     for j, b in enumerate(sp.blocks):
         figs = (0, 0, 0, 0, 0, AttentionCount(), 0)
+        cuts: tuple[Cut, ...] = ()
         if measure:
             key = (id(b.gm), b.loss is not None)
             if key not in cache:
@@ -147,10 +149,14 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
                                      f"{str(e).splitlines()[0] if str(e) else ''}") from None
             figs = cache[key]
             if compile_blocks and why_eager(b) is None:
-                if b.gm not in partitioned:
-                    partitioned[b.gm] = _partition_saved(b, sp, model, dtype)
-                if partitioned[b.gm] is not None:
-                    figs = (partitioned[b.gm], *figs[1:])
+                pkey = _partition_key(b, sp, model, dtype)
+                if pkey not in partitioned:
+                    partitioned[pkey] = _partition_saved(b, sp, model, dtype)
+                if partitioned[pkey] is not None:
+                    cuts = tuple(Cut(budget=bg, saved_bytes=math.ceil(n / mb), recompute_flops=math.ceil(f / mb),
+                                     recompute_attn_flops=math.ceil(a / mb)) for bg, n, f, a in partitioned[pkey])
+                    figs = (partitioned[pkey][0][1], *figs[1:])
+                    cuts = cuts if len(cuts) > 1 else ()
                     compiled.append(j)
         saved, ws, fixed, ff, bf, attn, bws = figs
         outputs = tuple(spec(n) for n in b.output_names)
@@ -165,12 +171,12 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
             backward_workspace_bytes=math.ceil(bws / mb),
             fwd_flops=math.ceil(ff / mb), bwd_flops=math.ceil(bf / mb), fwd_ops=_op_count(b.gm),
             attn_fwd_flops=math.ceil(attn.fwd_flops / mb), attn_bwd_flops=math.ceil(attn.bwd_flops / mb),
-            attn_head_dim=attn.head_dim, attn_kv_len=attn.kv_len))
+            attn_head_dim=attn.head_dim, attn_kv_len=attn.kv_len, cuts=cuts))
     meta = {"architecture": type(model).__name__, "config": _config_summary(model), "traced_micro_batch": mb,
             "replicated_layers": bool(sp.meta.get("replicated_from")),
             "unused_params": list(sp.meta.get("unused_params", []))}
     if compile_blocks:          # the blocks whose saved bytes are the partition's (the others run eager)
-        meta["compiled_blocks"] = {"partition": "min_cut", "blocks": compiled}
+        meta["compiled_blocks"] = {"partition": "min_cut", "blocks": compiled, "cut_budgets": list(CUT_BUDGETS)}
     if sp.meta.get("packed"):
         meta["packed"] = True       # the Trainer builds the program with position_ids
     if sp.meta.get("seq_tile"):
@@ -184,17 +190,30 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
                       edges=tuple(e for e in edges if e[1] != e[0] + 1), meta=meta)
 
 
-def _partition_saved(b, sp: Split, model: nn.Module, dtype: torch.dtype) -> int | None:
-    """Bytes block ``b`` saves when compiled (``compiled.partition`` on meta tensors), or None when it cannot
-    be partitioned (the runtime then runs it eager: its hook-measured figure stands)."""
+def _specs(b, sp: Split, model: nn.Module, dtype: torch.dtype) -> list:
+    """Block ``b``'s arguments as the trace's meta program passes them (``compiled.ArgSpec``)."""
     params = dict(model.named_parameters())
     specs = [contiguous_spec(params[n].shape, dtype if params[n].is_floating_point() else params[n].dtype,
                              params[n].requires_grad) for n in b.param_names]
     for n in b.input_names:
         shape, dt, rg = sp.values[n]
         specs.append(contiguous_spec(shape, dt, rg and dt.is_floating_point))
+    return specs
+
+
+def _partition_key(b, sp: Split, model: nn.Module, dtype: torch.dtype) -> str:
+    """Blocks of the same program code and arguments (identical layers) are partitioned once, as the runtime
+    compiles them once (``compiled.structure_key``)."""
+    return structure_key(b.gm, _specs(b, sp, model, dtype), torch.device("meta"))
+
+
+def _partition_saved(b, sp: Split, model: nn.Module, dtype: torch.dtype) -> list | None:
+    """Block ``b``'s cuts when compiled (``cuts.propose`` on meta tensors: budget, saved bytes, recomputed
+    FLOPs, of them attention, at the trace's micro-batch), or None when it cannot be partitioned (the runtime
+    then runs it eager: its hook-measured figure stands)."""
+    specs = _specs(b, sp, model, dtype)
     try:
-        return compiled_saved_bytes(partition(b.gm, specs, "meta", len(b.param_names)), len(b.param_names))
+        return propose(b.gm, specs, "meta", len(b.param_names))
     except Exception:  # noqa: BLE001 - not compiled: the runtime's compile fails the same way and runs it eager
         return None
 

@@ -33,12 +33,12 @@ moves to the host; one ``all_reduce`` sums the squared gradient norms.
 """
 
 from .decisions import Decisions, Place, Saved
-from .graph import Block, ModelGraph, ParamSpec, TensorSpec
+from .graph import Block, Cut, ModelGraph, ParamSpec, TensorSpec
 from .ops import GiB, Op, OpKind, Resource, TensorId, TensorKind, Tier
 from .plan import PLAN_FORMAT, Plan, PlanError, SolverStats
 from .semantics import Sizes, effects
 from .verify import MemoryReport, verify
 
-__all__ = ["Block", "Decisions", "GiB", "MemoryReport", "ModelGraph", "Op", "OpKind", "PLAN_FORMAT", "ParamSpec",
+__all__ = ["Block", "Cut", "Decisions", "GiB", "MemoryReport", "ModelGraph", "Op", "OpKind", "PLAN_FORMAT", "ParamSpec",
            "Place", "Plan", "PlanError", "Resource", "Saved", "Sizes", "SolverStats", "TensorId", "TensorKind",
            "TensorSpec", "Tier", "effects", "verify"]

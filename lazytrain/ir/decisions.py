@@ -14,6 +14,11 @@ When transfers and updates run is the lowering's: each offload right after the f
 it, each reload one backward segment ahead, and each update at the earliest legal window (with exact
 clipping: lagged into the next step's start, since the global norm is known only after the backward).
 
+``cut[j]`` (compiled blocks only, ``frontend/cuts.py``) chooses which of block j's cuts its forward saves:
+an index into ``Block.cuts``, 0 (the min-cut, ``Block.saved_bytes``) when empty.  A cut other than 0 saves
+fewer bytes (kept, offloaded or reloaded as ``saved[j]`` says) and its backward recomputes the rest; a
+RECOMPUTE block runs the min-cut (its saved tensors live only from its recompute to its backward).
+
 ``resident[j]`` keeps block j on the GPU for the whole run: its parameters, its optimizer state
 and its gradient accumulator live there, nothing of it crosses PCIe, and its update runs on the GPU
 at the start of the next step (after the clip coefficient is known).  It trades GPU memory
@@ -50,6 +55,11 @@ class Decisions:
     saved: tuple[Saved, ...]
     resident: tuple[bool, ...] = ()
     notes: dict = field(default_factory=dict)
+    cut: tuple[int, ...] = ()
+
+    def cut_of(self, j: int) -> int:
+        """Block j's cut (an index into ``Block.cuts``; 0: the min-cut)."""
+        return self.cut[j] if self.cut else 0
 
     def is_resident(self, j: int) -> bool:
         return bool(self.resident) and self.resident[j]
@@ -94,15 +104,23 @@ class Decisions:
                                  f"and block {j - 1} is not recomputed")
         if self.resident and len(self.resident) != L:
             raise ValueError(f"resident has {len(self.resident)} entries, expected {L}")
+        if self.cut and len(self.cut) != L:
+            raise ValueError(f"cut has {len(self.cut)} entries, expected {L}")
+        for j in range(L):
+            if self.cut_of(j) and self.saved[j] is Saved.RECOMPUTE:
+                raise ValueError(f"block {j} is recomputed and has cut {self.cut_of(j)}: a recomputed block "
+                                 "runs the min-cut (cut 0)")
 
     def to_json(self) -> dict:
         return {"policy": self.policy, "micro_batch": self.micro_batch, "n_micro": self.n_micro,
                 "boundary": [p.value for p in self.boundary], "saved": [s.value for s in self.saved],
-                "resident": [bool(r) for r in self.resident], "notes": self.notes}
+                "resident": [bool(r) for r in self.resident], "notes": self.notes,
+                **({"cut": list(self.cut)} if any(self.cut) else {})}
 
     @staticmethod
     def from_json(d: dict) -> Decisions:
         return Decisions(policy=str(d["policy"]), micro_batch=int(d["micro_batch"]), n_micro=int(d["n_micro"]),
                          boundary=tuple(Place(x) for x in d["boundary"]),
                          saved=tuple(Saved(x) for x in d["saved"]),
-                         resident=tuple(bool(x) for x in d.get("resident", ())), notes=dict(d.get("notes", {})))
+                         resident=tuple(bool(x) for x in d.get("resident", ())), notes=dict(d.get("notes", {})),
+                         cut=tuple(d.get("cut", ())))

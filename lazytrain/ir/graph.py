@@ -65,6 +65,19 @@ class ParamSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Cut:
+    """One way a compiled block splits its work between forward and backward (``frontend/cuts.py``): the
+    partitioner's activation memory ``budget`` that gives it (1.0: the min-cut, what ``Block.saved_bytes``
+    counts), the bytes its forward saves, and the FLOPs its backward recomputes beyond the min-cut backward's
+    (``recompute_attn_flops`` of them fused attention).  Per sample, as every figure of a block."""
+
+    budget: float
+    saved_bytes: int
+    recompute_flops: int = 0
+    recompute_attn_flops: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Block:
     """The unit that streams through the GPU: embedding, one decoder layer, or head + loss."""
 
@@ -87,6 +100,9 @@ class Block:
     attn_bwd_flops: int = 0
     attn_head_dim: int = 0
     attn_kv_len: int = 0
+    #: the cuts the compiler may choose from (``Decisions.cut`` indexes them), the min-cut first; empty for a
+    #: block that runs eager or has one cut: it saves ``saved_bytes``
+    cuts: tuple[Cut, ...] = ()
 
     @property
     def param_numel(self) -> int:
@@ -191,6 +207,9 @@ class ModelGraph:
     def to_json(self) -> dict:
         d = asdict(self)
         d["meta"] = dict(self.meta)
+        for b in d["blocks"]:
+            if not b["cuts"]:         # an eager block's JSON is what it was before cuts existed
+                del b["cuts"]
         return d
 
     @staticmethod
@@ -204,7 +223,8 @@ class ModelGraph:
                                      for t in b["inputs"]),
                      "outputs": tuple(TensorSpec(name=t["name"], shape=tuple(t["shape"]), dtype=t["dtype"],
                                                  requires_grad=bool(t.get("requires_grad", False)))
-                                      for t in b["outputs"])})
+                                      for t in b["outputs"]),
+                     "cuts": tuple(Cut(**c) for c in b.get("cuts", ()))})
             for b in d["blocks"])
         return ModelGraph(name=d["name"], seq_len=d["seq_len"], dtype=d["dtype"], blocks=blocks,
                           boundary_bytes=tuple(d["boundary_bytes"]),

@@ -151,6 +151,11 @@ def check_plan(plan: Plan) -> None:
         dec.check()
     except ValueError as e:
         raise PlanError(f"plan decisions: {e}") from None
+    for j, k in enumerate(dec.cut):
+        _need(k == 0 or k < len(g.blocks[j].cuts), f"plan decisions: block {j} has cut {k}, but its graph block "
+                                                   f"offers {len(g.blocks[j].cuts)} cuts")
+    _need(not any(dec.cut) or plan.options.get("compile_blocks") is True,
+          "plan decisions choose cuts but the plan does not compile its blocks (options.compile_blocks)")
     _need(dec.micro_batch * dec.n_micro == plan.batch_size,
           f"plan batch_size {plan.batch_size} is not micro_batch {dec.micro_batch} x n_micro {dec.n_micro}")
     _check_budgets(plan.budgets)

@@ -47,6 +47,8 @@ class Sizes:
     #: data-parallel ranks (``ir.sharding``): parameters and gradients on the GPU are the padded
     #: gathered buffer, the host gradient and the shards one rank's slice
     world_size: int = 1
+    #: each block's cut (``Decisions.cut``; empty: every block's min-cut): what ``saved[j]`` holds
+    cut: tuple[int, ...] = ()
 
     @classmethod
     def of_plan(cls, plan) -> Sizes:
@@ -56,7 +58,18 @@ class Sizes:
         per = DEVICE_STATE_BYTES.get(opt, None) if isinstance(opt, str) else None
         return cls(plan.graph, plan.micro_batch, plan.param_dtype, resident=plan.decisions.resident_blocks,
                    device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit"] if per is None else per,
-                   world_size=plan.world_size)
+                   world_size=plan.world_size, cut=plan.decisions.cut)
+
+    def saved_per_sample(self, block: int, cut: int | None = None) -> int:
+        """Bytes block j's forward saves per sample at ``cut`` (default: this plan's cut of it)."""
+        b = self.graph.blocks[block]
+        k = (self.cut[block] if self.cut else 0) if cut is None else cut
+        return b.cuts[k].saved_bytes if k else b.saved_bytes
+
+    def recompute_transient(self, block: int) -> int:
+        """What a cut's backward regenerates, live while it runs: at most the min-cut's saved bytes beyond the
+        cut's, for one micro-batch (0 at the min-cut)."""
+        return max(self.graph.blocks[block].saved_bytes - self.saved_per_sample(block), 0) * self.micro_batch
 
     def resident_bytes(self) -> int:
         """GPU bytes held for the whole run by resident blocks: parameters, optimizer state and
@@ -75,7 +88,6 @@ class Sizes:
         return DTYPE_BYTES[self.param_dtype]
 
     def of(self, t: TensorId, tier: Tier = Tier.GPU) -> int:
-        b = self.graph.blocks
         if t.kind is TensorKind.PARAMS:
             return self._param_numel[t.index] * self.param_bytes
         if t.kind is TensorKind.GRADS:
@@ -91,7 +103,7 @@ class Sizes:
         if t.kind in (TensorKind.ACT, TensorKind.GRAD_ACT):
             return self.graph.boundary_bytes[t.index] * self.micro_batch
         if t.kind is TensorKind.SAVED:
-            return b[t.index].saved_bytes * self.micro_batch
+            return self.saved_per_sample(t.index) * self.micro_batch
         raise ValueError(t)
 
     def readers(self, owner: int) -> tuple[int, ...]:
@@ -249,7 +261,7 @@ def effects(op: Op, sizes: Sizes) -> Effects:
         if j > 0:
             writes.append((TensorId(kind=TensorKind.GRAD_ACT, index=j, mb=m), G))
         return Effects(tuple(reads), tuple(writes), tuple(drops),
-                       sizes.backward_workspace(j) + sizes.param_grad_transient(j))
+                       sizes.backward_workspace(j) + sizes.param_grad_transient(j) + sizes.recompute_transient(j))
     if k in (OpKind.OFFLOAD, OpKind.RELOAD):
         return Effects(((op.tensor, op.src),), ((op.tensor, op.dst),), ())
     if k is OpKind.GRAD_OFFLOAD:

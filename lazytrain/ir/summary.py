@@ -59,6 +59,8 @@ def _search_rows(plan) -> list[list]:
                                        f"in chunks of {tile.get('tokens')} tokens, recomputed in backward"])
     if plan.options.get("compile_blocks") is True:
         rows.append(["compiled blocks", _compiled_text(plan)])
+        if any(b.cuts for b in plan.graph.blocks):
+            rows.append(["cuts (saved / recomputed)", _cuts_text(plan)])
     head = plan.graph.meta.get("loss_head") if isinstance(plan.graph.meta, dict) else None
     if isinstance(head, dict) and all(type(head.get(k)) is int and head[k] > 0 for k in _LOSS_HEAD_KEYS):
         rows.append(["loss head", _loss_head_text(plan, head)])
@@ -75,7 +77,26 @@ def _compiled_text(plan) -> str:
     if not isinstance(blocks, list):
         return "block programs compiled by Inductor when the trainer starts"
     return (f"{len(blocks)} of {n} blocks compiled by Inductor when the trainer starts (saved bytes: what the "
-            f"min-cut partition's forward saves); the others run eager")
+            f"partition's forward saves at the block's cut, the min-cut unless a cut is named below); the others "
+            f"run eager")
+
+
+def _cuts_text(plan) -> str:
+    """How many blocks save each cut (``Decisions.cut``, ``frontend/cuts.py``) and how its time is costed."""
+    d, blocks = plan.decisions, plan.graph.blocks
+    chosen = Counter(blocks[j].cuts[d.cut_of(j)].budget for j in range(len(blocks))
+                     if blocks[j].cuts and d.saved[j] is not Saved.RECOMPUTE)
+    parts = []
+    for budget, n in sorted(chosen.items(), reverse=True):
+        j = next(j for j in range(len(blocks)) if blocks[j].cuts and d.saved[j] is not Saved.RECOMPUTE
+                 and blocks[j].cuts[d.cut_of(j)].budget == budget)
+        c = blocks[j].cuts[d.cut_of(j)]
+        share = c.recompute_flops / blocks[j].fwd_flops if blocks[j].fwd_flops else 0.0
+        parts.append(f"{n} at budget {budget:g} ({c.saved_bytes * d.micro_batch / GiB:.2f} GiB/mb, "
+                     f"recomputes {share:.0%} of the forward)")
+    text = "; ".join(parts) if parts else "none (every compiled block is recomputed)"
+    return (text + ". A cut's backward costs the min-cut backward plus the block's recompute time (measured or "
+            "modelled) times the cut's modelled recompute share (FLOPs at the matmul and attention rates)")
 
 
 #: the figures of ``graph.meta["loss_head"]`` the summary's row needs (a plan file without them has no row)

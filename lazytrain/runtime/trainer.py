@@ -387,17 +387,31 @@ def _program(model: torch.nn.Module, plan: Plan, device: torch.device):
 
 def _compile_blocks(program, plan: Plan, device: torch.device, param_dtype: torch.dtype, frozen: frozenset[str],
                     requires_grad: frozenset[str], verbose: bool):
-    """Compile the program's blocks when the plan asks for it (``compile(..., compile_blocks=True)``), with the
-    forward that saves nothing for the blocks the plan runs so (a recomputed block's first forward)."""
+    """Compile the program's blocks when the plan asks for it (``compile(..., compile_blocks=True)``), each at
+    the cut the plan chose for it (``Decisions.cut``), with the forward that saves nothing for the blocks the plan
+    runs so (a recomputed block's first forward)."""
     if not plan.options.get("compile_blocks"):
         return None
     infer = {op.block for op in plan.ops if op.kind is OpKind.COMPUTE and not op.save}
+    dec, blocks = plan.decisions, plan.graph.blocks
+    budgets = {j: blocks[j].cuts[dec.cut_of(j)].budget for j in range(len(blocks)) if dec.cut_of(j)}
     report = program.compile(device, param_dtype=param_dtype, frozen=frozen, requires_grad=requires_grad,
-                             infer=infer)
+                             infer=infer, budgets=budgets)
+    report.saved_vs_plan = _saved_vs_plan(program, plan)
     log.info("%s", report.line())
     if verbose:
         print(f"[lazytrain] {report.line()}", file=sys.stderr)
     return report
+
+
+def _saved_vs_plan(program, plan: Plan) -> float:
+    """The largest ratio of what a compiled block's partition on this device saves to what the plan counted for
+    ``saved[j]`` (traced on ``meta``: grouped-query attention there repeats K and V, so it counts more)."""
+    from ..frontend.compiled import saved_bytes
+    sizes = Sizes.of_plan(plan)
+    ratios = [saved_bytes(cb.part, len(program.blocks[j].param_names))
+              / max(sizes.of(TensorId(kind=TensorKind.SAVED, index=j)), 1) for j, cb in program.compiled.items()]
+    return max(ratios, default=0.0)
 
 
 def _loss_chunk(plan: Plan) -> dict:

@@ -55,6 +55,13 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
               host: static store + M sum_j (S_j host[j] + A_j bhost[j]) <= budget;  NVMe likewise.
     head      the last block neither offloads nor stores its boundary off the GPU (it runs its
               forward and backward back to back).
+    cuts      a compiled block with several cuts (``frontend/cuts.py``) has one binary per (placement, cut):
+              keep[j] = sum_k keep[j,k] (host, nvme likewise), and every S_j above is the chosen cut's:
+              S_j keep[j] -> sum_k S_jk keep[j,k]; its backward window adds M sum_k R_jk (keep+host+nvme)[j,k]
+              (R_jk: what cut k recomputes) and its backward transient sum_k (S_j0 - S_jk) (...)[j,k] (the
+              regenerated values); spill[j] and reload_late[j] are then in GiB (<= their fraction times the
+              chosen cut's offloaded bytes) rather than fractions of S_j.  A block with one cut has the columns,
+              rows and coefficients above exactly.
 
 Coefficients come from the cost graph (``compiler/costgraph.py``), built for the streamed model.  The
 model is small (8L binaries, 4L+1 continuous); identical layers are symmetric, so a time limit
@@ -69,13 +76,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...ir import Decisions, GiB, Place, PlanError, Saved, SolverStats, TensorId, TensorKind
-from ...ir.semantics import tie_closure
-from ..costgraph import block_attr, build_cost_graph
+from ...ir import Decisions, Place, PlanError, Saved, SolverStats
 from . import isolated
+from .coefficients import MS, Coefficients, coefficients
 from .lp import LinearModel, Var, xsum
 
-MS = 1e3
+__all__ = ["Coefficients", "MilpOptions", "build_model", "coefficients", "decode", "solve"]
+
 #: relative gap at which a long chain's solve stops: identical layers make the last fraction of a
 #: percent slow to prove (qwen2.5-32b: 0.5% in 2 s, 0.1% not in 10 s); short chains solve to optimality
 GAP_TARGET = 0.005
@@ -101,96 +108,6 @@ class MilpOptions:
     drain_under_reloads: bool = False
 
 
-@dataclass(frozen=True)
-class Coefficients:
-    """Every number the rows use, per block (ms, GiB), read off the streamed cost graph."""
-
-    L: int
-    M: int
-    P: list
-    Gacc: list
-    S: list
-    A: list
-    W: list
-    WB: list
-    D: list
-    fwd: list
-    bwd: list
-    U: list
-    U_gpu: list
-    R: list
-    load: list
-    gout: list
-    first_of_group: list
-    symmetric: list
-    h2d_ms: float
-    d2h_ms: float
-    nvw_ms: float
-    nvr_ms: float
-    budget: float
-    host_cap: float | None
-    host_static: float
-    nvme_cap: float
-    use_nvme: bool
-    #: with several ranks (``ir.sharding``): per block its all-gather and reduce-scatter on the collective
-    #: stream, and the all-reduce of the norms (empty / 0 in a world of one: no rows)
-    ag: list = field(default_factory=list)
-    rs: list = field(default_factory=list)
-    ar: float = 0.0
-
-
-def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
-                 gpu_bytes: int | None = None) -> Coefficients:
-    """``cost``: the streamed CostModel at the solve's micro-batch (no resident blocks)."""
-    g, hw = cost.graph, cost.hw
-    L = g.n_blocks
-    cg = build_cost_graph(cost)
-    per_resident = cost.sizes.resident_bytes_per_param()
-    nvme_cap = budgets.get("nvme_bytes") or 0
-    symmetric = [j for j in range(1, L - 1)
-                 if (a := g.blocks[j]).kind == (b := g.blocks[j + 1]).kind == "layer"
-                 and a.saved_bytes == b.saved_bytes and a.fwd_flops == b.fwd_flops]
-    return Coefficients(
-        L=L, M=n_micro,
-        P=[b / GiB for b in block_attr(cg, "params_bytes")],
-        Gacc=[b / GiB for b in block_attr(cg, "grad_accum_bytes")],
-        S=[b / GiB for b in block_attr(cg, "saved_bytes")],
-        A=[cg.nodes[("boundary", i)]["bytes"] / GiB for i in range(L + 1)],
-        W=[b / GiB for b in block_attr(cg, "workspace_bytes")],
-        WB=[b / GiB for b in block_attr(cg, "backward_transient_bytes")],
-        D=[b / GiB for b in block_attr(cg, "grad_drain_bytes")],
-        fwd=[t * MS for t in block_attr(cg, "fwd_s")],
-        bwd=[t * MS for t in block_attr(cg, "bwd_s")],
-        U=[t * MS for t in block_attr(cg, "update_s")],
-        U_gpu=[hw.gpu_update_seconds(b.owned_numel / cost.world_size, cost.eight_bit) * MS if b.owned_numel else 0.0
-               for b in g.blocks],
-        R=[_resident_gib(cost, j, per_resident) for j in range(L)],
-        load=[t * MS for t in block_attr(cg, "load_s")],
-        gout=[t * MS for t in block_attr(cg, "grad_offload_s")],
-        first_of_group=[min(tie_closure(g, [j])) for j in range(L)],
-        symmetric=symmetric,
-        h2d_ms=hw.h2d_seconds(GiB) * MS, d2h_ms=hw.d2h_seconds(GiB) * MS,
-        nvw_ms=hw.nvme_seconds(GiB, True) * MS, nvr_ms=hw.nvme_seconds(GiB, False) * MS,
-        budget=(gpu_bytes if gpu_bytes is not None else budgets["gpu_bytes"]) / GiB,
-        host_cap=budgets["host_bytes"] / GiB if budgets.get("host_bytes") else None,
-        host_static=g.total_params * host_bytes_per_param / GiB,
-        nvme_cap=nvme_cap / GiB, use_nvme=bool(budgets.get("nvme_dir")) and nvme_cap > 0,
-        ag=[cost.all_gather_s(j) * MS for j in range(L)] if cost.sharded else [],
-        rs=[cost.reduce_scatter_s(j) * MS for j in range(L)] if cost.sharded else [],
-        ar=cost.all_reduce_s() * MS if cost.sharded else 0.0)
-
-
-def _resident_gib(cost, j: int, per_resident: float) -> float:
-    """GiB block j holds on the GPU for the whole run when resident: its state; with several ranks its
-    shard of it, plus the gathered parameters (kept from its forward to its backward) and the gathered
-    fp32 accumulator (from its backward to its reduce-scatter: counted for the whole step, an upper bound)."""
-    n = cost.sizes.owned_shard_numel(j)
-    if not cost.sharded:
-        return n * per_resident / GiB
-    gathered = sum(cost.sizes.of(TensorId(kind=k, index=j)) for k in (TensorKind.PARAMS, TensorKind.GRADS))
-    return (n * per_resident + gathered) / GiB
-
-
 @dataclass
 class Variables:
     """The model's columns, named as the docstring names them."""
@@ -213,6 +130,38 @@ class Variables:
 
     #: res[j] where the compile fixed it (0 or 1), None where the solver chooses
     fixed_res: list = field(default_factory=list)
+    #: per block, per cut: keep / host / nvme binaries (one cut: the keep[j], host[j], nvme[j] columns themselves)
+    keep_c: list = field(default_factory=list)
+    host_c: list = field(default_factory=list)
+    nvme_c: list = field(default_factory=list)
+
+    def cuts(self, j: int) -> int:
+        return len(self.keep_c[j])
+
+    def saved(self, c: Coefficients, j: int, place: str):
+        """GiB block j saves per micro-batch where ``place`` says ("keep", "host", "nvme", "off": host or nvme),
+        at the chosen cut: S_j times the binary for a block of one cut."""
+        cols = {"keep": (self.keep_c,), "host": (self.host_c,), "nvme": (self.nvme_c,),
+                "off": (self.host_c, self.nvme_c)}[place]
+        if self.cuts(j) == 1:
+            x = cols[0][j][0] if len(cols) == 1 else cols[0][j][0] + cols[1][j][0]
+            return c.S[j] * x
+        return xsum(c.cut_S[j][k] * col[j][k] for col in cols for k in range(self.cuts(j)))
+
+    def by_cut(self, c: Coefficients, j: int, coef: list):
+        """sum_k coef[k] (keep+host+nvme)[j,k]: what the chosen cut adds (0 for a block of one cut)."""
+        if self.cuts(j) == 1:
+            return 0.0
+        return xsum(coef[k] * (self.keep_c[j][k] + self.host_c[j][k] + self.nvme_c[j][k])
+                    for k in range(1, self.cuts(j)) if coef[k])
+
+    def spilled(self, c: Coefficients, j: int):
+        """GiB of block j's offload per micro-batch that finishes in the next window."""
+        return c.S[j] * self.spill[j] if self.cuts(j) == 1 else 1 * self.spill[j]
+
+    def late_gib(self, c: Coefficients, j: int):
+        """GiB of block j's reload per micro-batch that finishes in its own backward window."""
+        return c.S[j] * self.late[j] if self.cuts(j) == 1 else 1 * self.late[j]
 
     def streamed(self, j: int):
         """1 - res[j]: the factor of block j's streamed terms."""
@@ -232,9 +181,13 @@ class Variables:
 def variables(m: LinearModel, c: Coefficients, opts: MilpOptions) -> Variables:
     L, M = c.L, c.M
     nv = 1.0 if c.use_nvme else 0.0
-    keep = [m.binary(f"keep_saved[{j}]") for j in range(L)]
-    host = [m.binary(f"saved_on_host[{j}]") for j in range(L)]
-    nvme = [m.binary(f"saved_on_nvme[{j}]", ub=nv) for j in range(L)]
+    K = [len(c.cut_S[j]) if c.cut_S else 1 for j in range(L)]
+    keep_c = [[m.binary(f"keep_saved[{j}]" + (f"[cut {k}]" if k else "")) for k in range(K[j])] for j in range(L)]
+    host_c = [[m.binary(f"saved_on_host[{j}]" + (f"[cut {k}]" if k else "")) for k in range(K[j])] for j in range(L)]
+    nvme_c = [[m.binary(f"saved_on_nvme[{j}]" + (f"[cut {k}]" if k else ""), ub=nv) for k in range(K[j])]
+              for j in range(L)]
+    keep, host, nvme = ([col[j][0] if K[j] == 1 else xsum(col[j]) for j in range(L)]
+                        for col in (keep_c, host_c, nvme_c))
     rec = [m.binary(f"recompute[{j}]") for j in range(L)]
     bg = [m.binary(f"boundary_on_gpu[{j}]") for j in range(L)]
     bh = [m.binary(f"boundary_on_host[{j}]") for j in range(L)]
@@ -242,8 +195,11 @@ def variables(m: LinearModel, c: Coefficients, opts: MilpOptions) -> Variables:
     # transfers overlap the next window at micro-batch granularity: offloads of block j may finish
     # during F_{j+1} (at most two micro-batches: the lowering throttles compute), and reloads of
     # block k may finish during B_k (each micro-batch's backward waits only for its own)
-    spill = [m.add_var(f"offload_spill[{j}]", ub=min(1.0, 2.0 / M)) for j in range(L)]
-    late = [m.add_var(f"reload_late[{j}]", ub=(M - 1) / M) for j in range(L)]   # the first micro-batch is early
+    # (in GiB for a block of several cuts: a fraction times the chosen cut's bytes, bounded in ``choice_rows``)
+    spill = [m.add_var(f"offload_spill[{j}]", ub=min(1.0, 2.0 / M) * (1 if K[j] == 1 else max(c.cut_S[j])))
+             for j in range(L)]
+    late = [m.add_var(f"reload_late[{j}]", ub=(M - 1) / M * (1 if K[j] == 1 else max(c.cut_S[j])))
+            for j in range(L)]   # the first micro-batch is early
     prefix = []
     for j in range(L):
         fixed = 1.0 if j in opts.resident else None
@@ -255,8 +211,11 @@ def variables(m: LinearModel, c: Coefficients, opts: MilpOptions) -> Variables:
     TF = [m.add_var(f"T_F[{j}]") for j in range(L)]
     TB = [m.add_var(f"T_B[{j}]") for j in range(L)]
     TX = m.add_var("T_X")
-    v = Variables(keep, host, nvme, rec, bg, bh, bn, spill, late, prefix, res, TF, TB, TX)
-    v.decisions = [*keep, *host, *nvme, *rec, *bg, *bh, *bn, *prefix]
+    v = Variables(keep, host, nvme, rec, bg, bh, bn, spill, late, prefix, res, TF, TB, TX,
+                  keep_c=keep_c, host_c=host_c, nvme_c=nvme_c)
+    cols = [x for col in (keep_c, host_c, nvme_c) for j in range(L) for x in col[j][1:]]
+    v.decisions = [*(x[0] for x in keep_c), *(x[0] for x in host_c), *(x[0] for x in nvme_c), *rec, *bg, *bh, *bn,
+                   *prefix, *cols]
     v.fixed_res = [None if opts.choose_resident and c.first_of_group[j] not in opts.resident
                    else float(c.first_of_group[j] in opts.resident) for j in range(L)]
     return v
@@ -267,8 +226,12 @@ def choice_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions
     for j in range(L):
         m += v.keep[j] + v.host[j] + v.nvme[j] + v.rec[j] == 1, f"one_policy[{j}]"
         m += v.bg[j] + v.bh[j] + v.bn[j] == v.rec[j], f"boundary_iff_recompute[{j}]"
-        m += v.spill[j] <= v.host[j] + v.nvme[j], f"spill_only_offloads[{j}]"
-        m += v.late[j] <= v.host[j] + v.nvme[j], f"late_only_reloads[{j}]"
+        if v.cuts(j) == 1:
+            m += v.spill[j] <= v.host[j] + v.nvme[j], f"spill_only_offloads[{j}]"
+            m += v.late[j] <= v.host[j] + v.nvme[j], f"late_only_reloads[{j}]"
+        else:
+            m += v.spill[j] <= min(1.0, 2.0 / c.M) * v.saved(c, j, "off"), f"spill_only_offloads[{j}]"
+            m += v.late[j] <= (c.M - 1) / c.M * v.saved(c, j, "off"), f"late_only_reloads[{j}]"
     m += 1 * v.spill[L - 1] == 0, "nothing_after_the_last_forward"
     h = L - 1
     m += v.host[h] + v.nvme[h] + v.bh[h] + v.bn[h] == 0, "head_stays_on_gpu"
@@ -285,8 +248,8 @@ def choice_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions
 def time_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions) -> None:
     L, M = c.L, c.M
     TF, TB, TX = v.TF, v.TB, v.TX
-    off = [v.host[j] + v.nvme[j] for j in range(L)]
     boff = [v.bh[j] + v.bn[j] for j in range(L)]
+    cut_ms = [v.by_cut(c, j, c.cut_R[j]) if c.cut_R else 0.0 for j in range(L)]
     load = [c.load[j] * v.streamed(j) for j in range(L)]
     gout = [c.gout[j] * v.streamed(j) for j in range(L)]
     U = [c.U[j] * v.streamed(j) for j in range(L)]
@@ -294,14 +257,15 @@ def time_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions) 
         m += TF[j] >= M * c.fwd[j], f"gpu_F[{j}]"
         if j + 1 < L:
             m += TF[j] >= load[j + 1], f"h2d_F[{j}]"
-        spilled_in = c.S[j - 1] * v.spill[j - 1] if j >= 1 else 0.0
-        m += TF[j] >= M * c.d2h_ms * (c.S[j] * (off[j] - v.spill[j]) + spilled_in + c.A[j] * boff[j]), f"d2h_F[{j}]"
+        spilled_in = v.spilled(c, j - 1) if j >= 1 else 0.0
+        m += TF[j] >= M * c.d2h_ms * (v.saved(c, j, "off") - v.spilled(c, j) + spilled_in + c.A[j] * boff[j]), \
+            f"d2h_F[{j}]"
         if c.use_nvme:
-            m += TF[j] >= M * c.nvw_ms * (c.S[j] * v.nvme[j] + c.A[j] * v.bn[j]), f"nvme_F[{j}]"
-        m += TB[j] >= M * c.bwd[j] + M * c.fwd[j] * v.rec[j], f"gpu_B[{j}]"
+            m += TF[j] >= M * c.nvw_ms * (v.saved(c, j, "nvme") + c.A[j] * v.bn[j]), f"nvme_F[{j}]"
+        m += TB[j] >= M * c.bwd[j] + M * c.fwd[j] * v.rec[j] + M * cut_ms[j], f"gpu_B[{j}]"
         if j >= 1:
             k = j - 1
-            reloads = M * c.h2d_ms * (c.S[k] * (off[k] - v.late[k]) + c.S[j] * v.late[j] + c.A[k] * boff[k])
+            reloads = M * c.h2d_ms * (v.saved(c, k, "off") - v.late_gib(c, k) + v.late_gib(c, j) + c.A[k] * boff[k])
             if j == L - 1:
                 # the head runs forward and backward back to back: block L-2's parameters load while
                 # the head's forward runs (nothing else uses H2D then); its reloads wait for the
@@ -311,14 +275,15 @@ def time_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions) 
             else:
                 m += TB[j] >= (load[k] if k != L - 1 else 0.0) + reloads, f"h2d_B[{j}]"
             if c.use_nvme:
-                m += TB[j] >= M * c.nvr_ms * (c.S[k] * v.nvme[k] + c.A[k] * v.bn[k]), f"nvme_B[{j}]"
+                m += TB[j] >= M * c.nvr_ms * (v.saved(c, k, "nvme") + c.A[k] * v.bn[k]), f"nvme_B[{j}]"
         if j + 1 < L:
             m += TB[j] >= gout[j + 1], f"d2h_B[{j}]"
         # the last late reload must land before the last micro-batch's backward can run
-        m += TB[j] >= M * c.h2d_ms * c.S[j] * v.late[j] + c.bwd[j], f"late_reload_then_backward[{j}]"
+        m += TB[j] >= M * c.h2d_ms * v.late_gib(c, j) + c.bwd[j] + cut_ms[j], f"late_reload_then_backward[{j}]"
     # block 0's reloads happen before its backward (nothing left to hide them under)
-    m += TB[0] >= M * c.bwd[0] + M * c.fwd[0] * v.rec[0] + M * c.h2d_ms * c.A[0] * v.bh[0], "h2d_B_first"
-    m += TB[0] >= M * c.h2d_ms * c.S[0] * v.late[0], "h2d_B_0_late"
+    m += TB[0] >= M * c.bwd[0] + M * c.fwd[0] * v.rec[0] + M * cut_ms[0] + M * c.h2d_ms * c.A[0] * v.bh[0], \
+        "h2d_B_first"
+    m += TB[0] >= M * c.h2d_ms * v.late_gib(c, 0), "h2d_B_0_late"
     # with several ranks block 0's gradient is reduce-scattered before its offload, the norms all-reduced
     # before any update, and each load all-gathered before its forward (0 for one rank)
     net = [c.rs[0] + c.ar + c.ag[j] for j in range(L)] if c.ag else None
@@ -352,7 +317,7 @@ def net_rows(m: LinearModel, c: Coefficients, v: Variables) -> None:
 
 def memory_rows(m: LinearModel, c: Coefficients, v: Variables, drain_under_reloads: bool = False) -> None:
     L, M = c.L, c.M
-    off = [v.host[j] + v.nvme[j] for j in range(L)]
+    off = [v.saved(c, j, "off") for j in range(L)]      # GiB per micro-batch
     boff = [v.bh[j] + v.bn[j] for j in range(L)]
     P = [c.P[j] * v.streamed(j) for j in range(L)]
     held = xsum(c.R[j] * v.res[j] for j in range(L))     # what resident blocks hold for the whole run
@@ -360,20 +325,22 @@ def memory_rows(m: LinearModel, c: Coefficients, v: Variables, drain_under_reloa
         # boundary values in flight: micro-batch k of a window holds M - k of one side's values and
         # k + 1 of the other's (activations j -> j+1 forward, their gradients backward)
         flowing = max(c.A[j], c.A[j + 1]) * M + min(c.A[j], c.A[j + 1])
-        kept = xsum(c.S[i] * M * v.keep[i] + c.A[i] * M * v.bg[i] for i in range(j + 1))
+        kept = xsum(M * v.saved(c, i, "keep") + c.A[i] * M * v.bg[i] for i in range(j + 1))
         nxt = P[j + 1] if j + 1 < L else 0.0
-        spilled = min(2, M) * c.S[j - 1] * off[j - 1] if j >= 1 else 0.0
-        m += (held + P[j] + nxt + kept + flowing + min(2, M) * c.S[j] * off[j] + spilled + c.W[j]
+        spilled = min(2, M) * off[j - 1] if j >= 1 else 0.0
+        m += (held + P[j] + nxt + kept + flowing + min(2, M) * off[j] + spilled + c.W[j]
               <= c.budget), f"gpu_memory_F[{j}]"
         prev = j - 1
         pre_p = P[prev] if prev >= 0 else 0.0
         # block j's reloads (saved activations, or the boundary its recompute starts from) are in
-        start = held + P[j] + pre_p + kept + flowing + c.S[j] * M * off[j] + c.A[j] * M * boff[j]
+        start = held + P[j] + pre_p + kept + flowing + M * off[j] + c.A[j] * M * boff[j]
         # in program order (when the runtime allocates) block j-1's reloads are issued before B_j's
         # backward: the allocator holds them all
-        reloaded = c.S[prev] * M * off[prev] + c.A[prev] * M * boff[prev] if prev >= 0 else 0.0
+        reloaded = M * off[prev] + c.A[prev] * M * boff[prev] if prev >= 0 else 0.0
         # a backward follows its micro-batch's recompute, which freed that micro-batch's boundary
-        backward = (start - c.A[j] * v.rec[j] + c.Gacc[j] * v.streamed(j) + c.S[j] * v.rec[j] + c.WB[j])
+        # (a cut's backward regenerates what it did not save: live while it runs)
+        regen = v.by_cut(c, j, [c.cut_S[j][0] - s for s in c.cut_S[j]]) if c.cut_S else 0.0
+        backward = (start - c.A[j] * v.rec[j] + c.Gacc[j] * v.streamed(j) + c.S[j] * v.rec[j] + c.WB[j] + regen)
         m += backward + reloaded <= c.budget, f"gpu_memory_B[{j}]"
         if j + 1 < L:
             # early in B_j, before block j-1's reloads, block j+1's gradients are still draining
@@ -393,10 +360,10 @@ def memory_rows(m: LinearModel, c: Coefficients, v: Variables, drain_under_reloa
                   + c.D[j + 1] * v.unless_resident(m, 1 * at_once, j + 1, f"drain_under_recompute[{j}]")
                   <= c.budget), f"gpu_memory_recompute[{j}]"
     if c.host_cap:
-        m += c.host_static + M * xsum(c.S[j] * v.host[j] + c.A[j] * v.bh[j] for j in range(L)) <= c.host_cap, \
+        m += c.host_static + M * xsum(v.saved(c, j, "host") + c.A[j] * v.bh[j] for j in range(L)) <= c.host_cap, \
             "host_memory"
     if c.use_nvme:
-        m += M * xsum(c.S[j] * v.nvme[j] + c.A[j] * v.bn[j] for j in range(L)) <= c.nvme_cap, "nvme_capacity"
+        m += M * xsum(v.saved(c, j, "nvme") + c.A[j] * v.bn[j] for j in range(L)) <= c.nvme_cap, "nvme_capacity"
 
 
 def objective(c: Coefficients, v: Variables):
@@ -404,7 +371,7 @@ def objective(c: Coefficients, v: Variables):
     bytes on the GPU (a margin for the time-ordered peak that the windows cannot see); 1e-4 ms per
     GiB never outweighs a real time difference at the solver's gap."""
     step = xsum(v.TF) + xsum(v.TB) + v.TX
-    on_gpu = xsum(c.S[j] * c.M * v.keep[j] + c.A[j] * c.M * v.bg[j] for j in range(c.L))
+    on_gpu = xsum(c.M * v.saved(c, j, "keep") + c.A[j] * c.M * v.bg[j] for j in range(c.L))
     return step + 1e-4 * on_gpu
 
 
@@ -415,9 +382,12 @@ def assignment(dec: Decisions, v: Variables, L: int) -> list[tuple[Var, float]] 
         return None
     out = []
     for j in range(L):
-        s = dec.saved[j]
-        out += [(v.keep[j], float(s is Saved.KEEP)), (v.host[j], float(s is Saved.HOST)),
-                (v.nvme[j], float(s is Saved.NVME)), (v.rec[j], float(s is Saved.RECOMPUTE))]
+        s, cut = dec.saved[j], dec.cut_of(j)
+        if cut >= v.cuts(j):
+            return None
+        for col, place in ((v.keep_c, Saved.KEEP), (v.host_c, Saved.HOST), (v.nvme_c, Saved.NVME)):
+            out += [(col[j][k], float(s is place and k == cut)) for k in range(v.cuts(j))]
+        out.append((v.rec[j], float(s is Saved.RECOMPUTE)))
         p = dec.boundary[j] if s is Saved.RECOMPUTE else Place.NONE
         if j == 0 and s is Saved.RECOMPUTE:
             p = Place.HOST
@@ -451,13 +421,14 @@ def build_model(c: Coefficients, opts: MilpOptions, *, warm: Decisions | None = 
 
 def decode(v: Variables, x: list[float], *, micro_batch: int, n_micro: int, objective_s: float) -> Decisions:
     def on(var) -> bool:
-        return x[var.index] > 0.5
+        return (x[var.index] if isinstance(var, Var) else var.value(x)) > 0.5
 
     L = len(v.keep)
-    saved, boundary = [], []
+    saved, boundary, cut = [], [], []
     for j in range(L):
         saved.append(Saved.KEEP if on(v.keep[j]) else Saved.HOST if on(v.host[j]) else
                      Saved.NVME if on(v.nvme[j]) else Saved.RECOMPUTE)
+        cut.append(next((k for k in range(v.cuts(j)) for col in (v.keep_c, v.host_c, v.nvme_c) if on(col[j][k])), 0))
         boundary.append(Place.GPU if on(v.bg[j]) else Place.HOST if on(v.bh[j]) else
                         Place.NVME if on(v.bn[j]) else Place.NONE)
     if saved[0] is Saved.RECOMPUTE:
@@ -465,7 +436,7 @@ def decode(v: Variables, x: list[float], *, micro_batch: int, n_micro: int, obje
     resident = tuple(on(v.res[j]) for j in range(L))
     return Decisions(policy="milp", micro_batch=micro_batch, n_micro=n_micro, boundary=tuple(boundary),
                      saved=tuple(saved), resident=resident if any(resident) else (),
-                     notes={"objective_s": objective_s})
+                     notes={"objective_s": objective_s}, cut=tuple(cut) if any(cut) else ())
 
 
 def solve(c: Coefficients, opts: MilpOptions, *, micro_batch: int, warm: Decisions | None = None,

@@ -1,0 +1,108 @@
+"""The MILP's coefficients: every number its rows use, per block, in milliseconds and GiB (``milp.py``'s
+docstring is the formulation), read off the streamed cost graph (``compiler/costgraph.py``) and, for compiled
+blocks, each cut's saved bytes and backward time (``frontend/cuts.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...ir import GiB, TensorId, TensorKind
+from ...ir.semantics import tie_closure
+from ..costgraph import block_attr, build_cost_graph
+
+MS = 1e3
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Every number the rows use, per block (ms, GiB), read off the streamed cost graph."""
+
+    L: int
+    M: int
+    P: list
+    Gacc: list
+    S: list
+    A: list
+    W: list
+    WB: list
+    D: list
+    fwd: list
+    bwd: list
+    U: list
+    U_gpu: list
+    R: list
+    load: list
+    gout: list
+    first_of_group: list
+    symmetric: list
+    h2d_ms: float
+    d2h_ms: float
+    nvw_ms: float
+    nvr_ms: float
+    budget: float
+    host_cap: float | None
+    host_static: float
+    nvme_cap: float
+    use_nvme: bool
+    #: per block, per cut (``Block.cuts``; one entry: the min-cut only): saved GiB, backward ms it adds
+    cut_S: list = field(default_factory=list)
+    cut_R: list = field(default_factory=list)
+    #: with several ranks (``ir.sharding``): per block its all-gather and reduce-scatter on the collective
+    #: stream, and the all-reduce of the norms (empty / 0 in a world of one: no rows)
+    ag: list = field(default_factory=list)
+    rs: list = field(default_factory=list)
+    ar: float = 0.0
+
+
+def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
+                 gpu_bytes: int | None = None) -> Coefficients:
+    """``cost``: the streamed CostModel at the solve's micro-batch (no resident blocks)."""
+    g, hw = cost.graph, cost.hw
+    L = g.n_blocks
+    cg = build_cost_graph(cost)
+    per_resident = cost.sizes.resident_bytes_per_param()
+    nvme_cap = budgets.get("nvme_bytes") or 0
+    symmetric = [j for j in range(1, L - 1)
+                 if (a := g.blocks[j]).kind == (b := g.blocks[j + 1]).kind == "layer"
+                 and a.saved_bytes == b.saved_bytes and a.fwd_flops == b.fwd_flops]
+    return Coefficients(
+        L=L, M=n_micro,
+        P=[b / GiB for b in block_attr(cg, "params_bytes")],
+        Gacc=[b / GiB for b in block_attr(cg, "grad_accum_bytes")],
+        S=[b / GiB for b in block_attr(cg, "saved_bytes")],
+        A=[cg.nodes[("boundary", i)]["bytes"] / GiB for i in range(L + 1)],
+        W=[b / GiB for b in block_attr(cg, "workspace_bytes")],
+        WB=[b / GiB for b in block_attr(cg, "backward_transient_bytes")],
+        D=[b / GiB for b in block_attr(cg, "grad_drain_bytes")],
+        fwd=[t * MS for t in block_attr(cg, "fwd_s")],
+        bwd=[t * MS for t in block_attr(cg, "bwd_s")],
+        U=[t * MS for t in block_attr(cg, "update_s")],
+        U_gpu=[hw.gpu_update_seconds(b.owned_numel / cost.world_size, cost.eight_bit) * MS if b.owned_numel else 0.0
+               for b in g.blocks],
+        R=[_resident_gib(cost, j, per_resident) for j in range(L)],
+        load=[t * MS for t in block_attr(cg, "load_s")],
+        gout=[t * MS for t in block_attr(cg, "grad_offload_s")],
+        first_of_group=[min(tie_closure(g, [j])) for j in range(L)],
+        symmetric=symmetric,
+        h2d_ms=hw.h2d_seconds(GiB) * MS, d2h_ms=hw.d2h_seconds(GiB) * MS,
+        nvw_ms=hw.nvme_seconds(GiB, True) * MS, nvr_ms=hw.nvme_seconds(GiB, False) * MS,
+        budget=(gpu_bytes if gpu_bytes is not None else budgets["gpu_bytes"]) / GiB,
+        host_cap=budgets["host_bytes"] / GiB if budgets.get("host_bytes") else None,
+        host_static=g.total_params * host_bytes_per_param / GiB,
+        nvme_cap=nvme_cap / GiB, use_nvme=bool(budgets.get("nvme_dir")) and nvme_cap > 0,
+        ag=[cost.all_gather_s(j) * MS for j in range(L)] if cost.sharded else [],
+        rs=[cost.reduce_scatter_s(j) * MS for j in range(L)] if cost.sharded else [],
+        ar=cost.all_reduce_s() * MS if cost.sharded else 0.0,
+        cut_S=[[cost.saved_bytes(j, k) / GiB for k in range(cost.n_cuts(j))] for j in range(L)],
+        cut_R=[[cost.cut_recompute_s(j, k) * MS for k in range(cost.n_cuts(j))] for j in range(L)])
+
+
+def _resident_gib(cost, j: int, per_resident: float) -> float:
+    """GiB block j holds on the GPU for the whole run when resident: its state; with several ranks its
+    shard of it, plus the gathered parameters (kept from its forward to its backward) and the gathered
+    fp32 accumulator (from its backward to its reduce-scatter: counted for the whole step, an upper bound)."""
+    n = cost.sizes.owned_shard_numel(j)
+    if not cost.sharded:
+        return n * per_resident / GiB
+    gathered = sum(cost.sizes.of(TensorId(kind=k, index=j)) for k in (TensorKind.PARAMS, TensorKind.GRADS))
+    return (n * per_resident + gathered) / GiB

@@ -1,0 +1,135 @@
+"""Cuts of a compiled block: which values its forward saves for the backward, and which the backward recomputes.
+
+A compiled block (``compiled.py``) is AOTAutograd's joint forward + backward graph, partitioned.  The cut
+``torch.compile`` trains with (min-cut, activation memory budget 1.0) saves every matmul and attention output
+and recomputes only pointwise and normalisation ops: fast, but for a decoder layer ~20x the bytes of its input
+boundary (qwen2.5-3b at 1024 tokens: 97 KB a token against 4.5).  Between that and recomputing the whole
+forward from the boundary lie cuts that save part of the internals and recompute the rest inside the backward
+(Checkmate's choice, per block).  The compiler is offered a few of them per block program and chooses one per
+block (``Decisions.cut``): the MILP weighs each cut's saved bytes (kept, offloaded or reloaded) against the
+backward's extra time.
+
+Where the cuts come from: the partitioner's own activation memory budget
+(``torch._functorch.config.activation_memory_budget``): at budget b it solves a 0-1 knapsack for the least
+recompute that saves at most b of the way from "inputs only" (0.0) to min-cut (1.0), and cuts the joint graph
+there.  So every cut is derived from the block's graph (shapes, FLOPs), for any architecture the tracer
+handles; nothing is written per model.  ``CUT_BUDGETS`` are the budgets offered; cuts that save no fewer bytes
+than a larger budget's are dropped, so a block may have fewer (an embedding has one: it saves its ids).
+
+The knapsack prices a recomputed op by ``FlopEstimate``: its FLOPs, attention counted as the fused kernel does
+(``attention.forward_flops``, causal as half), the same on every device, so the trace's partition on ``meta``
+and the runtime's on the GPU choose from the same prices.  What the trace records per cut (``ir.Cut``): its
+saved bytes and the FLOPs its backward runs beyond the min-cut backward (matmuls and attention apart, as the
+cost model prices them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomRuntimeEstimator
+from torch.utils.flop_counter import FlopCounterMode
+
+from .attention import AttentionCount, forward_flops
+
+#: activation memory budgets offered per compiled block, min-cut first: the MILP picks one per block.  On a
+#: qwen2.5-3b layer at 1024 tokens (KB saved per token / backward FLOPs beyond the min-cut's, as a share of the
+#: forward's): 1.0 97 / 0; 0.7 60 / 0 (pointwise ops only); 0.35 35 / 31%; 0.0 4.3 / 72% (the block's input).
+#: Its 24 GiB batch-32 plan on the h200 profile: 1.676 s with these, 1.662 with 0.2 added, 1.870 min-cut only
+CUT_BUDGETS = (1.0, 0.7, 0.35, 0.0)
+
+
+def _is_attention_forward(target) -> bool:
+    name = getattr(target, "__name__", "")
+    return "scaled_dot_product" in name and "attention" in name and "backward" not in name
+
+
+def _argument(node: fx.Node, name: str, default=None):
+    """An aten call's argument by its schema name, wherever the call passed it."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return default
+    for i, a in enumerate(schema.arguments):
+        if a.name == name:
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return node.args[i] if i < len(node.args) else default
+    return default
+
+
+def _meta(v) -> torch.Tensor | object:
+    if isinstance(v, fx.Node):
+        v = v.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return torch.empty_strided(tuple(int(s) for s in v.shape), tuple(int(s) for s in v.stride()),
+                                   dtype=v.dtype, device="meta")
+    return v
+
+
+class FlopEstimate(CustomRuntimeEstimator):
+    """The partitioner's price of recomputing one op: its FLOPs (at least 1, so nothing is free), fused attention
+    counted as ``attention.forward_flops`` (any of the SDPA kernels: the flash, efficient, cuDNN and CPU ones
+    name ``is_causal`` differently in position, never in name)."""
+
+    def __call__(self, node: fx.Node) -> float:
+        if _is_attention_forward(node.target):
+            q, k, v = (_meta(a) for a in node.args[:3])
+            causal = bool(_argument(node, "is_causal", False)) and _argument(node, "attn_mask") is None \
+                and _argument(node, "attn_bias") is None
+            return float(max(forward_flops(tuple(q.shape), tuple(k.shape), tuple(v.shape), causal), 1))
+        try:
+            args = [_meta(a) for a in node.args]
+            kwargs = {k: _meta(a) for k, a in node.kwargs.items()}
+            with FlopCounterMode(display=False) as fc:
+                node.target(*args, **kwargs)
+            return float(max(fc.get_total_flops(), 1))
+        except Exception:  # noqa: BLE001 - an op meta tensors cannot run costs what a pointwise op does
+            return 1.0
+
+    def uuid(self) -> str:
+        return "lazytrain.frontend.cuts.FlopEstimate/1"
+
+
+@contextlib.contextmanager
+def budget(value: float):
+    """The partitioner cuts at activation memory budget ``value`` inside this block (1.0: min-cut, untouched)."""
+    if value >= 1.0:
+        yield
+        return
+    import torch._functorch.config as functorch_config
+    with functorch_config.patch(activation_memory_budget=float(value),
+                                activation_memory_budget_runtime_estimator=FlopEstimate(),
+                                activation_memory_budget_solver="dp"):
+        yield
+
+
+def graph_flops(gm: fx.GraphModule) -> tuple[int, int]:
+    """(FLOPs, of them fused attention forward) of running ``gm`` once, on meta tensors at its placeholders'
+    shapes; attention as the fused kernel does it (``AttentionCount``)."""
+    attn = AttentionCount()
+    args = [_meta(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    with FlopCounterMode(display=False, custom_mapping=attn.mapping()) as fc:
+        gm(*args)
+    return fc.get_total_flops(), attn.fwd_flops
+
+
+def propose(gm: fx.GraphModule, specs, device, n_params: int) -> list[tuple[float, int, int, int]]:
+    """The distinct cuts of block program ``gm`` (``compiled.partition`` at each of ``CUT_BUDGETS``):
+    (budget, saved bytes, backward FLOPs beyond the min-cut backward's, of them attention), min-cut first, each
+    later one saving fewer bytes than every one before it."""
+    from .compiled import cut, joint, saved_bytes
+    out: list[tuple[float, int, int, int]] = []
+    base = None
+    whole = joint(gm, specs, device)
+    for b in CUT_BUDGETS:
+        part = cut(whole, n_params, budget=b)
+        nbytes = saved_bytes(part, n_params)
+        flops, attn = graph_flops(part.bw)
+        if base is None:
+            base = (flops, attn)
+        if out and nbytes >= out[-1][1]:
+            continue
+        out.append((b, nbytes, max(flops - base[0], 0), max(attn - base[1], 0)))
+    return out
