@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibrate", action="store_true",
                     help="compile(..., calibrate=True): time the model's own blocks at each plan's shape first "
                          "(kept in a copy of the hardware profile, so a shape is timed once per invocation)")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="S",
+                    help="compile(time_limit=S): seconds per MILP solve, and no wall-clock deadline on the search "
+                         "(default: the search's deadline, which a loaded machine can run out)")
     ap.add_argument("--memory-report", action="store_true",
                     help="run the first warm-up step with device memory recorded op by op (synchronised, slow) and "
                          "print the ops whose measured peak most exceeds the plan's; also when that step runs out "
@@ -153,7 +156,8 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
                                  gpu_memory=a.gpu_memory, host_memory=a.host_memory, hardware=a.hardware,
                                  policy=a.policy, optimizer=a.optimizer, nvme_dir=a.nvme_dir,
                                  resident=getattr(a, "resident", "auto"), calibrate=getattr(a, "calibrate", False),
-                                 compile_blocks=getattr(a, "compile_blocks", False))
+                                 compile_blocks=getattr(a, "compile_blocks", False),
+                                 time_limit=getattr(a, "time_limit", None))
     compile_s = time.perf_counter() - t
     print(plan.summary())
     seq = plan.seq_len
