@@ -253,7 +253,7 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
 @contextlib.contextmanager
 def _no_stack_traces():
     """Export without a stack trace on every node: they serve only debugging, and the block programs are
-    built from the op graph alone.  A torch without the switch (before 2.12) exports with them."""
+    built from the op graph alone.  A torch without the switch (the H200 machine's 2.11) exports with them."""
     import torch.fx.config as fx_config
     if not hasattr(fx_config, "do_not_emit_stack_traces"):
         yield
