@@ -94,6 +94,33 @@ def _config_summary(model: nn.Module) -> dict:
     return asdict(cfg) if is_dataclass(cfg) else {}
 
 
+def _boundaries(sp: Split, mb: int) -> tuple[list[int], list[list[str]], list[tuple[int, int]]]:
+    """(bytes per sample, value names) live at each boundary 0..L, and the edges that skip blocks: a value
+    crosses every boundary from the block that produces it to the last that reads it."""
+    L = len(sp.blocks)
+    produced = {n: 0 for n in sp.user_inputs if n in sp.values}
+    last_use: dict[str, int] = {}
+    for j, b in enumerate(sp.blocks):
+        for n in b.output_names:
+            produced[n] = j + 1
+        for n in b.input_names:
+            last_use[n] = max(last_use.get(n, -1), j)
+    live: list[list[str]] = [[] for _ in range(L + 1)]
+    for n, p in produced.items():
+        for i in range(p, last_use.get(n, p - 1) + 1):
+            live[i].append(n)
+
+    def nbytes(name: str) -> int:
+        shape, dt, _ = sp.values[name]
+        return math.prod(shape) * DTYPE_BYTES.get(_dname(dt), 4)
+    boundary_bytes = [math.ceil(sum(nbytes(n) for n in vs) / mb) for vs in live]
+    boundary_bytes[L] = 12   # loss_sum (fp32) + n_tokens (int64)
+    live[L] = ["loss_sum", "n_tokens"]
+    edges = sorted({(produced[n] - 1, j) for j, b in enumerate(sp.blocks) for n in b.input_names
+                    if produced.get(n, 0) > 0 and j > produced[n]})
+    return boundary_bytes, live, edges
+
+
 def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.dtype, micro_batch: int,
                      measure: bool, compile_blocks: bool = False) -> ModelGraph:
     shapes = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
@@ -108,28 +135,8 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
         per = shape[1:] if shape and shape[0] == mb else shape
         return TensorSpec(name=name, shape=tuple(per), dtype=_dname(dt), requires_grad=rg)
 
-    def nbytes(name: str) -> int:
-        shape, dt, _ = sp.values[name]
-        return math.prod(shape) * DTYPE_BYTES.get(_dname(dt), 4)
-
     L = len(sp.blocks)
-    produced = {n: 0 for n in sp.user_inputs if n in sp.values}
-    last_use: dict[str, int] = {}
-    for j, b in enumerate(sp.blocks):
-        for n in b.output_names:
-            produced[n] = j + 1
-        for n in b.input_names:
-            last_use[n] = max(last_use.get(n, -1), j)
-    live = [[] for _ in range(L + 1)]
-    for n, p in produced.items():
-        for i in range(p, last_use.get(n, p - 1) + 1):
-            live[i].append(n)
-    boundary_bytes = [math.ceil(sum(nbytes(n) for n in vs) / mb) for vs in live]
-    boundary_bytes[L] = 12   # loss_sum (fp32) + n_tokens (int64)
-    live[L] = ["loss_sum", "n_tokens"]
-    edges = sorted({(produced[n] - 1, j) for j, b in enumerate(sp.blocks) for n in b.input_names
-                    if produced.get(n, 0) > 0 and j > produced[n]})
-
+    boundary_bytes, live, edges = _boundaries(sp, mb)
     cache: dict[tuple, tuple] = {}
     partitioned: dict = {}     # block program -> its compiled cuts, min-cut first (None: it would run eager)
     compiled: list[int] = []
