@@ -315,6 +315,19 @@ def _disk_gbps(directory: str | None, nbytes: int) -> tuple[float, float]:
     return written / 1e9 / read_s, written / 1e9 / write_s
 
 
+def _collectives(on_gpu: bool, repeats: int, log) -> tuple[dict, str]:
+    """Ring all-gather / reduce-scatter over every visible GPU (``profile_collectives``) when there are
+    several, and the profile's note on where its collective figures come from."""
+    gpus = torch.cuda.device_count() if on_gpu else 0
+    if gpus < 2:
+        return {}, "collectives modelled (one GPU visible)"
+    log(f"collectives over {gpus} GPUs (NCCL), {len(GPU_SIZES)} buffer sizes ...")
+    collectives = measure_checked("collectives", lambda: measure_collectives(gpus, "nccl", repeats=repeats), log)
+    log(f"  {collectives['collective_gbps']:.1f} GB/s bus bandwidth, "
+        f"{collectives['collective_latency_s'] * 1e6:.1f} us per ring step")
+    return collectives, f"collectives measured over {gpus} GPUs (NCCL); between hosts modelled"
+
+
 def measure(device: str | torch.device | None = None, quick: bool = False, disk_dir: str | None = None,
             verbose: bool = True) -> HardwareProfile:
     """Measure this machine (see the module docstring); ``device`` defaults to ``cuda`` when available."""
@@ -381,15 +394,7 @@ def measure(device: str | torch.device | None = None, quick: bool = False, disk_
     disk_read, disk_write = _disk_gbps(disk_dir, disk_bytes)
     log(f"  read {disk_read:.2f} GB/s, write {disk_write:.2f} GB/s")
 
-    collectives, coll_note = {}, "collectives modelled (one GPU visible)"
-    gpus = torch.cuda.device_count() if on_gpu else 0
-    if gpus > 1:     # ring all-gather / reduce-scatter over every visible GPU (``profile_collectives``)
-        log(f"collectives over {gpus} GPUs (NCCL), {len(GPU_SIZES)} buffer sizes ...")
-        collectives = measure_checked("collectives", lambda: measure_collectives(gpus, "nccl", repeats=repeats), log)
-        log(f"  {collectives['collective_gbps']:.1f} GB/s bus bandwidth, "
-            f"{collectives['collective_latency_s'] * 1e6:.1f} us per ring step")
-        coll_note = f"collectives measured over {gpus} GPUs (NCCL); between hosts modelled"
-
+    collectives, coll_note = _collectives(on_gpu, repeats, log)
     where = (f"measured on {gpu_name}" if on_gpu else
              "measured on the CPU without CUDA: GPU figures are the CPU's (fp32 matmul, memcpy transfers)")
     profile = HardwareProfile(

@@ -120,8 +120,8 @@ def _resume(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict]:
     return cfg, prev
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Fine-tune as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
+def _settled(cfg: TrainConfig) -> tuple[FinetuneConfig, dict | None]:
+    """The run's settings (a resumed run's from its folder) and what the resumed run committed (None)."""
     if not isinstance(cfg, FinetuneConfig):       # `lazytrain train --resume DIR` of a --data run
         known = {f.name for f in fields(FinetuneConfig)}
         cfg = FinetuneConfig(**{k: v for k, v in asdict(cfg).items() if k in known})
@@ -130,6 +130,19 @@ def run(cfg: TrainConfig) -> dict:
         cfg, prev = _resume(cfg)
     if not cfg.data:
         raise ValueError("lazytrain train --data FILE: no data file given")
+    return cfg, prev
+
+
+def _tick(bar, stats, lr: float) -> None:
+    if bar is not None:
+        bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens / stats.step_s:,.0f}", lr=f"{lr:.1e}",
+                        refresh=False)
+        bar.update(1)
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Fine-tune as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
+    cfg, prev = _settled(cfg)
     dev = _device(cfg)
     ranks = Ranks.join(dev.type)
     if dev.type == "cpu" or ranks.size > 1:      # (torchrun sets OMP_NUM_THREADS=1: the host update's threads)
@@ -183,10 +196,7 @@ def run(cfg: TrainConfig) -> dict:
             if tuner is not None:
                 tuner.observe(stats.step_s)
             run.record(stats, opt.lr, t_start, tokens=True)
-            if bar is not None:
-                bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens / stats.step_s:,.0f}",
-                                lr=f"{opt.lr:.1e}", refresh=False)
-                bar.update(1)
+            _tick(bar, stats, opt.lr)
             if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps and data.eval:
                 evals.append(run_eval(run.step))
                 _note(bar, describe(evals[-1], run.step))
