@@ -15,7 +15,7 @@ layers, another attention kernel or another sequence length runs at other rates 
    runs it (CUDA events after its waits, so a transfer it waits for is not counted; in CPU mode,
    wall time);
 4. per distinct block (``ModelGraph.block_signature``), the median forward, backward and recompute
-   over every sample -> ``hardware.BlockTiming``, added to the hardware profile.
+   over every sample -> ``block_timing.BlockTiming``, added to the hardware profile.
 
 The cost model then uses the measured seconds for every block with that signature at that micro-batch
 (``CostModel.measured``), and ``plan.summary()`` says which blocks are measured and which modelled.
@@ -39,15 +39,15 @@ import torch
 from torch import nn
 
 from .compiler.api import BudgetError, compile_model
-from .compiler.hardware import BlockTiming, HardwareProfile, get_profile
+from .compiler.block_timing import BlockTiming
+from .compiler.hardware import HardwareProfile, get_profile
 from .frontend.presets import build_model
 from .frontend.trace import trace
 from .frontend.trace_export import find_layers, meta_clone, reduce_layers, reducible
-from .ir import OpKind, Tier
+from .ir import OpKind
 from .ir.graph import ModelGraph
-from .ir.semantics import Sizes, effects
-from .ir.verify import verify
-from .runtime.memtrack import track
+from .ir.semantics import Sizes
+from .runtime.memtrack import compare, track
 from .runtime.optim.torch_adamw import TorchAdamW
 from .runtime.trainer import Trainer
 
@@ -180,20 +180,14 @@ def measured_transients(trainer: Trainer, plan, batch) -> dict[tuple[str, str], 
     sizes = Sizes.of_plan(plan)
     with track(trainer) as mem:
         trainer.step(batch)
-    measured = {r.op.id: r for r in mem.records}
     out: dict[tuple[str, str], int] = {}
-    prev = 0
-    for op, after in zip(plan.ops, verify(plan).gpu_curve):
-        r = measured.get(op.id)
-        if r is not None and op.kind in (OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD):
-            eff = effects(op, sizes)
-            peak = prev + sum(sizes.of(t, tier) for t, tier in eff.writes if tier is Tier.GPU) + eff.transient
-            excess = (r.peak - max(r.before, r.after)) - (peak - max(prev, after))
+    for row in compare(plan, mem):
+        op = row.op
+        if op.kind in (OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD):
             backward = op.kind is OpKind.BACKWARD
             key = (plan.graph.block_signature(op.block), "backward" if backward else "forward")
             traced = sizes.backward_workspace(op.block) if backward else sizes.workspace(op.block)
-            out[key] = max(out.get(key, 0), traced + max(0, excess))
-        prev = after
+            out[key] = max(out.get(key, 0), traced + max(0, row.transient_excess))
     return out
 
 

@@ -151,21 +151,24 @@ class Sizes:
     def workspace(self, block: int) -> int:
         """Block ``block``'s transient in its forward and recompute at this micro-batch: the traced figure, or
         the measured one where a calibration raised it (``compiler/measured_workspace.py``)."""
-        b = self.graph.blocks[block]
-        per_sample = max(b.workspace_bytes, self._measured("measured_workspace")[block])
-        return per_sample * self.micro_batch + b.workspace_fixed_bytes
+        return self._per_sample_workspace[block][0] * self.micro_batch + self.graph.blocks[block].workspace_fixed_bytes
 
     def backward_workspace(self, block: int) -> int:
         """Block ``block``'s transient in its backward: the largest of its forward's, the traced backward figure
         (an op's values next to their gradients, ``frontend/trace.py``) and a measured one."""
-        b = self.graph.blocks[block]
-        per_sample = max(b.workspace_bytes, b.backward_workspace_bytes,
-                         self._measured("measured_backward_workspace")[block])
-        return max(self.workspace(block), per_sample * self.micro_batch + b.workspace_fixed_bytes)
+        return self._per_sample_workspace[block][1] * self.micro_batch + self.graph.blocks[block].workspace_fixed_bytes
 
-    def _measured(self, key: str) -> tuple[int, ...]:
-        measured = self.graph.meta.get(key)
-        return tuple(measured) if measured else (0,) * self.graph.n_blocks
+    @cached_property
+    def _per_sample_workspace(self) -> tuple[tuple[int, int], ...]:
+        """Per block (forward, backward) workspace per sample, computed once: ``effects`` asks on every op."""
+        n = self.graph.n_blocks
+        fwd = self.graph.meta.get("measured_workspace") or (0,) * n
+        bwd = self.graph.meta.get("measured_backward_workspace") or (0,) * n
+        out = []
+        for j, b in enumerate(self.graph.blocks):
+            forward = max(b.workspace_bytes, fwd[j])
+            out.append((forward, max(forward, b.backward_workspace_bytes, bwd[j])))
+        return tuple(out)
 
     def param_grad_transient(self, block: int) -> int:
         """Backward returns all of a block's parameter gradients at once (``autograd.grad``), in the

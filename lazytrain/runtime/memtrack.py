@@ -161,6 +161,15 @@ class OpCompare:
     predicted_peak: int      # before the op + what it writes + its transient (verify's peak rule)
     measured_after: int
     measured_peak: int
+    predicted_before: int
+    measured_before: int
+
+    @property
+    def transient_excess(self) -> int:
+        """How far the op's measured transient (its peak above the larger of the memory before and after it)
+        exceeds the predicted one; what was live before the step cancels out."""
+        measured = self.measured_peak - max(self.measured_before, self.measured_after)
+        return measured - (self.predicted_peak - max(self.predicted_before, self.predicted_after))
 
 
 def compare(plan, mem: DeviceMemory, base: int = 0) -> list[OpCompare]:
@@ -174,6 +183,6 @@ def compare(plan, mem: DeviceMemory, base: int = 0) -> list[OpCompare]:
         peak = prev + sum(sizes.of(t, tier) for t, tier in eff.writes if tier.value == "gpu") + eff.transient
         r = by_id.get(op.id)
         if r is not None:
-            out.append(OpCompare(op, after, max(peak, after), r.after - base, r.peak - base))
+            out.append(OpCompare(op, after, max(peak, after), r.after - base, r.peak - base, prev, r.before - base))
         prev = after
     return out
