@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import lazytrain
-from lazytrain.compiler.hardware import PROFILES, BlockTiming, HardwareProfile
+from lazytrain.compiler.block_timing import BlockTiming
+from lazytrain.compiler.hardware import PROFILES, HardwareProfile
 from lazytrain.ir import OpKind
 from lazytrain.ir.summary import measured_blocks
 

@@ -195,7 +195,7 @@ class ModelGraph:
         """What a block's measured time depends on, without its name: kind, parameter shapes, the shapes
         and dtypes it reads and writes, its per-sample FLOPs, bytes and op count, the sequence length
         and dtype.  Structurally identical blocks (the middle layers, a model traced with fewer layers)
-        share it, so one measurement serves them all (``hardware.BlockTiming``)."""
+        share it, so one measurement serves them all (``compiler.block_timing.BlockTiming``)."""
         b = self.blocks[j]
 
         def specs(ts):
