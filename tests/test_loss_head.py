@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import weakref
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -107,3 +108,57 @@ def test_the_compiler_chunks_by_the_budget_and_the_trainer_uses_it():
     assert small.blocks[-1].workspace_fixed_bytes == c * head["bytes_per_logit"] < 1 * GiB
     trainer = Trainer(model, plan, device="cpu")
     assert trainer.program.loss_chunk_logits == head["chunk_logits"]
+
+
+def test_fused_chunk_kernels_match_the_eager_passes():
+    """The per-chunk functions the runtime compiles with the blocks (``loss_kernels.py``) give the in-place eager
+    path's loss and gradients, with a softcap, a scale, a bias, ignored rows and a narrower last chunk; traced
+    whole (``fullgraph``) as the compiler sees them (``aot_eager``: the graph, not Inductor's code generation,
+    which the GPU test runs)."""
+    from lazytrain.frontend.loss_kernels import compiled_loss_kernels
+
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(2, 48, HIDDEN, generator=g, dtype=torch.float64)
+    weight = torch.randn(200, HIDDEN, generator=g, dtype=torch.float64) * 0.1
+    bias = torch.randn(200, generator=g, dtype=torch.float64) * 0.1
+    labels = torch.randint(0, 200, (2, 48), generator=g)
+    labels[0, :7] = -100
+    kernels = compiled_loss_kernels("aot_eager")
+    out = []
+    for k in (None, kernels):
+        f, w, b = (t.clone().requires_grad_(True) for t in (feats, weight, bias))
+        loss, n = fused_next_token_loss(f, w, b, labels, 96 * 64, softcap=30.0, scale=0.5, kernels=k)
+        loss.backward()
+        out.append((loss.detach(), n, f.grad, w.grad, b.grad))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.cuda
+def test_inductor_chunk_kernels_match_eager_on_gpu():
+    """On the GPU, in bf16, Inductor's fused chunk kernels give the eager head's loss and gradients (to bf16
+    rounding), and hold fewer bytes than the eager passes (one model-dtype chunk, not its fp32 copies)."""
+    from lazytrain.frontend.loss_kernels import compiled_loss_kernels
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(4, 512, 256, generator=g).to("cuda", torch.bfloat16)
+    weight = (torch.randn(50000, 256, generator=g) * 0.05).to("cuda", torch.bfloat16)
+    labels = torch.randint(0, 50000, (4, 512), generator=g).cuda()
+    labels[0, :100] = -100
+    kernels = compiled_loss_kernels()
+    out, peak = [], []
+    for k in (None, kernels, kernels):
+        f, w = (t.clone().requires_grad_(True) for t in (feats, weight))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss, _ = fused_next_token_loss(f, w, None, labels, 2048 * 4096, kernels=k)
+        loss.backward()
+        torch.cuda.synchronize()
+        peak.append(torch.cuda.max_memory_allocated() - base)
+        out.append((loss.detach().float(), f.grad.float(), w.grad.float()))
+    for a, b in zip(out[0], out[2]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    assert peak[2] < peak[0]

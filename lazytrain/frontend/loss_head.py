@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..ir.graph import loss_chunk_columns
+from .loss_kernels import LossKernels
 
 #: the label of a position without loss (torch's cross_entropy ``ignore_index``), the one definition the
 #: data, the tasks and the runtime share
@@ -57,9 +58,14 @@ def row_bytes(dtype: torch.dtype, hidden: int) -> int:
     return hidden * (4 + size) + ROW_STATS * 4
 
 
+def _product(f, w, b) -> torch.Tensor:
+    """One chunk's ``features @ weight.T (+ bias)`` in the model dtype."""
+    return f @ w.t() if b is None else torch.addmm(b, f, w.t())
+
+
 def _logits(f, w, b, scale: float, softcap: float | None) -> torch.Tensor:
     """One chunk's logits in fp32 (fp64 stays fp64): the model-dtype product is released at once."""
-    z = f @ w.t() if b is None else torch.addmm(b, f, w.t())
+    z = _product(f, w, b)
     if z.dtype not in (torch.float32, torch.float64):
         z = z.float()
     if scale != 1.0:
@@ -76,11 +82,28 @@ def _targets(labels: torch.Tensor, lo: int, hi: int):
     return inside, torch.where(inside, labels - lo, 0)[:, None]
 
 
+def _chunk_dz(f, w, b, labels, lo: int, hi: int, lse, row_grad, scale: float, softcap: float | None):
+    """One chunk's ``d loss / d logits`` in the model dtype, by in-place passes over one fp32 copy of its logits
+    (the eager path; ``loss_kernels.chunk_grad`` is the same as one fusible function)."""
+    z = _logits(f, w, b, scale, softcap)
+    deriv = z.div(softcap).square_().neg_().add_(1) if softcap else None   # d cap*tanh(x/cap) / dx
+    p = z.sub_(lse[:, None]).exp_()          # softmax, in place of the logits
+    inside, col = _targets(labels, lo, hi)
+    p.scatter_add_(1, col, inside.to(p.dtype).neg_()[:, None])
+    p.mul_(row_grad[:, None])
+    if softcap:
+        p.mul_(deriv)
+        del deriv
+    if scale != 1.0:
+        p.mul_(scale)
+    return p.to(f.dtype)
+
+
 class FusedLinearCrossEntropy(torch.autograd.Function):
     """sum over counted rows of CE(features @ W.T + b, labels), one vocabulary chunk of logits at a time."""
 
     @staticmethod
-    def forward(ctx, feats, weight, bias, labels, chunk_logits, softcap=None, scale=1.0):
+    def forward(ctx, feats, weight, bias, labels, chunk_logits, softcap=None, scale=1.0, kernels=None):
         rows, vocab = feats.shape[0], weight.shape[0]
         # shapes only (the cost measurement): FLOPs are linear in the columns, so one chunk counts the same
         cols = vocab if feats.is_meta else loss_chunk_columns(chunk_logits, rows, vocab)
@@ -90,6 +113,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         target = torch.zeros(rows, dtype=stat, device=feats.device)
         for lo in range(0, vocab, cols):
             hi = min(vocab, lo + cols)
+            if kernels is not None:
+                zb = _product(feats, weight[lo:hi], None if bias is None else bias[lo:hi])
+                run_max, run_sum, target = kernels.stats(zb, labels - lo, run_max, run_sum, target, scale, softcap)
+                del zb
+                continue
             z = _logits(feats, weight[lo:hi], None if bias is None else bias[lo:hi], scale, softcap)
             inside, col = _targets(labels, lo, hi)
             target = torch.where(inside, z.gather(1, col).squeeze(1), target)
@@ -100,7 +128,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         lse = run_max.add_(run_sum.log_())
         counted = labels != IGNORE
         ctx.save_for_backward(feats, weight, bias, labels, lse)
-        ctx.cols, ctx.softcap, ctx.scale = cols, softcap, scale
+        ctx.cols, ctx.softcap, ctx.scale, ctx.kernels = cols, softcap, scale, kernels
         return torch.where(counted, lse - target, 0.0).sum()
 
     @staticmethod
@@ -114,19 +142,12 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         gb = torch.empty_like(bias) if need_b else None
         for lo in range(0, vocab, cols):
             hi = min(vocab, lo + cols)
-            z = _logits(feats, weight[lo:hi], None if bias is None else bias[lo:hi], scale, softcap)
-            deriv = z.div(softcap).square_().neg_().add_(1) if softcap else None   # d cap*tanh(x/cap) / dx
-            p = z.sub_(lse[:, None]).exp_()          # softmax, in place of the logits
-            inside, col = _targets(labels, lo, hi)
-            p.scatter_add_(1, col, inside.to(p.dtype).neg_()[:, None])
-            p.mul_(row_grad[:, None])
-            if softcap:
-                p.mul_(deriv)
-                del deriv
-            if scale != 1.0:
-                p.mul_(scale)
-            dz = p.to(feats.dtype)
-            del p, z
+            if ctx.kernels is not None:
+                dz = ctx.kernels.grad(_product(feats, weight[lo:hi], None if bias is None else bias[lo:hi]),
+                                      labels - lo, lse, row_grad, scale, softcap)
+            else:
+                dz = _chunk_dz(feats, weight[lo:hi], None if bias is None else bias[lo:hi], labels, lo, hi, lse,
+                               row_grad, scale, softcap)
             if need_f:
                 part = dz @ weight[lo:hi]
                 if gf is None:
@@ -140,15 +161,16 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 gb[lo:hi] = dz.sum(dim=0)
             del dz             # before the next chunk's logits exist
         gf = None if gf is None else gf.to(feats.dtype)
-        return gf, gw, gb, None, None, None, None
+        return gf, gw, gb, None, None, None, None, None
 
 
 def fused_next_token_loss(feats, weight, bias, labels, chunk_logits: int, softcap: float | None = None,
-                          scale: float = 1.0):
+                          scale: float = 1.0, kernels: LossKernels | None = None):
     """(summed next-token CE, number of counted tokens) of features (b, s, d) against labels (b, s): the
     logits at position t are compared with the label at t + 1; ``scale``: logits multiplied by it first
-    (Cohere, Granite); ``softcap``: logits = softcap * tanh(logits / softcap) (Gemma-2)."""
+    (Cohere, Granite); ``softcap``: logits = softcap * tanh(logits / softcap) (Gemma-2); ``kernels``: each
+    chunk's pointwise work as compiled functions (``loss_kernels.py``) instead of the in-place eager passes."""
     shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1).reshape(-1)
     flat = feats.reshape(-1, feats.shape[-1])
-    loss = FusedLinearCrossEntropy.apply(flat, weight, bias, shifted, chunk_logits, softcap, scale)
+    loss = FusedLinearCrossEntropy.apply(flat, weight, bias, shifted, chunk_logits, softcap, scale, kernels)
     return loss, (shifted != IGNORE).sum()

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..ir import ModelGraph
 from .loss_head import DEFAULT_CHUNK_LOGITS, fused_next_token_loss
+from .loss_kernels import LossKernels, compiled_loss_kernels
 from .split import split as split_graph
 from .tiling import tile_split
 from .trace_export import BlockCode, Split, TraceError, export, find_layers, meta_clone, reduce_layers, reducible
@@ -44,6 +45,8 @@ class BlockProgram:
     #: block -> its Inductor-compiled forward and backward (``compiled.py``; set by the runtime when the plan
     #: asks for compiled blocks); a block not in it runs ``run_block``
     compiled: dict = field(default_factory=dict, repr=False)
+    #: the fused loss head's per-chunk work compiled (``loss_kernels.py``; set with the blocks), else eager
+    loss_kernels: LossKernels | None = field(default=None, repr=False)
 
     def run_block(self, j: int, params: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> dict:
         """Forward of block j with the given parameter tensors; inputs by name (extra keys ignored)."""
@@ -56,7 +59,8 @@ class BlockProgram:
         if bc.loss is not None:
             lh = bc.loss
             loss, n = fused_next_token_loss(outs[0], params[lh.weight], None if lh.bias is None else params[lh.bias],
-                                            inputs[lh.labels], self.loss_chunk_logits, lh.softcap, lh.scale)
+                                            inputs[lh.labels], self.loss_chunk_logits, lh.softcap, lh.scale,
+                                            self.loss_kernels)
             return {"loss_sum": loss, "n_tokens": n}
         if bc.user_loss:
             return {"loss_sum": outs[0], "n_tokens": torch.ones((), dtype=torch.int64, device=outs[0].device)}
@@ -81,6 +85,8 @@ class BlockProgram:
             specs.append(sp)
         self.compiled, report = compile_blocks(self.blocks, specs, device, infer=set(infer),
                                                compile_fn=compile_fn or inductor, budgets=budgets)
+        if compile_fn is None and any(bc.loss is not None for bc in self.blocks):
+            self.loss_kernels = compiled_loss_kernels()
         return report
 
     def param_names(self, j: int) -> list[str]:
