@@ -16,6 +16,7 @@ averages the micro-batch losses.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +46,8 @@ class BlockProgram:
     #: block -> its Inductor-compiled forward and backward (``compiled.py``; set by the runtime when the plan
     #: asks for compiled blocks); a block not in it runs ``run_block``
     compiled: dict = field(default_factory=dict, repr=False)
-    #: the fused loss head's per-chunk work compiled (``loss_kernels.py``; set with the blocks), else eager
+    #: the fused loss head's per-chunk work compiled (``loss_kernels.py``; set with the blocks unless the
+    #: environment sets ``LAZYTRAIN_EAGER_LOSS_HEAD=1``), else eager
     loss_kernels: LossKernels | None = field(default=None, repr=False)
 
     def run_block(self, j: int, params: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> dict:
@@ -85,7 +87,8 @@ class BlockProgram:
             specs.append(sp)
         self.compiled, report = compile_blocks(self.blocks, specs, device, infer=set(infer),
                                                compile_fn=compile_fn or inductor, budgets=budgets)
-        if compile_fn is None and any(bc.loss is not None for bc in self.blocks):
+        if compile_fn is None and any(bc.loss is not None for bc in self.blocks) \
+                and os.environ.get("LAZYTRAIN_EAGER_LOSS_HEAD") != "1":
             self.loss_kernels = compiled_loss_kernels()
         return report
 
