@@ -1,6 +1,7 @@
 """The fused loss head alone: wall time of its forward and backward, eager passes against the fused chunk kernels.
 
-    python benchmarks/loss_head_bench.py [--hidden 2048] [--vocab 151936] [--tokens 32768,8192] [--chunk-logits 134217728]
+    python benchmarks/loss_head_bench.py [--hidden 2048] [--vocab 151936] [--tokens 32768,8192] \
+        [--chunk-logits 134217728]
 
 Random bf16 features and weight on the GPU (qwen2.5-3b's head by default), each variant run five times after its
 kernels are compiled, the last run reported, with ``torch.cuda.synchronize`` around each half so the figure is
@@ -18,7 +19,8 @@ from lazytrain.frontend.loss_head import fused_next_token_loss
 from lazytrain.frontend.loss_kernels import compiled_loss_kernels
 
 
-def time_head(tokens: int, hidden: int, vocab: int, chunk_logits: int, kernels, repeats: int = 5) -> tuple[float, float]:
+def time_head(tokens: int, hidden: int, vocab: int, chunk_logits: int, kernels,
+              repeats: int = 5) -> tuple[float, float]:
     """(forward s, backward s) of the last of ``repeats`` runs."""
     feats = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
     weight = (torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_(True)
@@ -50,7 +52,8 @@ def main() -> None:
     for tokens in (int(t) for t in args.tokens.split(",")):
         eager = time_head(tokens, args.hidden, args.vocab, args.chunk_logits, None)
         fast = time_head(tokens, args.hidden, args.vocab, args.chunk_logits, fused)
-        print(f"| {tokens:,} | {eager[0] * 1e3:.1f} / {eager[1] * 1e3:.1f} | {fast[0] * 1e3:.1f} / {fast[1] * 1e3:.1f} |")
+        ms = [f"{a * 1e3:.1f} / {b * 1e3:.1f}" for a, b in (eager, fast)]
+        print(f"| {tokens:,} | {ms[0]} | {ms[1]} |")
 
 
 if __name__ == "__main__":
