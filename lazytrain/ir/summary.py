@@ -110,9 +110,12 @@ def _loss_head_text(plan, head: dict) -> str:
     chunks = -(-head["vocab"] // cols)
     gib = head["chunk_logits"] * head["bytes_per_logit"] / GiB
     whole = rows * head["vocab"] * 4 / GiB
-    return (f"lm_head + cross-entropy fused in {chunks} chunk{'s' if chunks > 1 else ''} of {cols} vocabulary "
+    text = (f"lm_head + cross-entropy fused in {chunks} chunk{'s' if chunks > 1 else ''} of {cols} vocabulary "
             f"columns ({gib:.2f} GiB a chunk, instead of {whole:.2f} GiB of fp32 logits a micro-batch); backward "
             "recomputes the logits (one more forward of the head)")
+    if plan.options.get("compile_blocks"):
+        text += "; each chunk's softmax work is one compiled kernel each way (frontend/loss_kernels.py)"
+    return text
 
 
 def _hardware_text(hw) -> str:
