@@ -187,6 +187,24 @@ def partition(gm: fx.GraphModule, specs: list[ArgSpec], device, n_params: int, b
     return cut(joint(gm, specs, device), n_params, budget)
 
 
+#: joint graphs by ``structure_key``, each with the program it was traced from (held, so that a key naming a
+#: program by its identity is not reused while the entry lives): one joint serves every cut of a program, in one
+#: compile and across the trainers a calibration starts, one per cut (``calibrate.cut_timings``).  Tracing the
+#: joint is most of a compile without Inductor (~1 s of a tiny Qwen2 layer's ~1.3 s on the CPU); a model has a
+#: few distinct programs, so a few entries suffice.
+_JOINTS: dict[str, tuple[fx.GraphModule, Joint]] = {}
+JOINT_CACHE_ENTRIES = 8
+
+
+def _joint_of(key: str, gm: fx.GraphModule, specs: list[ArgSpec], device) -> Joint:
+    """``joint(gm, specs, device)``, from ``_JOINTS`` when the program was traced before under ``key``."""
+    if key not in _JOINTS:
+        while len(_JOINTS) >= JOINT_CACHE_ENTRIES:
+            del _JOINTS[next(iter(_JOINTS))]
+        _JOINTS[key] = (gm, joint(gm, specs, device))
+    return _JOINTS[key][1]
+
+
 def saved_bytes(part: Partition, n_params: int) -> int:
     """Bytes the partition's forward saves for backward: storages of the saved values, each once, parameters
     excluded (the runtime passes the loaded ones again), the block's inputs included (as the eager count)."""
@@ -364,7 +382,7 @@ def compile_blocks(blocks: list[BlockCode], specs: list[list[ArgSpec]], device, 
     for (key, budget), members in groups.items():
         bc, sp = blocks[members[0]], specs[members[0]]
         try:
-            part = partition(bc.gm, sp, device, len(bc.param_names), budget=budget)
+            part = cut(_joint_of(key, bc.gm, sp, device), len(bc.param_names), budget=budget)
             # cut before compiling: Inductor rewrites the graph it compiles (not on a cache hit), and the forward-
             # only graph must be the same code every run for its own cache entry to hit
             only = _without_saved(part) if infer & set(members) else None
