@@ -51,7 +51,7 @@ def measured_cuts(plan) -> list[int]:
             continue
         c = b.cuts[d.cut_of(j)]
         cuts = timed.get((plan.graph.block_signature(j), plan.micro_batch), {}).get("cuts")
-        if isinstance(cuts, list) and any(isinstance(t, dict) and t.get("budget") == c.budget
+        if isinstance(cuts, (list, tuple)) and any(isinstance(t, dict) and t.get("budget") == c.budget
                                           and t.get("saved_bytes") == c.saved_bytes for t in cuts):
             out.append(j)
     return out
