@@ -274,8 +274,12 @@ def measured_transients(trainer: Trainer, plan, batch) -> dict[tuple[str, str], 
 
 
 def missing(graph: ModelGraph, hw: HardwareProfile, micro_batch: int) -> list[int]:
-    """Blocks of ``graph`` with no measured timing at ``micro_batch`` in ``hw``."""
-    return [j for j in range(graph.n_blocks) if hw.measured(graph.block_signature(j), micro_batch) is None]
+    """Blocks of ``graph`` with no measured timing at ``micro_batch`` in ``hw``, or that offer cuts (compiled blocks)
+    and whose timing has none (measured before cuts were timed)."""
+    def timed(j: int) -> bool:
+        t = hw.measured(graph.block_signature(j), micro_batch)
+        return t is not None and (len(graph.blocks[j].cuts) < 2 or bool(t.cuts))
+    return [j for j in range(graph.n_blocks) if not timed(j)]
 
 
 def compile_calibrated(compile_fn, model, options: dict, *, verbose: bool = True):

@@ -19,7 +19,7 @@ from test_cuts import _compile, _with_cut
 
 import lazytrain
 import lazytrain.frontend.compiled as compiled
-from lazytrain.calibrate import cut_plan, measure_blocks
+from lazytrain.calibrate import cut_plan, measure_blocks, missing
 from lazytrain.compiler.api import Compiler
 from lazytrain.compiler.block_timing import BlockTiming, CutTiming
 from lazytrain.compiler.cost import CostModel
@@ -53,6 +53,10 @@ def test_a_timed_cut_is_priced_as_measured_and_an_untimed_one_as_modelled():
     assert measured.cut_recompute_s(1, 1) == pytest.approx(4e-3) and measured.recompute_s(1) == 2.2e-3
     at_min = CostModel(graph, hw.with_timings([timed]), MB, "bfloat16")      # the same block at the min-cut
     assert (at_min.fwd_s(1), at_min.bwd_s(1)) == (2e-3, 5e-3)
+    # a profile timed before cuts were is calibrated again (``missing``); one with the cuts timed is not
+    untimed = [0, graph.n_blocks - 1]          # the embedding and the head have no timing here
+    assert missing(graph, hw.with_timings([timed]), MB) == untimed
+    assert missing(graph, hw.with_timings([base]), MB) == list(range(graph.n_blocks))
     for profile in (hw.with_timings([base]), hw.with_timings([_timings(graph, cut_bytes_delta=1)[1]])):
         modelled = CostModel(graph, profile, MB, "bfloat16", cut=cut)     # no cut timed, or another cut timed
         assert modelled.fwd_s(1) == 2e-3 and modelled.cut_timing(1, 1) is None
