@@ -185,11 +185,6 @@ def cut(j: Joint, n_params: int, budget: float = 1.0) -> Partition:
     return Partition(fw=fw, bw=bw, n_outputs=j.n_outputs, tangents=tuple(j.grad_out), passthrough=j.passthrough)
 
 
-def partition(gm: fx.GraphModule, specs: list[ArgSpec], device, n_params: int, budget: float = 1.0) -> Partition:
-    """``gm``'s joint graph at ``specs`` (``joint``), cut at ``budget`` (``cut``)."""
-    return cut(joint(gm, specs, device), n_params, budget)
-
-
 #: joint graphs by ``structure_key``, each with the program it was traced from (held, so that a key naming a
 #: program by its identity is not reused while the entry lives): one joint serves every cut of a program, in one
 #: compile and across the trainers a calibration starts, one per cut (``calibrate.cut_timings``).  Tracing the
@@ -430,13 +425,13 @@ def compile_blocks(blocks: list[BlockCode], specs: list[list[ArgSpec]], device, 
         n_params, with_infer = len(bc.param_names), bool(infer & set(members))
         try:
             part = cut(_joint_of(key, bc.gm, sp, device), n_params, budget=budget)
+            # cut before compiling: Inductor rewrites the graph it compiles (not on a cache hit), and the forward-
+            # only graph must be the same code every run for its own cache entry to hit; so must the fallback's
+            only = _without_saved(part) if with_infer else None
+            pristine = dataclasses.replace(part, fw=_copy(part.fw), bw=_copy(part.bw))
         except Exception as e:  # noqa: BLE001 - these blocks run eager; the warning names them and why
             rep.failed.update({j: _reason(e) for j in members})
             continue
-        # cut before compiling: Inductor rewrites the graph it compiles (not on a cache hit), and the forward-only
-        # graph must be the same code every run for its own cache entry to hit; so must the fallback's graphs
-        only = _without_saved(part) if with_infer else None
-        pristine = dataclasses.replace(part, fw=_copy(part.fw), bw=_copy(part.bw))
         try:
             cb = CompiledBlock(part=part, specs=sp, fw=compile_fn(part.fw), bw=compile_fn(part.bw, backward=True),
                                key=key)
