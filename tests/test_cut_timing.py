@@ -5,7 +5,7 @@ summary says which.
 The cost-model and plan tests use a synthetic chain whose layers offer a second cut (``test_cuts._with_cut``)
 and made-up timings: fast, and the figures are known.  The end-to-end test calibrates a tiny Qwen2 with compiled
 blocks on the CPU (the partition's fx graphs stand in for Inductor, as in ``test_compiled_blocks``): it starts a
-trainer per cut index and partitions each program at its cuts, 18 s on a shared 2-core machine, hence ``slow``.
+trainer per cut index and partitions each program at its cuts, 18-31 s on a shared 2-core machine, hence ``slow``.
 """
 
 from __future__ import annotations
