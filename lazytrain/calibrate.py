@@ -15,7 +15,12 @@ layers, another attention kernel or another sequence length runs at other rates 
    runs it (CUDA events after its waits, so a transfer it waits for is not counted; in CPU mode,
    wall time);
 4. per distinct block (``ModelGraph.block_signature``), the median forward, backward and recompute
-   over every sample -> ``block_timing.BlockTiming``, added to the hardware profile.
+   over every sample -> ``block_timing.BlockTiming``, added to the hardware profile;
+5. compiled blocks (``compile_blocks``): every cut but the min-cut that the compiler may choose for a block
+   (``Block.cuts``) timed the same way, one plan per cut index in which every block offering it saves at it
+   (``cut_plan``: kept, else offloaded) -> ``BlockTiming.cuts``.  A cut's backward recomputes what its
+   forward did not save, at a rate no FLOP count predicts well (pointwise and normalisation kernels), so it
+   is measured rather than scaled from the min-cut's.
 
 The cost model then uses the measured seconds for every block with that signature at that micro-batch
 (``CostModel.measured``), and ``plan.summary()`` says which blocks are measured and which modelled.
@@ -31,6 +36,7 @@ each (a 7B model cut to three layers: 1.8 B parameters, 29 GB).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -38,13 +44,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .compiler.api import BudgetError, compile_model
-from .compiler.block_timing import BlockTiming
+from .compiler.api import BudgetError, Compiler, compile_model
+from .compiler.block_timing import BlockTiming, CutTiming
 from .compiler.hardware import HardwareProfile, get_profile
 from .frontend.presets import build_model
 from .frontend.trace import trace
 from .frontend.trace_export import find_layers, meta_clone, reduce_layers, reducible
-from .ir import OpKind
+from .ir import OpKind, PlanError, Saved
 from .ir.graph import ModelGraph
 from .ir.semantics import Sizes
 from .runtime.memtrack import compare, track
@@ -121,36 +127,26 @@ def measure_blocks(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro
                    verbose: bool = True, compile_blocks: bool = False) -> list[BlockTiming]:
     """Forward, backward and recompute seconds of each distinct block of ``model`` at this micro-batch and
     sequence length, measured in LazyTrain's runtime on ``device`` (module docstring); ``compile_blocks``: the
-    blocks run compiled (``frontend/compiled.py``), as the plan they calibrate will run them."""
+    blocks run compiled (``frontend/compiled.py``), as the plan they calibrate will run them, and each cut of a
+    block the compiler may choose is timed too (``cut_timings``)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, param_dtype)
     tm = timing_model(model, dtype)
     plan = timing_plan(tm, micro_batch=micro_batch, seq_len=seq_len, hardware=hw, gpu_memory=gpu_memory,
                        host_memory=host_memory, resident="none", param_dtype=param_dtype, optimizer="adamw",
                        seq_tile=seq_tile, compile_blocks=compile_blocks)
-    batch, n_micro = plan.batch_size, plan.batch_size // micro_batch
+    n_micro = plan.batch_size // micro_batch
     _log(verbose, f"timing {plan.graph.n_blocks} blocks of a {type(model).__name__} on {device}: micro-batch "
                   f"{micro_batch}, seq {seq_len}, {repeats} steps of {n_micro} micro-batch(es) after {WARMUP}")
-    by_id = {op.id: op for op in plan.ops}
     kinds = {OpKind.COMPUTE: "forward_s", OpKind.BACKWARD: "backward_s", OpKind.RECOMPUTE: "recompute_s"}
-    samples: dict[tuple[str, str], list[float]] = {}
-    vocab = _vocab(tm)
-    g = torch.Generator().manual_seed(0)
+    batches = _Batches(plan, _vocab(tm))
     trainer = Trainer(tm, plan, optimizer=TorchAdamW(lr=0.0), device=device, profile=True, verbose=False)
     try:
-        for step in range(WARMUP + repeats):
-            ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
-            trainer.step((ids, ids))
-            if step < WARMUP:
-                continue
-            for i, _res, t0, t1 in trainer.last_profile.trace:
-                op = by_id[i]
-                if op.kind in kinds:
-                    samples.setdefault((plan.graph.block_signature(op.block), kinds[op.kind]), []).append(t1 - t0)
-        ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
-        workspace = measured_transients(trainer, plan, (ids, ids))
+        samples = _samples(trainer, plan, batches, repeats, lambda op: kinds.get(op.kind))
+        workspace = measured_transients(trainer, plan, batches.next())
     finally:
         trainer.close()
+    cuts = cut_timings(tm, plan, hw, device, repeats, verbose) if compile_blocks else {}
     out, sizes = [], Sizes.of_plan(plan)
     for j, b in enumerate(plan.graph.blocks):
         sig = plan.graph.block_signature(j)
@@ -162,13 +158,99 @@ def measure_blocks(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro
                                micro_batch=micro_batch, seq_len=seq_len, samples=len(samples[(sig, "forward_s")]),
                                workspace_bytes=workspace.get((sig, "forward"), 0),
                                backward_workspace_bytes=workspace.get((sig, "backward"), 0),
-                               **{k: max(v, 1e-9) for k, v in fig.items()}))
+                               cuts=cuts.get(sig, ()), **{k: max(v, 1e-9) for k, v in fig.items()}))
         _log(verbose, f"  {b.name}: forward {fig['forward_s'] * 1e3:.3f} ms, backward {fig['backward_s'] * 1e3:.3f}"
                       f" ms, recompute {fig['recompute_s'] * 1e3:.3f} ms; workspace forward "
                       f"{workspace.get((sig, 'forward'), 0) / 2**20:.1f} MiB (traced {sizes.workspace(j) / 2**20:.1f}),"
                       f" backward {workspace.get((sig, 'backward'), 0) / 2**20:.1f} MiB (traced "
                       f"{sizes.backward_workspace(j) / 2**20:.1f})")
     return out
+
+
+class _Batches:
+    """Random token batches of the plan's shape, the same sequence every calibration (seeded)."""
+
+    def __init__(self, plan, vocab: int):
+        self.shape, self.vocab = (plan.batch_size, plan.seq_len), vocab
+        self.g = torch.Generator().manual_seed(0)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, self.vocab, self.shape, generator=self.g)
+        return ids, ids
+
+
+def _samples(trainer: Trainer, plan, batches: _Batches, repeats: int, figure) -> dict[tuple[str, str], list[float]]:
+    """Seconds of every op that ``figure(op)`` names a figure of (None: not timed), by (block signature, figure),
+    over ``repeats`` steps after ``WARMUP``."""
+    by_id = {op.id: op for op in plan.ops}
+    samples: dict[tuple[str, str], list[float]] = {}
+    for step in range(WARMUP + repeats):
+        trainer.step(batches.next())
+        if step < WARMUP:
+            continue
+        for i, _res, t0, t1 in trainer.last_profile.trace:
+            op = by_id[i]
+            name = figure(op)
+            if name is not None:
+                samples.setdefault((plan.graph.block_signature(op.block), name), []).append(t1 - t0)
+    return samples
+
+
+def cut_plan(plan, hw: HardwareProfile, k: int):
+    """The timing plan with every block that offers a cut ``k`` (``Block.cuts``) saving at it: kept on the GPU,
+    or offloaded to the host where that does not fit (a recomputed block runs the min-cut, ``Decisions.cut``).
+    None when no block offers cut ``k`` or neither fits."""
+    at = {j for j, b in enumerate(plan.graph.blocks) if len(b.cuts) > k}
+    if not at:
+        return None
+    comp = Compiler(plan.graph, hw, plan.budgets, param_dtype=plan.param_dtype, optimizer=plan.options["optimizer"],
+                    clip=plan.options["clip"], compile_blocks=True)
+    d = plan.decisions
+    for place in (Saved.KEEP, Saved.HOST):
+        dec = dataclasses.replace(d, policy=f"{d.policy}, cut {k}",
+                                  saved=tuple(place if j in at else s for j, s in enumerate(d.saved)),
+                                  cut=tuple(k if j in at else 0 for j in range(len(d.saved))))
+        try:
+            return comp.build(dec, plan.batch_size)
+        except PlanError:
+            continue
+    return None
+
+
+def _cut_figure(op) -> str | None:
+    """What a cut plan's op times: a forward that saves (at the block's cut), or a backward."""
+    if op.kind is OpKind.BACKWARD:
+        return "backward_s"
+    return "forward_s" if op.kind is OpKind.COMPUTE and op.save else None
+
+
+def cut_timings(tm: nn.Module, plan, hw: HardwareProfile, device, repeats: int,
+                verbose: bool) -> dict[str, tuple[CutTiming, ...]]:
+    """Per block signature, the timings of its cuts other than the min-cut (``CutTiming``): for each cut index,
+    ``repeats`` steps of ``cut_plan`` (a Trainer of its own: its blocks compiled at that cut), each cut's forward
+    from the forwards that save at it and its backward from the backwards."""
+    out: dict[str, list[CutTiming]] = {}
+    graph = plan.graph
+    for k in range(1, max(len(b.cuts) for b in graph.blocks)):
+        cp = cut_plan(plan, hw, k)
+        if cp is None:
+            _log(verbose, f"  cut {k}: no timing plan fits; those cuts stay modelled")
+            continue
+        at = {graph.block_signature(j): graph.blocks[j].cuts[k] for j in range(graph.n_blocks)
+              if cp.decisions.cut_of(j)}
+        trainer = Trainer(tm, cp, optimizer=TorchAdamW(lr=0.0), device=device, profile=True, verbose=False)
+        try:
+            samples = _samples(trainer, cp, _Batches(cp, _vocab(tm)), repeats, _cut_figure)
+        finally:
+            trainer.close()
+        for sig, c in at.items():
+            fwd, bwd = samples[(sig, "forward_s")], samples[(sig, "backward_s")]
+            t = CutTiming(budget=c.budget, saved_bytes=c.saved_bytes, forward_s=max(statistics.median(fwd), 1e-9),
+                          backward_s=max(statistics.median(bwd), 1e-9), samples=len(bwd))
+            out.setdefault(sig, []).append(t)
+            _log(verbose, f"  cut {k} (budget {c.budget:g}) of {sig}: forward {t.forward_s * 1e3:.3f} ms, backward "
+                          f"{t.backward_s * 1e3:.3f} ms")
+    return {sig: tuple(ts) for sig, ts in out.items()}
 
 
 def measured_transients(trainer: Trainer, plan, batch) -> dict[tuple[str, str], int]:
@@ -192,8 +274,12 @@ def measured_transients(trainer: Trainer, plan, batch) -> dict[tuple[str, str], 
 
 
 def missing(graph: ModelGraph, hw: HardwareProfile, micro_batch: int) -> list[int]:
-    """Blocks of ``graph`` with no measured timing at ``micro_batch`` in ``hw``."""
-    return [j for j in range(graph.n_blocks) if hw.measured(graph.block_signature(j), micro_batch) is None]
+    """Blocks of ``graph`` with no measured timing at ``micro_batch`` in ``hw``, or that offer cuts (compiled blocks)
+    and whose timing has none (measured before cuts were timed)."""
+    def timed(j: int) -> bool:
+        t = hw.measured(graph.block_signature(j), micro_batch)
+        return t is not None and (len(graph.blocks[j].cuts) < 2 or bool(t.cuts))
+    return [j for j in range(graph.n_blocks) if not timed(j)]
 
 
 def compile_calibrated(compile_fn, model, options: dict, *, verbose: bool = True):

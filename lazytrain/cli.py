@@ -335,7 +335,7 @@ def cmd_profile(a) -> int:
         from .compiler.api import compile_model
         plan = compile_model(a.model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
                              gpu_memory=a.gpu_memory, hardware=a.output, calibrate=True,
-                             param_dtype="bfloat16" if _has_cuda() else "float32")
+                             param_dtype="bfloat16" if _has_cuda() else "float32", compile_blocks=a.compile_blocks)
         print(plan.summary())
     print(f"wrote {a.output}")
     return 0
@@ -438,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=_positive, default=None,
                    help="with --model: micro-batch to time (default: the one a plan for --batch chooses)")
     p.add_argument("--gpu-memory", type=_size, default=None, help="with --model: GPU budget of that plan")
+    p.add_argument("--compile-blocks", action="store_true",
+                   help="with --model: time the block programs compiled by Inductor, and each cut of a block the "
+                        "compiler may choose, as plans compiled with --compile-blocks run them")
     p.set_defaults(fn=cmd_profile)
     p = sub.add_parser("train", help="train on the built-in arithmetic task: compile, train, evaluate, save",
                        description="Train on generated arithmetic word problems: build the model, compile a plan "

@@ -24,7 +24,8 @@ import lazytrain.frontend.compiled as compiled
 from lazytrain.compiler.api import Compiler
 from lazytrain.compiler.hardware import get_profile
 from lazytrain.frontend.trace import trace
-from lazytrain.ir import Decisions, GiB, Place, PlanError, Saved
+from lazytrain.ir import Decisions, GiB, Place, PlanError, Saved, TensorId, TensorKind
+from lazytrain.ir.semantics import Sizes
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 from lazytrain.runtime.trainer import Trainer
 
@@ -88,19 +89,41 @@ def test_partitioned_blocks_match_eager(kind, name, mb, tmp_path, monkeypatch):
     assert 0 < rep.saved_vs_plan <= 1.0          # the CPU's partitions save at most what the plan counted
 
 
-def test_failed_compile_runs_eager_with_one_warning(tmp_path, monkeypatch):
-    """The layers' compile fails (the embedding's does not): they run eager beside the compiled embedding."""
+def test_a_failed_inductor_compile_runs_the_partition_uncompiled(tmp_path, monkeypatch):
+    """The layers' Inductor compile fails (the embedding's does not): they run their partitions' fx graphs, so each
+    forward saves what the plan counted at its cut (eager autograd would save the whole forward's activations,
+    more), the gradients are eager's, and one warning names the blocks and the error."""
     def layers_fail(gm, **kw):
         if any(n.target is torch.ops.aten.addmm.default for n in gm.graph.nodes):
             raise RuntimeError("no kernel for this")
         return _graphs(gm)
     monkeypatch.setattr(compiled, "inductor", layers_fail)
+    seen: list = []
+    real = compiled.CompiledBlock.forward
+
+    def forward(self, args):
+        outs, saved = real(self, args)
+        seen.append((self, [a.untyped_storage().data_ptr() for a in args],
+                     {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}))
+        return outs, saved
+    monkeypatch.setattr(compiled.CompiledBlock, "forward", forward)
+    plans = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tr = _train_beside_eager("gpt", lambda m: _plan(m, "host-nvme-b", 2, tmp_path))
-    mine = [w for w in caught if "could not be compiled" in str(w.message)]
-    assert len(mine) == 1 and "blocks 1 (layers.0), 2 (layers.1), 3 (layers.2)" in str(mine[0].message)
-    assert set(tr.program.compiled) == {0} and set(tr.compile_report.failed) == {1, 2, 3}
+        tr = _train_beside_eager("gpt", lambda m: plans.append(_plan(m, "every-tier-cuts", 2, tmp_path)) or plans[-1])
+    mine = [str(w.message) for w in caught if "could not be compiled" in str(w.message)]
+    assert len(mine) == 1 and "blocks 1 (layers.0), 2 (layers.1), 3 (layers.2): Inductor failed" in mine[0]
+    assert "RuntimeError: no kernel for this" in mine[0]
+    rep, plan = tr.compile_report, plans[0]
+    assert set(tr.program.compiled) == {0, 1, 2, 3} and set(rep.uncompiled) == {1, 2, 3} and not rep.failed
+    assert rep.blocks == 1 and "partitioned but not compiled (Inductor failed): 3 blocks" in rep.line()
+    sizes, got = Sizes.of_plan(plan), {}
+    for j in (1, 2, 3):     # at cuts 3 and 1 (kept, NVMe) and the min-cut (recomputed)
+        cb, n = tr.program.compiled[j], len(tr.program.blocks[j].param_names)
+        got[j] = {sum(b for ptr, b in saved.items() if ptr not in args[:n]) for c, args, saved in seen if c is cb}
+        assert got[j] == {sizes.of(TensorId(kind=TensorKind.SAVED, index=j))}, j
+    # block 1's cut saves a tenth of the min-cut's bytes (GPT's eager autograd saves as many as the min-cut)
+    assert max(got[1]) * 10 < plan.graph.blocks[1].cuts[0].saved_bytes * plan.micro_batch
 
 
 @pytest.mark.slow      # Inductor's cold C++ compile of 5 graphs: 50-90 s on a shared 2-core machine

@@ -8,10 +8,12 @@ micro-batch (``HardwareProfile.calibration``, from ``lazytrain profile --model``
 recompute as LazyTrain's runtime ran them), else modelled from its FLOPs (``block_seconds``: matmuls
 and attention at their rates; recompute costs the same as forward).
 
-A compiled block's cut (``Decisions.cut``, ``frontend/cuts.py``) other than the min-cut adds to its backward
-the forward work the cut does not save: the block's recompute time (measured or modelled) scaled by the cut's
-*modelled* share of it (its recomputed matmul and attention FLOPs at their rates, over the forward's).  The
-calibration times the min-cut backward only; that scaling is the cut's whole time model.
+A compiled block's cut (``Decisions.cut``, ``frontend/cuts.py``) other than the min-cut changes its forward and
+backward.  Where the calibration timed the cut (``block_timing.CutTiming``: ``lazytrain profile --model`` of a
+compiled plan times every cut the compiler may choose), its forward and backward are the measured ones.  Else
+the cut's backward is the min-cut backward plus the forward work the cut does not save: the block's recompute
+time (measured or modelled) scaled by the cut's *modelled* share of it (its recomputed matmul and attention
+FLOPs at their rates, over the forward's), and its forward is the block's.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class CostModel:
         return {j: t for j, t in found.items() if t is not None}
 
     def fwd_s(self, j: int) -> float:
-        return self._block_s[j][0]
+        """Forward of block j at its cut: the cut's measured forward where timed (module docstring)."""
+        return self._block_s[j][0] + self.cut_forward_s(j, self.cut[j] if self.cut else 0)
 
     def recompute_s(self, j: int) -> float:
         """Forward again inside the backward: measured where timed, else the forward's time."""
@@ -80,8 +83,26 @@ class CostModel:
         return self._block_s[j][2] + (self.cut_recompute_s(j, k) if k else 0.0)
 
     def cut_recompute_s(self, j: int, k: int) -> float:
-        """Seconds block j's backward adds at cut ``k`` (module docstring; 0 for the min-cut)."""
-        return self.recompute_s(j) * self._cut_share(j, k) if k else 0.0
+        """Seconds block j's backward adds at cut ``k``, measured or modelled (module docstring; 0 for the
+        min-cut).  A measured cut's may be below 0: its backward timed faster than the min-cut's."""
+        if not k:
+            return 0.0
+        t = self.cut_timing(j, k)
+        return t.backward_s - self._block_s[j][2] if t else self.recompute_s(j) * self._cut_share(j, k)
+
+    def cut_forward_s(self, j: int, k: int) -> float:
+        """Seconds block j's forward adds at cut ``k``: its measured forward at that cut less the block's (0 for
+        the min-cut and where the cut was not timed)."""
+        t = self.cut_timing(j, k) if k else None
+        return t.forward_s - self._block_s[j][0] if t else 0.0
+
+    def cut_timing(self, j: int, k: int):
+        """The calibration's ``CutTiming`` of block j's cut ``k`` (None: not timed, or the min-cut)."""
+        t = self.measured.get(j)
+        if not k or t is None:
+            return None
+        c = self.graph.blocks[j].cuts[k]
+        return t.cut(c.budget, c.saved_bytes)
 
     def _cut_share(self, j: int, k: int) -> float:
         """Cut k's recomputed work as a share of block j's forward, both modelled from FLOPs (kernels only: the

@@ -272,8 +272,11 @@ class HardwareProfile:
 
     # --- JSON --------------------------------------------------------------------------------
     def to_json(self) -> dict:
-        """A versioned, JSON-serializable dict (``json.dumps(profile.to_json())``)."""
-        return {"format": FORMAT, "version": VERSION, **dataclasses.asdict(self)}
+        """A versioned, JSON-serializable dict (``json.dumps(profile.to_json())``); a block timing without cut
+        timings is written as it was before they existed."""
+        d = {"format": FORMAT, "version": VERSION, **dataclasses.asdict(self)}
+        d["calibration"] = [{k: v for k, v in t.items() if k != "cuts" or v} for t in d["calibration"]]
+        return d
 
     @classmethod
     def from_json(cls, data: dict) -> HardwareProfile:

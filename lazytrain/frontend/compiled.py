@@ -27,11 +27,14 @@ those run eager.  Blocks whose programs are the same code (identical layers: the
 not its names, plus every argument's shape, stride, dtype and gradient flag; ``structure_key``) and cuts
 share one compiled pair.  Across runs Inductor's FX graph cache serves a program compiled before (in
 ``~/.cache/lazytrain/inductor``, or ``TORCHINDUCTOR_CACHE_DIR`` when the process set one).  A block whose
-compile fails runs eager; one warning names every such block.
+Inductor compile fails runs its partition's forward and backward graphs uncompiled (``_uncompiled``): the same
+saved tensors as the plan's cut, so only its time changes (eager autograd would save the whole forward's
+activations, more than the cut); a block whose partition fails runs eager.  One warning names every such block.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import stat
@@ -182,9 +185,22 @@ def cut(j: Joint, n_params: int, budget: float = 1.0) -> Partition:
     return Partition(fw=fw, bw=bw, n_outputs=j.n_outputs, tangents=tuple(j.grad_out), passthrough=j.passthrough)
 
 
-def partition(gm: fx.GraphModule, specs: list[ArgSpec], device, n_params: int, budget: float = 1.0) -> Partition:
-    """``gm``'s joint graph at ``specs`` (``joint``), cut at ``budget`` (``cut``)."""
-    return cut(joint(gm, specs, device), n_params, budget)
+#: joint graphs by ``structure_key``, each with the program it was traced from (held, so that a key naming a
+#: program by its identity is not reused while the entry lives): one joint serves every cut of a program, in one
+#: compile and across the trainers a calibration starts, one per cut (``calibrate.cut_timings``).  Tracing the
+#: joint is most of a compile without Inductor (~1 s of a tiny Qwen2 layer's ~1.3 s on the CPU); a model has a
+#: few distinct programs, so a few entries suffice.
+_JOINTS: dict[str, tuple[fx.GraphModule, Joint]] = {}
+JOINT_CACHE_ENTRIES = 8
+
+
+def _joint_of(key: str, gm: fx.GraphModule, specs: list[ArgSpec], device) -> Joint:
+    """``joint(gm, specs, device)``, from ``_JOINTS`` when the program was traced before under ``key``."""
+    if key not in _JOINTS:
+        while len(_JOINTS) >= JOINT_CACHE_ENTRIES:
+            del _JOINTS[next(iter(_JOINTS))]
+        _JOINTS[key] = (gm, joint(gm, specs, device))
+    return _JOINTS[key][1]
 
 
 def saved_bytes(part: Partition, n_params: int) -> int:
@@ -294,7 +310,10 @@ class CompileReport:
     cache_hits: int = 0             # Inductor FX graph cache hits (a graph compiled in an earlier run)
     cache_misses: int = 0
     eager: dict[int, str] = field(default_factory=dict)
+    #: blocks whose partition failed (they run eager) and whose Inductor compile failed (they run their partition's
+    #: fx graphs uncompiled, ``_uncompiled``), with the error
     failed: dict[int, str] = field(default_factory=dict)
+    uncompiled: dict[int, str] = field(default_factory=dict)
     #: the largest ratio over the compiled blocks of the bytes this device's partition saves to what the plan
     #: counted (the trace partitions on ``meta``; above 1 the plan's memory peak is optimistic); 0 before set
     saved_vs_plan: float = 0.0
@@ -306,13 +325,53 @@ class CompileReport:
             text += f", saved bytes at most {self.saved_vs_plan:.2f}x the plan's"
         if self.eager or self.failed:
             text += f"; eager: {len(self.eager) + len(self.failed)} blocks"
+        if self.uncompiled:
+            text += f"; partitioned but not compiled (Inductor failed): {len(self.uncompiled)} blocks"
         return text
 
     def to_json(self) -> dict:
         return {"seconds": round(self.seconds, 3), "blocks": self.blocks, "programs": self.programs,
                 "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
                 "saved_vs_plan": round(self.saved_vs_plan, 4),
-                "eager": {str(j): why for j, why in {**self.eager, **self.failed}.items()}}
+                "eager": {str(j): why for j, why in {**self.eager, **self.failed}.items()},
+                "uncompiled": {str(j): why for j, why in self.uncompiled.items()}}
+
+
+def _reason(e: Exception) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"
+
+
+def _uncompiled(part: Partition, specs: list[ArgSpec], key: str, with_infer: bool) -> CompiledBlock:
+    """A block whose Inductor compile failed: its partition's fx graphs run as they are, with the compiled calling
+    convention.  The same forward and backward graphs, so the same saved tensors (the plan's memory holds), only
+    slower; ``part``'s graphs are copies taken before Inductor saw them (it may have rewritten those it failed on)."""
+    def run(gm: fx.GraphModule):
+        return lambda args: gm(*args)
+    return CompiledBlock(part=part, specs=specs, fw=run(part.fw), bw=run(part.bw),
+                         infer=run(_without_saved(part)) if with_infer else None, key=key)
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm``'s graph (nodes and their meta, shallow) in a module of its own."""
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, g)
+
+
+def _failure_warning(rep: CompileReport, blocks: list[BlockCode]) -> str:
+    """The one warning of a compile where blocks failed: which run their partition uncompiled (the plan's memory,
+    slower) and which run eager (their partition failed: autograd saves more than the plan counted), and why."""
+    parts = []
+    for failed, what in ((rep.uncompiled, "Inductor failed: they run their partitioned forward and backward "
+                                          "uncompiled, saving what the plan counted, slower"),
+                         (rep.failed, "the partition failed: they run eager, and autograd saves more than the "
+                                      "plan counted")):
+        if failed:
+            names = ", ".join(f"{j} ({blocks[j].name})" for j in sorted(failed))
+            parts.append(f"blocks {names}: {what}; first error: {failed[min(failed)]}")
+    n = len(rep.failed) + len(rep.uncompiled)
+    return f"compile_blocks: {n} blocks could not be compiled: " + "; ".join(parts)
 
 
 def cache_folder() -> Path:
@@ -363,27 +422,29 @@ def compile_blocks(blocks: list[BlockCode], specs: list[list[ArgSpec]], device, 
     out: dict[int, CompiledBlock] = {}
     for (key, budget), members in groups.items():
         bc, sp = blocks[members[0]], specs[members[0]]
+        n_params, with_infer = len(bc.param_names), bool(infer & set(members))
         try:
-            part = partition(bc.gm, sp, device, len(bc.param_names), budget=budget)
+            part = cut(_joint_of(key, bc.gm, sp, device), n_params, budget=budget)
             # cut before compiling: Inductor rewrites the graph it compiles (not on a cache hit), and the forward-
-            # only graph must be the same code every run for its own cache entry to hit
-            only = _without_saved(part) if infer & set(members) else None
+            # only graph must be the same code every run for its own cache entry to hit; so must the fallback's
+            only = _without_saved(part) if with_infer else None
+            pristine = dataclasses.replace(part, fw=_copy(part.fw), bw=_copy(part.bw))
+        except Exception as e:  # noqa: BLE001 - these blocks run eager; the warning names them and why
+            rep.failed.update({j: _reason(e) for j in members})
+            continue
+        try:
             cb = CompiledBlock(part=part, specs=sp, fw=compile_fn(part.fw), bw=compile_fn(part.bw, backward=True),
                                key=key)
             if only is not None:
                 cb.infer = compile_fn(only, inference=True)
-        except Exception as e:  # noqa: BLE001 - these blocks run eager; the warning names them and why
-            msg = str(e).strip().splitlines()
-            rep.failed.update({j: f"{type(e).__name__}: {msg[0] if msg else ''}" for j in members})
-            continue
+        except Exception as e:  # noqa: BLE001 - these blocks run their partition uncompiled; the warning says why
+            rep.uncompiled.update({j: _reason(e) for j in members})
+            cb = _uncompiled(pristine, sp, key, with_infer)
         out.update({j: cb for j in members})
     rep.seconds = time.perf_counter() - t0
-    rep.blocks = len(out)
-    rep.programs = len({id(cb) for cb in out.values()})
+    rep.blocks = len(out) - len(rep.uncompiled)
+    rep.programs = len({id(cb) for j, cb in out.items() if j not in rep.uncompiled})
     rep.cache_hits, rep.cache_misses = _counter("fxgraph_cache_hit") - hits, _counter("fxgraph_cache_miss") - misses
-    if rep.failed:
-        names = ", ".join(f"{j} ({blocks[j].name})" for j in sorted(rep.failed))
-        first = rep.failed[min(rep.failed)]
-        warnings.warn(f"compile_blocks: {len(rep.failed)} blocks could not be compiled and run eager: blocks {names}; "
-                      f"first error: {first}", stacklevel=2)
+    if rep.failed or rep.uncompiled:
+        warnings.warn(_failure_warning(rep, blocks), stacklevel=2)
     return out, rep

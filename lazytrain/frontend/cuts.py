@@ -116,7 +116,7 @@ def graph_flops(gm: fx.GraphModule) -> tuple[int, int]:
 
 
 def propose(gm: fx.GraphModule, specs, device, n_params: int) -> list[tuple[float, int, int, int]]:
-    """The distinct cuts of block program ``gm`` (``compiled.partition`` at each of ``CUT_BUDGETS``):
+    """The distinct cuts of block program ``gm`` (its joint graph, ``compiled.cut`` at each of ``CUT_BUDGETS``):
     (budget, saved bytes, backward FLOPs beyond the min-cut backward's, of them attention), min-cut first, each
     later one saving fewer bytes than every one before it."""
     from .compiled import cut, joint, saved_bytes

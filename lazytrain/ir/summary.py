@@ -27,14 +27,34 @@ def _resident_text(plan) -> str:
     return f"blocks {names}: {Sizes.of_plan(plan).resident_bytes() / GiB:.2f} GiB, updated on the GPU"
 
 
+def _timings(plan) -> dict:
+    """The hardware profile's ``calibration`` entries by (block signature, micro-batch)."""
+    hw = plan.hardware if isinstance(plan.hardware, dict) else {}
+    cal = hw.get("calibration")
+    return {(t.get("signature"), t.get("micro_batch")): t for t in cal if isinstance(t, dict)} \
+        if isinstance(cal, (list, tuple)) else {}
+
+
 def measured_blocks(plan) -> list[int]:
     """Blocks whose compute times the plan took from measurements of their programs (the hardware
     profile's ``calibration`` at the plan's micro-batch), not from the FLOP model."""
-    hw = plan.hardware if isinstance(plan.hardware, dict) else {}
-    cal = hw.get("calibration")
-    timed = {(t.get("signature"), t.get("micro_batch")) for t in cal if isinstance(t, dict)} \
-        if isinstance(cal, (list, tuple)) else set()
+    timed = _timings(plan)
     return [j for j in range(plan.graph.n_blocks) if (plan.graph.block_signature(j), plan.micro_batch) in timed]
+
+
+def measured_cuts(plan) -> list[int]:
+    """Blocks at a cut other than the min-cut whose forward and backward at that cut the plan took from the
+    calibration (its ``cuts``, matched by budget and saved bytes as ``BlockTiming.cut`` does)."""
+    timed, d, out = _timings(plan), plan.decisions, []
+    for j, b in enumerate(plan.graph.blocks):
+        if not d.cut_of(j):
+            continue
+        c = b.cuts[d.cut_of(j)]
+        cuts = timed.get((plan.graph.block_signature(j), plan.micro_batch), {}).get("cuts")
+        if isinstance(cuts, (list, tuple)) and any(isinstance(t, dict) and t.get("budget") == c.budget
+                                          and t.get("saved_bytes") == c.saved_bytes for t in cuts):
+            out.append(j)
+    return out
 
 
 def _compute_source_text(plan) -> str:
@@ -95,8 +115,16 @@ def _cuts_text(plan) -> str:
         parts.append(f"{n} at budget {budget:g} ({c.saved_bytes * d.micro_batch / GiB:.2f} GiB/mb, "
                      f"recomputes {share:.0%} of the forward)")
     text = "; ".join(parts) if parts else "none (every compiled block is recomputed)"
-    return (text + ". A cut's backward costs the min-cut backward plus the block's recompute time (measured or "
-            "modelled) times the cut's modelled recompute share (FLOPs at the matmul and attention rates)")
+    at_cut = [j for j in range(len(blocks)) if d.cut_of(j)]
+    timed = len(measured_cuts(plan))
+    if at_cut and timed == len(at_cut):
+        return text + ". The cuts' forward and backward are measured (calibration)"
+    modelled = ("the min-cut backward plus the block's recompute time (measured or modelled) times the cut's "
+                "modelled recompute share (FLOPs at the matmul and attention rates)")
+    if not timed:
+        return text + f". A cut's backward costs {modelled}"
+    return text + (f". Measured (calibration) for {timed} of the {len(at_cut)} blocks at a cut other than the "
+                   f"min-cut; the others' backward costs {modelled}")
 
 
 #: the figures of ``graph.meta["loss_head"]`` the summary's row needs (a plan file without them has no row)

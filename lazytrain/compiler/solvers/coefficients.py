@@ -44,9 +44,11 @@ class Coefficients:
     host_static: float
     nvme_cap: float
     use_nvme: bool
-    #: per block, per cut (``Block.cuts``; one entry: the min-cut only): saved GiB, backward ms it adds
+    #: per block, per cut (``Block.cuts``; one entry: the min-cut only): saved GiB, backward ms it adds, and
+    #: forward ms it adds (empty unless a cut's forward was measured: ``CostModel.cut_forward_s``)
     cut_S: list = field(default_factory=list)
     cut_R: list = field(default_factory=list)
+    cut_F: list = field(default_factory=list)
     #: with several ranks (``ir.sharding``): per block its all-gather and reduce-scatter on the collective
     #: stream, and the all-reduce of the norms (empty / 0 in a world of one: no rows)
     ag: list = field(default_factory=list)
@@ -94,7 +96,15 @@ def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
         rs=[cost.reduce_scatter_s(j) * MS for j in range(L)] if cost.sharded else [],
         ar=cost.all_reduce_s() * MS if cost.sharded else 0.0,
         cut_S=[[cost.saved_bytes(j, k) / GiB for k in range(cost.n_cuts(j))] for j in range(L)],
-        cut_R=[[cost.cut_recompute_s(j, k) * MS for k in range(cost.n_cuts(j))] for j in range(L)])
+        cut_R=[[cost.cut_recompute_s(j, k) * MS for k in range(cost.n_cuts(j))] for j in range(L)],
+        cut_F=_cut_forward_ms(cost))
+
+
+def _cut_forward_ms(cost) -> list:
+    """Per block, per cut: forward ms the cut adds; empty where no cut's forward was measured (the rows stay as
+    they were without measured cuts)."""
+    out = [[cost.cut_forward_s(j, k) * MS for k in range(cost.n_cuts(j))] for j in range(cost.graph.n_blocks)]
+    return out if any(any(row) for row in out) else []
 
 
 def _resident_gib(cost, j: int, per_resident: float) -> float:

@@ -57,7 +57,8 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
               forward and backward back to back).
     cuts      a compiled block with several cuts (``frontend/cuts.py``) has one binary per (placement, cut):
               keep[j] = sum_k keep[j,k] (host, nvme likewise), and every S_j above is the chosen cut's:
-              S_j keep[j] -> sum_k S_jk keep[j,k]; its backward window adds M sum_k R_jk (keep+host+nvme)[j,k]
+              S_j keep[j] -> sum_k S_jk keep[j,k]; its backward window adds M sum_k R_jk (keep+host+nvme)[j,k],
+              its forward window M sum_k F_jk (keep+host+nvme)[j,k] (F: a measured cut's forward, else 0)
               (R_jk: what cut k recomputes) and its backward transient sum_k (S_j0 - S_jk) (...)[j,k] (the
               regenerated values); spill[j] and reload_late[j] are then in GiB (<= their fraction times the
               chosen cut's offloaded bytes) rather than fractions of S_j.  A block with one cut has the columns,
@@ -250,11 +251,12 @@ def time_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions) 
     TF, TB, TX = v.TF, v.TB, v.TX
     boff = [v.bh[j] + v.bn[j] for j in range(L)]
     cut_ms = [v.by_cut(c, j, c.cut_R[j]) if c.cut_R else 0.0 for j in range(L)]
+    cut_fwd_ms = [v.by_cut(c, j, c.cut_F[j]) if c.cut_F else 0.0 for j in range(L)]
     load = [c.load[j] * v.streamed(j) for j in range(L)]
     gout = [c.gout[j] * v.streamed(j) for j in range(L)]
     U = [c.U[j] * v.streamed(j) for j in range(L)]
     for j in range(L):
-        m += TF[j] >= M * c.fwd[j], f"gpu_F[{j}]"
+        m += TF[j] >= M * c.fwd[j] + M * cut_fwd_ms[j], f"gpu_F[{j}]"
         if j + 1 < L:
             m += TF[j] >= load[j + 1], f"h2d_F[{j}]"
         spilled_in = v.spilled(c, j - 1) if j >= 1 else 0.0
