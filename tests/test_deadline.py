@@ -88,3 +88,30 @@ def test_a_solve_stops_when_its_cpu_seconds_are_spent(solver):
     assert r.status == "feasible" and r.gap > 0
     assert 0.3 <= r.cpu_s < 0.3 + 0.5
     assert isolated.solver_cpu_seconds() - before == pytest.approx(r.cpu_s)
+
+
+def test_a_compiled_block_counts_once_per_cut_in_the_search_budget():
+    """Cuts add binaries per block: a 30-layer chain is short (the 4 s budget and deadline), the same chain
+    with four cuts a layer (what compiled blocks offer) gets the long ones."""
+    import dataclasses
+
+    from lazytrain.compiler import search
+    from lazytrain.compiler.api import Compiler, make_budgets
+    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.synthetic import chain
+    from lazytrain.ir import Cut
+
+    g = chain(30)
+    def cuts(b):
+        return tuple(Cut(budget=x, saved_bytes=int(b.saved_bytes * x)) for x in (1.0, 0.7, 0.35, 0.0))
+    cut = dataclasses.replace(g, blocks=tuple(dataclasses.replace(b, cuts=cuts(b)) if b.kind == "layer" else b
+                                              for b in g.blocks))
+    assert search.milp_size(g) == 32 and search.milp_size(cut) == 2 + 4 * 30
+    hw = get_profile("h200")
+    sizes = {}
+    for name, graph in (("plain", g), ("cut", cut)):
+        comp = Compiler(graph, hw, make_budgets(hw, "24GiB", "200GiB", None, None, None), param_dtype="bfloat16",
+                        optimizer="hybrid8bit", clip=True)
+        sizes[name] = (comp.search.solver_left, comp.search.deadline.seconds)
+    assert sizes == {"plain": (search.SHORT_SOLVER_BUDGET_S, search.SHORT_DEADLINE_S),
+                     "cut": (search.SOLVER_BUDGET_S, search.DEADLINE_S)}
