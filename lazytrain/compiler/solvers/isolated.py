@@ -40,8 +40,8 @@ from .lp import LinearModel
 #: ``benchmarks/solver_grid.py``, where CBC crashed or was slower; see its results table)
 DEFAULT_ORDER = ("highs", "cbc")
 SOLVERS = ("highs", "cbc")
-#: seconds past a solve's time limit before the worker counts as hung: solvers overrun their limit by
-#: their last node and the model's build (~0.1 s for 80 layers on 2 cores)
+#: seconds past a solve's wall backstop (``WALL_FACTOR`` times its limit) before the worker counts as hung:
+#: solvers overrun their limit by their last node and the model's build (~0.1 s for 80 layers on 2 cores)
 GRACE_S = 5.0
 #: wall seconds a solve may take per CPU second of its limit before its solver stops it anyway: a machine four
 #: times oversubscribed still answers (the slowest compile grid rows ran under a load of 8 on 2 cores)
