@@ -86,7 +86,9 @@ def test_a_solve_stops_when_its_cpu_seconds_are_spent(solver):
     before = isolated.solver_cpu_seconds()
     r = isolated.solve(_knapsacks(), order=(solver,), time_limit=0.3, gap=1e-9)
     assert r.status == "feasible" and r.gap > 0
-    assert 0.3 <= r.cpu_s < 0.3 + 0.5
+    # stopped by its CPU time, not by a wall second (unless a machine more than WALL_FACTOR times oversubscribed
+    # hit the backstop first)
+    assert 0.3 <= r.cpu_s < 0.3 + 0.5 or (r.cpu_s < 0.3 and r.seconds >= isolated.WALL_FACTOR * 0.3)
     assert isolated.solver_cpu_seconds() - before == pytest.approx(r.cpu_s)
 
 
