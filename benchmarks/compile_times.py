@@ -5,7 +5,8 @@
 
 Each compile runs in a fresh process (``lazytrain compile``'s path: the preset is traced, then the
 search, the resident choice and the megatrain baseline), so the wall time is what a user waits, trace
-included and reported apart; ``out_of_time``: the search's deadline (``compiler/search.py``) ran out.
+included and reported apart; ``out_of_time``: the search's deadline (``compiler/search.py``) ran out, on the
+clock ``deadline_clock`` names ("cpu": the compile's CPU time; "wall": the backstop on a starved machine).
 The contract: <= 20 s for every preset, <= 5 s up to 8B parameters.
 
 The trace cache (``frontend/trace_cache.py``) is a fresh folder unless ``--trace-cache`` names one, so
@@ -50,7 +51,8 @@ with warnings.catch_warnings(record=True) as caught:
                "trace_cached": hist.get("trace", {}).get("cached", False), "compile_s": hist["total"]["seconds"],
                "megatrain_s": p.predicted.get("megatrain_step_time_s"),
                "solver": p.solver.solver if p.solver else None, "gap": p.solver.gap if p.solver else None,
-               "out_of_time": bool(getattr(p.solver, "out_of_time", False))}
+               "out_of_time": bool(getattr(p.solver, "out_of_time", False)),
+               "deadline_clock": getattr(p.solver, "deadline_clock", "")}
     except PlanError as e:
         out = {"error": str(e)[:100]}
 try:      # the solver workers exit here, so their CPU time is counted as this process's children's
@@ -107,7 +109,7 @@ def report(rows: list[dict], base: list[dict] | None) -> tuple[str, str]:
     from tabulate import tabulate
     cols = ["model", "gpu_gb", "batch", "wall_s", "cpu_s", "trace_s", "trace_cached", "compile_s", "compile_cpu_s",
             "load", "step_s", "megatrain_s", "micro_batch", "resident", "policy", "solver", "gap", "out_of_time",
-            "error"]
+            "deadline_clock", "error"]
     if base is not None:
         before = {(r["model"], r["gpu_gb"], r["batch"]): r for r in base}
         for r in rows:

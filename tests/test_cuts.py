@@ -21,7 +21,7 @@ from test_runtime import SEQ, _model
 import lazytrain
 from lazytrain.compiler.synthetic import chain
 from lazytrain.frontend.compiled import contiguous_spec, cut, joint, saved_bytes
-from lazytrain.frontend.cuts import FlopEstimate, propose
+from lazytrain.frontend.cuts import flop_estimate, propose
 from lazytrain.frontend.program import build_split
 from lazytrain.ir import Cut, Place, Plan, PlanError, Saved
 
@@ -81,7 +81,7 @@ def test_flop_estimate_prices_attention_by_name_not_position():
     qn.meta["val"] = q
     cpu = g.call_function(aten._scaled_dot_product_flash_attention_for_cpu.default, (qn, qn, qn, 0.0, True))
     eff = g.call_function(aten._scaled_dot_product_efficient_attention.default, (qn, qn, qn, None, True, 0.0, True))
-    est = FlopEstimate()
+    est = flop_estimate()
     assert est(cpu) == est(eff) == 2 * 2 * 4 * 64 * 64 * 16 // 2
 
 

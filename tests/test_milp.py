@@ -115,12 +115,13 @@ def test_72b_compiles_within_20_seconds():
     """The search, the MILP solves, the resident choice and the megatrain baseline of the largest preset in
     20 s.  The trace (~4 s, the same for every size) is done first: under ``pytest -n 2`` another worker
     shares the two cores, and the whole compile, trace included, is measured alone by
-    ``benchmarks/compile_times.py``."""
-    import time
+    ``benchmarks/compile_times.py``.  Counted in CPU seconds, the compile's and its solver's, as the search's
+    deadline counts them: on a machine other work shares, wall time says how busy the machine is."""
+    from lazytrain.compiler.deadline import compile_cpu_seconds
     g = trace(build_model("qwen2.5-72b"), seq_len=1024)
-    t = time.perf_counter()
+    t = compile_cpu_seconds()
     plan = compile_model(g, batch_size=72, gpu_memory="80GiB", host_memory="1TiB")
-    assert time.perf_counter() - t <= 20
+    assert compile_cpu_seconds() - t <= 20
     assert plan.graph.n_blocks == 82 and plan.solver is not None
 
 

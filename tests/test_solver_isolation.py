@@ -50,6 +50,7 @@ def fake_solvers(monkeypatch, tmp_path):
         isolated.shutdown()
         monkeypatch.setattr(isolated, "worker_command", lambda: [sys.executable, str(script)])
         monkeypatch.setattr(isolated, "GRACE_S", 1.0)
+        monkeypatch.setattr(isolated, "WALL_FACTOR", 1.0)       # a hung solver is noticed sooner
     yield install
     isolated.shutdown()
 

@@ -89,7 +89,7 @@ class Compiler:
         #: the solver asked for first, the other one if it fails
         self.solver_order = (solver, *(s for s in SOLVERS if s != solver))
         self.time_limit = time_limit
-        #: wall seconds the MILP search may take in all (``search.DEADLINE_S`` when None)
+        #: CPU seconds the MILP search may take in all (``search.DEADLINE_S`` when None; ``compiler/deadline.py``)
         self.deadline = deadline
         self.options = {"host_bytes_per_param": HOST_BYTES_PER_PARAM[optimizer], "optimizer": optimizer,
                         "clip": clip}
@@ -281,10 +281,12 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     ``solver``: the MILP solver tried first (``"highs"`` or ``"cbc"``); every solve runs in a child
     process, so a solver that crashes or hangs costs that solve only: the other solver is tried,
     then the best heuristic plan is used, with one warning and the failures in ``plan.solver``.
-    ``time_limit``: seconds per solve (default ``SOLVE_TIME_LIMIT``).  ``deadline``: wall seconds the search
-    for the plan may take in all, heuristics, solves and the checks of their plans included (default
-    ``search.DEADLINE_S``, none when ``time_limit`` is given); when it runs out the best plan found so far is
-    returned and ``plan.solver.out_of_time`` says so.
+    ``time_limit``: CPU seconds per solve (default ``SOLVE_TIME_LIMIT``).  ``deadline``: CPU seconds (the
+    compile's and its solver's; at most four times as many wall seconds) the search for the plan may take in
+    all, heuristics, solves and the checks of their plans included (default ``search.DEADLINE_S``, none when
+    ``time_limit`` is given); counted in CPU time, a busy machine does not change the plan.  When it runs out
+    the best plan found so far is returned and ``plan.solver.out_of_time`` says so (``deadline_clock``: which
+    clock ran out).
 
     ``calibrate=True`` times the model's own blocks on this machine at the plan's micro-batch and
     sequence length and compiles with those times (``lazytrain.calibrate``; written into ``hardware``

@@ -13,6 +13,7 @@ import time
 import warnings
 
 from ..ir import Decisions, OpKind, Place, Plan, PlanError, Saved, SolverStats
+from .deadline import Deadline, compile_cpu_seconds
 from .solvers import isolated
 from .solvers.heuristics import HEURISTICS
 from .solvers.milp import MilpOptions, coefficients, solve
@@ -22,20 +23,29 @@ from .solvers.milp import MilpOptions, coefficients, solve
 #: assignments one by one -- many for a short chain (cheap solves), few for a long one (symmetric layers)
 NO_GOOD_CUTS_SHORT, NO_GOOD_CUTS_LONG = 16, 3
 TIGHTENINGS = 3
-#: solver seconds one compile spends in all, shared evenly by the micro-batches it tries (no-good
+#: solver CPU seconds one compile spends in all, shared evenly by the micro-batches it tries (no-good
 #: re-solves draw on their micro-batch's share; every solve gets at least ``MIN_SOLVE_S``): a compile
 #: answers in seconds whatever the solver's luck, and a time limit returns the incumbent.  Chains up to
-#: ``SHORT_BUDGET_BLOCKS`` blocks (8B-class models) get less.
+#: ``SHORT_BUDGET_BLOCKS`` blocks (8B-class models; ``milp_size``: a compiled block counts once per cut) get
+#: less: qwen2.5-3b with compiled blocks (38 blocks, 4 cuts a layer: 146) at 24 GiB, batch 8 needs six ~1.3 s
+#: solves to a plan in budget (0.466 s predicted, megatrain 0.961) and ended on megatrain with the short ones.
 SOLVER_BUDGET_S, SHORT_SOLVER_BUDGET_S, SHORT_BUDGET_BLOCKS = 12.0, 4.0, 48
 MIN_SOLVE_S = 0.5
-#: wall seconds the MILP search of one compile may take, from its start (the graph traced) to its answer: the
-#: heuristics, every solve, re-solve and the build that checks its plan in time order.  Past it no solve
-#: starts and the best plan so far is returned (``SolverStats.out_of_time``); a solve's limit is cut so that
-#: it and its plan's build (as long as the slowest build so far) end by then.  The solver budget above plus
+#: CPU seconds (this process's and the solver's, ``compiler/deadline.py``; ``isolated.WALL_FACTOR`` times as
+#: many wall seconds at most) the MILP search of one compile may take, from its start (the graph traced) to its
+#: answer: the heuristics, every solve, re-solve and the build that checks its plan in time order.  Past it no
+#: solve starts and the best plan so far is returned (``SolverStats.out_of_time``); a solve's limit is cut so
+#: that it and its plan's build (as long as the slowest build so far) end by then.  The solver budget above plus
 #: the builds of its plans: without a deadline qwen2.5-72b at 48 GiB, batch 72 searched for 23.9 s (six
 #: solves, seven 45,000-op builds of ~2.5 s), over the 20 s a whole compile may take; 8B-class chains
 #: (``SHORT_BUDGET_BLOCKS``) get the short one (llama3-8b at 48 GiB, batch 8 re-solved ten times)
 DEADLINE_S, SHORT_DEADLINE_S = 15.0, 4.0
+
+
+def milp_size(graph) -> int:
+    """The MILP's size in blocks: a block counts once per cut it may run at (its binaries are per cut), so a
+    compiled-blocks graph (``Block.cuts``: 4 per layer) counts as the larger model its binaries make it."""
+    return sum(max(1, len(b.cuts)) for b in graph.blocks)
 
 
 def _step(p: Plan) -> float:
@@ -50,9 +60,8 @@ def _peaks_under_drain(plan: Plan, sim) -> bool:
     return any(op.kind is OpKind.GRAD_OFFLOAD and sim.start[op.id] <= t_peak < sim.end[op.id] for op in plan.ops)
 
 
-def _out_of_time(plan: Plan) -> Plan:
-    """A copy of ``plan`` (memoized) whose solver stats say the search's deadline ran out after it."""
-    stats = dataclasses.replace(plan.solver or SolverStats(status="not_solved"), out_of_time=True)
+def _out_of_time(plan: Plan, stats: SolverStats) -> Plan:
+    """A copy of ``plan`` (memoized) with ``stats``, which say the search's deadline ran out after it."""
     return dataclasses.replace(plan, solver=stats, history=list(plan.history))
 
 
@@ -70,18 +79,15 @@ class Search:
         self._memo: dict[tuple, Plan | None] = {}
         #: solver failures met in this search (the caller warns once)
         self.failures: list[str] = []
-        L = comp.graph.n_blocks
-        short = L <= SHORT_BUDGET_BLOCKS
+        short = milp_size(comp.graph) <= SHORT_BUDGET_BLOCKS
         #: solver seconds left to this search (``SOLVER_BUDGET_S``); unused when the caller set a time limit
         self.solver_left = SHORT_SOLVER_BUDGET_S if short else SOLVER_BUDGET_S
         self._tries_left = 1      # micro-batches the MILP search still means to try (shares the budget)
-        #: seconds this search may take (``DEADLINE_S``): the caller's, else the default unless the caller set a
-        #: time limit per solve (then each solve takes it whole), else none; counted per question of the caller's
-        self.seconds = comp.deadline if comp.deadline is not None else \
-            None if comp.time_limit is not None else SHORT_DEADLINE_S if short else DEADLINE_S
-        self.deadline: float | None = None       # when the question in progress must be answered (monotonic)
+        #: CPU seconds this search may take (``DEADLINE_S``): the caller's, else the default unless the caller set
+        #: a time limit per solve (then each solve takes it whole), else none; counted per question of the caller's
+        self.deadline = Deadline(comp.deadline if comp.deadline is not None else
+                                 None if comp.time_limit is not None else SHORT_DEADLINE_S if short else DEADLINE_S)
         self._depth = 0                          # questions in progress (the MILP's asks the heuristics')
-        self.build_s = 0.0        # the slowest build of a plan so far: what a solve must leave time for
         self.ran_out = False      # a solve or re-solve was skipped for the deadline
 
     def solve_limit(self) -> float:
@@ -94,18 +100,12 @@ class Search:
 
     def time_limit(self) -> float:
         """The next solve's limit, cut so that the solve and its plan's build end by the deadline."""
-        limit = self.solve_limit()
-        return limit if self.deadline is None else min(limit, self.seconds_left() - self.build_s)
-
-    def seconds_left(self) -> float:
-        """Wall seconds to the deadline (infinite without one)."""
-        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+        return self.deadline.solve_limit(self.solve_limit())
 
     def can_solve(self) -> bool:
         """Is there time for one more solve (``MIN_SOLVE_S``, or the caller's limit if shorter) and its
         build before the deadline?  No: the search stops and says so."""
-        floor = min(MIN_SOLVE_S, self.comp.time_limit or MIN_SOLVE_S)
-        if self.seconds_left() - self.build_s >= floor:
+        if self.deadline.has(min(MIN_SOLVE_S, self.comp.time_limit or MIN_SOLVE_S)):
             return True
         self.ran_out = True
         return False
@@ -113,24 +113,35 @@ class Search:
     def build(self, decisions: Decisions, batch_size: int, *, check_budget: bool = True, simulated: bool = False):
         """``Compiler.build`` (``build_simulated`` when ``simulated``), timed: the slowest build so far is what
         a solve leaves time for before the deadline (a solution is built to be checked)."""
-        t = time.perf_counter()
+        cpu, wall = compile_cpu_seconds(), time.perf_counter()
         try:
             out = self.comp.build_simulated(decisions, batch_size, check_budget=check_budget)
         finally:
-            self.build_s = max(self.build_s, time.perf_counter() - t)
+            self.deadline.timed(cpu, wall)
         return out if simulated else out[0]
 
     def out_of_time(self) -> bool:
-        return (self.comp.time_limit is None and self.solver_left <= 0) or self.seconds_left() <= self.build_s
+        return ((self.comp.time_limit is None and self.solver_left <= 0) or self.deadline.cpu_left() <= 0
+                or self.deadline.wall_left() <= 0)
+
+    def _cut_short(self) -> None:
+        """The deadline cut a solve short: the search ran out, on the clock that bounded the solve's limit."""
+        self.ran_out = True
+        self.deadline.stopped_by = self.deadline.stopped_by or self.deadline.binding
+
+    def _stats_out_of_time(self, stats: SolverStats | None) -> SolverStats:
+        """``stats`` marked: the deadline stopped the search, on the clock that ran out."""
+        return dataclasses.replace(stats or SolverStats(status="not_solved"), out_of_time=True,
+                                   deadline_clock=self.deadline.stopped_by or "cpu")
 
     # -- any policy ------------------------------------------------------------------------------
     def best(self, policy: str, batch_size: int, micro_batch: int | None = None, tries: int = 2) -> Plan | None:
         """Best feasible plan over micro-batch sizes (the given one only, if given)."""
         key = (policy, batch_size, micro_batch, tries)
         if key not in self._memo:
-            outer = self._depth == 0        # a question of the caller's, not one the search asks itself
-            if outer and self.seconds is not None:
-                self.deadline, self.ran_out = time.monotonic() + self.seconds, False
+            if self._depth == 0:        # a question of the caller's, not one the search asks itself
+                self.deadline.start()
+                self.ran_out = False
             self._depth += 1
             try:
                 self._memo[key] = (self.best_milp(batch_size, micro_batch) if policy == "milp"
@@ -201,7 +212,7 @@ class Search:
         extra = 0
         while tries or (larger and extra < 1):
             if best is not None and not self.can_solve():
-                return _out_of_time(best)      # the deadline: the best plan so far
+                return _out_of_time(best, self._stats_out_of_time(best.solver))      # the best plan so far
             if not tries and best is not None and self.out_of_time():
                 break            # the budget is spent: no larger micro-batch
             self._tries_left = len(tries) + (1 if larger and extra < 1 else 0)
@@ -243,16 +254,16 @@ class Search:
                 why = "the search deadline ran out" + (" before the solver found a plan in budget" if attempt else "")
                 break
             try:
-                t_solve = time.perf_counter()
+                c_solve = compile_cpu_seconds()
                 try:
                     o = opts()
                     cut = o.time_limit < self.solve_limit()      # by the deadline
                     dec, stats = solve(coef, o, micro_batch=mb, warm=warm.decisions if warm else None,
                                        exclude=tuple(excluded))
                 finally:
-                    self.solver_left -= time.perf_counter() - t_solve
+                    self.solver_left -= compile_cpu_seconds() - c_solve
                 if stats.status != "optimal" and cut:
-                    self.ran_out = True      # the deadline cut this solve short
+                    self._cut_short()
             except isolated.SolverFailure as e:
                 self.failures += [f for f in e.failures if f not in self.failures]
                 stats = SolverStats(status="solver failed", failures=tuple(e.failures))
@@ -261,7 +272,8 @@ class Search:
             except PlanError as e:
                 why = f"the MILP gave no plan ({e})"
                 stats = getattr(e, "stats", stats)
-                self.ran_out = self.ran_out or cut
+                if cut:
+                    self._cut_short()
                 break
             trial, sim = self.build(dec, batch_size, check_budget=False, simulated=True)
             excess = trial.predicted["peak_gpu_bytes"] - comp.budgets["gpu_bytes"]
@@ -281,7 +293,7 @@ class Search:
                 coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, n_micro,
                                     comp.options["host_bytes_per_param"], gpu_bytes=budget)
         if self.ran_out:
-            stats = dataclasses.replace(stats or SolverStats(status="not_solved"), out_of_time=True)
+            stats = self._stats_out_of_time(stats)
         if warm is not None and (plan is None or _step(warm) < _step(plan)):
             if plan is None and stats is not None and stats.status != "solver failed":
                 warnings.warn(f"micro-batch {mb}: {why}; using the {warm.decisions.policy} plan instead",

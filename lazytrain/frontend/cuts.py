@@ -16,7 +16,7 @@ there.  So every cut is derived from the block's graph (shapes, FLOPs), for any 
 handles; nothing is written per model.  ``CUT_BUDGETS`` are the budgets offered; cuts that save no fewer bytes
 than a larger budget's are dropped, so a block may have fewer (an embedding has one: it saves its ids).
 
-The knapsack prices a recomputed op by ``FlopEstimate``: its FLOPs, attention counted as the fused kernel does
+The knapsack prices a recomputed op by ``flop_estimate()``: its FLOPs, attention counted as the fused kernel does
 (``attention.forward_flops``, causal as half), the same on every device, so the trace's partition on ``meta``
 and the runtime's on the GPU choose from the same prices.  What the trace records per cut (``ir.Cut``): its
 saved bytes and the FLOPs its backward runs beyond the min-cut backward (matmuls and attention apart, as the
@@ -26,10 +26,10 @@ cost model prices them).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomRuntimeEstimator
 from torch.utils.flop_counter import FlopCounterMode
 
 from .attention import AttentionCount, forward_flops
@@ -68,28 +68,40 @@ def _meta(v) -> torch.Tensor | object:
     return v
 
 
-class FlopEstimate(CustomRuntimeEstimator):
+def op_flops(node: fx.Node) -> float:
     """The partitioner's price of recomputing one op: its FLOPs (at least 1, so nothing is free), fused attention
     counted as ``attention.forward_flops`` (any of the SDPA kernels: the flash, efficient, cuDNN and CPU ones
     name ``is_causal`` differently in position, never in name)."""
+    if _is_attention_forward(node.target):
+        q, k, v = (_meta(a) for a in node.args[:3])
+        causal = bool(_argument(node, "is_causal", False)) and _argument(node, "attn_mask") is None \
+            and _argument(node, "attn_bias") is None
+        return float(max(forward_flops(tuple(q.shape), tuple(k.shape), tuple(v.shape), causal), 1))
+    try:
+        args = [_meta(a) for a in node.args]
+        kwargs = {k: _meta(a) for k, a in node.kwargs.items()}
+        with FlopCounterMode(display=False) as fc:
+            node.target(*args, **kwargs)
+        return float(max(fc.get_total_flops(), 1))
+    except Exception:  # noqa: BLE001 - an op meta tensors cannot run costs what a pointwise op does
+        return 1.0
 
-    def __call__(self, node: fx.Node) -> float:
-        if _is_attention_forward(node.target):
-            q, k, v = (_meta(a) for a in node.args[:3])
-            causal = bool(_argument(node, "is_causal", False)) and _argument(node, "attn_mask") is None \
-                and _argument(node, "attn_bias") is None
-            return float(max(forward_flops(tuple(q.shape), tuple(k.shape), tuple(v.shape), causal), 1))
-        try:
-            args = [_meta(a) for a in node.args]
-            kwargs = {k: _meta(a) for k, a in node.kwargs.items()}
-            with FlopCounterMode(display=False) as fc:
-                node.target(*args, **kwargs)
-            return float(max(fc.get_total_flops(), 1))
-        except Exception:  # noqa: BLE001 - an op meta tensors cannot run costs what a pointwise op does
-            return 1.0
 
-    def uuid(self) -> str:
-        return "lazytrain.frontend.cuts.FlopEstimate/1"
+@functools.cache
+def flop_estimate():
+    """``op_flops`` as the partitioner's runtime estimator: a ``CustomRuntimeEstimator`` with a ``uuid`` (what
+    AOTAutograd's cache keys on).  Its class is made on first use: importing ``torch._inductor`` pulls in
+    dynamo (~0.5 s of CPU), which a compile that reads its trace from the cache never needs."""
+    from torch._inductor.custom_graph_pass import CustomRuntimeEstimator
+
+    class FlopEstimate(CustomRuntimeEstimator):
+        def __call__(self, node: fx.Node) -> float:
+            return op_flops(node)
+
+        def uuid(self) -> str:
+            return "lazytrain.frontend.cuts.FlopEstimate/1"
+
+    return FlopEstimate()
 
 
 @contextlib.contextmanager
@@ -100,7 +112,7 @@ def budget(value: float):
         return
     import torch._functorch.config as functorch_config
     with functorch_config.patch(activation_memory_budget=float(value),
-                                activation_memory_budget_runtime_estimator=FlopEstimate(),
+                                activation_memory_budget_runtime_estimator=flop_estimate(),
                                 activation_memory_budget_solver="dp"):
         yield
 

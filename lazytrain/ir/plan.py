@@ -42,6 +42,9 @@ class SolverStats:
     #: the compile's search deadline (``compiler/search.py``) ran out before the search was done: no further
     #: solve or re-solve was started, and the plan is the best one found by then
     out_of_time: bool = False
+    #: the clock that ran out: "cpu" (the deadline, counted in the CPU time the compile got) or "wall" (the
+    #: wall-clock backstop, on a machine too busy to give it that CPU time); "" when none did
+    deadline_clock: str = ""
 
 
 @dataclass(kw_only=True)

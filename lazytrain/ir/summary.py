@@ -68,6 +68,8 @@ def _compute_source_text(plan) -> str:
 
 #: decisions the compiler explains in the plan's notes, shown with the summary
 NOTES = {"batch_search": "batch search", "seq_search": "sequence search", "seq_tile": "why tiled"}
+#: the clock of a search deadline that ran out (``SolverStats.deadline_clock``), as the summary says it
+CLOCKS = {"cpu": " (its CPU time)", "wall": " (the wall-clock backstop: the machine was too busy)"}
 
 
 def _search_rows(plan) -> list[list]:
@@ -203,7 +205,8 @@ def summary_rows(plan) -> list[list]:
         name = f"{st.solver} " if st.solver else ""
         rows.append(["solver", f"{name}{st.status}, objective {objective}, gap {gap}, {st.n_vars} vars, "
                                f"{st.n_constraints} constraints, {st.seconds:.2f} s"
-                               f"{'; the search deadline ran out' if st.out_of_time else ''}"])
+                               f"{'; the search deadline ran out' if st.out_of_time else ''}"
+                               f"{CLOCKS.get(st.deadline_clock, '') if st.out_of_time else ''}"])
         if st.failures:
             rows.append(["solver failures", "; ".join(st.failures)])
     # a value wraps onto more lines rather than widening the table past a terminal (~100 columns)

@@ -12,6 +12,12 @@ A solve is tried on each solver of ``order`` in turn; a failure is
 
 ``infeasible`` and ``no_solution`` (nothing found in time) are answers, not failures.  When every
 solver fails, ``SolverFailure`` carries what happened to each, for the caller's one warning.
+
+A solve's ``time_limit`` counts the worker's CPU time (``solver_worker.py``), so that a loaded machine does not
+change what a solve finds; ``WALL_FACTOR`` times it in wall time is the backstop that ends a starved solve.
+The CPU seconds the workers spent are summed in ``solver_cpu_seconds()``: the compile's deadline counts them
+with its own process's (``compiler/deadline.py``); the workers live on, so the operating system's figures for
+finished children do not hold them.
 """
 
 from __future__ import annotations
@@ -34,9 +40,12 @@ from .lp import LinearModel
 #: ``benchmarks/solver_grid.py``, where CBC crashed or was slower; see its results table)
 DEFAULT_ORDER = ("highs", "cbc")
 SOLVERS = ("highs", "cbc")
-#: seconds past a solve's time limit before the worker counts as hung: solvers overrun their limit by
-#: their last node and the model's build (~0.1 s for 80 layers on 2 cores)
+#: seconds past a solve's wall backstop (``WALL_FACTOR`` times its limit) before the worker counts as hung:
+#: solvers overrun their limit by their last node and the model's build (~0.1 s for 80 layers on 2 cores)
 GRACE_S = 5.0
+#: wall seconds a solve may take per CPU second of its limit before its solver stops it anyway: a machine four
+#: times oversubscribed still answers (the slowest compile grid rows ran under a load of 8 on 2 cores)
+WALL_FACTOR = 4.0
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "solver_worker.py")
 
 
@@ -48,6 +57,8 @@ class SolveResult:
     x: list[float] | None
     seconds: float
     solver: str
+    #: CPU seconds the worker spent on it (what its time limit counts)
+    cpu_s: float = 0.0
     #: what went wrong on the solvers tried before this one ("cbc crashed (SIGSEGV)")
     failures: list[str] = field(default_factory=list)
 
@@ -155,6 +166,13 @@ class _Failed(Exception):
 
 _lock = threading.Lock()
 _workers: dict[str, _Worker] = {}
+_cpu = [0.0]        # CPU seconds the workers spent on this process's solves (``solver_cpu_seconds``)
+
+
+def solver_cpu_seconds() -> float:
+    """CPU seconds the solver workers spent on this process's solves so far; a solve whose worker died or hung
+    counts its wall seconds (it did not say, and at most that much was spent)."""
+    return _cpu[0]
 
 
 def worker_command() -> list[str]:
@@ -190,18 +208,23 @@ def shutdown() -> None:
 
 def solve(model: LinearModel, *, order: tuple[str, ...] = DEFAULT_ORDER, time_limit: float, gap: float,
           cuts: int | None = None) -> SolveResult:
-    """Solve ``model`` on the first solver of ``order`` that answers soundly."""
+    """Solve ``model`` on the first solver of ``order`` that answers soundly, in ``time_limit`` CPU seconds."""
     data = model.to_json()
     failures: list[str] = []
+    wall_limit = WALL_FACTOR * time_limit
     for solver in order:
-        request = {"solver": solver, "model": data, "time_limit": time_limit, "gap": gap, "cuts": cuts}
+        request = {"solver": solver, "model": data, "time_limit": time_limit, "wall_limit": wall_limit, "gap": gap,
+                   "cuts": cuts}
         t0 = time.perf_counter()
         with _lock:
             try:
-                out = _worker(solver).ask(request, time_limit + GRACE_S)
+                out = _worker(solver).ask(request, wall_limit + GRACE_S)
             except _Failed as e:
+                _cpu[0] += time.perf_counter() - t0
                 failures.append(f"{solver} {e}")
                 continue
+            cpu_s = out.get("cpu_s")
+            _cpu[0] += cpu_s if isinstance(cpu_s, (int, float)) and cpu_s >= 0 else time.perf_counter() - t0
         if out.get("status") == "error":
             failures.append(f"{solver} failed ({out.get('error', 'no reason given')})")
             continue
@@ -216,5 +239,6 @@ def solve(model: LinearModel, *, order: tuple[str, ...] = DEFAULT_ORDER, time_li
             failures.append(f"{solver} answered an unknown status {status!r}")
             continue
         return SolveResult(status=status, objective=out.get("objective"), gap=out.get("gap"), x=x,
-                           seconds=time.perf_counter() - t0, solver=solver, failures=failures)
+                           seconds=time.perf_counter() - t0, solver=solver, failures=failures,
+                           cpu_s=float(out.get("cpu_s") or 0.0))
     raise SolverFailure(failures)
