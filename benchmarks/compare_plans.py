@@ -33,6 +33,7 @@ import policy_table  # noqa: E402
 
 from lazytrain.compiler.api import Compiler, compile_model  # noqa: E402
 from lazytrain.compiler.hardware import get_profile  # noqa: E402
+from lazytrain.compiler.loss_chunk import with_loss_chunk  # noqa: E402
 from lazytrain.frontend.presets import build_model  # noqa: E402
 from lazytrain.frontend.trace import trace  # noqa: E402
 from lazytrain.ir import Decisions, PlanError  # noqa: E402
@@ -96,7 +97,9 @@ def rebuild(saved: dict) -> dict:
     """Lower, verify and simulate the saved plan's decisions with this checkout."""
     dec = Decisions.from_json(saved["decisions"])
     opts = saved["options"]
-    comp = Compiler(graph(saved["model"]), get_profile("h200"), saved["budgets"], param_dtype="bfloat16",
+    # the graph as compile_model hands it to the Compiler: the loss head's chunk set from the GPU budget
+    g = with_loss_chunk(graph(saved["model"]), saved["budgets"]["gpu_bytes"])
+    comp = Compiler(g, get_profile("h200"), saved["budgets"], param_dtype="bfloat16",
                     optimizer=opts["optimizer"], clip=opts["clip"], resident=dec.resident_blocks)
     return normalized(comp.build(dec, saved["batch"]).to_json())
 
