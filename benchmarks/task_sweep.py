@@ -54,19 +54,27 @@ SETTINGS = {
     "answer-d96-b16-minlr0.02": {"loss_on_prompt": False, "batch": 16, "min_lr_ratio": 0.02,
                                  "extra": {"d_model": 96, "d_ff": 384}},
     "answer-l3-b16-minlr0.02": {"loss_on_prompt": False, "batch": 16, "min_lr_ratio": 0.02, "extra": {"n_layer": 3}},
+    # bare worked answers in the padding (tasks/data.py): more arithmetic for the same tokens
+    "drills": {"drills": True},
+    "drills-b22-s128": {"drills": True, "batch": 22, "seq": 128},
+    "drills-b16-s176": {"drills": True, "batch": 16, "seq": 176},
+    "wd0.1": {"weight_decay": 0.1},
+    "drills-wd0.1": {"drills": True, "weight_decay": 0.1},
 }
+#: tokens of one default step (batch 32 x seq 88): ``--equal-tokens`` gives every setting this many a step
+DEFAULT_TOKENS = 32 * 88
 
 
 def run(name: str, over: dict, steps: int, device: torch.device, checkpoints: list[int], seed: int = 0) -> dict:
     betas = over.get("betas", (0.9, 0.98))
     cfg = TrainConfig(**{k: v for k, v in over.items() if k != "betas"}, steps=steps, seed=seed)
     tok = CharTokenizer()
-    seq = 88
+    seq = cfg.seq or 88
     model, _ = build_task_model(cfg, seq, tok.vocab_size)
     model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=betas, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
     batches = train_batches(cfg.batch, difficulty="tiny", seed=seed, seq_len=seq, tokenizer=tok,
-                            loss_on_prompt=cfg.loss_on_prompt)
+                            loss_on_prompt=cfg.loss_on_prompt, drills=cfg.drills)
     evals = eval_examples(500, "tiny", seed=0)
     curve, t0 = [], time.perf_counter()
     for step in range(steps):
@@ -100,8 +108,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--equal-tokens", action="store_true",
-                    help="--steps counts steps of batch 32: a setting of batch B runs steps * 32 / B (the same "
-                         "tokens and ~FLOPs, which is what a CPU's minutes buy)")
+                    help="--steps counts steps of batch 32 x seq 88: a setting of B x S tokens runs steps * 32 * 88 "
+                         "/ (B * S) (the same tokens and ~FLOPs, which is what a CPU's minutes buy)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default=None, help="comma-separated setting names")
@@ -112,7 +120,8 @@ def main() -> None:
     names = a.only.split(",") if a.only else list(SETTINGS)
     runs = []
     for n in names:
-        steps = a.steps * 32 // SETTINGS[n].get("batch", 32) if a.equal_tokens else a.steps
+        tokens = SETTINGS[n].get("batch", 32) * SETTINGS[n].get("seq", 88)
+        steps = a.steps * DEFAULT_TOKENS // tokens if a.equal_tokens else a.steps
         for seed in (int(x) for x in a.seeds.split(",")):
             runs.append((n, SETTINGS[n], steps, a.device, sorted({steps // 2, 3 * steps // 4, steps}), seed,
                          a.threads))
