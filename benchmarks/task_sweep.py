@@ -61,8 +61,10 @@ SETTINGS = {
     # one short question ("How many now?"): 64 tokens a problem on average instead of 75, the longest 69
     "short-b39-s72": {"questions": ("How many now?",), "batch": 39, "seq": 72},
     "short-drills-b39-s72": {"questions": ("How many now?",), "drills": True, "batch": 39, "seq": 72},
+    # decoupled weight decay on the matrices (biases and norms undecayed), as grokking setups use
     "wd0.1": {"weight_decay": 0.1},
-    "drills-wd0.1": {"drills": True, "weight_decay": 0.1},
+    "wd1": {"weight_decay": 1.0},
+    "drills-wd1": {"drills": True, "weight_decay": 1.0},
 }
 #: tokens of one default step (batch 32 x seq 88): ``--equal-tokens`` gives every setting this many a step
 DEFAULT_TOKENS = 32 * 88
@@ -85,7 +87,10 @@ def _run(name: str, over: dict, steps: int, device: torch.device, checkpoints: l
     seq = cfg.seq or 88
     model, _ = build_task_model(cfg, seq, tok.vocab_size)
     model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=betas)
     batches = train_batches(cfg.batch, difficulty="tiny", seed=seed, seq_len=seq, tokenizer=tok,
                             loss_on_prompt=cfg.loss_on_prompt, drills=cfg.drills)
     evals = eval_examples(500, "tiny", seed=0)
