@@ -108,10 +108,12 @@ def _run(name: str, over: dict, steps: int, device: torch.device, checkpoints: l
             t_eval = time.perf_counter()
             model.eval()
             with torch.no_grad():
-                em, copied = _scores(predict(logits_fn(model, device, tok.vocab_size), evals, 250), evals)
+                got = predict(logits_fn(model, device, tok.vocab_size), evals, 250)
+                em, copied = _scores(got, evals)
             model.train()
             eval_s += time.perf_counter() - t_eval
-            curve.append({"step": step + 1, "exact_match": em, "copied": copied, "loss": round(loss.item(), 4)})
+            curve.append({"step": step + 1, "exact_match": em, "copied": copied, "by_kind": _by_kind(got, evals),
+                          "loss": round(loss.item(), 4)})
             print(f"{name:20s} seed {seed} step {step + 1:5d} loss {loss.item():.3f} exact match {em:.1%} "
                   f"(equation copied right {copied:.1%})", flush=True)
     params = sum(p.numel() for p in model.parameters())
@@ -128,6 +130,18 @@ def _scores(got: list, evals: list) -> tuple[float, float]:
     em = sum(final_answer(g) == ex.answer for g, ex in zip(got, evals)) / len(evals)
     copied = sum((g or "").rsplit("=", 1)[0] == ex.solution.rsplit("=", 1)[0] for g, ex in zip(got, evals))
     return em, copied / len(evals)
+
+
+def _by_kind(got: list, evals: list) -> dict:
+    """Exact match per kind of one-step problem: the operation, and whether its units digits carry
+    (``19+18``) or borrow (``23-9``), to see which arithmetic the jump is waiting for."""
+    hits: dict[str, list[int]] = {}
+    for g, ex in zip(got, evals):
+        a, s = ex.problem.start, ex.problem.steps[0]
+        op = "add" if s.kind.value == "add" else "sub"
+        carry = (a % 10 + s.a % 10 >= 10) if op == "add" else (a % 10 < s.a % 10)
+        hits.setdefault(f"{op}{'-carry' if carry else ''}", []).append(final_answer(g) == ex.answer)
+    return {k: round(sum(v) / len(v), 3) for k, v in sorted(hits.items())}
 
 
 def _run_in_process(name, over, steps, device, checkpoints, seed, threads) -> dict:
