@@ -66,6 +66,8 @@ SETTINGS = {
     "wd1": {"weight_decay": 1.0},
     "drills-wd1": {"drills": True, "weight_decay": 1.0},
 }
+#: settings of this sweep that ``lazytrain train`` does not have
+SWEEP_ONLY = ("betas", "questions", "drills")
 #: tokens of one default step (batch 32 x seq 88): ``--equal-tokens`` gives every setting this many a step
 DEFAULT_TOKENS = 32 * 88
 
@@ -82,7 +84,7 @@ def run(name: str, over: dict, steps: int, device: torch.device, checkpoints: li
 
 def _run(name: str, over: dict, steps: int, device: torch.device, checkpoints: list[int], seed: int) -> dict:
     betas = over.get("betas", (0.9, 0.98))
-    cfg = TrainConfig(**{k: v for k, v in over.items() if k not in ("betas", "questions")}, steps=steps, seed=seed)
+    cfg = TrainConfig(**{k: v for k, v in over.items() if k not in SWEEP_ONLY}, steps=steps, seed=seed)
     tok = CharTokenizer()
     seq = cfg.seq or 88
     model, _ = build_task_model(cfg, seq, tok.vocab_size)
@@ -92,7 +94,7 @@ def _run(name: str, over: dict, steps: int, device: torch.device, checkpoints: l
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=betas)
     batches = train_batches(cfg.batch, difficulty="tiny", seed=seed, seq_len=seq, tokenizer=tok,
-                            loss_on_prompt=cfg.loss_on_prompt, drills=cfg.drills)
+                            loss_on_prompt=cfg.loss_on_prompt, drills=over.get("drills", False))
     evals = eval_examples(500, "tiny", seed=0)
     curve, t0, eval_s = [], time.perf_counter(), 0.0
     for step in range(steps):

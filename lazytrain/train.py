@@ -90,7 +90,6 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     loss_on_prompt: bool = True
-    drills: bool = False             # fill the rows' padding with bare worked answers (tasks/data.py)
     gpu_memory: str | None = None
     host_memory: str | None = None
     policy: str = "milp"
