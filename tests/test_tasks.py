@@ -21,7 +21,7 @@ from lazytrain.tasks import (
     shifted_cross_entropy,
     train_batches,
 )
-from lazytrain.tasks.arith import final_answer, n_tokens, take_train
+from lazytrain.tasks.arith import drill_examples, final_answer, n_tokens, take_train
 
 TOK = CharTokenizer()
 OPS = {  # an evaluator of its own, so the test does not trust Step.apply
@@ -203,3 +203,28 @@ def test_example_sequence_format():
     assert ex.prompt.startswith("Q: ") and ex.prompt.endswith("? A: ") and ex.text == ex.prompt + ex.solution
     ids, _ = encode_example(ex, TOK)
     assert TOK.decode(ids, skip_special=False) == f"<bos>Q: {ex.question} A: {ex.solution}<eos>"
+
+
+def test_drills_fill_the_padding_with_whole_train_answers_in_stream_order():
+    plain = next(train_batches(16, difficulty="tiny", seed=2, seq_len=88))
+    drilled = next(train_batches(16, difficulty="tiny", seed=2, seq_len=88, drills=True))
+    stream = drill_examples("tiny", seed=2)
+    seen = 0
+    for row in range(16):
+        n = int((plain.input_ids[row] != TOK.pad_id).sum())
+        # the word problem, its labels included, is the row it was without drills
+        assert torch.equal(drilled.input_ids[row, :n], plain.input_ids[row, :n])
+        assert torch.equal(drilled.labels[row, :n], plain.labels[row, :n])
+        tail = TOK.decode(drilled.input_ids[row, n:], skip_special=False).replace("<pad>", "")
+        drills = [d for d in tail.split("<eos>") if d]
+        for d in drills:            # whole, in the drill stream's order, from train problems only
+            ex = next(stream)
+            assert d == "<bos>" + ex.solution and not ex.problem.in_eval
+            a, op, b, c = re.fullmatch(r"<bos>(\d+)([+-])(\d+)=(\d+)", d).groups()
+            assert int(c) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        seen += len(drills)
+        labels = drilled.labels[row, n:].tolist()
+        ids = drilled.input_ids[row, n:].tolist()
+        # labelled where a drill token follows a drill token; never a bos, never padding
+        assert [x for x, t in zip(labels, ids) if x != IGNORE] == [t for t in ids if t not in (TOK.bos_id, TOK.pad_id)]
+    assert seen >= 8                # ~0.8 a row: ~15% of a "tiny" row is padding

@@ -274,6 +274,13 @@ def train_examples(difficulty: str | Difficulty = "easy", *, seed: int = 0) -> I
     return _examples(random.Random(f"train/{d.name}/{seed}"), d, want_eval=False)
 
 
+def drill_examples(difficulty: str | Difficulty = "easy", *, seed: int = 0) -> Iterator[Example]:
+    """A second train stream, independent of ``train_examples``'s (its own seeded draws), for the bare
+    worked answers that fill the rows' padding (``data.Drills``); train problems only, like that one."""
+    d = get_difficulty(difficulty)
+    return _examples(random.Random(f"drill/{d.name}/{seed}"), d, want_eval=False)
+
+
 def eval_examples(n: int, difficulty: str | Difficulty = "easy", *, seed: int = 0) -> list[Example]:
     """``n`` distinct eval problems (distinct arithmetic), the same list for the same arguments.
     ``check_eval_size`` says whether there are ``n`` (else this would draw for ever)."""

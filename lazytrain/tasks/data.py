@@ -6,6 +6,13 @@ compares ``logits[:, t]`` with ``labels[:, t + 1]``, as ``shifted_cross_entropy`
 only the worked answer and its eos carry a label; the prompt and the padding are ``IGNORE``.
 Exact match decodes the worked answer greedily and compares the number it ends with.
 
+Drills (``drills=True``): the padding after a row's word problem is filled with bare worked answers
+of other train problems, ``<bos> 19+18=37 <eos>``, each whole and labelled (but for its bos).
+The word problem still starts every row at position 0 and a causal model never lets it see what
+follows, so its own training signal is unchanged; the drills add arithmetic practice, the part of
+the task that is learned last, in tokens the step computes anyway (~15% of the "tiny" rows are
+padding).  The drills come from their own seeded stream of train problems (never an eval one).
+
 Decoding keeps the training layout (right padding, causal model) and tracks one position per row:
 each step runs the model on the batch and reads each row's logits at its own last token. This is exact
 for any causal ``generate_fn``, since no row ever sees a pad before its own tokens.
@@ -20,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..frontend.loss_head import IGNORE
-from .arith import Difficulty, Example, final_answer, get_difficulty, train_examples
+from .arith import Difficulty, Example, drill_examples, final_answer, get_difficulty, train_examples
 from .tokenizer import CharTokenizer
 
 GenerateFn = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] int64 -> logits [B, T, V]
@@ -39,8 +46,9 @@ def encode_example(ex: Example, tokenizer: CharTokenizer) -> tuple[list[int], in
 
 
 def collate(examples: Sequence[Example], seq_len: int, *, tokenizer: CharTokenizer | None = None,
-            loss_on_prompt: bool = False) -> Batch:
-    """Fixed ``[len(examples), seq_len]`` tensors; ``loss_on_prompt`` puts labels on every real token."""
+            loss_on_prompt: bool = False, drills: Drills | None = None) -> Batch:
+    """Fixed ``[len(examples), seq_len]`` tensors; ``loss_on_prompt`` puts labels on every real token;
+    ``drills`` fills each row's padding (see the module docstring)."""
     tok = tokenizer or CharTokenizer()
     input_ids = torch.full((len(examples), seq_len), tok.pad_id, dtype=torch.int64)
     labels = torch.full((len(examples), seq_len), IGNORE, dtype=torch.int64)
@@ -51,18 +59,52 @@ def collate(examples: Sequence[Example], seq_len: int, *, tokenizer: CharTokeniz
         input_ids[row, :len(ids)] = torch.tensor(ids)
         first = 0 if loss_on_prompt else n_prompt
         labels[row, first:len(ids)] = input_ids[row, first:len(ids)]
+        if drills is not None:
+            _fill_drills(input_ids[row], labels[row], len(ids), drills)
     return Batch(input_ids=input_ids, labels=labels)
+
+
+class Drills:
+    """Bare worked answers (``<bos> 19+18=37 <eos>``) to fill rows' padding with, in stream order: a
+    drill that does not fit the space left waits for the next row, so none is cut and the batches are
+    a fixed function of the seed."""
+
+    def __init__(self, examples: Iterator[Example], tokenizer: CharTokenizer):
+        self._examples, self._tok = examples, tokenizer
+        self._next: list[int] | None = None
+
+    def peek(self) -> list[int]:
+        if self._next is None:
+            self._next = self._tok.encode(next(self._examples).solution, bos=True, eos=True)
+        return self._next
+
+    def take(self) -> list[int]:
+        ids, self._next = self.peek(), None
+        return ids
+
+
+def _fill_drills(input_ids: torch.Tensor, labels: torch.Tensor, used: int, drills: Drills) -> None:
+    """Drills after the row's first ``used`` tokens while whole ones fit; no label on a drill's bos (what
+    follows an eos is never generated)."""
+    while used + len(drills.peek()) <= len(input_ids):
+        ids = drills.take()
+        input_ids[used:used + len(ids)] = torch.tensor(ids)
+        labels[used + 1:used + len(ids)] = input_ids[used + 1:used + len(ids)]
+        used += len(ids)
 
 
 def train_batches(batch_size: int, *, difficulty: str | Difficulty = "easy", seed: int = 0,
                   seq_len: int | None = None, tokenizer: CharTokenizer | None = None,
-                  loss_on_prompt: bool = False) -> Iterator[Batch]:
-    """Endless train batches, the same sequence for the same arguments; ``seq_len`` defaults to the preset's."""
+                  loss_on_prompt: bool = False, drills: bool = False) -> Iterator[Batch]:
+    """Endless train batches, the same sequence for the same arguments; ``seq_len`` defaults to the preset's;
+    ``drills`` fills the rows' padding with bare worked answers (see the module docstring)."""
     d = get_difficulty(difficulty)
+    tok = tokenizer or CharTokenizer()
     stream = train_examples(d, seed=seed)
+    filler = Drills(drill_examples(d, seed=seed), tok) if drills else None
     while True:
         examples = [next(stream) for _ in range(batch_size)]
-        yield collate(examples, seq_len or d.seq_len, tokenizer=tokenizer, loss_on_prompt=loss_on_prompt)
+        yield collate(examples, seq_len or d.seq_len, tokenizer=tok, loss_on_prompt=loss_on_prompt, drills=filler)
 
 
 def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
