@@ -69,8 +69,9 @@ model is small (8L binaries, 4L+1 continuous); identical layers are symmetric, s
 returns the incumbent and its gap, and symmetry-breaking rows order kept layers.  The solve itself
 runs in a child process (``solvers/isolated.py``).  The lowered plan's memory is checked afterwards
 (``ir.verify`` in program order, the simulator in time order); a solution over budget is excluded by
-a no-good cut and the MILP re-solved, and after a few such cuts the window model's budget is
-tightened by the excess instead (``compiler/search.py``).
+a no-good cut and the MILP re-solved (a short chain; a long one's identical layers would offer the
+excluded assignment's twins), else the window model's budget is tightened by the excess
+(``compiler/search.py``).
 """
 
 from __future__ import annotations
