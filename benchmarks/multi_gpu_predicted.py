@@ -29,7 +29,7 @@ HOSTS = {1: "128GiB", 2: "256GiB", 4: "512GiB", 8: "560GiB"}
 def row(graph, batch: int, gpus: int, time_limit: float) -> dict:
     try:
         plan = compile_model(graph, batch_size=batch, host_memory=HOSTS[gpus], world_size=gpus,
-                             time_limit=time_limit, resident="none" if gpus > 1 else "auto")
+                             time_limit=time_limit)
     except PlanError as e:
         return {"error": str(e).split(";")[0]}
     p = plan.predicted
