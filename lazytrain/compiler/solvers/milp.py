@@ -331,6 +331,10 @@ def memory_rows(m: LinearModel, c: Coefficients, v: Variables, drain_under_reloa
     # by a reduce-scatter that may end under B_{j-1}: its Gacc and its drain D are counted as a streamed one's
     sharded = bool(c.ag)
     acc = [c.Gacc[j] * (1.0 if sharded else v.streamed(j)) for j in range(L)]
+
+    def drains(overlap, k: int, name: str):
+        """The share of block k's gradient drain under an overlap (``v.unless_resident`` in a world of one)."""
+        return overlap if sharded else v.unless_resident(m, overlap, k, name)
     for j in range(L):
         # boundary values in flight: micro-batch k of a window holds M - k of one side's values and
         # k + 1 of the other's (activations j -> j+1 forward, their gradients backward)
@@ -364,11 +368,10 @@ def memory_rows(m: LinearModel, c: Coefficients, v: Variables, drain_under_reloa
             at_once = v.bg[j] + (boff[j] if drain_under_reloads else 0.0)
             overlap = v.keep[j] + (at_once if c.gout[j + 1] > c.fwd[j] else 0.0) + \
                 (off[j] if drain_under_reloads else 0.0)
-            drains = (lambda x, name: x) if sharded else (lambda x, name: v.unless_resident(m, x, j + 1, name))
-            m += (backward + c.D[j + 1] * drains(overlap, f"drain_under_B[{j}]")
+            m += (backward + c.D[j + 1] * drains(overlap, j + 1, f"drain_under_B[{j}]")
                   <= c.budget), f"gpu_memory_B_start[{j}]"
             m += (start + (c.S[j] + c.W[j]) * v.rec[j]
-                  + c.D[j + 1] * drains(1 * at_once, f"drain_under_recompute[{j}]")
+                  + c.D[j + 1] * drains(1 * at_once, j + 1, f"drain_under_recompute[{j}]")
                   <= c.budget), f"gpu_memory_recompute[{j}]"
     if c.host_cap:
         m += c.host_static + M * xsum(v.saved(c, j, "host") + c.A[j] * v.bh[j] for j in range(L)) <= c.host_cap, \
