@@ -78,8 +78,8 @@ def test_two_ranks_train_like_one_process_resume_at_another_size_and_name_a_dead
     (the ranks' gradients are summed in another order, so not bit for bit).  Checkpoints: the 8-bit
     case saved at step 2 in one process and resumed by 2 ranks, and saved by 2 ranks and resumed in
     one process, end where training on did.  Then rank 1 dies while the world saves: rank 0's save and
-    its next step fail at once naming it, and the previous checkpoint still loads (one spawn for all:
-    each costs seconds)."""
+    its next step fail at once naming it, and the previous checkpoint still loads.  A config's random init and a
+    resume load only a rank's shard (``W.sources``) like one process (one spawn for all: each costs seconds)."""
     t0 = time.time()
     procs = _spawn(W.equivalence_rank, 2, plans)
     one, _ = W.train(1, str(plans), plans / "ck1")
@@ -90,6 +90,11 @@ def test_two_ranks_train_like_one_process_resume_at_another_size_and_name_a_dead
     last = W.CASES[-1][0]
     after = {"losses": one[last]["losses"][W.SAVED_AT:], "params": one[last]["params"]}
     _close(two["from_ck1"], after, "saved in 1 process, resumed by 2", True)
+    # shard loading (test_shard_loading.py tests the safetensors folder's): a config's random weights computed a
+    # piece at a time are one process's bit for bit; the checkpoint they save resumes on a meta-device model
+    ref, got = W.sources(1, str(plans)), two["sources"]
+    assert got["meta"] and not ref["meta"] and got["init"] == ref["init"]
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
     save_err, step_err = (plans / "err.txt").read_text().split("\n")
     assert "checkpoint's second barrier" in save_err and "rank 1 (" in save_err, save_err
     assert "rank 1 (" in step_err and "resume from the last checkpoint" in step_err, step_err

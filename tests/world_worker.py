@@ -147,6 +147,7 @@ def equivalence_rank(rank: int, world: int, port: int, folder: str) -> None:
     while not (f / "ck1" / "checkpoint.json").exists() and time.time() < deadline:
         time.sleep(0.05)
     res["from_ck1"] = resume(f / "ck1", str(f / f"{CASES[-1][0]}_{world}.json"))
+    res["sources"] = sources(world, folder)
     if rank == 0:
         (f / "out.json").write_text(json.dumps(res))
     if rank == world - 1:
@@ -182,3 +183,32 @@ def resume4_rank(rank: int, world: int, port: int, folder: str) -> None:
     res = resume(Path(folder) / "ck4", str(Path(folder) / f"{CASES[-1][0]}_{world}.json"))
     if rank == 0:
         (Path(folder) / f"resumed4_{world}.json").write_text(json.dumps(res))
+
+
+
+def sources(world: int, folder: str) -> dict:
+    """A random init from a config (``random_init``) and a resume (``CheckpointFilled``), on the meta device at
+    N > 1 (one process: ``random_model``, the reference): the initial parameters, two steps' losses, and the loss
+    of the step the run resumed from its checkpoint takes."""
+    from lazytrain.frontend.presets import build_model
+    from lazytrain.frontend.random_init import random_init, random_model
+    from lazytrain.ir import Plan
+    from lazytrain.runtime.weights import CheckpointFilled
+    f = Path(folder)
+    (f / "config.json").write_text(json.dumps(CFG))
+    torch.manual_seed(0)
+    if world == 1:
+        model, weights = random_model(str(f / "config.json"), torch.float32), None
+    else:
+        model, weights = random_init(str(f / "config.json"), dtype=torch.float32)
+    plan = Plan.load(f / f"hybrid8bit_{world}.json")
+    tr = Trainer(model, plan, optimizer=optimizer("hybrid8bit"), device="cpu", verbose=False, weights=weights)
+    init = {k: v.reshape(-1).tolist() for k, v in tr.state_dict().items()}
+    losses = [tr.step(b).loss for b in batches(2)]
+    ck = f / f"ck_sources_{world}"
+    tr.save_checkpoint(ck)
+    meta = build_model(str(f / "config.json"), device="meta" if world > 1 else "cpu", dtype=torch.float32)
+    back = Trainer.load_checkpoint(ck, meta, optimizer=optimizer("hybrid8bit"), device="cpu", verbose=False,
+                                   weights=CheckpointFilled() if world > 1 else None)
+    on_meta = all(p.device.type == "meta" for m in (model, meta) for p in m.parameters())
+    return {"init": init, "losses": [*losses, back.step(batches(3)[2]).loss], "meta": on_meta}
