@@ -164,7 +164,10 @@ def build_task_model(cfg: TrainConfig, seq: int, vocab: int, shard: bool = False
     """The model to train, in fp32 on the CPU (the Trainer copies it into its host store), and a JSON
     description that rebuilds it (for ``--resume``).  ``shard`` (one of several ranks): a pretrained
     safetensors folder's model on the meta device instead, its weights read a rank's pieces at a time
-    (``model_loading.meta_weights``)."""
+    (``model_loading.meta_weights``).  A config's, a preset's or the task's model is built whole on every rank:
+    its values are its modules' own init, drawn in construction order from one generator, so a rank cannot draw
+    its piece without drawing what comes before it (``--data`` fine-tunes draw from a pool instead:
+    ``random_init``)."""
     torch.manual_seed(cfg.seed)
     if cfg.model == "task":
         spec = {"model_type": "lazytrain-gpt", "vocab": vocab, "max_seq": seq, "tie_weights": True,
