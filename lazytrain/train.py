@@ -164,10 +164,8 @@ def build_task_model(cfg: TrainConfig, seq: int, vocab: int, shard: bool = False
     """The model to train, in fp32 on the CPU (the Trainer copies it into its host store), and a JSON
     description that rebuilds it (for ``--resume``).  ``shard`` (one of several ranks): a pretrained
     safetensors folder's model on the meta device instead, its weights read a rank's pieces at a time
-    (``model_loading.meta_weights``).  A config's, a preset's or the task's model is built whole on every rank:
-    its values are its modules' own init, drawn in construction order from one generator, so a rank cannot draw
-    its piece without drawing what comes before it (``--data`` fine-tunes draw from a pool instead:
-    ``random_init``)."""
+    (``model_loading.meta_weights``).  Other models are built whole on every rank: their modules' own init draws
+    in construction order from one generator, so no piece can be drawn alone (fine-tunes use ``random_init``)."""
     torch.manual_seed(cfg.seed)
     if cfg.model == "task":
         spec = {"model_type": "lazytrain-gpt", "vocab": vocab, "max_seq": seq, "tie_weights": True,
@@ -339,10 +337,9 @@ def run(cfg: TrainConfig) -> dict:
 
     if prev is not None:      # with several ranks on the meta device: each reads its shard of the checkpoint
         from .runtime.weights import CheckpointFilled
-        shard = ranks.size > 1
-        model = rebuild_model(prev["model"], allow_factory=cfg.allow_factory, device="meta" if shard else "cpu")
+        weights = CheckpointFilled() if ranks.size > 1 else None
+        model = rebuild_model(prev["model"], allow_factory=cfg.allow_factory, device="meta" if weights else "cpu")
         desc = prev["model"]
-        weights = CheckpointFilled() if shard else None
     else:
         model, desc = build_task_model(cfg, seq, tok.vocab_size, shard=ranks.size > 1)
         weights = meta_weights(model, desc)
