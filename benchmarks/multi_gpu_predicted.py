@@ -3,8 +3,9 @@
     python benchmarks/multi_gpu_predicted.py [--time-limit S] [-o benchmarks/results/multi_gpu_predicted.md]
 
 PREDICTED, not measured: every figure is the simulator's step time of the compiled plan (MILP policy,
-seq 1024, the whole H200's memory per GPU), with the h200 profile's collective figures, which are
-modelled (NVLink 4 class, ``compiler/hardware.py``), not measured.  Per-GPU batch 32 and 8; host
+seq 1024, the whole H200's memory per GPU, the resident prefix the MILP's choice at every world size), with
+the h200 profile's collective figures, which are modelled (NVLink 4 class, ``compiler/hardware.py``), not
+measured.  Per-GPU batch 32 and 8; host
 memory of the machine kinds lent: 128 GiB for 1 GPU, 256, 512 and 560 GiB for 2, 4 and 8 (one host).
 No GPU needed.
 """
@@ -29,13 +30,14 @@ HOSTS = {1: "128GiB", 2: "256GiB", 4: "512GiB", 8: "560GiB"}
 def row(graph, batch: int, gpus: int, time_limit: float) -> dict:
     try:
         plan = compile_model(graph, batch_size=batch, host_memory=HOSTS[gpus], world_size=gpus,
-                             time_limit=time_limit, resident="none" if gpus > 1 else "auto")
+                             time_limit=time_limit)
     except PlanError as e:
         return {"error": str(e).split(";")[0]}
     p = plan.predicted
     return {"step_s": p["step_time_s"], "tokens_s": p["tokens_per_s"] * gpus, "tflops_gpu": p["model_tflops"],
             "micro": f"{plan.micro_batch} x {plan.n_micro}", "net_s": p["busy_s"].get("net", 0.0),
-            "cpu_s": p["busy_s"]["cpu"]}
+            "cpu_s": p["busy_s"]["cpu"], "resident": len(plan.decisions.resident_blocks),
+            "milp": "milp_fallback" not in plan.decisions.notes}
 
 
 def main() -> None:
@@ -49,8 +51,8 @@ def main() -> None:
              "one host; host memory 128 / 256 / 512 / 560 GiB for 1 / 2 / 4 / 8 GPUs. tokens/s is the whole "
              "world's; model TFLOPS is per GPU (6 x params x tokens / step).", "",
              "| model | batch per GPU | GPUs | predicted step s | tokens/s (all GPUs) | model TFLOPS per GPU | "
-             "speed-up | micro-batch | collective busy s | host update busy s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "speed-up | micro-batch | collective busy s | host update busy s | resident blocks |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     t0 = time.time()
     for model in MODELS:
         graph = trace(build_model(model), seq_len=1024)
@@ -59,12 +61,13 @@ def main() -> None:
             for gpus in HOSTS:
                 r = row(graph, batch, gpus, a.time_limit)
                 if "error" in r:
-                    lines.append(f"| {model} | {batch} | {gpus} | does not fit: {r['error']} | | | | | | |")
+                    lines.append(f"| {model} | {batch} | {gpus} | does not fit: {r['error']} | | | | | | | |")
                     continue
                 base = base or (r["tokens_s"] / gpus if gpus == 1 else None)
                 speed = f"{r['tokens_s'] / base:.2f}x" if base else ""
                 lines.append(f"| {model} | {batch} | {gpus} | {r['step_s']:.3f} | {r['tokens_s']:.0f} | "
-                             f"{r['tflops_gpu']:.1f} | {speed} | {r['micro']} | {r['net_s']:.3f} | {r['cpu_s']:.3f} |")
+                             f"{r['tflops_gpu']:.1f} | {speed} | {r['micro']} | {r['net_s']:.3f} | {r['cpu_s']:.3f} | "
+                             f"{r['resident']}{'' if r['milp'] else ' (heuristic plan: the MILP had none)'} |")
                 print(lines[-1], flush=True)
     lines += ["", f"Compiled in {time.time() - t0:.0f} s on a 2-core machine without a GPU."]
     a.output.write_text("\n".join(lines) + "\n")

@@ -27,7 +27,7 @@ import torch
 
 import lazytrain
 from lazytrain.bench_worker import host_rss_bytes
-from lazytrain.frontend.presets import random_model
+from lazytrain.frontend.random_init import random_model
 from lazytrain.ir import GiB
 from lazytrain.units import parse_size
 

@@ -58,7 +58,7 @@ def build(cfg: dict):
     Hugging Face's init of a 3B model took 164 s), on the CPU, bf16 (fp32 with --device cpu)."""
     import torch
 
-    from .frontend.presets import random_model
+    from .frontend.random_init import random_model
     torch.manual_seed(0)
     model = random_model(cfg["model"], dtype=torch.float32 if cfg["device"] == "cpu" else torch.bfloat16)
     cfg_obj = getattr(model, "config", None)

@@ -112,8 +112,9 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
     """Hybrid 8-bit AdamW and the Trainer: a resumed run loads its checkpoint (which carries its plan: no
     recompile, the same schedule, unless it was saved by another number of processes), a new one
     compiles a plan for this machine (with several ranks: rank 0 compiles it for all, ``Ranks.share``).
-    ``weights``: where a new trainer's initial parameters come from (``model_loading.shard_loadable``; the
-    model is then on the meta device).  Returns (trainer, optimizer, seconds)."""
+    ``weights``: where the trainer's initial parameters come from (``model_loading.shard_loadable``,
+    ``random_init.RandomWeights``, or for a resumed one ``weights.CheckpointFilled``; the model is then on the
+    meta device).  Returns (trainer, optimizer, seconds)."""
     # the compiler and the runtime load when a run starts, not when the CLI builds its parser (0.5 s)
     from .ranks import Ranks
     from .runtime.checkpoint import read_meta
@@ -134,7 +135,7 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
                             packed=packed)
     if resumed:
         trainer = Trainer.load_checkpoint(Path(cfg.resume) / "checkpoint", model, optimizer=opt, device=dev, plan=plan,
-                                          verbose=ranks.main)
+                                          verbose=ranks.main, weights=weights)
     else:
         trainer = Trainer(model, plan, optimizer=opt, device=dev, verbose=ranks.main, weights=weights)
     ranks.world = trainer.world

@@ -164,7 +164,8 @@ def build_task_model(cfg: TrainConfig, seq: int, vocab: int, shard: bool = False
     """The model to train, in fp32 on the CPU (the Trainer copies it into its host store), and a JSON
     description that rebuilds it (for ``--resume``).  ``shard`` (one of several ranks): a pretrained
     safetensors folder's model on the meta device instead, its weights read a rank's pieces at a time
-    (``model_loading.meta_weights``)."""
+    (``model_loading.meta_weights``).  Other models are built whole on every rank: their modules' own init draws
+    in construction order from one generator, so no piece can be drawn alone (fine-tunes use ``random_init``)."""
     torch.manual_seed(cfg.seed)
     if cfg.model == "task":
         spec = {"model_type": "lazytrain-gpt", "vocab": vocab, "max_seq": seq, "tie_weights": True,
@@ -203,16 +204,18 @@ def _check_fits(model: torch.nn.Module, seq: int, vocab: int, name: str) -> None
     check_positions(model, seq, f"model {name!r}")
 
 
-def rebuild_model(desc: dict, *, allow_factory: bool = False) -> torch.nn.Module:
+def rebuild_model(desc: dict, *, allow_factory: bool = False, device: str = "cpu") -> torch.nn.Module:
     """The model described by ``build_task_model``'s description (weights come from the checkpoint).
     Only data is used: the recorded config (a fine-tuned folder's weights are in the checkpoint, so the
-    folder is not read); a ``package.module:factory`` is imported only with ``allow_factory``."""
+    folder is not read); a ``package.module:factory`` is imported only with ``allow_factory``.  ``device``
+    "meta" (one of several ranks): nothing of it is allocated; the trainer reads its shard of the checkpoint
+    (``weights.CheckpointFilled``)."""
     if "config" in desc:
-        return build_from_config(desc["config"], device="cpu", dtype=torch.float32, source="checkpoint")
+        return build_from_config(desc["config"], device=device, dtype=torch.float32, source="checkpoint")
     if not allow_factory:
         raise ValueError(f"the run's model is built by the factory {desc.get('spec')!r}: resuming would import and "
                          f"run it; pass --allow-factory if you trust the run folder")
-    return build_model(desc["spec"], device="cpu", dtype=torch.float32)
+    return build_model(desc["spec"], device=device, dtype=torch.float32)
 
 
 def logits_fn(model: torch.nn.Module, device: torch.device, vocab: int | None = None):
@@ -332,17 +335,20 @@ def run(cfg: TrainConfig) -> dict:
     out = output_folder(cfg.output)
     t_start = time.perf_counter()
 
-    if prev is not None:
-        model = rebuild_model(prev["model"], allow_factory=cfg.allow_factory)
+    if prev is not None:      # with several ranks on the meta device: each reads its shard of the checkpoint
+        from .runtime.weights import CheckpointFilled
+        weights = CheckpointFilled() if ranks.size > 1 else None
+        model = rebuild_model(prev["model"], allow_factory=cfg.allow_factory, device="meta" if weights else "cpu")
         desc = prev["model"]
     else:
         model, desc = build_task_model(cfg, seq, tok.vocab_size, shard=ranks.size > 1)
+        weights = meta_weights(model, desc)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
     hardware = _hardware(dev)
     trainer, opt, compile_s = start_trainer(cfg, model, dev, resumed=prev is not None, seq_len=seq, hardware=hardware,
                                             param_dtype=param_dtype, ranks=ranks,
-                                            weights=None if prev is not None else meta_weights(model, desc))
+                                            weights=weights)
     plan, start = trainer.plan, trainer.steps if prev is not None else 0
     param_dtype = plan.param_dtype if prev is not None else param_dtype
     where = f"cpu, {torch.get_num_threads()} threads" if dev.type == "cpu" else dev.type

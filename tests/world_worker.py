@@ -21,7 +21,10 @@ CFG = {"model_type": "lazytrain-gpt", "vocab": 67, "d_model": 64, "n_layer": 2, 
        "max_seq": 16, "tie_weights": False}
 B, SEQ, STEPS = 4, 16, 3
 #: (name, policy, optimizer, tied embedding, resident) of every case each spawn trains, one after the other
-CASES = (("adamw", "megatrain", "adamw", False, "none"), ("hybrid8bit", "keep-all", "hybrid8bit", False, "none"))
+CASES = (("adamw", "megatrain", "adamw", False, "none"), ("exact8", "keep-all", "hybrid8bit_unclipped", False, "none"),
+         ("hybrid8bit", "keep-all", "hybrid8bit", False, "none"))
+#: the case whose arithmetic is one process's at 2 ranks (``compile_plans``), so its results are bit for bit
+EXACT = "exact8"
 
 
 def model(tied: bool = False) -> torch.nn.Module:
@@ -47,12 +50,12 @@ LR = 1e-3
 def optimizer(kind: str):
     if kind == "adamw":
         return TorchAdamW(lr=LR, eps=1e-6, max_grad_norm=1.0)
-    return Hybrid8bitAdamW(lr=LR, eps=1e-6, max_grad_norm=1.0, num_threads=1)
+    return Hybrid8bitAdamW(lr=LR, eps=1e-6, max_grad_norm=None if kind.endswith("unclipped") else 1.0, num_threads=1)
 
 
 def eight_bit(name: str) -> bool:
     """Does case ``name`` train with the 8-bit optimizer?"""
-    return any(c[0] == name and c[2] == "hybrid8bit" for c in (*CASES, *CASES4))
+    return any(c[0] == name and c[2].startswith("hybrid8bit") for c in (*CASES, *CASES4))
 
 
 #: the 4-rank test's cases (``world4_rank``): the other two policies, each on the tied GPT (its embedding
@@ -65,15 +68,19 @@ CASES4 = (("tied", "recompute-all", "adamw", True, "none"), ("tied_resident", "m
 
 def compile_plans(folder: Path, worlds=(1, 2), cases=CASES) -> None:
     """Every case's plan for each world size, compiled once (by the test process) into ``folder``: what the
-    ranks load (``{name}_{world}.json``)."""
+    ranks load (``{name}_{world}.json``).  ``EXACT`` runs micro-batches of 2 rows: one process's 2 micro-batches
+    are then the 2 ranks' rows, and the gradient it accumulates (g0 + g1) is the one the ranks' reduce-scatter
+    sums; unclipped, as the global norm sums per-shard norms, another order than one process's per-block ones."""
     for name, policy, opt, tied, resident in cases:
         m = model(tied)
         for world in worlds:
             if policy == "host-nvme":
                 plan = _host_nvme(m, world, folder / "nvme")
             else:
-                plan = lazytrain.compile(m, batch_size=B // world, seq_len=SEQ, micro_batch=1, hardware="cpu",
-                                         policy=policy, param_dtype="float32", optimizer=opt, world_size=world,
+                plan = lazytrain.compile(m, batch_size=B // world, seq_len=SEQ, micro_batch=2 if name == EXACT else 1,
+                                         hardware="cpu",
+                                         policy=policy, param_dtype="float32", optimizer=opt.removesuffix("_unclipped"),
+                                         world_size=world,
                                          resident=resident, time_limit=5)
             plan.save(folder / f"{name}_{world}.json")
 
@@ -147,6 +154,7 @@ def equivalence_rank(rank: int, world: int, port: int, folder: str) -> None:
     while not (f / "ck1" / "checkpoint.json").exists() and time.time() < deadline:
         time.sleep(0.05)
     res["from_ck1"] = resume(f / "ck1", str(f / f"{CASES[-1][0]}_{world}.json"))
+    res["sources"] = sources(world, folder)
     if rank == 0:
         (f / "out.json").write_text(json.dumps(res))
     if rank == world - 1:
@@ -182,3 +190,32 @@ def resume4_rank(rank: int, world: int, port: int, folder: str) -> None:
     res = resume(Path(folder) / "ck4", str(Path(folder) / f"{CASES[-1][0]}_{world}.json"))
     if rank == 0:
         (Path(folder) / f"resumed4_{world}.json").write_text(json.dumps(res))
+
+
+
+def sources(world: int, folder: str) -> dict:
+    """A random init from a config (``random_init``) and a resume (``CheckpointFilled``), on the meta device at
+    N > 1 (one process: ``random_model``, the reference): the initial parameters, two steps' losses, and the loss
+    of the step the run resumed from its checkpoint takes."""
+    from lazytrain.frontend.presets import build_model
+    from lazytrain.frontend.random_init import random_init, random_model
+    from lazytrain.ir import Plan
+    from lazytrain.runtime.weights import CheckpointFilled
+    f = Path(folder)
+    (f / "config.json").write_text(json.dumps(CFG))
+    torch.manual_seed(0)
+    if world == 1:
+        model, weights = random_model(str(f / "config.json"), torch.float32), None
+    else:
+        model, weights = random_init(str(f / "config.json"), dtype=torch.float32)
+    plan = Plan.load(f / f"hybrid8bit_{world}.json")
+    tr = Trainer(model, plan, optimizer=optimizer("hybrid8bit"), device="cpu", verbose=False, weights=weights)
+    init = {k: v.reshape(-1).tolist() for k, v in tr.state_dict().items()}
+    losses = [tr.step(b).loss for b in batches(2)]
+    ck = f / f"ck_sources_{world}"
+    tr.save_checkpoint(ck)
+    meta = build_model(str(f / "config.json"), device="meta" if world > 1 else "cpu", dtype=torch.float32)
+    back = Trainer.load_checkpoint(ck, meta, optimizer=optimizer("hybrid8bit"), device="cpu", verbose=False,
+                                   weights=CheckpointFilled() if world > 1 else None)
+    on_meta = all(p.device.type == "meta" for m in (model, meta) for p in m.parameters())
+    return {"init": init, "losses": [*losses, back.step(batches(3)[2]).loss], "meta": on_meta}

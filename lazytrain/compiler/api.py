@@ -298,8 +298,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     ``world_size``: data-parallel ranks (GPUs) the plan is for, over ``nodes`` hosts (``ir.sharding``):
     ``batch_size`` is then per rank, each rank holds 1/N of the host state (the host budget is per host,
     shared by its ranks), loads its shard and all-gathers the block, reduce-scatters the gradients, and
-    the global clip norm is an all-reduce.  Resident blocks and tied parameters are not sharded: such a
-    plan keeps every block streamed, and a tied model is refused.
+    the global clip norm is an all-reduce.  Resident blocks and tied parameters shard the same way (a resident
+    block keeps its shard of its state on the GPU, gathered once a step); ``"auto"`` lets the MILP choose them.
 
     ``seq_tile``: run the layers' position-wise tails (output projection, norm, MLP) in chunks of that
     many tokens, recomputed in backward (``tiling.py``); ``"auto"`` (default) does so, in chunks of
@@ -341,8 +341,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     fixed, auto = resident_request(graph, resident)
     if world_size != 1 or nodes != 1:
         check_world(world_size, nodes)
-        # the solver does not price a resident block's collectives: with several ranks it keeps those asked for
-        budgets, auto = per_rank_budgets(budgets, world_size, nodes), False
+        budgets = per_rank_budgets(budgets, world_size, nodes)
     comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
                     solver=solver, time_limit=time_limit, resident=fixed,
                     choose_resident=auto and policy == "milp" and hw.has_gpu, world_size=world_size, nodes=nodes,

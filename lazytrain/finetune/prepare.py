@@ -25,7 +25,8 @@ import torch
 from ..data.batches import held_out
 from ..data.encode import Encoder, Example, fit
 from ..data.formats import DataError, read_records
-from ..frontend.presets import PRESETS, random_model
+from ..frontend.presets import PRESETS
+from ..frontend.random_init import random_model
 from ..model_loading import (
     from_pretrained,
     has_tokenizer,
@@ -84,7 +85,7 @@ def resolve(spec: str, log=print) -> Source:
 
 def build(src: Source, seed: int, random_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The model on the CPU: pretrained weights in fp32; configs and presets with random weights in
-    ``random_dtype`` (``presets.random_model``: N(0, 0.02) from a seeded pool, memory copies instead of a
+    ``random_dtype`` (``random_init.random_model``: N(0, 0.02) from a seeded pool, memory copies instead of a
     7B's minutes of per-module init)."""
     torch.manual_seed(seed)
     if src.kind in ("named", "pretrained"):

@@ -29,6 +29,8 @@ from ..data.batches import Batches
 from ..data.encode import Encoder
 from ..export import _write_json as write_hf_json
 from ..export import hf_config, trainer_weights, write_folder
+from ..frontend.presets import build_model
+from ..frontend.random_init import random_init
 from ..loop import Progress, output_folder, start_trainer, steps, thread_tuner
 from ..model_loading import shard_loadable
 from ..models.named import generation_config
@@ -269,9 +271,9 @@ def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path
     """The model's source, its tokenizer, the examples (encoded and checked against the model) and the
     model itself: (source, tokenizer, data, model, weights, stop ids, seconds to load the model).  A new
     run writes its source into ``OUTPUT/source/`` (``main``: rank 0 does); a resumed one refuses data files
-    that changed.  ``shard`` (one of several ranks): a pretrained safetensors folder's model is built on the
-    meta device and ``weights`` reads only this rank's pieces (``model_loading.shard_loadable``); else
-    ``weights`` is None (the model's own)."""
+    that changed.  ``shard`` (one of several ranks): the model is built on the meta device and ``weights`` gives
+    only this rank's pieces (``shard_weights``) where the source allows; else ``weights`` is None (the model's
+    own)."""
     src = _source(cfg, prev)
     tok = tokenizer_for(src, cfg.tokenizer)
     enc = Encoder(tok, cfg.loss_on, name=f"the tokenizer of {cfg.tokenizer or src.spec}")
@@ -282,11 +284,10 @@ def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path
     if prev is not None and prev["data"]["fingerprint"] != data.fingerprint:
         raise ValueError(f"--resume {cfg.resume}: the data files changed since the run started; start a new run")
     t = time.perf_counter()
-    weights = None
-    if shard and prev is None and src.kind in ("named", "pretrained") and any(Path(src.path).glob("*.safetensors")):
-        model, weights = shard_loadable(Path(src.path))
-    else:
-        model = build(src, cfg.seed, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model, weights = shard_weights(src, cfg.seed, dtype, resumed=prev is not None) if shard else (None, None)
+    if model is None:
+        model = build(src, cfg.seed, dtype)
     load_s = time.perf_counter() - t
     if (max_positions(model.config) or data.seq_len) < data.seq_len:
         raise ValueError(f"--seq {data.seq_len} is longer than the model's {max_positions(model.config)} positions")
@@ -295,6 +296,30 @@ def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path
     if prev is None and main:
         _write_source(out / "source", model, tok, stop_ids)
     return src, tok, data, model, weights, stop_ids, load_s
+
+
+def shard_weights(src: Source, seed: int, dtype: torch.dtype, *, resumed: bool):
+    """(model on the meta device, the weights of this rank's pieces) for one of several ranks, or (None, None)
+    where the source must be built whole (``build``):
+
+    - a resumed run: the checkpoint writes every element (``weights.CheckpointFilled``);
+    - a safetensors folder (pretrained or named): each piece read by rows (``model_loading.shard_loadable``);
+    - a config or a preset: its random weights computed a piece at a time, the values ``build`` draws
+      (``random_init.RandomWeights``, from the same seed);
+    - a GGUF file: built whole on every rank.  transformers' GGUF reader dequantizes every tensor into one state
+      dict before it builds the model, and undoing llama.cpp's layout (tensor names, the q/k row permutation of
+      Llama-family attention) per architecture is its code, not an interface; the trainer copies its shard and
+      the rank keeps the model (``benchmarks/results/shard_load_rss.md`` measures what each rank holds).
+    """
+    if resumed:
+        from ..runtime.weights import CheckpointFilled
+        return build_model(str(src.path), device="meta", dtype=dtype), CheckpointFilled()
+    if src.kind in ("named", "pretrained") and any(Path(src.path).glob("*.safetensors")):
+        return shard_loadable(Path(src.path))
+    if src.kind in ("config", "preset"):
+        torch.manual_seed(seed)
+        return random_init(str(src.path) if src.kind == "config" else src.spec, dtype=dtype)
+    return None, None
 
 
 def _export(cfg: FinetuneConfig, src: Source, param_dtype: str, folder: Path, trainer, model, tok,

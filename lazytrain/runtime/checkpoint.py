@@ -309,8 +309,9 @@ def _optimizer(opt, saved: dict, where: Path):
     return opt
 
 
-def load(cls, directory, model, *, optimizer=None, device=None, plan=None, verbose: bool = True):
-    """A ``cls`` (Trainer) for ``model`` in the state saved at ``directory``."""
+def load(cls, directory, model, *, optimizer=None, device=None, plan=None, verbose: bool = True, weights=None):
+    """A ``cls`` (Trainer) for ``model`` in the state saved at ``directory``.  ``weights``: the trainer's initial
+    parameters before the checkpoint's overwrite them (``weights.CheckpointFilled`` for a meta-device model)."""
     folder, meta = read_meta(directory)
     try:
         saved_plan = Plan.from_json(meta["plan"])
@@ -329,7 +330,7 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None, verbo
     _check_model(plan, model, folder)
     optimizer = _optimizer(optimizer, meta["optimizer"], folder)
     try:
-        trainer = cls(model, plan, optimizer=optimizer, device=device, verbose=verbose)
+        trainer = cls(model, plan, optimizer=optimizer, device=device, verbose=verbose, weights=weights)
     except PlanError as e:
         raise CheckpointError(f"checkpoint {folder} does not fit this model: {e}") from None
     _check_steps(meta, folder / META)

@@ -320,10 +320,12 @@ class Trainer:
 
     @classmethod
     def load_checkpoint(cls, directory, model: torch.nn.Module, *, optimizer=None, device=None,
-                        plan: Plan | None = None, verbose: bool = True) -> Trainer:
+                        plan: Plan | None = None, verbose: bool = True, weights=None) -> Trainer:
         """A trainer for ``model`` resumed from ``directory`` (parameters, optimizer state, step, RNGs).
-        ``optimizer``: default, rebuilt from the checkpoint; ``plan``: default, the checkpoint's own."""
-        return checkpoint.load(cls, directory, model, optimizer=optimizer, device=device, plan=plan, verbose=verbose)
+        ``optimizer``: default, rebuilt from the checkpoint; ``plan``: default, the checkpoint's own; ``weights``:
+        ``weights.CheckpointFilled`` for a model on the meta device (nothing of it is read)."""
+        return checkpoint.load(cls, directory, model, optimizer=optimizer, device=device, plan=plan, verbose=verbose,
+                               weights=weights)
 
     def close(self) -> None:
         self.flush()

@@ -6,7 +6,9 @@ A trainer copies into its host store only what it holds: with N ranks, its shard
 first holds N copies of it in host memory at start-up.  A model built on the meta device with a
 ``SafetensorsWeights`` instead reads, for each piece, only the rows of the tensor that cover it
 (``safe_open(...).get_slice``): a rank's host memory at start is its shard plus one tensor's rows.
-Both sources answer ``piece(name, a, b)``: elements ``[a, b)`` of the flat tensor, fp32 on the CPU.
+Both sources answer ``piece(name, a, b)``: elements ``[a, b)`` of the flat tensor, fp32 on the CPU; so do
+``frontend.random_init.RandomWeights`` (a config's or a preset's random weights, computed a piece at a time) and
+``CheckpointFilled`` (a resumed trainer's: its checkpoint writes every element, so nothing of the model is read).
 """
 
 from __future__ import annotations
@@ -82,6 +84,15 @@ class SafetensorsWeights:
                 first = a // row
                 t = sl[first:-(-b // row)].reshape(-1)[a - first * row:b - first * row]
         return t.to(torch.float32)
+
+
+class CheckpointFilled:
+    """The initial parameters of a trainer that a checkpoint overwrites next (``checkpoint.load`` writes every
+    parameter element it updates, and shard padding stays zero): zeros.  A resumed rank then builds nothing of
+    the model (it stays on the meta device) and holds only its shard, read from the checkpoint."""
+
+    def piece(self, name: str, a: int, b: int) -> torch.Tensor:
+        return torch.zeros(b - a, dtype=torch.float32)
 
 
 def materialize(model: torch.nn.Module) -> None:

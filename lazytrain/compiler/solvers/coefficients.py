@@ -90,7 +90,7 @@ def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
         nvw_ms=hw.nvme_seconds(GiB, True) * MS, nvr_ms=hw.nvme_seconds(GiB, False) * MS,
         budget=(gpu_bytes if gpu_bytes is not None else budgets["gpu_bytes"]) / GiB,
         host_cap=budgets["host_bytes"] / GiB if budgets.get("host_bytes") else None,
-        host_static=g.total_params * host_bytes_per_param / GiB,
+        host_static=g.total_params * host_bytes_per_param / cost.world_size / GiB,    # one rank's shard
         nvme_cap=nvme_cap / GiB, use_nvme=bool(budgets.get("nvme_dir")) and nvme_cap > 0,
         ag=[cost.all_gather_s(j) * MS for j in range(L)] if cost.sharded else [],
         rs=[cost.reduce_scatter_s(j) * MS for j in range(L)] if cost.sharded else [],
@@ -109,10 +109,10 @@ def _cut_forward_ms(cost) -> list:
 
 def _resident_gib(cost, j: int, per_resident: float) -> float:
     """GiB block j holds on the GPU for the whole run when resident: its state; with several ranks its
-    shard of it, plus the gathered parameters (kept from its forward to its backward) and the gathered
-    fp32 accumulator (from its backward to its reduce-scatter: counted for the whole step, an upper bound)."""
+    shard of it plus the gathered parameters, kept from its forward's all-gather to its backward (for a
+    prefix, nearly the whole step: counted for all of it).  The gathered fp32 accumulator lives from its
+    backward to its reduce-scatter, as a streamed block's does: ``memory_rows`` counts it in B_j."""
     n = cost.sizes.owned_shard_numel(j)
     if not cost.sharded:
         return n * per_resident / GiB
-    gathered = sum(cost.sizes.of(TensorId(kind=k, index=j)) for k in (TensorKind.PARAMS, TensorKind.GRADS))
-    return (n * per_resident + gathered) / GiB
+    return (n * per_resident + cost.sizes.of(TensorId(kind=TensorKind.PARAMS, index=j))) / GiB

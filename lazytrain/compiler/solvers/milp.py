@@ -18,6 +18,9 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
         P_j, accumulator Gacc_j and draining gradients D_j, its load, gradient offload and host
         update U_j -- is multiplied by (1 - res[j]); its GPU update U'_j by res[j]; and every memory row
         holds R_j res[j] for the whole run.  Fixed (0 or 1) unless the compile asks the solver to choose.
+        With several ranks a resident block keeps its shard of that state (R_j: 1/N of it, plus its
+        gathered parameters), is all-gathered once a step (its backward's AG_j is x (1 - res[j])) and
+        reduce-scattered after its backward like a streamed block, so Gacc_j and D_j are not x (1 - res[j]).
     compute   T_{F_j} >= M fwd_j                T_{B_j} >= M (bwd_j + fwd_j recompute[j])
     h2d       T_{F_j} >= P_{j+1}/h2d            T_{B_j} >= (P_{j-1} + M S_{j-1} (host+nvme)[j-1]
                                                             + M A_{j-1} (bhost+bnvme)[j-1]) / h2d
@@ -31,7 +34,8 @@ Formulation (units: milliseconds and GiB, so coefficients are well scaled)::
               T_{B_j} >= G_{j+1}/d2h            (gradients of the block before leave during B_j)
     nvme      T_{F_j} >= M (S_j nvme[j] + A_j bnvme[j]) / nvme_write,  T_{B_j} likewise for block j-1 / nvme_read
     net       with several ranks (P_j, G_j, U_j are then one rank's shard): T_{F_j} >= AG_{j+1},
-              T_{B_j} >= AG_{j-1} + RS_{j+1}; block 0's RS_0 and the norms' all-reduce join the X chain
+              T_{B_j} >= AG_{j-1} (1 - res[j-1]) + RS_{j+1}; block 0's RS_0 and the norms' all-reduce
+              join the X chain
     updates   with exact clipping every update waits for the global norm (end of backward) and is
               lagged into the next step, in block order on the host, each before its block's load:
               T_X >= G_0/d2h + U_0 + P_0/h2d;  for j >= 1:
@@ -307,12 +311,14 @@ def time_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions) 
 
 def net_rows(m: LinearModel, c: Coefficients, v: Variables) -> None:
     """The collective stream, overlapped with compute as PCIe is: F_j all-gathers block j+1 (the
-    prefetch), B_j all-gathers block j-1 and reduce-scatters block j+1's gradients."""
+    prefetch), B_j all-gathers block j-1 and reduce-scatters block j+1's gradients.  A resident block is
+    gathered once a step, in the forward, and kept to its backward: B_j's gather is (1 - res[j-1]) of it;
+    its reduce-scatter stays (its shard accumulators are summed over the ranks as a streamed block's)."""
     L, TF, TB = c.L, v.TF, v.TB
     for j in range(L):
         if j + 1 < L:
             m += TF[j] >= c.ag[j + 1], f"net_F[{j}]"
-        gather = c.ag[j - 1] if 1 <= j and j - 1 != L - 1 else 0.0
+        gather = c.ag[j - 1] * v.streamed(j - 1) if 1 <= j and j - 1 != L - 1 else 0.0
         scatter = c.rs[j + 1] if j + 1 < L else 0.0
         if gather or scatter:
             m += TB[j] >= gather + scatter, f"net_B[{j}]"
@@ -324,6 +330,14 @@ def memory_rows(m: LinearModel, c: Coefficients, v: Variables, drain_under_reloa
     boff = [v.bh[j] + v.bn[j] for j in range(L)]
     P = [c.P[j] * v.streamed(j) for j in range(L)]
     held = xsum(c.R[j] * v.res[j] for j in range(L))     # what resident blocks hold for the whole run
+    # with several ranks a resident block's gradients also accumulate gathered in B_j, summed into its shard
+    # by a reduce-scatter that may end under B_{j-1}: its Gacc and its drain D are counted as a streamed one's
+    sharded = bool(c.ag)
+    acc = [c.Gacc[j] * (1.0 if sharded else v.streamed(j)) for j in range(L)]
+
+    def drains(overlap, k: int, name: str):
+        """The share of block k's gradient drain under an overlap (``v.unless_resident`` in a world of one)."""
+        return overlap if sharded else v.unless_resident(m, overlap, k, name)
     for j in range(L):
         # boundary values in flight: micro-batch k of a window holds M - k of one side's values and
         # k + 1 of the other's (activations j -> j+1 forward, their gradients backward)
@@ -343,7 +357,7 @@ def memory_rows(m: LinearModel, c: Coefficients, v: Variables, drain_under_reloa
         # a backward follows its micro-batch's recompute, which freed that micro-batch's boundary
         # (a cut's backward regenerates what it did not save: live while it runs)
         regen = v.by_cut(c, j, [c.cut_S[j][0] - s for s in c.cut_S[j]]) if c.cut_S else 0.0
-        backward = (start - c.A[j] * v.rec[j] + c.Gacc[j] * v.streamed(j) + c.S[j] * v.rec[j] + c.WB[j] + regen)
+        backward = (start - c.A[j] * v.rec[j] + acc[j] + c.S[j] * v.rec[j] + c.WB[j] + regen)
         m += backward + reloaded <= c.budget, f"gpu_memory_B[{j}]"
         if j + 1 < L:
             # early in B_j, before block j-1's reloads, block j+1's gradients are still draining
@@ -353,14 +367,14 @@ def memory_rows(m: LinearModel, c: Coefficients, v: Variables, drain_under_reloa
             # reloads ran during B_{j+1} it does not (``drain_under_reloads``: the time-ordered check of a
             # solution found its peak under a drain, as qwen2.5-72b's at 48 GiB, batch 72 did, 2.4 GiB over
             # at an offloaded block's first backward: then a block whose saved activations or boundary are
-            # reloaded is taken to start at once too).  A resident block j+1 drains nothing.
+            # reloaded is taken to start at once too).  A resident block j+1 drains nothing in a world of one.
             at_once = v.bg[j] + (boff[j] if drain_under_reloads else 0.0)
             overlap = v.keep[j] + (at_once if c.gout[j + 1] > c.fwd[j] else 0.0) + \
                 (off[j] if drain_under_reloads else 0.0)
-            m += (backward + c.D[j + 1] * v.unless_resident(m, overlap, j + 1, f"drain_under_B[{j}]")
+            m += (backward + c.D[j + 1] * drains(overlap, j + 1, f"drain_under_B[{j}]")
                   <= c.budget), f"gpu_memory_B_start[{j}]"
             m += (start + (c.S[j] + c.W[j]) * v.rec[j]
-                  + c.D[j + 1] * v.unless_resident(m, 1 * at_once, j + 1, f"drain_under_recompute[{j}]")
+                  + c.D[j + 1] * drains(1 * at_once, j + 1, f"drain_under_recompute[{j}]")
                   <= c.budget), f"gpu_memory_recompute[{j}]"
     if c.host_cap:
         m += c.host_static + M * xsum(v.saved(c, j, "host") + c.A[j] * v.bh[j] for j in range(L)) <= c.host_cap, \
