@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..ir.graph import loss_chunk_columns
-from .loss_kernels import LossKernels
+from .loss_kernels import LossKernels, usable
 
 #: the label of a position without loss (torch's cross_entropy ``ignore_index``), the one definition the
 #: data, the tasks and the runtime share
@@ -111,6 +111,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         run_max = torch.full((rows,), float("-inf"), dtype=stat, device=feats.device)
         run_sum = torch.zeros(rows, dtype=stat, device=feats.device)
         target = torch.zeros(rows, dtype=stat, device=feats.device)
+        kernels = usable(kernels)
         for lo in range(0, vocab, cols):
             hi = min(vocab, lo + cols)
             if kernels is not None:
@@ -140,10 +141,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         gf = None
         gw = torch.empty_like(weight) if need_w else None
         gb = torch.empty_like(bias) if need_b else None
+        kernels = usable(ctx.kernels)
         for lo in range(0, vocab, cols):
             hi = min(vocab, lo + cols)
-            if ctx.kernels is not None:
-                dz = ctx.kernels.grad(_product(feats, weight[lo:hi], None if bias is None else bias[lo:hi]),
+            if kernels is not None:
+                dz = kernels.grad(_product(feats, weight[lo:hi], None if bias is None else bias[lo:hi]),
                                       labels - lo, lse, row_grad, scale, softcap)
             else:
                 dz = _chunk_dz(feats, weight[lo:hi], None if bias is None else bias[lo:hi], labels, lo, hi, lse,

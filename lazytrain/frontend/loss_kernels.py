@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
 def _logits(zb: torch.Tensor, scale: float, softcap: float | None):
@@ -71,6 +72,15 @@ class LossKernels:
 
     stats: Callable
     grad: Callable
+
+
+def usable(kernels: LossKernels | None) -> LossKernels | None:
+    """``kernels``, unless a Python dispatch mode is on (the CPU memory tracker of a calibration step,
+    ``runtime/memtrack.py``): ``torch.compile`` refuses to run under one, and once refused it skips those
+    functions for good, so the eager passes serve such a step (and the tracker sees their tensors)."""
+    if kernels is None or is_in_torch_dispatch_mode():
+        return None
+    return kernels
 
 
 def compiled_loss_kernels(backend: str = "inductor") -> LossKernels:
