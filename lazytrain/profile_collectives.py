@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -27,6 +26,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+
+from .local_processes import free_port, join_all
 
 #: gathered buffer sizes (bytes) timed on GPUs, and on the CPU (gloo: the tests' small world)
 GPU_SIZES = (1 << 20, 16 << 20, 64 << 20, 256 << 20)
@@ -61,22 +62,13 @@ def measure_collectives(world_size: int, backend: str = "nccl", *, sizes: tuple[
         raise ValueError(f"{world_size} NCCL ranks need {world_size} GPUs; {torch.cuda.device_count()} are visible")
     sizes = sizes or (GPU_SIZES if backend == "nccl" else CPU_SIZES)
     ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_rank, args=(r, world_size, port, backend, sizes, repeats, tmp))
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        end = time.monotonic() + START_TIMEOUT_S
-        for p in procs:
-            p.join(max(0.1, end - time.monotonic()))
-        codes = [p.exitcode for p in procs]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        codes = join_all(procs, START_TIMEOUT_S)
         if any(c != 0 for c in codes):
             why = Path(tmp, "error.txt").read_text() if Path(tmp, "error.txt").exists() else f"exit codes {codes}"
             raise RuntimeError(f"measuring the collectives over {world_size} {backend} processes failed: {why}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 import time
 
 import numpy as np
@@ -16,12 +15,7 @@ import world_worker as W
 
 from lazytrain.export import checkpoint_weights
 from lazytrain.ir import PlanError
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from lazytrain.local_processes import free_port, join_all
 
 
 @pytest.fixture(scope="module")
@@ -33,24 +27,11 @@ def plans(tmp_path_factory):
 
 def _spawn(fn, world: int, out) -> list:
     ctx = mp.get_context("spawn")
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=fn, args=(r, world, port, str(out))) for r in range(world)]
     for p in procs:
         p.start()
     return procs
-
-
-def _join(procs, timeout: float) -> list[int | None]:
-    """Exit codes; the last rank is joined (reaped) first, so a rank that exits early is gone at once."""
-    end = time.time() + timeout
-    for p in reversed(procs):
-        p.join(max(0.1, end - time.time()))
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return codes
 
 
 def _close(got: dict, want: dict, what: str, eight_bit: bool = False) -> None:
@@ -91,7 +72,7 @@ def test_two_ranks_train_like_one_process_resume_at_another_size_and_name_a_dead
         one, _ = W.train(1, str(plans), plans / "ck1")
     finally:
         torch.set_num_threads(threads)
-    assert _join(procs, 120) == [0, 3]
+    assert join_all(procs, 120) == [0, 3]
     two = json.loads((plans / "out.json").read_text())
     for name, *_ in W.CASES:
         _close(two[name], one[name], name, W.eight_bit(name))
@@ -128,7 +109,7 @@ def test_four_ranks_train_like_one_process_and_their_checkpoint_resumes_at_two_a
     W.compile_plans(plans, worlds=(1, 4), cases=W.CASES4)
     procs = _spawn(W.world4_rank, 4, plans)
     one, _ = W.train(1, str(plans), cases=W.CASES4)
-    assert _join(procs, 240) == [0, 0, 0, 0]
+    assert join_all(procs, 240) == [0, 0, 0, 0]
     four = json.loads((plans / "out4.json").read_text())
     for name, *_ in W.CASES4:
         _close(four[name], one[name], name, W.eight_bit(name))
@@ -137,7 +118,7 @@ def test_four_ranks_train_like_one_process_and_their_checkpoint_resumes_at_two_a
     want = {"losses": four[last]["losses"][W.SAVED_AT:], "params": four[last]["params"]}
     procs = _spawn(W.resume4_rank, 2, plans)
     _close(W.resume(plans / "ck4", str(plans / f"{last}_1.json")), want, "saved by 4, resumed in 1", True)
-    assert _join(procs, 120) == [0, 0]
+    assert join_all(procs, 120) == [0, 0]
     _close(json.loads((plans / "resumed4_2.json").read_text()), want, "saved by 4, resumed by 2", True)
 
 
