@@ -224,7 +224,8 @@ def solve(model: LinearModel, *, order: tuple[str, ...] = DEFAULT_ORDER, time_li
                 failures.append(f"{solver} {e}")
                 continue
             cpu_s = out.get("cpu_s")
-            _cpu[0] += cpu_s if isinstance(cpu_s, (int, float)) and cpu_s >= 0 else time.perf_counter() - t0
+            cpu_s = float(cpu_s) if isinstance(cpu_s, (int, float)) and cpu_s >= 0 else time.perf_counter() - t0
+            _cpu[0] += cpu_s
         if out.get("status") == "error":
             failures.append(f"{solver} failed ({out.get('error', 'no reason given')})")
             continue
@@ -240,5 +241,5 @@ def solve(model: LinearModel, *, order: tuple[str, ...] = DEFAULT_ORDER, time_li
             continue
         return SolveResult(status=status, objective=out.get("objective"), gap=out.get("gap"), x=x,
                            seconds=time.perf_counter() - t0, solver=solver, failures=failures,
-                           cpu_s=float(out.get("cpu_s") or 0.0))
+                           cpu_s=cpu_s)
     raise SolverFailure(failures)
