@@ -174,10 +174,8 @@ def cut(j: Joint, n_params: int, budget: float = 1.0) -> Partition:
     (1.0: min-cut; less: ``cuts.py``).  The partitioner rewrites the graph it is given, hence the copy."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    g = fx.Graph()
-    g.output(g.graph_copy(j.graph.graph, {}))
     with cut_budget(budget):
-        fw, bw = min_cut_rematerialization_partition(fx.GraphModule(j.graph, g), j.args, num_fwd_outputs=j.n_outputs,
+        fw, bw = min_cut_rematerialization_partition(_copy(j.graph), j.args, num_fwd_outputs=j.n_outputs,
                                                      static_lifetime_input_indices=list(range(n_params)))
     n_tan = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and str(n.target).startswith("tangents"))
     if n_tan != len(j.grad_out):
