@@ -105,10 +105,11 @@ class Compiler:
         """Seconds one MILP solve may take: the caller's, else ``SOLVE_TIME_LIMIT``."""
         return self.time_limit if self.time_limit is not None else SOLVE_TIME_LIMIT
 
-    def cost(self, micro_batch: int, resident: frozenset | None = None, cut: tuple = ()) -> CostModel:
+    def cost(self, micro_batch: int, resident: frozenset | None = None, cut: tuple = (),
+             gpu_updated: frozenset = frozenset()) -> CostModel:
         return CostModel(self.graph, self.hw, micro_batch, self.param_dtype, self.optimizer == "hybrid8bit",
                          resident=self.resident if resident is None else resident, world_size=self.world_size,
-                         nodes=self.nodes, cut=cut)
+                         nodes=self.nodes, cut=cut, gpu_updated=gpu_updated)
 
     def with_resident(self, decisions):
         """``decisions`` with this compiler's fixed resident blocks (policies decide the rest)."""
@@ -122,7 +123,7 @@ class Compiler:
 
     def build_simulated(self, decisions, batch_size: int, *, check_budget: bool = True) -> tuple[Plan, SimResult]:
         """``build``, and the simulation its predictions come from (the search reads where memory peaks)."""
-        cost = self.cost(decisions.micro_batch, decisions.resident_blocks, decisions.cut)
+        cost = self.cost(decisions.micro_batch, decisions.resident_blocks, decisions.cut, decisions.gpu_updated_blocks)
         if check_budget:
             self._quick_reject(decisions, cost)
         ops, effs = lower_with_effects(decisions, cost, clip=self.clip)

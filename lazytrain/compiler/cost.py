@@ -45,12 +45,14 @@ class CostModel:
     nodes: int = 1
     #: each block's cut (``Decisions.cut``; empty: the min-cut everywhere)
     cut: tuple = ()
+    #: streamed blocks updated on the GPU (``Decisions.gpu_update``): state in and out over PCIe, no host update
+    gpu_updated: frozenset = frozenset()
 
     @cached_property
     def sizes(self) -> Sizes:
         return Sizes(self.graph, self.micro_batch, self.param_dtype, resident=self.resident,
                      device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit" if self.eight_bit else "adamw"],
-                     world_size=self.world_size, cut=tuple(self.cut))
+                     world_size=self.world_size, cut=tuple(self.cut), gpu_updated=frozenset(self.gpu_updated))
 
     @property
     def sharded(self) -> bool:
@@ -179,7 +181,7 @@ class CostModel:
     def grad_offload_s(self, j: int) -> float:
         """The block's gradient to the host; for the owner of a tied parameter, plus the host sum of
         its readers' shares (``tied_sum_s``), which the step waits for before its clip coefficient."""
-        if j in self.resident:
+        if j in self.resident or j in self.gpu_updated:
             return 0.0
         return self.hw.d2h_seconds(self.grad_bytes(j)) + self.tied_sum_s(j)
 
@@ -209,15 +211,22 @@ class CostModel:
             return 0.0
         if j in self.resident:      # with several ranks, its shard
             return self.hw.gpu_update_seconds(n / self.world_size if self.sharded else n, self.eight_bit)
+        if j in self.gpu_updated:
+            return self.hw.gpu_update_seconds(n, self.eight_bit)
         if self.sharded:     # each rank updates its 1/N with its GPU's share of the host (the profile's cores)
             return self.hw.update_seconds(n / self.world_size, self.eight_bit)
         return self.hw.update_seconds(n, self.eight_bit)
 
     def host_update_s(self, j: int) -> float:
-        return 0.0 if j in self.resident else self.update_s(j)
+        return 0.0 if j in self.resident or j in self.gpu_updated else self.update_s(j)
 
     def gpu_update_s(self, j: int) -> float:
-        return self.update_s(j) if j in self.resident else 0.0
+        return self.update_s(j) if j in self.resident or j in self.gpu_updated else 0.0
+
+    def state_bytes(self, j: int) -> int:
+        """What a GPU-updated block's ``state_load`` and ``state_store`` each move: its parameters and the
+        optimizer state beyond them (``Sizes.of(ostate[j])``)."""
+        return self.param_bytes(j) + self.sizes.of(TensorId(kind=TensorKind.OPT_STATE, index=j))
 
     def act_bytes(self, i: int) -> int:
         return self.graph.boundary_bytes[i] * self.micro_batch

@@ -106,7 +106,7 @@ def _memory_curve(plan: Plan, start: list[float], end: list[float], t0: float,
             if tier is Tier.GPU:
                 events.append((end[op.id], -sizes.of(t, tier)))
     events.sort(key=lambda e: (e[0], e[1]))
-    cur = sizes.resident_bytes()
+    cur = sizes.resident_bytes() + sizes.kept_grad_bytes()
     curve = []
     for t, d in events:
         cur += d

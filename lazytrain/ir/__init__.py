@@ -11,7 +11,10 @@ Grammar of a plan (one op per line, ``#id kind tensor move bytes ms after deps``
                | reload      act[i]|saved[j] mbM  nvme->host (nvme) | host->gpu (h2d)   -- a copy
                | grad_offload grads[j]            gpu->host (d2h), moves
                | update      block[j]             optimizer step on the host (cpu), or on the GPU (gpu)
-                                                  for a resident block
+                                                  for a resident or GPU-updated block
+               | state_load  ostate[j]            host->gpu (h2d): a GPU-updated block's parameters and
+                                                  optimizer state, for its update and its forward
+               | state_store ostate[j]            gpu->host (d2h): both back to the host store after it
                | free        tensor on tier       drops one copy
                | all_gather  params[j]            reads pshard[j]; writes params[j] (net)   -- world_size > 1
                | reduce_scatter gshard[j]         reads, drops grads[j] gpu; writes gshard[j] (net)
@@ -24,7 +27,9 @@ One list is one period of the steady state: an ``update`` placed before its bloc
 block's parameters are loaded again (``docs/architecture.md``, "The plan contract").  A *resident*
 block (``Decisions.resident``) keeps its parameters, optimizer state and gradient accumulator on the
 GPU for the whole run: it has no ``load``, ``free params`` or ``grad_offload``; its ``update`` runs
-on the GPU stream at the start of the next step, before any forward reads it.
+on the GPU stream at the start of the next step, before any forward reads it.  A *GPU-updated* block
+(``Decisions.gpu_update``) streams, but its gradient accumulator stays on the GPU into the next step,
+where ``state_load``, ``update`` (gpu) and ``state_store`` replace its host update and its forward's load.
 
 A plan for ``world_size`` N > 1 (``ir.sharding``) is one rank's list, the same on every rank: a
 ``load`` copies the rank's shard (``pshard[j]``) and an ``all_gather`` assembles ``params[j]``; a

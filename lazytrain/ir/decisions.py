@@ -24,6 +24,16 @@ and its gradient accumulator live there, nothing of it crosses PCIe, and its upd
 at the start of the next step (after the clip coefficient is known).  It trades GPU memory
 (``Sizes.resident_bytes``) for host update time, which at small per-block compute is what the
 forward waits for.  Blocks that share a tied parameter are resident together (``tie_closure``).
+
+``gpu_update[j]`` makes a streamed block *GPU-updated*: its fp32 gradient accumulator stays on the GPU
+from its backward to the next step's start; there, once the global norm is known, its parameters and
+optimizer state are copied host -> GPU (``state_load``), updated on the GPU stream with the resident
+blocks' kernel just before its forward, written back GPU -> host (``state_store``, on the D2H stream,
+idle then), and the new parameters serve its forward without a load.  The host worker's queue loses
+the block, so the remaining host updates overlap these forwards.  It costs GPU memory (the kept
+accumulator, 4 bytes a parameter, for the whole gap) and H2D / D2H traffic (parameters and state,
+~6 bytes a parameter each way with the 8-bit optimizer).  Not for a resident block, nor one sharing a
+tied parameter, nor with several ranks.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ class Decisions:
     resident: tuple[bool, ...] = ()
     notes: dict = field(default_factory=dict)
     cut: tuple[int, ...] = ()
+    gpu_update: tuple[bool, ...] = ()
 
     def cut_of(self, j: int) -> int:
         """Block j's cut (an index into ``Block.cuts``; 0: the min-cut)."""
@@ -67,6 +78,13 @@ class Decisions:
     @property
     def resident_blocks(self) -> frozenset[int]:
         return frozenset(j for j, r in enumerate(self.resident) if r)
+
+    def is_gpu_updated(self, j: int) -> bool:
+        return bool(self.gpu_update) and self.gpu_update[j]
+
+    @property
+    def gpu_updated_blocks(self) -> frozenset[int]:
+        return frozenset(j for j, g in enumerate(self.gpu_update) if g)
 
     @property
     def n_blocks(self) -> int:
@@ -104,6 +122,12 @@ class Decisions:
                                  f"and block {j - 1} is not recomputed")
         if self.resident and len(self.resident) != L:
             raise ValueError(f"resident has {len(self.resident)} entries, expected {L}")
+        if self.gpu_update and len(self.gpu_update) != L:
+            raise ValueError(f"gpu_update has {len(self.gpu_update)} entries, expected {L}")
+        both = sorted(self.gpu_updated_blocks & self.resident_blocks)
+        if both:
+            raise ValueError(f"blocks {both} are both resident and GPU-updated (a resident block is updated on the "
+                             "GPU already)")
         if self.cut and len(self.cut) != L:
             raise ValueError(f"cut has {len(self.cut)} entries, expected {L}")
         for j in range(L):
@@ -115,7 +139,8 @@ class Decisions:
         return {"policy": self.policy, "micro_batch": self.micro_batch, "n_micro": self.n_micro,
                 "boundary": [p.value for p in self.boundary], "saved": [s.value for s in self.saved],
                 "resident": [bool(r) for r in self.resident], "notes": self.notes,
-                **({"cut": list(self.cut)} if any(self.cut) else {})}
+                **({"cut": list(self.cut)} if any(self.cut) else {}),
+                **({"gpu_update": [bool(g) for g in self.gpu_update]} if any(self.gpu_update) else {})}
 
     @staticmethod
     def from_json(d: dict) -> Decisions:
@@ -123,4 +148,4 @@ class Decisions:
                          boundary=tuple(Place(x) for x in d["boundary"]),
                          saved=tuple(Saved(x) for x in d["saved"]),
                          resident=tuple(bool(x) for x in d.get("resident", ())), notes=dict(d.get("notes", {})),
-                         cut=tuple(d.get("cut", ())))
+                         cut=tuple(d.get("cut", ())), gpu_update=tuple(d.get("gpu_update", ())))

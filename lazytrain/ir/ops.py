@@ -18,7 +18,9 @@ class OpKind(str, Enum):
     RELOAD = "reload"              # copy nvme -> host, or host -> gpu
     # gradients and the optimizer
     GRAD_OFFLOAD = "grad_offload"  # grads[j] gpu -> host
-    UPDATE = "update"              # optimizer step of block j on the host (on the GPU if resident)
+    UPDATE = "update"              # optimizer step of block j on the host (on the GPU if resident or GPU-updated)
+    STATE_LOAD = "state_load"      # a GPU-updated block's parameters and optimizer state host -> gpu
+    STATE_STORE = "state_store"    # ... and back gpu -> host after its update on the GPU
     # memory
     FREE = "free"                  # drop one copy of a tensor on one tier
     # collectives between the ranks of a data-parallel world (``world_size > 1``; ``ir.sharding``)
@@ -53,6 +55,7 @@ class TensorKind(str, Enum):
     GRAD_ACT = "dact"      # gradient w.r.t. boundary i, per micro-batch
     PARAM_SHARD = "pshard"  # this rank's slice of a block's parameters on the GPU, before its all_gather
     GRAD_SHARD = "gshard"   # this rank's slice of a block's summed gradient, after its reduce_scatter
+    OPT_STATE = "ostate"    # a block's optimizer state beyond its parameters (master low halves, moments)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -123,7 +123,7 @@ class UpdateOrder:
     updates: dict[int, int]          # owner block -> op id of its update
     grad_offloads: dict[int, int]    # block -> op id of its grad_offload
     #: owners whose update comes before every grad_offload of their readers: it applies the previous
-    #: step's gradients (a resident block's update, on the GPU at the step's start, always does)
+    #: step's gradients (a resident or GPU-updated block's update, on the GPU, always does)
     lagged: frozenset[int]
     #: no same-step host update runs before the step's last grad_offload, so each of them can apply the
     #: step's clip coefficient (the runtime then takes the global norm before the first of them)
@@ -137,7 +137,7 @@ class UpdateOrder:
         lagged, norm_first = set(), True
         for owner, u in updates.items():
             gs = [grad_off[r] for r in sizes.readers(owner) if r in grad_off]
-            if owner in sizes.resident or (gs and all(g > u for g in gs)):
+            if owner in sizes.resident or owner in sizes.gpu_updated or (gs and all(g > u for g in gs)):
                 lagged.add(owner)
             elif u < last:
                 norm_first = False
@@ -155,7 +155,9 @@ def cross_period(ops: list[Op], sizes: Sizes, *, clip: bool) -> dict[int, list[i
     A lagged update applies the previous step's gradients: with exact clipping it needs that step's
     global norm, so the whole of its backward and gradient offloads, else its own gradients' offloads
     (a resident block's: every gradient offload).  A same-step update writes the host parameters that
-    the next step's first load of a block reading them copies."""
+    the next step's first load of a block reading them copies.  A GPU-updated block's update applies the
+    accumulator its previous backward left on the GPU (with clipping, after the whole previous backward), and
+    its ``state_load`` reads the host state the previous ``state_store`` wrote."""
     order = UpdateOrder.of(ops, sizes)
     step_end = [op.id for op in ops if op.kind in (OpKind.GRAD_OFFLOAD, OpKind.BACKWARD, OpKind.REDUCE_SCATTER,
                                                    OpKind.ALL_REDUCE)]
@@ -168,7 +170,15 @@ def cross_period(ops: list[Op], sizes: Sizes, *, clip: bool) -> dict[int, list[i
     extra: dict[int, list[int]] = {}
     # with several ranks a resident block's reduce_scatter adds into the accumulators its owners' updates read
     scatters = {op.block: op.id for op in ops if op.kind is OpKind.REDUCE_SCATTER and op.block in sizes.resident}
+    stores = {op.block: op.id for op in ops if op.kind is OpKind.STATE_STORE}
+    for op in ops:
+        if op.kind is OpKind.STATE_LOAD and op.block in stores:
+            extra.setdefault(op.id, []).append(stores[op.block])
     for owner, u in order.updates.items():
+        if owner in sizes.gpu_updated:
+            extra.setdefault(u, []).extend(step_end if clip else [op.id for op in ops if op.kind is OpKind.BACKWARD
+                                                                   and op.block in sizes.readers(owner)])
+            continue
         if owner in sizes.resident:
             extra[u] = step_end if clip else [*grad_off.values(),
                                               *(scatters[r] for r in sizes.readers(owner) if r in scatters)]

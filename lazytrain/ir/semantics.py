@@ -49,6 +49,8 @@ class Sizes:
     world_size: int = 1
     #: each block's cut (``Decisions.cut``; empty: every block's min-cut): what ``saved[j]`` holds
     cut: tuple[int, ...] = ()
+    #: streamed blocks updated on the GPU (``Decisions.gpu_update``): their accumulator is kept across steps
+    gpu_updated: frozenset = frozenset()
 
     @classmethod
     def of_plan(cls, plan) -> Sizes:
@@ -58,7 +60,7 @@ class Sizes:
         per = DEVICE_STATE_BYTES.get(opt, None) if isinstance(opt, str) else None
         return cls(plan.graph, plan.micro_batch, plan.param_dtype, resident=plan.decisions.resident_blocks,
                    device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit"] if per is None else per,
-                   world_size=plan.world_size, cut=plan.decisions.cut)
+                   world_size=plan.world_size, cut=plan.decisions.cut, gpu_updated=plan.decisions.gpu_updated_blocks)
 
     def saved_per_sample(self, block: int, cut: int | None = None) -> int:
         """Bytes block j's forward saves per sample at ``cut`` (default: this plan's cut of it)."""
@@ -87,6 +89,11 @@ class Sizes:
     def param_bytes(self) -> int:
         return DTYPE_BYTES[self.param_dtype]
 
+    def kept_grad_bytes(self) -> int:
+        """GPU bytes of the accumulators GPU-updated blocks keep from their backward into the next step (on the
+        GPU when the step begins, until each block's update)."""
+        return sum(self.of(TensorId(kind=TensorKind.GRADS, index=j)) for j in self.gpu_updated)
+
     def of(self, t: TensorId, tier: Tier = Tier.GPU) -> int:
         if t.kind is TensorKind.PARAMS:
             return self._param_numel[t.index] * self.param_bytes
@@ -100,6 +107,9 @@ class Sizes:
             return self.shard_numel(t.index) * self.param_bytes
         if t.kind is TensorKind.GRAD_SHARD:     # the reduce_scatter sums the fp32 accumulators
             return self.shard_numel(t.index) * GRAD_ACCUM_BYTES
+        if t.kind is TensorKind.OPT_STATE:      # what the optimizer keeps beyond the parameters (an upper bound
+            # for fp32 parameters, which are their own master)
+            return int(self.graph.blocks[t.index].owned_numel * self.device_state_bytes)
         if t.kind in (TensorKind.ACT, TensorKind.GRAD_ACT):
             return self.graph.boundary_bytes[t.index] * self.micro_batch
         if t.kind is TensorKind.SAVED:
@@ -271,9 +281,20 @@ def effects(op: Op, sizes: Sizes) -> Effects:
         g = TensorId(kind=TensorKind.GRADS, index=j)
         src = g if sizes.world_size == 1 else TensorId(kind=TensorKind.GRAD_SHARD, index=j)
         return Effects(((src, G),), ((g, Tier.HOST),), ((src, G),), sizes.grad_cast_transient(j))
+    if k is OpKind.STATE_LOAD:     # a GPU-updated block's parameters and state, for its update and forward
+        state = TensorId(kind=TensorKind.OPT_STATE, index=j)
+        return Effects(((params, Tier.HOST), (state, Tier.HOST)), ((params, G), (state, G)), ())
+    if k is OpKind.STATE_STORE:    # ... back to the host store, which the next load of the block copies
+        state = TensorId(kind=TensorKind.OPT_STATE, index=j)
+        return Effects(((params, G), (state, G)), (), ((state, G),),
+                       mutates=((params, Tier.HOST), (state, Tier.HOST)))
     if k is OpKind.UPDATE:   # consumes the host gradients of every block that reads j's parameters
         if resident:         # ... or, on the GPU, the accumulator it owns for the whole run
             return Effects((), (), (), mutates=resident_shards(sizes, j))
+        if j in sizes.gpu_updated:   # ... or the accumulator kept on the GPU since the last backward
+            acc = (TensorId(kind=TensorKind.GRADS, index=j), G)
+            state = (TensorId(kind=TensorKind.OPT_STATE, index=j), G)
+            return Effects((acc, state, (params, G)), (), (acc,), mutates=(state, (params, G)))
         gs = tuple((TensorId(kind=TensorKind.GRADS, index=c), Tier.HOST) for c in sizes.readers(j))
         return Effects(gs, (), gs, mutates=((params, Tier.HOST),))
     if k is OpKind.FREE:

@@ -124,6 +124,9 @@ def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
             raise PlanError(f"block {owner} owns parameters but is never updated")
         u = updates[owner]
         readers = sizes.readers(owner)
+        if owner in sizes.gpu_updated:
+            _check_gpu_update(plan, sizes, u)
+            continue
         if owner in resident:
             _check_resident_update(plan, u, readers)
             continue
@@ -137,6 +140,9 @@ def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
                 raise _fail(first, f"loads parameters of block {owner} before its lagged update #{u.id}")
         elif not all(before):
             raise _fail(u, "update runs between the gradients of its contributors (some before, some after)")
+    for op in ops:
+        if op.kind in (OpKind.STATE_LOAD, OpKind.STATE_STORE) and op.block not in sizes.gpu_updated:
+            raise _fail(op, f"block {op.block} is not GPU-updated (decisions.gpu_update): its state stays on the host")
     gathered = plan.world_size > 1      # with several ranks a resident block's gathered parameters are freed
     for op in ops:
         if op.block in resident and op.kind in (OpKind.LOAD, OpKind.GRAD_OFFLOAD) or (
@@ -157,11 +163,53 @@ def _check_resident_update(plan: Plan, u: Op, readers) -> None:
         raise _fail(first, f"reads resident block {u.block}'s parameters before its update #{u.id}")
 
 
+def _check_gpu_update(plan: Plan, sizes: Sizes, u: Op) -> None:
+    """A GPU-updated block (``Decisions.gpu_update``): in a world of one, sharing no tied parameter; its
+    gradient never leaves the GPU; each step one ``state_load`` (H2D), its ``update`` on the GPU, lagged
+    (before the block's forward: the previous step's norm is known at the step's start, this step's only
+    after the backward), and one ``state_store`` (D2H); its forward reads the parameters the update made
+    (no ``load`` before it) and every ``load`` of it comes after the store (the host copy is stale before)."""
+    j, ops = u.block, plan.ops
+    if plan.world_size > 1:
+        raise _fail(u, f"block {j} is GPU-updated, which needs a world of one (world size {plan.world_size})")
+    if tie_closure(plan.graph, {j}) != {j}:
+        raise _fail(u, f"block {j} is GPU-updated but shares tied parameters with blocks "
+                       f"{sorted(tie_closure(plan.graph, {j}) - {j})}")
+    if u.resource is not Resource.GPU:
+        raise _fail(u, f"block {j} is GPU-updated: its update must run on the GPU")
+    mine = [op for op in ops if op.block == j]
+    loads = [op for op in mine if op.kind is OpKind.STATE_LOAD]
+    stores = [op for op in mine if op.kind is OpKind.STATE_STORE]
+    if len(loads) != 1 or len(stores) != 1:
+        raise _fail(u, f"block {j} is GPU-updated: it needs one state_load and one state_store a step "
+                       f"(has {len(loads)} and {len(stores)})")
+    for op, res in ((loads[0], Resource.H2D), (stores[0], Resource.D2H)):
+        if op.resource is not res:
+            raise _fail(op, f"{op.kind.value} runs on {res.value}")
+    if not loads[0].id < u.id < stores[0].id:
+        raise _fail(u, f"block {j}'s update must come between its state_load #{loads[0].id} and its state_store "
+                       f"#{stores[0].id}")
+    for op in mine:
+        if op.kind is OpKind.GRAD_OFFLOAD:
+            raise _fail(op, f"block {j} is GPU-updated: its gradient stays on the GPU")
+        if op.kind in (OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD) and op.id < u.id:
+            raise _fail(u, f"block {j} is GPU-updated: its update must come before its forward #{op.id} (lagged: "
+                           "after this step's backward the global norm is not known yet)")
+        if op.kind is OpKind.LOAD and op.id < stores[0].id:
+            raise _fail(op, f"loads block {j}'s parameters before its state_store #{stores[0].id} writes them back")
+    first_fwd = next((op.id for op in mine if op.kind is OpKind.COMPUTE), None)
+    first_load = next((op.id for op in mine if op.kind is OpKind.LOAD), None)
+    if first_load is not None and first_fwd is not None and first_load < first_fwd:
+        raise _fail(ops[first_fwd], f"block {j} is GPU-updated: its forward must read the parameters its update "
+                                    f"left on the GPU, not load #{first_load}")
+
+
 def _static(t: TensorId, tier: Tier, batch: set) -> bool:
     """Copies that are not plan memory: host gradients and parameters (the host store), the batch on the
     host, and resident blocks' shards on the GPU (``batch`` holds these copies: ``resident_bytes`` counts
     the shards)."""
-    return tier is Tier.HOST and t.kind in (TensorKind.GRADS, TensorKind.PARAMS) or (t, tier) in batch
+    return tier is Tier.HOST and t.kind in (TensorKind.GRADS, TensorKind.PARAMS, TensorKind.OPT_STATE) \
+        or (t, tier) in batch
 
 
 def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, early_exit: bool) -> MemoryReport:
@@ -181,7 +229,12 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
     batch |= {v for j in resident for v in resident_shards(sizes, j)}
     for t, tier in batch:
         where[t][tier] = -1
-    use = {Tier.GPU: sizes.resident_bytes(), Tier.HOST: 0, Tier.NVME: 0}
+    # GPU-updated blocks: the host store's copy of their state, and the accumulators the last backward left
+    kept = {TensorId(kind=TensorKind.GRADS, index=j) for j in sizes.gpu_updated}
+    for j in sizes.gpu_updated:
+        where[TensorId(kind=TensorKind.OPT_STATE, index=j)][Tier.HOST] = -1
+        where[TensorId(kind=TensorKind.GRADS, index=j)][Tier.GPU] = -1
+    use = {Tier.GPU: sizes.resident_bytes() + sizes.kept_grad_bytes(), Tier.HOST: 0, Tier.NVME: 0}
     peak = dict(use)
     curve = []
     gpu_cap = plan.budgets.get("gpu_bytes")
@@ -222,7 +275,12 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
             peak[tier] = max(peak[tier], use[tier])
         curve.append(use[Tier.GPU])
 
-    leftovers = [f"{t} on {tier.value}" for t, tiers in where.items() for tier in tiers if not _static(t, tier, batch)]
+    missing = sorted(t.index for t in kept if Tier.GPU not in where.get(t, {}))
+    if missing:
+        raise PlanError(f"GPU-updated blocks {missing} end the step without their gradient accumulator on the GPU "
+                        "(the next step's update applies it)")
+    leftovers = [f"{t} on {tier.value}" for t, tiers in where.items() for tier in tiers
+                 if not _static(t, tier, batch) and not (t in kept and tier is Tier.GPU)]
     if leftovers:
         raise PlanError(f"the step ends with tensors still resident: {', '.join(leftovers[:5])}"
                         f"{' …' if len(leftovers) > 5 else ''} (every step must start from the same state)")
