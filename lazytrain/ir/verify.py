@@ -318,7 +318,7 @@ def _unordered(op: Op, h: Hazard, ops: list[Op]) -> str:
     if h.kind == "norm":
         return f"takes the step's gradient norm without depending on {ops[h.before].kind.value} #{h.before}"
     t, tier = h.value
-    if h.kind == "read" and op.kind is OpKind.UPDATE:
+    if h.kind == "read" and op.kind is OpKind.UPDATE and ops[h.before].kind is OpKind.GRAD_OFFLOAD:
         return f"update must depend on grad_offload #{h.before}"
     if h.kind == "read" and op.kind is OpKind.LOAD:
         return f"loads parameters of block {t.index} without waiting for its update #{h.before}"

@@ -32,6 +32,7 @@ from ..ir import Op, OpKind, Plan, Resource, Tier
 from ..ir.order import cross_period
 from ..ir.semantics import Sizes
 from . import collectives as coll
+from . import gpu_update as gu
 from . import gradients as gr
 from . import handlers as h
 from .context import Step, describe
@@ -50,6 +51,8 @@ HANDLERS: dict[OpKind, Callable[[Step, Op], None]] = {
     OpKind.ALL_GATHER: coll.all_gather,
     OpKind.REDUCE_SCATTER: coll.reduce_scatter,
     OpKind.ALL_REDUCE: coll.all_reduce,
+    OpKind.STATE_LOAD: gu.state_load,
+    OpKind.STATE_STORE: gu.state_store,
 }
 
 

@@ -43,6 +43,7 @@ from .batch import (
 )
 from .context import GpuParams, H, HostCopy, Run, Step, _tid
 from .distributed import World, global_tokens
+from .gpu_update import pin_state
 from .interpreter import Schedule
 from .nvme import NvmeStore
 from .optim.clipping import GradNormTracker
@@ -142,8 +143,9 @@ class Trainer:
             params, targets, grads = _resident(lays, gpu_params, self.device)
         streams = Streams(self.device, collectives=self.world is not None)
         tracker = GradNormTracker(optimizer.max_grad_norm)
+        pin_state(plan, optimizer, pin=self.device.type == "cuda")    # GPU-updated blocks' state: page-locked
         updates = Updates(order, streams=streams, optimizer=optimizer, tracker=tracker, store=self.store,
-                          resident_grad=grads)
+                          resident_grad=grads, gpu_updated=plan.decisions.gpu_updated_blocks)
         updates.world = self.world
         rg = frozenset(t.name for b in self.program.graph.blocks for t in (*b.inputs, *b.outputs) if t.requires_grad)
         #: what compiling the block programs did (``frontend/compiled.py``); None when the plan runs them eager
@@ -210,8 +212,8 @@ class Trainer:
             self.world.mark_step(self.steps + 1)
         run = self.ctx
         t0 = time.perf_counter()
-        run.updates.begin_step(getattr(self.optimizer, "lr", None))
         step = Step(run=run, profiler=self._profiler)
+        run.updates.begin_step(getattr(self.optimizer, "lr", None), step)
         if step.profiler is not None:
             step.profiler.begin_step()
             t0 = time.perf_counter()
@@ -226,6 +228,7 @@ class Trainer:
                 if fut is not None:
                     fut.result()
             coef = run.updates.coefficient(step)
+            run.updates.carry(step)
         except Exception as e:
             self._broken = e
             raise
@@ -314,8 +317,7 @@ class Trainer:
                 named[name].copy_(v)
 
     def save_checkpoint(self, directory) -> None:
-        """Flush pending updates and write the whole training state to ``directory`` atomically
-        (safetensors + JSON, never pickle; see ``runtime/checkpoint.py``)."""
+        """Flush pending updates and write the training state to ``directory`` atomically (safetensors + JSON)."""
         checkpoint.save(self, directory)
 
     @classmethod

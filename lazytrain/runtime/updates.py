@@ -14,8 +14,13 @@ The op list is one period of the steady state (``ir.order.UpdateOrder``):
   else with none.  Its host work runs on the CPU worker; the next step's first load of a block
   reading its parameters waits for it (``future``).
 
-The global norm (``coefficient``): the device norms ``grad_offload`` took, the resident blocks'
-accumulators, and the tied parameters' shares summed on the host (``gradients.TiedGrads``), once
+A GPU-updated streamed block (``Decisions.gpu_update``) is lagged too: its accumulator stays on the GPU from
+its backward into the next step (``kept``: taken from the step's copies at its end, put back at the next
+one's start), where its update applies it on the GPU to the state ``state_load`` brought (``gpu_update.py``);
+``flush`` applies a pending one on the host, from the accumulator.
+
+The global norm (``coefficient``): the device norms ``grad_offload`` took, the resident and GPU-updated
+blocks' accumulators, and the tied parameters' shares summed on the host (``gradients.TiedGrads``), once
 per step, after every gradient offload; ``GradNormTracker`` turns it into the coefficient (None:
 skip the step).
 """
@@ -26,9 +31,9 @@ from concurrent.futures import Future
 
 import torch
 
-from ..ir import Op, PlanError, Resource
+from ..ir import Op, PlanError, Resource, TensorKind
 from ..ir.order import UpdateOrder
-from .context import Step
+from .context import G, Step, _tid
 from .gradients import TiedGrads
 from .optim.base import HostOptimizer
 from .optim.clipping import GradNormTracker
@@ -48,13 +53,15 @@ class Updates:
     """Owns everything about ``update`` ops for one trainer (see the module docstring)."""
 
     def __init__(self, order: UpdateOrder, *, streams: Streams, optimizer: HostOptimizer, tracker: GradNormTracker,
-                 store: HostStore, resident_grad: dict[int, torch.Tensor]):
+                 store: HostStore, resident_grad: dict[int, torch.Tensor], gpu_updated: frozenset = frozenset()):
         self.order = order
         self.lagged = order.lagged                # owners whose update applies the previous step's gradients
         self.norm_first = order.norm_first
         self.streams, self.optimizer, self.tracker, self.store = streams, optimizer, tracker, store
         self.resident_grad = resident_grad        # owner -> fp32 GPU accumulator of a resident block
         self.tied = TiedGrads(store)
+        self.gpu_updated = gpu_updated             # streamed blocks updated on the GPU (``gpu_update.py``)
+        self.kept: dict[int, torch.Tensor] = {}   # ... their accumulators between two steps
         #: the data-parallel world (``distributed.World``): the norm is then summed over its ranks
         self.world = None
         # ---- carried across steps
@@ -73,14 +80,36 @@ class Updates:
         return self._futures.get(op_id)
 
     # ---- a step -----------------------------------------------------------------------------------
-    def begin_step(self, lr: float | None) -> None:
+    def begin_step(self, lr: float | None, step: Step) -> None:
         self.step_lr = lr                         # this step's gradients are applied at this rate
         # an assembled tied gradient is last step's: only a lagged update (of last step's) may use it
         self.tied.ready &= self.lagged
+        for o, acc in self.kept.items():          # the accumulators GPU-updated blocks' updates apply
+            step.put(_tid(TensorKind.GRADS, o), G, acc)
+        self.kept = {}
+
+    def carry(self, step: Step) -> None:
+        """At the step's end (its norm taken): keep the GPU-updated blocks' accumulators for the next step."""
+        for o in self.gpu_updated:
+            acc = step.copies.pop((_tid(TensorKind.GRADS, o), G), None)
+            if acc is not None:
+                self.kept[o] = acc
 
     def run(self, step: Step, op: Op) -> None:
         """The ``update`` handler."""
         o = op.block
+        if o in self.gpu_updated:
+            apply = o in self.pending
+            self.pending.discard(o)
+            step.begin(op, Resource.GPU)
+            acc = step.copies.pop((_tid(TensorKind.GRADS, o), G), None)
+            if apply and acc is not None:
+                params, state = step.get(_tid(TensorKind.PARAMS, o), G), step.get(_tid(TensorKind.OPT_STATE, o), G)
+                with self.streams.on(Resource.GPU):
+                    self.optimizer.step_streamed(o, acc, params.flat[:acc.numel()], state, self.pending_coef,
+                                                 self.pending_lr)
+            step.end(op, Resource.GPU)
+            return
         if o in self.resident_grad:
             apply = o in self.pending
             self.pending.discard(o)
@@ -114,6 +143,10 @@ class Updates:
         with self.streams.on(Resource.GPU if self.world is None else Resource.NET):
             for o, acc in self.resident_grad.items():
                 step.grad_sq[o] = torch.linalg.vector_norm(acc).square()
+            for o in self.gpu_updated:            # as ``grad_offload`` takes it (no tied parameters here)
+                acc = step.copies.get((_tid(TensorKind.GRADS, o), G))
+                if acc is not None:
+                    step.grad_sq[o] = torch.linalg.vector_norm(acc).square()
         on_device = [j for j in range(len(self.store.layouts)) if step.grad_sq.get(j) is not None]
         sqs = dict(zip(on_device, torch.stack([step.grad_sq[j] for j in on_device]).tolist())) if on_device else {}
         totals = {}
@@ -151,10 +184,15 @@ class Updates:
     def flush(self) -> None:
         """Apply the pending lagged updates now and wait for every update."""
         coef, lr = self.pending_coef, self.pending_lr
+        kept, self.kept = self.kept, {}           # applied now if pending, else dropped (a skipped step's)
         if self.pending and coef is not None:
             futures = []
+            self.streams.synchronize()
             for o in sorted(self.pending):
-                if o in self.resident_grad:
+                if o in self.gpu_updated:         # on the host, from the accumulator: the host store's state
+                    if o in kept:
+                        futures.append(self.streams.cpu.submit(self._kept_step, o, kept[o].to("cpu"), coef, lr))
+                elif o in self.resident_grad:
                     self._resident_step(o, coef, lr)
                 else:
                     futures.append(self.streams.cpu.submit(self._host_step, o, coef, lr))
@@ -174,6 +212,12 @@ class Updates:
             self.optimizer.step(o, self.tied.grad(o), coef, lr)
         except Exception as e:
             raise RuntimeError(f"while applying block {o}'s pending update (flush): {e}") from e
+
+    def _kept_step(self, o: int, grad: torch.Tensor, coef: float, lr: float | None) -> None:
+        try:
+            self.optimizer.step(o, grad, coef, lr)
+        except Exception as e:
+            raise RuntimeError(f"while applying GPU-updated block {o}'s pending update (flush): {e}") from e
 
     def _resident_step(self, o: int, coef: float | None, lr: float | None) -> None:
         """A resident block's update on the GPU stream, from its GPU accumulator, which is then zeroed

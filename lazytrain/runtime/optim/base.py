@@ -73,5 +73,26 @@ class HostOptimizer(ABC):
         compiler budgets GPU memory with it; an optimizer without device support raises."""
         raise NotImplementedError(f"{type(self).__name__} does not support GPU-resident blocks")
 
+    # -- GPU-updated streamed blocks (``Decisions.gpu_update``): optional ------------------------------
+    def streamed_state(self, block: int) -> dict[str, torch.Tensor]:
+        """The host tensors of a streamed block's state beyond its load buffer (master low halves or fp32
+        master, moments, step counts), by name: what a GPU update's ``state_load`` copies to the GPU and its
+        ``state_store`` back.  Their contents are the block's state: the host and GPU paths share them."""
+        raise NotImplementedError(f"{type(self).__name__} does not support GPU-updated streamed blocks")
+
+    def pin_streamed_state(self, block: int, alloc) -> None:
+        """Move ``streamed_state(block)`` into buffers from ``alloc(numel, dtype)`` (page-locked, so the copies
+        to and from the GPU run asynchronously at full PCIe rate)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support GPU-updated streamed blocks")
+
+    def step_streamed(self, block: int, grad: torch.Tensor, params: torch.Tensor, state: dict[str, torch.Tensor],
+                      clip_coef: float = 1.0, lr: float | None = None) -> None:
+        """``step`` for a streamed block on copies of its state: ``params`` a copy of its load buffer (owned
+        parameters), ``state`` copies of ``streamed_state(block)`` with the same keys, ``grad`` the flat fp32
+        accumulator; all on one device.  On a CUDA device it queues the update on the current stream without
+        synchronising, as for a GPU-resident block; on the CPU it runs the host path (CPU mode), so both give
+        the host update's results."""
+        raise NotImplementedError(f"{type(self).__name__} does not support GPU-updated streamed blocks")
+
     def load_hyperparameters(self, hp: dict) -> None:  # noqa: B027 (optional to override)
         """Restore what ``hyperparameters`` returned (at least the step count)."""

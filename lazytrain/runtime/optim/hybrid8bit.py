@@ -58,6 +58,7 @@ from . import ckernel
 from . import quant as Q
 from . import triton_kernel as TK
 from .base import HostOptimizer, Segment
+from .streamed import Streamed8bit, device_tables
 
 log = logging.getLogger(__name__)
 _TWO_112 = 2.0**112
@@ -89,7 +90,7 @@ def _join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-class Hybrid8bitAdamW(HostOptimizer):
+class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
     """AdamW with block-wise 8-bit moments; see the module docstring for the format and memory."""
 
     def __init__(
@@ -120,7 +121,6 @@ class Hybrid8bitAdamW(HostOptimizer):
         # the compiled one-pass kernel (ckernel.py) when it builds here; kernel=False forces the torch path
         self._lib = None
         if kernel is not False and block_size <= 4096:
-
             self._lib = ckernel.load()
         if kernel and self._lib is None:
             raise RuntimeError(
@@ -220,11 +220,7 @@ class Hybrid8bitAdamW(HostOptimizer):
         st.m_absmax, st.v_absmax = torch.zeros(s, device=dev), torch.zeros(s, device=dev)
         st.m32, st.v32 = torch.zeros(s32, device=dev), torch.zeros(s32, device=dev)
         if st.device:
-            # per quantization block j (= its absmax index): (buffer offset, numel, code offset)
-            rows = [(off + k, min(bs, n_ - k), qo + k) for off, n_, _r, qo, _s in st.items for k in range(0, n_, bs)]
-            st.table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(dev)
-            idx = [torch.arange(off, off + n_, dtype=torch.int64) for off, n_, _s in st.small]
-            st.small_index = (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)).to(dev)
+            st.table, st.small_index = device_tables(st, bs, dev)
         self._blocks[block] = st
 
     # -- master access -------------------------------------------------------------------------------
@@ -274,54 +270,57 @@ class Hybrid8bitAdamW(HostOptimizer):
             f.result()
 
     def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0, lr: float | None = None) -> None:
-        lr = self.lr if lr is None else lr
         st = self._blocks[block]
+        with st.lock:
+            st.step += 1
+            self._update(st, st.step, grad, clip_coef, lr)
+
+    def _update(self, st, t: int, grad: torch.Tensor, clip_coef: float, lr: float | None) -> None:
+        """Step ``t`` of the block whose tensors ``st`` holds (its own, or a streamed block's device copies)."""
+        lr = self.lr if lr is None else lr
         grad = grad.reshape(-1)
         self._grad_bytes = grad.element_size()
         b1, b2 = self.betas
-        with st.lock:
-            st.step += 1
-            t = st.step
-            c = dict(
-                b1=b1,
-                b2=b2,
-                sqrt_b2=math.sqrt(b2),
-                gm=(1 - b1) * clip_coef,
-                gv=(1 - b2) * clip_coef * clip_coef,
-                decay=1 - lr * self.weight_decay,
-                inv_bc2_sqrt=1 / math.sqrt(1 - b2**t),
-                step_size=-lr / (1 - b1**t),
-                eps=self.eps,
-            )
-            if st.device:
-                self._step_device(st, grad, c)
-                return
-            use_c = self._lib is not None and st.own_master is None and grad.dtype in (torch.bfloat16, torch.float32)
-            if use_c:  # no torch op over the whole block here: it could wake torch's spinning OpenMP team
-                m_max = self._lib.hybrid8_max(st.m_absmax.data_ptr(), st.m_absmax.numel())
-                v_max = self._lib.hybrid8_max(st.v_absmax.data_ptr(), st.v_absmax.numel())
-            else:
-                m_max, v_max = st.m_absmax, st.v_absmax
-            m_ratio, c["m_pre"] = Q.decode_ratio(m_max, Q.SIGNED_TOP, b1)
-            v_ratio, c["v_pre"] = Q.decode_ratio(v_max, Q.UNSIGNED_TOP, math.sqrt(b2))
+        c = dict(
+            b1=b1,
+            b2=b2,
+            sqrt_b2=math.sqrt(b2),
+            gm=(1 - b1) * clip_coef,
+            gv=(1 - b2) * clip_coef * clip_coef,
+            decay=1 - lr * self.weight_decay,
+            inv_bc2_sqrt=1 / math.sqrt(1 - b2**t),
+            step_size=-lr / (1 - b1**t),
+            eps=self.eps,
+        )
+        if st.device:
+            self._step_device(st, grad, c)
+            return
+        use_c = self._lib is not None and st.own_master is None and grad.dtype in (torch.bfloat16, torch.float32)
+        if use_c:  # no torch op over the whole block here: it could wake torch's spinning OpenMP team
+            m_max = self._lib.hybrid8_max(st.m_absmax.data_ptr(), st.m_absmax.numel())
+            v_max = self._lib.hybrid8_max(st.v_absmax.data_ptr(), st.v_absmax.numel())
+        else:
+            m_max, v_max = st.m_absmax, st.v_absmax
+        m_ratio, c["m_pre"] = Q.decode_ratio(m_max, Q.SIGNED_TOP, b1)
+        v_ratio, c["v_pre"] = Q.decode_ratio(v_max, Q.UNSIGNED_TOP, math.sqrt(b2))
+        if use_c:
+            keys = ("gm", "gv", "decay", "inv_bc2_sqrt", "step_size", "eps", "m_pre", "v_pre")
+            hp = (ctypes.c_float * 12)(*[c[k] for k in keys], m_ratio, v_ratio, b1, b2)
+            grad = grad.contiguous()
+            items = st.items_tensor
+            k = max(1, -(-items.shape[0] // self.num_threads))  # one contiguous run per worker
+            runs = [items[i : i + k] for i in range(0, items.shape[0], k)]
+            self._pool_map(lambda run: self._run_c(st, grad, run, hp), runs)
+        else:
+            c["m_dec"], c["v_dec"] = st.m_absmax * m_ratio, st.v_absmax * v_ratio
+            k = max(1, -(-len(st.items) // self.num_threads))  # one contiguous run per worker
+            runs = [st.items[i : i + k] for i in range(0, len(st.items), k)]
+            self._pool_map(lambda run: [self._chunk8(st, grad, it, c) for it in run], runs)
+        for off, n, s32 in st.small:
             if use_c:
-                keys = ("gm", "gv", "decay", "inv_bc2_sqrt", "step_size", "eps", "m_pre", "v_pre")
-                hp = (ctypes.c_float * 12)(*[c[k] for k in keys], m_ratio, v_ratio, b1, b2)
-                grad = grad.contiguous()
-                items = st.items_tensor
-                k = max(1, -(-items.shape[0] // self.num_threads))  # one contiguous run per worker
-                runs = [items[i : i + k] for i in range(0, items.shape[0], k)]
-                self._pool_map(lambda run: self._run_c(st, grad, run, hp), runs)
+                self._small_c(st, grad, off, n, s32, hp)
             else:
-                c["m_dec"], c["v_dec"] = st.m_absmax * m_ratio, st.v_absmax * v_ratio
-                k = max(1, -(-len(st.items) // self.num_threads))  # one contiguous run per worker
-                runs = [st.items[i : i + k] for i in range(0, len(st.items), k)]
-                self._pool_map(lambda run: [self._chunk8(st, grad, it, c) for it in run], runs)
-            for off, n, s32 in st.small:
-                if use_c:
-                    self._small_c(st, grad, off, n, s32, hp)
-                else:
-                    self._small(st, grad, off, n, s32, c)
+                self._small(st, grad, off, n, s32, c)
 
     def _step_device(self, st, grad: torch.Tensor, c: dict) -> None:
         """The update of a GPU-resident block, queued on the current stream: no host synchronisation

@@ -73,7 +73,7 @@ class TorchAdamW(HostOptimizer):
         self.fused = _fused_supported()
         self._param_bytes, self._grad_bytes = param_bytes, grad_bytes
         self._blocks: dict[int, _Block] = {}
-        self._flat_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._flat_state: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._step_count: dict[int, int] = {}
         self._force_device = False  # test hook: treat CPU load buffers as device blocks
 
@@ -125,48 +125,76 @@ class TorchAdamW(HostOptimizer):
             master = init.to(device=dev, dtype=torch.float32, copy=True)
             load_buffer.copy_(master)
         n = master.numel()
-        chunks = [master[i : i + self.chunk_numel] for i in range(0, n, self.chunk_numel)]
-        # CUDA always has the fused kernel; on the CPU it depends on the build (checked at init)
-        opt = self._make_opt(chunks, fused=self.fused or dev.type == "cuda")
-        for c in chunks:  # state lives in preallocated flat tensors so checkpoints are two copies
-            opt.state[c] = {}
+        # state lives in preallocated flat tensors so checkpoints are a few copies (and a streamed block's
+        # state load too); per chunk a step count, a view of ``steps`` (fused CUDA wants it on the device)
         exp_avg, exp_avg_sq = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        steps = torch.zeros(-(-n // self.chunk_numel), dtype=torch.float32, device=dev)
+        self._blocks[block] = self._bind(load_buffer, master, exp_avg, exp_avg_sq, steps, device)
+        self._flat_state[block] = (exp_avg, exp_avg_sq, steps)
+        self._step_count[block] = 0
+
+    def _bind(self, load, master, exp_avg, exp_avg_sq, steps, device: bool) -> _Block:
+        """A block over these tensors: its chunks (views of ``master``) and their ``torch.optim.AdamW``."""
+        chunks = [master[i : i + self.chunk_numel] for i in range(0, master.numel(), self.chunk_numel)]
+        # CUDA always has the fused kernel; on the CPU it depends on the build (checked at init)
+        opt = self._make_opt(chunks, fused=self.fused or master.device.type == "cuda")
         for i, c in enumerate(chunks):
             lo, hi = i * self.chunk_numel, i * self.chunk_numel + c.numel()
-            opt.state[c] = {
-                "step": torch.zeros((), dtype=torch.float32, device=dev),  # fused CUDA wants it on the device
-                "exp_avg": exp_avg[lo:hi],
-                "exp_avg_sq": exp_avg_sq[lo:hi],
-            }
-        self._blocks[block] = _Block(load_buffer, master, opt, chunks, device)
-        self._flat_state[block] = (exp_avg, exp_avg_sq)
-        self._step_count[block] = 0
+            opt.state[c] = {"step": steps[i], "exp_avg": exp_avg[lo:hi], "exp_avg_sq": exp_avg_sq[lo:hi]}
+        return _Block(load, master, opt, chunks, device)
+
+    # -- GPU-updated streamed blocks (``base.py``) ---------------------------------------------------
+    def streamed_state(self, block: int) -> dict[str, torch.Tensor]:
+        b = self._blocks[block]
+        exp_avg, exp_avg_sq, steps = self._flat_state[block]
+        own = {} if b.master is b.load else {"master": b.master}
+        return {**own, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "steps": steps}
+
+    def pin_streamed_state(self, block: int, alloc) -> None:
+        b = self._blocks[block]
+        new = {}
+        for k, t in self.streamed_state(block).items():
+            new[k] = alloc(t.numel(), t.dtype)
+            new[k].copy_(t)
+        self._flat_state[block] = (new["exp_avg"], new["exp_avg_sq"], new["steps"])
+        self._blocks[block] = self._bind(b.load, new.get("master", b.load), new["exp_avg"], new["exp_avg_sq"],
+                                         new["steps"], b.device)
+
+    def step_streamed(self, block: int, grad: torch.Tensor, params: torch.Tensor, state: dict[str, torch.Tensor],
+                      clip_coef: float = 1.0, lr: float | None = None) -> None:
+        b = self._blocks[block]
+        with b.lock:
+            view = self._bind(params, state.get("master", params), state["exp_avg"], state["exp_avg_sq"],
+                              state["steps"], params.device.type != "cpu" or self._force_device)
+            self._step(view, grad.reshape(-1), clip_coef, lr)
+            self._step_count[block] += 1
 
     def step(self, block: int, grad: torch.Tensor, clip_coef: float = 1.0, lr: float | None = None) -> None:
         b = self._blocks[block]
-        grad = grad.reshape(-1)
         with b.lock:
-            for group in b.opt.param_groups:  # follow lr schedules set on this object
-                group.update(
-                    lr=self.lr if lr is None else lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
-                )
-            if b.device:
-                self._step_device(b, grad, clip_coef)
-                self._step_count[block] += 1
-                return
-            scratch = torch.empty(min(self.chunk_numel, b.master.numel()), dtype=torch.float32)
-            for i, c in enumerate(b.chunks):
-                off = i * self.chunk_numel
-                g = scratch[: c.numel()]
-                g.copy_(grad[off : off + c.numel()])
-                if clip_coef != 1.0:
-                    g.mul_(clip_coef)
-                c.grad = g
-                b.opt.step()  # only this chunk has a gradient, so only it is updated
-                c.grad = None
-                if b.load is not b.master:
-                    b.load[off : off + c.numel()].copy_(c)
+            self._step(b, grad.reshape(-1), clip_coef, lr)
             self._step_count[block] += 1
+
+    def _step(self, b: _Block, grad: torch.Tensor, clip_coef: float, lr: float | None) -> None:
+        for group in b.opt.param_groups:  # follow lr schedules set on this object
+            group.update(
+                lr=self.lr if lr is None else lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
+            )
+        if b.device:
+            self._step_device(b, grad, clip_coef)
+            return
+        scratch = torch.empty(min(self.chunk_numel, b.master.numel()), dtype=torch.float32)
+        for i, c in enumerate(b.chunks):
+            off = i * self.chunk_numel
+            g = scratch[: c.numel()]
+            g.copy_(grad[off : off + c.numel()])
+            if clip_coef != 1.0:
+                g.mul_(clip_coef)
+            c.grad = g
+            b.opt.step()  # only this chunk has a gradient, so only it is updated
+            c.grad = None
+            if b.load is not b.master:
+                b.load[off : off + c.numel()].copy_(c)
 
     @staticmethod
     def _step_device(b: _Block, grad: torch.Tensor, clip_coef: float) -> None:
@@ -198,7 +226,7 @@ class TorchAdamW(HostOptimizer):
 
     def state_tensors(self, block: int) -> dict[str, torch.Tensor]:
         b = self._blocks[block]
-        exp_avg, exp_avg_sq = self._flat_state[block]
+        exp_avg, exp_avg_sq, _ = self._flat_state[block]
         b.sync()
         steps = torch.stack([b.opt.state[c]["step"] for c in b.chunks]).to("cpu", copy=True)
         return {
@@ -210,7 +238,7 @@ class TorchAdamW(HostOptimizer):
 
     def load_state_tensors(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
         b = self._blocks[block]
-        exp_avg, exp_avg_sq = self._flat_state[block]
+        exp_avg, exp_avg_sq, _ = self._flat_state[block]
         with b.lock:
             b.master.copy_(tensors["master"])
             exp_avg.copy_(tensors["exp_avg"])

@@ -1,0 +1,207 @@
+"""GPU-updated streamed blocks (``Decisions.gpu_update``): the accumulator stays on the GPU into the next
+step, where ``state_load`` / ``update`` (gpu) / ``state_store`` replace the host update and the forward's load.
+
+In CPU mode the plan trains exactly like the same plan with every block updated on the host (fp32 plans: the
+host gradient is the fp32 accumulator, so the arithmetic is the same and the results are bit for bit), with
+fp32 AdamW and the Hybrid 8-bit optimizer, over micro-batches, with a tied model, across a checkpoint and a
+resume; against eager PyTorch as the other runtime tests check.  ``verify`` refuses the broken plans.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from functools import cache
+
+import pytest
+import torch
+from eager_ref import assert_same_parameters, step_beside_eager
+
+from lazytrain.compiler.api import Compiler
+from lazytrain.compiler.hardware import get_profile
+from lazytrain.compiler.solvers.heuristics import HEURISTICS
+from lazytrain.frontend.presets import build_from_config
+from lazytrain.frontend.trace import trace
+from lazytrain.ir import GiB, Op, OpKind, Plan, PlanError, Resource, TensorId, TensorKind, verify
+from lazytrain.runtime.optim import Hybrid8bitAdamW
+from lazytrain.runtime.optim.torch_adamw import TorchAdamW
+from lazytrain.runtime.trainer import Trainer
+
+B, SEQ, STEPS = 4, 16, 4
+LR, EPS = 1e-3, 1e-6
+CONFIGS = {
+    "llama": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 67, "tie_word_embeddings": False,
+              "max_position_embeddings": 64, "rms_norm_eps": 1e-6},
+    "gpt": {"model_type": "lazytrain-gpt", "vocab": 61, "d_model": 32, "n_layer": 3, "n_head": 2, "d_ff": 48,
+            "max_seq": 32, "tie_weights": True},
+}
+VOCAB = {"llama": 67, "gpt": 61}
+
+
+def _model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = build_from_config(CONFIGS[kind], device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return m
+
+
+@cache
+def _graph(kind: str):
+    return trace(_model(kind), seq_len=SEQ, dtype="float32")
+
+
+def _compiler(kind: str, optimizer: str = "adamw") -> Compiler:
+    budgets = {"gpu_bytes": 8 * GiB, "host_bytes": 16 * GiB, "nvme_bytes": 0, "nvme_dir": None}
+    return Compiler(_graph(kind), get_profile("cpu"), budgets, param_dtype="float32", optimizer=optimizer, clip=True)
+
+
+def _plan(kind: str, gpu: tuple[int, ...], *, policy: str = "megatrain", mb: int = 2, optimizer: str = "adamw",
+          resident: tuple[int, ...] = ()) -> Plan:
+    comp = _compiler(kind, optimizer)
+    L = comp.graph.n_blocks
+    dec = HEURISTICS[policy](comp.graph, mb, B // mb)
+    dec = dataclasses.replace(dec, gpu_update=tuple(j in gpu for j in range(L)) if gpu else (),
+                              resident=tuple(j in resident for j in range(L)) if resident else ())
+    return comp.build(dec, B)
+
+
+def _batches(kind: str, n: int = STEPS):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for s in range(n):
+        ids = torch.randint(0, VOCAB[kind], (B, SEQ), generator=g)
+        labels = ids.clone()
+        labels[0, : 3 + s] = -100      # micro-batches count different numbers of tokens
+        out.append((ids, labels))
+    return out
+
+
+def _optimizer(name: str):
+    if name == "adamw":
+        return TorchAdamW(lr=LR, eps=EPS, max_grad_norm=1.0)
+    return Hybrid8bitAdamW(lr=LR, eps=EPS, max_grad_norm=1.0)
+
+
+def _train(kind: str, plan: Plan, opt: str, batches) -> tuple[list[float], dict]:
+    tr = Trainer(_model(kind), plan, optimizer=_optimizer(opt), device="cpu", verbose=False)
+    losses = [tr.step(b).loss for b in batches]
+    sd = tr.state_dict()
+    tr.close()
+    return losses, sd
+
+
+def _assert_equal_runs(a, b) -> None:
+    assert a[0] == b[0]
+    assert a[1].keys() == b[1].keys()
+    for k in a[1]:
+        assert torch.equal(a[1][k], b[1][k]), k
+
+
+@pytest.mark.parametrize("kind,opt,gpu,mb,policy", [
+    ("llama", "adamw", (1, 2), 2, "megatrain"),
+    ("llama", "hybrid8bit", (1, 2, 3, 4), 1, "keep-all"),     # four micro-batches accumulate on the GPU
+    ("gpt", "hybrid8bit", (1, 2), 2, "recompute-all"),       # tied embedding and head, streamed and host-updated
+])
+def test_gpu_updated_blocks_train_like_host_updated(kind, opt, gpu, mb, policy):
+    """The same plan with and without GPU-updated blocks: equal losses and parameters, bit for bit."""
+    plan = _plan(kind, gpu, policy=policy, mb=mb, optimizer=opt)
+    kinds = {op.kind for op in plan.ops if op.block in gpu}
+    assert OpKind.GRAD_OFFLOAD not in kinds and {OpKind.STATE_LOAD, OpKind.STATE_STORE} <= kinds
+    assert all(op.resource is Resource.GPU for op in plan.ops if op.kind is OpKind.UPDATE and op.block in gpu)
+    batches = _batches(kind)
+    _assert_equal_runs(_train(kind, plan, opt, batches), _train(kind, _plan(kind, (), policy=policy, mb=mb,
+                                                                            optimizer=opt), opt, batches))
+
+
+def test_gpu_updated_blocks_match_eager_with_resident_ones():
+    plan = _plan("llama", (2, 3), resident=(1,))
+    model = _model("llama")
+    ref = copy.deepcopy(model)
+    opt = _optimizer("adamw")
+    tr = Trainer(model, plan, optimizer=opt, device="cpu", verbose=False)
+    step_beside_eager(tr, ref, _batches("llama"), lambda m, ids, labels: m(input_ids=ids, labels=labels).loss,
+                      lr=LR, eps=EPS, clip=1.0, fused=opt.fused or None)
+    tr.sync_to_model()
+    tr.close()
+    assert_same_parameters(model, ref)
+
+
+@pytest.mark.parametrize("opt", ["adamw", "hybrid8bit"])
+def test_checkpoint_and_resume_apply_the_pending_gpu_update(opt, tmp_path):
+    """A checkpoint after step 2 holds what the host-updated plan's holds; a trainer resumed from it ends
+    where the uninterrupted one does."""
+    batches = _batches("llama", 5)
+    plans = {g: _plan("llama", g, optimizer=opt) for g in ((), (1, 2, 3))}
+    saved = {}
+    for g, plan in plans.items():
+        tr = Trainer(_model("llama"), plan, optimizer=_optimizer(opt), device="cpu", verbose=False)
+        for b in batches[:2]:
+            tr.step(b)
+        tr.save_checkpoint(tmp_path / f"ck{len(g)}")
+        saved[g] = tr.state_dict()
+        rest = [tr.step(b).loss for b in batches[2:]]
+        saved[g, "end"] = (rest, tr.state_dict())
+        tr.close()
+    for k in saved[()]:
+        assert torch.equal(saved[()][k], saved[(1, 2, 3)][k]), k
+    _assert_equal_runs(saved[(1, 2, 3), "end"], saved[(), "end"])
+    tr = Trainer.load_checkpoint(tmp_path / "ck3", _model("llama"), optimizer=_optimizer(opt), device="cpu",
+                                 verbose=False)
+    assert tr.plan.decisions.gpu_updated_blocks == {1, 2, 3}
+    resumed = ([tr.step(b).loss for b in batches[2:]], tr.state_dict())
+    tr.close()
+    _assert_equal_runs(resumed, saved[(1, 2, 3), "end"])
+
+
+# ---- verify ---------------------------------------------------------------------------------------
+def _rebuilt(plan: Plan, ops: list[Op]) -> Plan:
+    """``plan`` with ``ops`` (taken from it, reordered or some left out) renumbered, deps following them."""
+    new = {op.id: i for i, op in enumerate(ops)}
+    out = [dataclasses.replace(op, id=i, deps=tuple(sorted({new[d] for d in op.deps if d in new and new[d] < i})))
+           for i, op in enumerate(ops)]
+    return dataclasses.replace(plan, ops=out)
+
+
+def _find(plan: Plan, kind: OpKind, block: int) -> Op:
+    return next(op for op in plan.ops if op.kind is kind and op.block == block)
+
+
+def test_verify_refuses_broken_gpu_update_plans():
+    plan = _plan("llama", (1, 2))
+    verify(plan)
+    ops = plan.ops
+    up, load, store = (_find(plan, k, 2) for k in (OpKind.UPDATE, OpKind.STATE_LOAD, OpKind.STATE_STORE))
+    cases = {
+        # the forward without the kept parameters: freed after the store, never loaded again
+        "not resident": [*ops[:store.id + 1], dataclasses.replace(
+            store, kind=OpKind.FREE, tensor=TensorId(kind=TensorKind.PARAMS, index=2), dst=None,
+            resource=Resource.NONE, nbytes=0, seconds=0.0, deps=(store.id,)), *ops[store.id + 1:]],
+        # the update after the block's backward: this step's gradient, before the global norm
+        "before its forward": [op for op in ops if op.id not in (up.id, store.id)] + [up, store],
+        # no state load: the update reads a state that is not on the GPU
+        "one state_load": [op for op in ops if op.id != load.id],
+        # the update waits for nothing: it may read the state before it has arrived
+        "without depending": [*ops[:up.id], dataclasses.replace(up, deps=()), *ops[up.id + 1:]],
+    }
+    for why, bad in cases.items():
+        with pytest.raises(PlanError, match=why):
+            verify(_rebuilt(plan, bad) if why != "without depending" else dataclasses.replace(plan, ops=bad))
+    cpu = [dataclasses.replace(op, resource=Resource.CPU) if op.id == up.id else op for op in ops]
+    with pytest.raises(PlanError, match="must run on the GPU"):
+        verify(dataclasses.replace(plan, ops=cpu))
+
+
+def test_verify_refuses_a_tied_gpu_updated_block():
+    with pytest.raises(PlanError, match="shares tied parameters"):
+        _plan("gpt", (0,))
+
+
+def test_plan_json_keeps_gpu_update_and_old_plans_load(tmp_path):
+    plan = _plan("llama", (1, 2))
+    plan.save(tmp_path / "p.json")
+    back = Plan.load(tmp_path / "p.json")
+    assert back.decisions.gpu_updated_blocks == {1, 2} and [str(o) for o in back.ops] == [str(o) for o in plan.ops]
+    assert "gpu_update" not in _plan("llama", ()).to_json()["decisions"]    # a plan without: the old file
