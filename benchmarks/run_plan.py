@@ -79,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
                          "seconds, distinct programs and cache hits go into the output as block_compile)")
     ap.add_argument("--resident", default="auto", type=lambda t: t if t in ("none", "auto") else int(t),
                     help="none, auto (default: the compiler's choice) or a number of leading blocks kept on the GPU")
+    ap.add_argument("--gpu-update", default="auto", type=lambda t: t if t in ("none", "auto") else int(t),
+                    help="none, auto (default: the compiler's choice) or a number of the first streamed blocks "
+                         "updated on the GPU (compile(..., gpu_update=...)); none for the A/B without")
     return ap
 
 
@@ -157,7 +160,8 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
                                  policy=a.policy, optimizer=a.optimizer, nvme_dir=a.nvme_dir,
                                  resident=getattr(a, "resident", "auto"), calibrate=getattr(a, "calibrate", False),
                                  compile_blocks=getattr(a, "compile_blocks", False),
-                                 time_limit=getattr(a, "time_limit", None))
+                                 time_limit=getattr(a, "time_limit", None),
+                                 gpu_update=getattr(a, "gpu_update", "auto"))
     compile_s = time.perf_counter() - t
     print(plan.summary())
     seq = plan.seq_len
@@ -210,6 +214,7 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
         "micro_batch": plan.micro_batch,
         "policy": a.policy, "seq_tile": plan.graph.meta.get("seq_tile"), "calibrated": getattr(a, "calibrate", False),
         "resident": sorted(plan.decisions.resident_blocks),
+        "gpu_updated": sorted(plan.decisions.gpu_updated_blocks),
         "optimizer": a.optimizer,
         "optim_threads": getattr(opt, "num_threads", None), "gpu_memory": a.gpu_memory,
         "device": torch.cuda.get_device_name(0),

@@ -205,3 +205,56 @@ def test_plan_json_keeps_gpu_update_and_old_plans_load(tmp_path):
     back = Plan.load(tmp_path / "p.json")
     assert back.decisions.gpu_updated_blocks == {1, 2} and [str(o) for o in back.ops] == [str(o) for o in plan.ops]
     assert "gpu_update" not in _plan("llama", ()).to_json()["decisions"]    # a plan without: the old file
+
+
+# ---- on a real GPU (run on the lent machine; skipped without CUDA) --------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("opt", ["adamw", "hybrid8bit"])
+def test_gpu_updated_blocks_on_cuda_match_host_updated(opt, tmp_path):
+    """The device path (state copies over the H2D / D2H streams, the update on the compute stream: fused CUDA
+    AdamW or the Triton 8-bit kernel) against the host-updated plan on the GPU: fp32, TF32 off, equal to GPU
+    reduction order (rtol 1e-4 as ``test_runtime_cuda``'s fp32 test); the checkpoint after ``flush`` equal to
+    the trainer's state, and a resumed trainer's next step equal to the uninterrupted one's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    batches = _batches("llama", 5)
+    runs = {}
+    for gpu in ((), (1, 2, 3)):
+        tr = Trainer(_model("llama"), _plan("llama", gpu, optimizer=opt), optimizer=_optimizer(opt), device="cuda",
+                     verbose=False)
+        losses = [tr.step(b).loss for b in batches[:4]]
+        tr.save_checkpoint(tmp_path / f"ck{len(gpu)}")
+        sd = tr.state_dict()
+        losses.append(tr.step(batches[4]).loss)
+        runs[gpu] = (losses, sd)
+        tr.close()
+    torch.testing.assert_close(runs[(1, 2, 3)][0], runs[()][0], rtol=1e-4, atol=1e-6)
+    for k, v in runs[()][1].items():
+        torch.testing.assert_close(runs[(1, 2, 3)][1][k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    again = Trainer.load_checkpoint(tmp_path / "ck3", _model("llama"), optimizer=_optimizer(opt), device="cuda",
+                                    verbose=False)
+    for k, v in runs[(1, 2, 3)][1].items():
+        assert torch.equal(again.state_dict()[k], v), k
+    torch.testing.assert_close(again.step(batches[4]).loss, runs[(1, 2, 3)][0][4], rtol=1e-5, atol=1e-6)
+    again.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_updated_blocks_bf16_on_cuda():
+    """bf16 parameters, the 8-bit optimizer (its low master halves cross PCIe with the codes): the same losses
+    as the host-updated plan within bf16 tolerance (the GPU update reads the fp32 accumulator, the host one its
+    bf16 copy)."""
+    import lazytrain
+    losses = {}
+    for mode in ("none", 3):
+        model = _model("llama").to(torch.bfloat16)
+        plan = lazytrain.compile(model, batch_size=B, seq_len=SEQ, micro_batch=2, hardware="h200", policy="megatrain",
+                                 param_dtype="bfloat16", gpu_memory="8GiB", resident="none", gpu_update=mode)
+        assert len(plan.decisions.gpu_updated_blocks) == (0 if mode == "none" else 3)
+        tr = Trainer(model, plan, optimizer=Hybrid8bitAdamW(lr=LR, eps=EPS, max_grad_norm=1.0), device="cuda",
+                     verbose=False)
+        losses[mode] = [tr.step(b).loss for b in _batches("llama", 5)]
+        tr.close()
+    torch.testing.assert_close(losses[3], losses["none"], rtol=2e-2, atol=1e-3)

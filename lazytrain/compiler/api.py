@@ -17,6 +17,7 @@ from ..frontend.validate import check_compile_args, micro_batch_candidates
 from ..ir import GiB, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
 from ..units import parse_size
+from . import gpu_update as gpu_update_rule
 from .cost import CostModel
 from .hardware import get_profile
 from .loss_chunk import with_loss_chunk
@@ -263,7 +264,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                   time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16,
                   resident="auto", calibrate: bool = False, packed: bool = False,
                   seq_tile: int | str | None = "auto", world_size: int = 1, nodes: int = 1,
-                  compile_blocks: bool = False, deadline: float | None = None) -> Plan:
+                  compile_blocks: bool = False, deadline: float | None = None, gpu_update="auto") -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
     to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
 
@@ -306,6 +307,12 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     many tokens, recomputed in backward (``tiling.py``); ``"auto"`` (default) does so, in chunks of
     ``tiling.TILE_TOKENS``, only when no plan fits without; ``None``: never.
 
+    ``gpu_update``: streamed blocks whose update runs on the GPU (``Decisions.gpu_update``: the gradient stays
+    on the GPU into the next step, parameters and optimizer state cross PCIe for the update): ``"auto"``
+    (default: for the MILP policy on a GPU in a world of one, the rule of ``compiler/gpu_update.py`` chooses
+    how many, trading resident blocks for them, by the simulated step under the budgets), ``"none"``, a number
+    of the first streamed blocks, or a list of block indices.
+
     ``compile_blocks``: the runtime runs each distinct block program compiled by Inductor, forward and backward,
     the tensors its backward needs still kept, moved and recomputed by the plan (``frontend/compiled.py``); the
     graph's saved bytes are then what the compiled forwards save.  Off by default until measured on a GPU.
@@ -340,6 +347,10 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     graph = with_loss_chunk(graph, budgets["gpu_bytes"])     # the loss head's chunk, from the GPU budget
     graph = with_measured_workspace(graph, hw)               # calibrated transients, where they exceed the traced
     fixed, auto = resident_request(graph, resident)
+    gpu_req = gpu_update_rule.request(gpu_update)
+    if gpu_req not in ("auto", "none", 0, ()) and world_size > 1:
+        raise ValueError(f"gpu_update={gpu_update!r}: GPU-updated streamed blocks need a world of one (world_size "
+                         f"{world_size}); use gpu_update='none'")
     if world_size != 1 or nodes != 1:
         check_world(world_size, nodes)
         budgets = per_rank_budgets(budgets, world_size, nodes)
@@ -349,6 +360,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                     compile_blocks=compile_blocks, deadline=deadline)
     # cost, lower, verify and simulate run for each candidate the search builds (``Compiler.build``)
     plan = _search(comp, policy, batch_size, micro_batch, max_batch_limit)
+    plan = _gpu_updated(comp, plan, policy, gpu_req)
     if comp.search.failures:
         warnings.warn("the MILP solvers failed (" + "; ".join(comp.search.failures) + "); the plan comes from "
                       f"the {plan.decisions.policy} policy where they did (plan.solver.failures)", stacklevel=2)
@@ -392,6 +404,16 @@ def _search(comp: Compiler, policy: str, batch_size, micro_batch: int | None, ma
     if plan is None:
         raise _budget_error(comp, batch_size, micro_batch, policy)
     return plan
+
+
+def _gpu_updated(comp: Compiler, plan: Plan, policy: str, req) -> Plan:
+    """The searched plan with the GPU-updated streamed blocks asked for, or (``"auto"``, the MILP policy on a
+    GPU in a world of one) those the rule of ``compiler/gpu_update.py`` chooses."""
+    if req == "none" or comp.world_size > 1:
+        return plan
+    if req == "auto":
+        return gpu_update_rule.choose(comp, plan) if policy == "milp" and comp.hw.has_gpu else plan
+    return gpu_update_rule.fixed(comp, plan, req)
 
 
 def _returned(comp: Compiler, plan: Plan, policy: str) -> Plan:

@@ -230,8 +230,10 @@ class _Lowering:
                 if dec.saved[j] in (Saved.HOST, Saved.NVME):
                     self.offload_chain(_tid(TensorKind.SAVED, j, mb), c.saved_bytes(j), _T[Place(dec.saved[j].value)],
                                        j, mb)
-            if j < L - 1 and j not in self.resident:
-                self.param_frees.append(self.emit(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G))
+            if j < L - 1 and j not in self.resident:   # a GPU-updated block's (after its store) bounds no load
+                free = self.emit(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G)
+                if j not in self.gpu_updated:
+                    self.param_frees.append(free)
 
     def prefetch(self, seg: tuple[int, int]) -> None:
         dec, c = self.dec, self.cost

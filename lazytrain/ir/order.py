@@ -170,10 +170,9 @@ def cross_period(ops: list[Op], sizes: Sizes, *, clip: bool) -> dict[int, list[i
     extra: dict[int, list[int]] = {}
     # with several ranks a resident block's reduce_scatter adds into the accumulators its owners' updates read
     scatters = {op.block: op.id for op in ops if op.kind is OpKind.REDUCE_SCATTER and op.block in sizes.resident}
-    stores = {op.block: op.id for op in ops if op.kind is OpKind.STATE_STORE}
-    for op in ops:
-        if op.kind is OpKind.STATE_LOAD and op.block in stores:
-            extra.setdefault(op.id, []).append(stores[op.block])
+    for op in ops:          # reads what the previous state_store wrote; the runtime starts no step before
+        if op.kind is OpKind.STATE_LOAD:    # the previous one's device work is done, so neither does this
+            extra.setdefault(op.id, []).extend(step_end)
     for owner, u in order.updates.items():
         if owner in sizes.gpu_updated:
             extra.setdefault(u, []).extend(step_end if clip else [op.id for op in ops if op.kind is OpKind.BACKWARD

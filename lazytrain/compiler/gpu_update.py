@@ -1,0 +1,117 @@
+"""Which streamed blocks to update on the GPU (``Decisions.gpu_update``): a rule on top of the solved plan.
+
+With exact clipping every host update waits for the global norm at the end of the backward; the host then
+updates the streamed blocks in forward order while the GPU runs the resident prefix and the streamed
+forwards, and a streamed forward that is shorter than a host update waits for it.  A GPU-updated block takes
+itself out of the host's queue (its state crosses PCIe instead: ``state_load`` / ``state_store``), so the
+first streamed blocks in forward order, the ones whose updates pace the forward, are the candidates.  It
+costs GPU memory (its kept accumulator, 4 bytes a parameter from its backward to the next step's update, and
+a few blocks' state in flight), which the solved plan usually has not left free; a resident block holds more
+(parameters, state and accumulator for the whole run, ~10 bytes a parameter with the 8-bit optimizer), so
+the rule also trades the last blocks of the resident prefix for GPU-updated ones.
+
+The rule (``choose``): for d = 0, 1, ... resident blocks given back (the prefix's last, tie groups never),
+and k = 1, 2, ... GPU-updated blocks (the first streamed ones), build the plan (lower, ``verify`` against the
+budgets, simulate) and keep the fastest; k grows until the plan no longer fits or three more blocks bring
+nothing, d until two more resident blocks given back bring nothing.  The solved plan (d = k = 0) is the
+baseline, so the result is never slower on the simulator.  The MILP itself does not price the GPU update (its
+windows would need the kept accumulators and the state traffic as terms): the activation and cut decisions
+stay the solver's.  ``plan.decisions.notes["gpu_update"]`` records what was tried; ``lazytrain show`` says it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ..ir import Decisions, Plan, PlanError
+from ..ir.semantics import tie_closure
+
+#: three more GPU-updated blocks that do not shorten the simulated step end the scan over k (a block's state
+#: load can make the next one wait before the host's saving shows), two more resident blocks given back the scan
+#: over d
+K_PATIENCE, D_PATIENCE = 3, 2
+#: a step shorter by less than this is no gain (seconds: the simulator's rounding across periods)
+MIN_GAIN_S = 1e-6
+
+
+def candidates(plan_graph, dec: Decisions) -> list[int]:
+    """Streamed blocks that may be GPU-updated, in forward order: they own parameters, share no tied one,
+    are not resident, and are not the head (whose parameters stay loaded into its backward)."""
+    L = plan_graph.n_blocks
+    return [j for j in range(L - 1) if not dec.is_resident(j) and plan_graph.blocks[j].owned_numel
+            and tie_closure(plan_graph, {j}) == {j}]
+
+
+def _tradeable(plan_graph, dec: Decisions) -> list[int]:
+    """Resident blocks the rule may give back, last first: those sharing no tied parameter."""
+    return sorted((j for j in dec.resident_blocks if tie_closure(plan_graph, {j}) == {j}), reverse=True)
+
+
+def request(gpu_update) -> str | int | tuple[int, ...]:
+    """``compile_model``'s ``gpu_update`` argument checked: "auto", "none", a number of blocks, or a list."""
+    if gpu_update in ("auto", "none", None):
+        return gpu_update or "none"
+    if isinstance(gpu_update, bool):
+        raise ValueError("gpu_update must be 'auto', 'none', a number of streamed blocks or a list of block indices")
+    if isinstance(gpu_update, int):
+        if gpu_update < 0:
+            raise ValueError(f"gpu_update={gpu_update}: a number of blocks is at least 0")
+        return gpu_update
+    try:
+        return tuple(sorted({int(j) for j in gpu_update}))
+    except (TypeError, ValueError):
+        raise ValueError(f"gpu_update must be 'auto', 'none', a number of streamed blocks or a list of block "
+                         f"indices, got {gpu_update!r}") from None
+
+
+def with_blocks(dec: Decisions, blocks, n_blocks: int) -> Decisions:
+    return dataclasses.replace(dec, gpu_update=tuple(j in blocks for j in range(n_blocks)) if blocks else ())
+
+
+def fixed(comp, plan: Plan, req) -> Plan:
+    """The plan with the GPU-updated blocks asked for (a count: the first streamed ones), checked as any."""
+    g = plan.graph
+    blocks = candidates(g, plan.decisions)[:req] if isinstance(req, int) else req
+    if not blocks:
+        return plan
+    return comp.build(with_blocks(plan.decisions, blocks, g.n_blocks), plan.batch_size)
+
+
+def choose(comp, plan: Plan) -> Plan:
+    """The rule of the module docstring; returns the fastest plan found, with what was tried in its notes."""
+    t0 = time.perf_counter()
+    g, dec = plan.graph, plan.decisions
+    best, best_step = plan, plan.predicted["step_time_s"]
+    tried: list[list] = [[len(dec.resident_blocks), 0, round(best_step, 5)]]
+    trade = _tradeable(g, dec)
+    stale_d = 0
+    for d in range(len(trade) + 1):
+        res = dec.resident_blocks - set(trade[:d])
+        base = dataclasses.replace(dec, resident=tuple(j in res for j in range(g.n_blocks)) if res else ())
+        cands = candidates(g, base)
+        improved, misses = False, 0
+        for k in range(1, len(cands) + 1):
+            try:
+                p = comp.build(with_blocks(base, cands[:k], g.n_blocks), plan.batch_size)
+            except PlanError:              # over a budget: more blocks only add memory
+                tried.append([len(res), k, None])
+                break
+            step = p.predicted["step_time_s"]
+            tried.append([len(res), k, round(step, 5)])
+            if step < best_step - MIN_GAIN_S:
+                best, best_step, improved, misses = p, step, True, 0
+            else:
+                misses += 1
+                if misses >= K_PATIENCE:
+                    break
+        stale_d = 0 if improved else stale_d + 1
+        if stale_d >= D_PATIENCE:
+            break
+    chosen = sorted(best.decisions.gpu_updated_blocks)
+    note = {"rule": "fastest simulated step over (resident blocks given back, first streamed blocks GPU-updated)",
+            "tried": tried, "blocks": chosen, "resident": len(best.decisions.resident_blocks),
+            "baseline_step_s": round(plan.predicted["step_time_s"], 5), "seconds": round(time.perf_counter() - t0, 3)}
+    dec_noted = dataclasses.replace(best.decisions, notes={**best.decisions.notes, "gpu_update": note})
+    return dataclasses.replace(best, decisions=dec_noted, history=[*best.history, {
+        "pass": "gpu_update", "seconds": note["seconds"]}])     # a copy: the search's memo stays as it was
