@@ -90,7 +90,7 @@ def choose(comp, plan: Plan) -> Plan:
         res = dec.resident_blocks - set(trade[:d])
         base = dataclasses.replace(dec, resident=tuple(j in res for j in range(g.n_blocks)) if res else ())
         cands = candidates(g, base)
-        improved, misses = False, 0
+        improved, misses, local = False, 0, float("inf")
         for k in range(1, len(cands) + 1):
             try:
                 p = comp.build(with_blocks(base, cands[:k], g.n_blocks), plan.batch_size)
@@ -100,7 +100,9 @@ def choose(comp, plan: Plan) -> Plan:
             step = p.predicted["step_time_s"]
             tried.append([len(res), k, round(step, 5)])
             if step < best_step - MIN_GAIN_S:
-                best, best_step, improved, misses = p, step, True, 0
+                best, best_step, improved = p, step, True
+            if step < local - MIN_GAIN_S:
+                local, misses = step, 0
             else:
                 misses += 1
                 if misses >= K_PATIENCE:

@@ -80,7 +80,7 @@ class _Lowering:
         self.gpu_updated = cost.gpu_updated
         #: GPU-updated blocks in forward order, and the op id of each one's state_store once emitted
         self.gu_order = sorted(self.gpu_updated)
-        self.state_stores: list[int] = []
+        self.state_updates: list[int] = []
         self.ops: list[Op] = []
         self.effs: list[Effects] = []
         self.hazards = HazardWalk()
@@ -122,22 +122,26 @@ class _Lowering:
         self.emit(OpKind.UPDATE, j, resource=Resource.GPU if on_gpu else Resource.CPU, seconds=self.cost.update_s(j))
 
     def state_load(self, k: int) -> None:
-        """The k-th GPU-updated block's parameters and state host -> GPU, after the store ``STATE_SLOTS`` before."""
+        """The k-th GPU-updated block's parameters and state host -> GPU, after the update ``STATE_SLOTS`` before
+        (not its store: the D2H stream may still be draining the forward's offloads, and the loads would wait for
+        them; the states left waiting for their store are in the simulator's memory curve, which the budget
+        checks)."""
         j, c = self.gu_order[k], self.cost
         n = c.state_bytes(j)
         self.emit(OpKind.STATE_LOAD, j, tensor=_tid(TensorKind.OPT_STATE, j), src=H, dst=G, nbytes=n,
                   resource=Resource.H2D, seconds=c.h2d_s(n),
-                  deps=(self.state_stores[k - STATE_SLOTS],) if k >= STATE_SLOTS else ())
+                  deps=(self.state_updates[k - STATE_SLOTS],) if k >= STATE_SLOTS else ())
 
     def gpu_update(self, j: int) -> None:
         """A GPU-updated block, just before its forward: its update, its state back to the host, and the
         next state load the freed slot allows."""
         c = self.cost
         self.update(j)
+        self.state_updates.append(len(self.ops) - 1)
         n = c.state_bytes(j)
-        self.state_stores.append(self.emit(OpKind.STATE_STORE, j, tensor=_tid(TensorKind.OPT_STATE, j), src=G, dst=H,
-                                           nbytes=n, resource=Resource.D2H, seconds=c.d2h_s(n)))
-        k = len(self.state_stores) - 1 + STATE_SLOTS
+        self.emit(OpKind.STATE_STORE, j, tensor=_tid(TensorKind.OPT_STATE, j), src=G, dst=H, nbytes=n,
+                  resource=Resource.D2H, seconds=c.d2h_s(n))
+        k = len(self.state_updates) - 1 + STATE_SLOTS
         if k < len(self.gu_order):
             self.state_load(k)
 
