@@ -2,7 +2,9 @@
 
 For each batch: the plan compiled with ``gpu_update="none"`` and with ``"auto"`` (the rule of
 ``lazytrain/compiler/gpu_update.py``), their predicted step, model TFLOPS, GPU idle time, host (cpu) busy time,
-resident and GPU-updated blocks and peak GPU memory.  No GPU is needed.
+resident and GPU-updated blocks and peak GPU memory, and for ``"auto"`` the step of the solved plan the rule
+started from (``baseline_step_s``: the same search's, where the two compiles' searches, bounded by CPU time,
+may have found different plans).  No GPU is needed.
 
 ``--layer-ms FWD,BWD@MB`` stands in for a calibration (``--calibrate`` on the GPU): every block of the model's
 most common signature (its decoder layers) is timed at FWD ms forward (recompute the same) and BWD ms backward
@@ -48,6 +50,7 @@ def row(plan) -> dict:
             "micro_batch": plan.micro_batch, "resident": len(dec.resident_blocks),
             "gpu_updated": sorted(dec.gpu_updated_blocks), "peak_gpu_gib": round(pred["peak_gpu_bytes"] / GiB, 2),
             "budget_gib": round(plan.budgets["gpu_bytes"] / GiB, 2),
+            "baseline_step_s": (dec.notes.get("gpu_update") or {}).get("baseline_step_s"),
             "rule_s": (dec.notes.get("gpu_update") or {}).get("seconds")}
 
 

@@ -4,6 +4,7 @@ Each pass's wall time goes into ``plan.history``."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 import warnings
@@ -101,6 +102,14 @@ class Compiler:
         if compile_blocks:      # the runtime compiles the block programs (``frontend/compiled.py``)
             self.options["compile_blocks"] = True
         self.search = Search(self)
+
+    def with_gpu_budget(self, gpu_bytes: int) -> Compiler:
+        """This compiler with another GPU budget and a search of its own (``gpu_update.choose`` re-solves with
+        the memory its GPU-updated blocks need set aside)."""
+        other = copy.copy(self)
+        other.budgets = {**self.budgets, "gpu_bytes": gpu_bytes}
+        other.search = Search(other)
+        return other
 
     def solve_time_limit(self) -> float:
         """Seconds one MILP solve may take: the caller's, else ``SOLVE_TIME_LIMIT``."""
@@ -349,8 +358,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     fixed, auto = resident_request(graph, resident)
     gpu_req = gpu_update_rule.request(gpu_update)
     if gpu_req not in ("auto", "none", 0, ()) and world_size > 1:
-        raise ValueError(f"gpu_update={gpu_update!r}: GPU-updated streamed blocks need a world of one (world_size "
-                         f"{world_size}); use gpu_update='none'")
+        raise ValueError(f"GPU-updated streamed blocks need a world of one (gpu_update={gpu_update!r}, world_size "
+                         f"{world_size}): use gpu_update='none' (or 'auto', which chooses none there)")
     if world_size != 1 or nodes != 1:
         check_world(world_size, nodes)
         budgets = per_rank_budgets(budgets, world_size, nodes)
