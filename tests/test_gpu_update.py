@@ -18,6 +18,7 @@ import torch
 from eager_ref import assert_same_parameters, step_beside_eager
 
 from lazytrain.compiler.api import Compiler
+from lazytrain.compiler.gpu_update import candidates
 from lazytrain.compiler.hardware import get_profile
 from lazytrain.compiler.solvers.heuristics import HEURISTICS
 from lazytrain.frontend.presets import build_from_config
@@ -205,6 +206,30 @@ def test_plan_json_keeps_gpu_update_and_old_plans_load(tmp_path):
     back = Plan.load(tmp_path / "p.json")
     assert back.decisions.gpu_updated_blocks == {1, 2} and [str(o) for o in back.ops] == [str(o) for o in plan.ops]
     assert "gpu_update" not in _plan("llama", ()).to_json()["decisions"]    # a plan without: the old file
+
+
+@pytest.mark.slow     # a MILP search, the rule's scan and its re-solve: 6-10 s on a shared 2-core machine
+def test_the_rule_chooses_gpu_updated_blocks_where_host_updates_pace_the_step():
+    """A host whose optimizer is slow (a thousandth of the H200's rate): the rule GPU-updates streamed blocks,
+    the simulated step is shorter than the solved plan's, within the budget, and ``show`` says so; ``"none"``,
+    a count and the refusals as documented."""
+    import lazytrain
+    hw = dataclasses.replace(get_profile("h200"), cpu_adam8_gparams=5e-3, cpu_adam_gparams=5e-3)
+    kw = dict(batch_size=B, seq_len=SEQ, micro_batch=2, hardware=hw, gpu_memory="8GiB", resident="none", time_limit=0.5,
+              param_dtype="float32", seq_tile=None)
+    model = _graph("llama")
+    auto = lazytrain.compile(model, **kw)
+    note = auto.decisions.notes["gpu_update"]
+    assert auto.decisions.gpu_updated_blocks and auto.predicted["step_time_s"] < note["baseline_step_s"]
+    assert auto.predicted["peak_gpu_bytes"] <= auto.budgets["gpu_bytes"]
+    assert "rule:" in auto.summary() and "updated on the GPU (streamed)" in auto.summary()
+    assert not lazytrain.compile(model, gpu_update="none", policy="megatrain", **kw).decisions.gpu_update
+    two = lazytrain.compile(model, gpu_update=2, policy="megatrain", **kw)
+    assert two.decisions.gpu_updated_blocks == set(candidates(two.graph, two.decisions)[:2])
+    with pytest.raises(ValueError, match="gpu_update must be"):
+        lazytrain.compile(model, gpu_update="some", **kw)
+    with pytest.raises(ValueError, match="GPU-updated streamed blocks need a world of one"):
+        lazytrain.compile(model, gpu_update=2, world_size=2, **kw)
 
 
 # ---- on a real GPU (run on the lent machine; skipped without CUDA) --------------------------------

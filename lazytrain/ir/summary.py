@@ -17,14 +17,38 @@ def _resident_text(plan) -> str:
     res = sorted(plan.decisions.resident_blocks)
     if not res:
         return "none"
+    # contiguous runs: "0-9, 37" (a prefix and the tied head)
+    return f"blocks {_runs(res)}: {Sizes.of_plan(plan).resident_bytes() / GiB:.2f} GiB, updated on the GPU"
+
+
+def _gpu_update_text(plan) -> str:
+    """The GPU-updated streamed blocks and, where the compiler's rule chose them (``compiler/gpu_update.py``),
+    what it compared: the solved plan's step against the one chosen, over how many plans."""
+    blocks = sorted(plan.decisions.gpu_updated_blocks)
+    note = plan.decisions.notes.get("gpu_update")
+    text = "none"
+    if blocks:
+        kept = Sizes.of_plan(plan).kept_grad_bytes() / GiB
+        text = f"blocks {_runs(blocks)}: {kept:.2f} GiB of gradients kept on the GPU into the next step"
+    if isinstance(note, dict) and isinstance(note.get("tried"), list):
+        built = sum(1 for t in note["tried"] if isinstance(t, list) and len(t) == 3)
+        base, step = note.get("baseline_step_s"), plan.predicted.get("step_time_s")
+        if isinstance(base, (int, float)) and isinstance(step, (int, float)):
+            text += (f"; rule: {len(blocks)} chosen of {built} plans tried (resident blocks given back x first "
+                     f"streamed blocks), simulated step {base:.4f} -> {step:.4f} s")
+    return text
+
+
+def _runs(blocks) -> str:
+    """[0..9, 37] -> '0-9, 37 (11)'."""
     runs: list[list[int]] = []
-    for j in res:                       # contiguous runs: "0-9, 37" (a prefix and the tied head)
+    for j in blocks:
         if runs and j == runs[-1][1] + 1:
             runs[-1][1] = j
         else:
             runs.append([j, j])
-    names = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) + (f" ({len(res)})" if len(res) > 1 else "")
-    return f"blocks {names}: {Sizes.of_plan(plan).resident_bytes() / GiB:.2f} GiB, updated on the GPU"
+    names = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return names + (f" ({len(blocks)})" if len(blocks) > 1 else "")
 
 
 def _timings(plan) -> dict:
@@ -177,6 +201,8 @@ def summary_rows(plan) -> list[list]:
         ["saved kept / host / nvme / recomputed",
          f"{s[Saved.KEEP]} / {s[Saved.HOST]} / {s[Saved.NVME]} / {s[Saved.RECOMPUTE]}"],
         ["resident on the GPU", _resident_text(plan)],
+        *([["updated on the GPU (streamed)", _gpu_update_text(plan)]]
+          if plan.decisions.gpu_update or "gpu_update" in plan.decisions.notes else []),
         ["ops", f"{len(plan.ops)} ({', '.join(f'{k.value} {plan.count(k)}' for k in OpKind if plan.count(k))})"],
     ]
     if pred:
