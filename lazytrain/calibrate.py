@@ -134,7 +134,7 @@ def measure_blocks(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro
     tm = timing_model(model, dtype)
     plan = timing_plan(tm, micro_batch=micro_batch, seq_len=seq_len, hardware=hw, gpu_memory=gpu_memory,
                        host_memory=host_memory, resident="none", param_dtype=param_dtype, optimizer="adamw",
-                       seq_tile=seq_tile, compile_blocks=compile_blocks)
+                       seq_tile=seq_tile, compile_blocks=compile_blocks, gpu_update="none")
     n_micro = plan.batch_size // micro_batch
     _log(verbose, f"timing {plan.graph.n_blocks} blocks of a {type(model).__name__} on {device}: micro-batch "
                   f"{micro_batch}, seq {seq_len}, {repeats} steps of {n_micro} micro-batch(es) after {WARMUP}")

@@ -80,6 +80,9 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="run the layers' position-wise tails in chunks of N tokens, recomputed in backward; auto "
                         "(default): in chunks of 4096 only when no plan fits without")
     _add_resident_arg(p)
+    p.add_argument("--gpu-update", type=_resident, default="auto", metavar="none|auto|N|i,j,..",
+                   help="streamed blocks updated on the GPU (gradient kept there into the next step, state over "
+                        "PCIe): auto lets the compiler choose (milp policy, on a GPU), N the first N streamed")
 
 
 def _seq_tile(text: str):
@@ -248,7 +251,7 @@ def cmd_compile(a) -> int:
                          nvme_memory=a.nvme_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,
                          solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype, resident=a.resident,
                          calibrate=a.calibrate, seq_tile=a.seq_tile, world_size=a.world_size, nodes=a.nodes,
-                         compile_blocks=a.compile_blocks)
+                         compile_blocks=a.compile_blocks, gpu_update=a.gpu_update)
     if not a.calibrate:
         from .compiler.cost import hint_uncalibrated
         hint_uncalibrated(plan, a.model)
