@@ -17,7 +17,8 @@ nothing, d until two more resident blocks given back bring nothing.  The solved 
 baseline, so the result is never slower on the simulator.  Where the blocks that would shorten the step most
 do not fit beside the solved plan's activations, the search is run once more with the GPU budget lowered by
 the memory they lack (the solver then keeps fewer activations or resident blocks), and the scan repeated on
-that plan with the whole budget; the faster of the two is kept.  The MILP itself does not price the GPU update (its
+that plan with the whole budget; the faster of the two is kept.  The scans stop after ``SCAN_BUDGET_S`` CPU
+seconds.  The MILP itself does not price the GPU update (its
 windows would need the kept accumulators and the state traffic as terms): the activation and cut decisions
 stay the solver's.  ``plan.decisions.notes["gpu_update"]`` records what was tried; ``lazytrain show`` says it.
 """
@@ -29,6 +30,7 @@ import time
 
 from ..ir import Decisions, Plan, PlanError
 from ..ir.semantics import tie_closure
+from .deadline import compile_cpu_seconds
 
 #: three more GPU-updated blocks that do not shorten the simulated step end the scan over k (a block's state
 #: load can make the next one wait before the host's saving shows), two more resident blocks given back the scan
@@ -36,6 +38,10 @@ from ..ir.semantics import tie_closure
 K_PATIENCE, D_PATIENCE = 3, 2
 #: a step shorter by less than this is no gain (seconds: the simulator's rounding across periods)
 MIN_GAIN_S = 1e-6
+#: CPU seconds the scans may take in all (each plan built costs a lowering, ``verify`` and a simulation:
+#: 0.05-0.3 s for qwen2.5-3b); counted in CPU time, as the search's deadline, so the choice does not depend on
+#: the machine's load.  The re-solve has the search's own deadline.
+SCAN_BUDGET_S = 6.0
 
 
 def candidates(plan_graph, dec: Decisions) -> list[int]:
@@ -84,13 +90,14 @@ def fixed(comp, plan: Plan, req) -> Plan:
 def choose(comp, plan: Plan) -> Plan:
     """The rule of the module docstring; returns the fastest plan found, with what was tried in its notes."""
     t0 = time.perf_counter()
-    best, tried = _scan(comp, plan)
-    room = _room(comp, plan, best)
+    budget = [compile_cpu_seconds() + SCAN_BUDGET_S]
+    best, tried = _scan(comp, plan, budget)
+    room = _room(comp, plan, best, budget)
     resolved = None
     if room > 0:        # the solved plan leaves too little memory: solve again with that much less
         resolved = comp.with_gpu_budget(comp.budgets["gpu_bytes"] - room).best("milp", plan.batch_size)
     if resolved is not None:
-        again, tried_again = _scan(comp, resolved, base_step=best.predicted["step_time_s"])
+        again, tried_again = _scan(comp, resolved, budget, base_step=best.predicted["step_time_s"])
         tried += [["re-solved", round(room / 2**30, 3)], *tried_again]
         if again.predicted["step_time_s"] < best.predicted["step_time_s"] - MIN_GAIN_S:
             best = again
@@ -103,7 +110,7 @@ def choose(comp, plan: Plan) -> Plan:
         "pass": "gpu_update", "seconds": note["seconds"]}])     # a copy: the search's memo stays as it was
 
 
-def _room(comp, plan: Plan, best: Plan) -> int:
+def _room(comp, plan: Plan, best: Plan, budget: list[float]) -> int:
     """GPU bytes the plan would need beyond its budget for the GPU-updated blocks that would shorten its step
     most if memory were no object (the first streamed blocks, on the solved plan's other decisions); 0 when
     the scan under the budget already took them."""
@@ -112,6 +119,8 @@ def _room(comp, plan: Plan, best: Plan) -> int:
     free_best, free_step, free_peak = 0, plan.predicted["step_time_s"], plan.predicted["peak_gpu_bytes"]
     misses = 0
     for k in range(1, len(cands) + 1):
+        if compile_cpu_seconds() > budget[0]:
+            return 0
         p = comp.build(with_blocks(dec, cands[:k], g.n_blocks), plan.batch_size, check_budget=False)
         if p.predicted["step_time_s"] < free_step - MIN_GAIN_S:
             free_best, free_step, free_peak, misses = k, p.predicted["step_time_s"], p.predicted["peak_gpu_bytes"], 0
@@ -124,7 +133,7 @@ def _room(comp, plan: Plan, best: Plan) -> int:
     return max(0, int(free_peak - plan.budgets["gpu_bytes"]))
 
 
-def _scan(comp, plan: Plan, base_step: float | None = None) -> tuple[Plan, list]:
+def _scan(comp, plan: Plan, budget: list[float], base_step: float | None = None) -> tuple[Plan, list]:
     """The scan over (d, k) from ``plan`` (module docstring): the fastest plan (``plan`` itself unless one is
     faster than it and than ``base_step``) and the (resident blocks, k, step or None) tried."""
     g, dec = plan.graph, plan.decisions
@@ -139,6 +148,9 @@ def _scan(comp, plan: Plan, base_step: float | None = None) -> tuple[Plan, list]
         cands = candidates(g, base)
         improved, misses, local = False, 0, float("inf")
         for k in range(1, len(cands) + 1):
+            if compile_cpu_seconds() > budget[0]:
+                tried.append(["out of time"])
+                return best, tried
             try:
                 p = comp.build(with_blocks(base, cands[:k], g.n_blocks), plan.batch_size)
             except PlanError:              # over a budget: more blocks only add memory
