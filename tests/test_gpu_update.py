@@ -254,9 +254,12 @@ def test_gpu_updated_blocks_on_cuda_match_host_updated(opt, tmp_path):
         losses.append(tr.step(batches[4]).loss)
         runs[gpu] = (losses, sd)
         tr.close()
+    # the 8-bit moments: a gradient an ulp apart (GPU reductions) may round to the neighbouring code, a step of
+    # up to lr / 127 of a quantization block's largest moment: 1e-5 at lr 1e-3
+    atol = 1e-6 if opt == "adamw" else 2e-5
     torch.testing.assert_close(runs[(1, 2, 3)][0], runs[()][0], rtol=1e-4, atol=1e-6)
     for k, v in runs[()][1].items():
-        torch.testing.assert_close(runs[(1, 2, 3)][1][k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(runs[(1, 2, 3)][1][k], v, rtol=1e-4, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
     again = Trainer.load_checkpoint(tmp_path / "ck3", _model("llama"), optimizer=_optimizer(opt), device="cuda",
                                     verbose=False)
     for k, v in runs[(1, 2, 3)][1].items():
