@@ -92,11 +92,14 @@ def choose(comp, plan: Plan) -> Plan:
     t0 = time.perf_counter()
     budget = [compile_cpu_seconds() + SCAN_BUDGET_S]
     best, tried = _scan(comp, plan, budget)
-    room = _room(comp, plan, best, budget)
+    over = next((t[1] for t in tried if len(t) == 3 and t[0] == len(plan.decisions.resident_blocks)
+                 and t[2] is None), None)      # the first count that did not fit beside the solved plan
+    room = _room(comp, plan, over, budget) if over is not None else 0
     resolved = None
     if room > 0:        # the solved plan leaves too little memory: solve again with that much less
         resolved = comp.with_gpu_budget(comp.budgets["gpu_bytes"] - room).best("milp", plan.batch_size)
     if resolved is not None:
+        budget = [compile_cpu_seconds() + SCAN_BUDGET_S]
         again, tried_again = _scan(comp, resolved, budget, base_step=best.predicted["step_time_s"])
         tried += [["re-solved", round(room / 2**30, 3)], *tried_again]
         if again.predicted["step_time_s"] < best.predicted["step_time_s"] - MIN_GAIN_S:
@@ -110,27 +113,27 @@ def choose(comp, plan: Plan) -> Plan:
         "pass": "gpu_update", "seconds": note["seconds"]}])     # a copy: the search's memo stays as it was
 
 
-def _room(comp, plan: Plan, best: Plan, budget: list[float]) -> int:
+def _room(comp, plan: Plan, over: int, budget: list[float]) -> int:
     """GPU bytes the plan would need beyond its budget for the GPU-updated blocks that would shorten its step
-    most if memory were no object (the first streamed blocks, on the solved plan's other decisions); 0 when
-    the scan under the budget already took them."""
+    most if memory were no object (the first streamed blocks, on the solved plan's other decisions), from
+    ``over``, the first count that did not fit; 0 when more than ``over - 1`` blocks would not be faster."""
     g, dec = plan.graph, plan.decisions
     cands = candidates(g, dec)
-    free_best, free_step, free_peak = 0, plan.predicted["step_time_s"], plan.predicted["peak_gpu_bytes"]
-    misses = 0
-    for k in range(1, len(cands) + 1):
+    step_fit = None if over <= 1 else comp.build(with_blocks(dec, cands[:over - 1], g.n_blocks), plan.batch_size,
+                                                 check_budget=False).predicted["step_time_s"]
+    free_step = plan.predicted["step_time_s"] if step_fit is None else step_fit
+    free_peak, misses = None, 0
+    for k in range(over, len(cands) + 1):
         if compile_cpu_seconds() > budget[0]:
-            return 0
+            break
         p = comp.build(with_blocks(dec, cands[:k], g.n_blocks), plan.batch_size, check_budget=False)
         if p.predicted["step_time_s"] < free_step - MIN_GAIN_S:
-            free_best, free_step, free_peak, misses = k, p.predicted["step_time_s"], p.predicted["peak_gpu_bytes"], 0
+            free_step, free_peak, misses = p.predicted["step_time_s"], p.predicted["peak_gpu_bytes"], 0
         else:
             misses += 1
             if misses >= K_PATIENCE:
                 break
-    if free_best <= len(best.decisions.gpu_updated_blocks):
-        return 0
-    return max(0, int(free_peak - plan.budgets["gpu_bytes"]))
+    return 0 if free_peak is None else max(0, int(free_peak - plan.budgets["gpu_bytes"]))
 
 
 def _scan(comp, plan: Plan, budget: list[float], base_step: float | None = None) -> tuple[Plan, list]:
