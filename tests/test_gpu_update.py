@@ -23,7 +23,7 @@ from lazytrain.compiler.hardware import get_profile
 from lazytrain.compiler.solvers.heuristics import HEURISTICS
 from lazytrain.frontend.presets import build_from_config
 from lazytrain.frontend.trace import trace
-from lazytrain.ir import GiB, Op, OpKind, Plan, PlanError, Resource, TensorId, TensorKind, verify
+from lazytrain.ir import GiB, Op, OpKind, Plan, PlanError, Resource, TensorId, TensorKind, Tier, verify
 from lazytrain.runtime.optim import Hybrid8bitAdamW
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 from lazytrain.runtime.trainer import Trainer
@@ -198,6 +198,15 @@ def test_verify_refuses_broken_gpu_update_plans():
 def test_verify_refuses_a_tied_gpu_updated_block():
     with pytest.raises(PlanError, match="shares tied parameters"):
         _plan("gpt", (0,))
+
+
+def test_state_ops_print_as_one_line_golden():
+    load = Op(id=5, kind=OpKind.STATE_LOAD, block=1, tensor=TensorId(kind=TensorKind.OPT_STATE, index=1),
+              src=Tier.HOST, dst=Tier.GPU, nbytes=int(0.43 * GiB), resource=Resource.H2D, seconds=0.008376)
+    store = dataclasses.replace(load, id=14, kind=OpKind.STATE_STORE, src=Tier.GPU, dst=Tier.HOST,
+                                resource=Resource.D2H, deps=(5, 13))
+    assert str(load) == "#5 state_load   ostate[1]          host->gpu    0.43 GiB    8.376 ms"
+    assert str(store) == "#14 state_store  ostate[1]          gpu->host    0.43 GiB    8.376 ms after #5,#13"
 
 
 def test_plan_json_keeps_gpu_update_and_old_plans_load(tmp_path):
