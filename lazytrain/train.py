@@ -83,7 +83,7 @@ MAX_BATCH_TOKENS = 1 << 20
 @dataclass
 class TrainConfig:
     model: str = "task"             # "task" (TASK_GPT), a preset, or a Hugging Face folder / config.json
-    difficulty: str = "tiny"
+    difficulty: str = "tiny-pad-carry"   # the answer format a small GPT learns fastest (README "Train")
     batch: int = 32
     seq: int | None = None           # default: the difficulty's longest example
     steps: int = 6000                # more than 9 min allow on 2 CPU cores: the time limit ends the run

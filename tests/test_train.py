@@ -32,7 +32,7 @@ def test_train_writes_metrics_and_checkpoint(first_run):
     assert m["steps_done"] == 3 and len(m["loss_curve"]) == 3 and m["stop_reason"] == "steps"
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in m["loss_curve"])
     assert 0.0 <= m["exact_match"] <= 1.0 and m["eval_size"] == 8
-    assert m["settings"]["difficulty"] == "tiny" and m["settings"]["batch"] == 4
+    assert m["settings"]["difficulty"] == TrainConfig().difficulty == "tiny-pad-carry" and m["settings"]["batch"] == 4
     assert m["model"]["config"]["vocab"] == 98 and m["device"] == "cpu" and m["param_dtype"] == "float32"
     assert (out / "checkpoint" / "checkpoint.json").is_file()
     assert not list(out.glob("*.tmp*"))
