@@ -54,6 +54,15 @@ def _presets() -> str:
     return ", ".join(PRESETS)
 
 
+def _difficulty(text: str) -> str:
+    """A task preset, or one in answer formats (``tiny-pad-rev``), as its canonical name."""
+    from .tasks import get_difficulty
+    try:
+        return get_difficulty(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid choice: {e}") from None
+
+
 def _add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help=f"a preset ({_presets()}), a Hugging Face config.json (or its folder), "
                                  f"or package.module:factory (imports that module and calls the factory: it runs "
@@ -149,6 +158,7 @@ def _minutes(text: str) -> float | None:
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     from .finetune import FinetuneConfig
+    from .tasks import FORMATS
     from .tasks import PRESETS as DIFFICULTIES
     from .train import TrainConfig
     d, f = TrainConfig(), FinetuneConfig()
@@ -157,8 +167,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                         f"Hugging Face folder (config.json and *.safetensors: fine-tune its "
                         f"weights; config.json alone: random init), a config.json, or package.module:factory "
                         f"(imports and calls it: runs code, so name only code you trust)")
-    p.add_argument("--difficulty", default=d.difficulty, choices=list(DIFFICULTIES),
-                   help=f"arithmetic task preset (default {d.difficulty})")
+    p.add_argument("--difficulty", default=d.difficulty, type=_difficulty, metavar="NAME",
+                   help=f"arithmetic task preset ({', '.join(DIFFICULTIES)}; default {d.difficulty}), optionally with "
+                        f"answer formats after it, e.g. tiny-pad-rev ({', '.join(FORMATS)}: tasks/formats.py)")
     p.add_argument("--batch", type=_positive, default=d.batch, metavar="N",
                    help=f"global batch size (default {d.batch})")
     p.add_argument("--seq", type=_positive, default=None, metavar="N",
