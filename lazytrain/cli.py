@@ -1,7 +1,6 @@
 """The ``lazytrain`` command: argument parsing only; the work is in compiler/ and runtime/.
 
-Each command imports what it runs inside its handler, so ``lazytrain show`` or ``--help`` loads neither
-the compiler nor the runtime it does not use."""
+Each command imports what it runs inside its handler: ``lazytrain show`` or ``--help`` loads no compiler or runtime."""
 
 from __future__ import annotations
 
@@ -89,9 +88,8 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="run the layers' position-wise tails in chunks of N tokens, recomputed in backward; auto "
                         "(default): in chunks of 4096 only when no plan fits without")
     _add_resident_arg(p)
-    p.add_argument("--gpu-update", type=_resident, default="auto", metavar="none|auto|N|i,j,..",
-                   help="streamed blocks updated on the GPU (gradient kept there into the next step, state over "
-                        "PCIe): auto lets the compiler choose (milp policy, on a GPU), N the first N streamed")
+    p.add_argument("--gpu-update", type=_resident, default="auto", metavar="none|auto|N|i,j,..", help="streamed "
+                   "blocks updated on the GPU (state over PCIe): auto (milp, on a GPU) chooses, N: the first N")
 
 
 def _seq_tile(text: str):
