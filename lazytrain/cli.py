@@ -1,6 +1,6 @@
 """The ``lazytrain`` command: argument parsing only; the work is in compiler/ and runtime/.
 
-Each command imports what it runs inside its handler: ``lazytrain show`` or ``--help`` loads no compiler or runtime."""
+Each command imports what it runs in its handler: ``show`` or ``--help`` loads no compiler or runtime unneeded."""
 
 from __future__ import annotations
 
