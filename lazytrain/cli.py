@@ -1,6 +1,6 @@
 """The ``lazytrain`` command: argument parsing only; the work is in compiler/ and runtime/.
 
-Each command imports what it runs in its handler: ``show`` or ``--help`` loads no compiler or runtime unneeded."""
+Each command imports what it runs in its handler, so ``show`` and ``--help`` load no part they do not use."""
 
 from __future__ import annotations
 
