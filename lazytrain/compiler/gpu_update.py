@@ -82,6 +82,9 @@ def fixed(comp, plan: Plan, req) -> Plan:
     """The plan with the GPU-updated blocks asked for (a count: the first streamed ones), checked as any."""
     g = plan.graph
     blocks = candidates(g, plan.decisions)[:req] if isinstance(req, int) else req
+    bad = [j for j in blocks if not 0 <= j < g.n_blocks]
+    if bad:
+        raise ValueError(f"gpu_update blocks {bad} out of range 0..{g.n_blocks - 1}")
     if not blocks:
         return plan
     return comp.build(with_blocks(plan.decisions, blocks, g.n_blocks), plan.batch_size)
