@@ -1,7 +1,7 @@
 """The ``lazytrain`` command: argument parsing only; the work is in compiler/ and runtime/.
 
-Each command imports what it runs inside its handler, so ``lazytrain show`` or ``--help`` loads neither
-the compiler nor the runtime it does not use."""
+Each command imports what it runs inside its handler, and ``build_parser(command)`` describes ``train``'s and
+``bench``'s arguments (which import their modules) only for them: ``show`` loads no compiler, runtime or torch."""
 
 from __future__ import annotations
 
@@ -50,8 +50,17 @@ def _batch(text: str):
 
 
 def _presets() -> str:
-    from .frontend.presets import PRESETS
+    from .frontend.preset_configs import PRESETS
     return ", ".join(PRESETS)
+
+
+def _difficulty(text: str) -> str:
+    """A task preset, or one in answer formats (``tiny-pad-rev``), as its canonical name."""
+    from .tasks import get_difficulty
+    try:
+        return get_difficulty(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid choice: {e}") from None
 
 
 def _add_compile_args(p: argparse.ArgumentParser) -> None:
@@ -146,6 +155,7 @@ def _minutes(text: str) -> float | None:
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     from .finetune import FinetuneConfig
+    from .tasks import FORMATS
     from .tasks import PRESETS as DIFFICULTIES
     from .train import TrainConfig
     d, f = TrainConfig(), FinetuneConfig()
@@ -154,8 +164,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                         f"Hugging Face folder (config.json and *.safetensors: fine-tune its "
                         f"weights; config.json alone: random init), a config.json, or package.module:factory "
                         f"(imports and calls it: runs code, so name only code you trust)")
-    p.add_argument("--difficulty", default=d.difficulty, choices=list(DIFFICULTIES),
-                   help=f"arithmetic task preset (default {d.difficulty})")
+    p.add_argument("--difficulty", default=d.difficulty, type=_difficulty, metavar="NAME",
+                   help=f"arithmetic task preset ({', '.join(DIFFICULTIES)}; default {d.difficulty}), optionally with "
+                        f"answer formats after it, e.g. tiny-pad-rev ({', '.join(FORMATS)}: tasks/formats.py)")
     p.add_argument("--batch", type=_positive, default=d.batch, metavar="N",
                    help=f"global batch size (default {d.batch})")
     p.add_argument("--seq", type=_positive, default=None, metavar="N",
@@ -324,7 +335,6 @@ def cmd_trace(a) -> int:
 
 
 def cmd_profile(a) -> int:
-
     from .profile import measure
     if not (a.model and os.path.isfile(a.output)):
         hw = measure(quick=a.quick, disk_dir=a.disk_dir)
@@ -390,17 +400,10 @@ def cmd_bench(a) -> int:
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The ``lazytrain`` parser; with ``command``, the other sub-commands keep their name and help but not their
-    arguments: describing ``train``'s and ``bench``'s imports the task, data, fine-tune and bench modules (~0.15 s
-    of a compile's start on 2 cores), and ``compile``'s the presets, hence torch (what ``show`` never needs)."""
     ap = _Parser(prog="lazytrain", description="Compile and run training schedules for models larger than the GPU.")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    def full(name: str) -> bool:
-        return command is None or command == name
     p = sub.add_parser("compile", help="trace, cost, solve, lower, verify; write the plan")
-    if full("compile"):
-        _add_compile_args(p)
+    _add_compile_args(p)
     p.add_argument("-o", "--output", default="plan.json")
     p.add_argument("--calibrate", action="store_true",
                    help="time the model's blocks on this machine at the plan's shapes and compile with those times "
@@ -455,7 +458,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                                    "--time-limit-min, report exact match on held-out problems, and write "
                                    "metrics.json, loss.png and checkpoint/ into --output. Ctrl-C stops after the "
                                    "step in flight and saves; twice stops at once.")
-    if full("train"):
+    if command in (None, "train"):
         _add_train_args(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("export", help="a checkpoint as a Hugging Face folder (config, sharded safetensors, tokenizer)")
@@ -469,7 +472,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="dtype of the weights (default: the config's)")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("bench", help="side-by-side benchmark: lazytrain, FSDP2 + CPU offload, plain PyTorch")
-    if full("bench"):
+    if command in (None, "bench"):
         from .bench import add_args as _add_bench_args
         _add_bench_args(p)
     p.set_defaults(fn=cmd_bench)
@@ -478,8 +481,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    ap = build_parser(args[0] if args and not args[0].startswith("-") else None)
-    a = ap.parse_args(args)
+    a = build_parser(args[0] if args and not args[0].startswith("-") else None).parse_args(args)
     a.argv = args     # what --gpus N starts on every rank
     try:
         return a.fn(a)

@@ -55,6 +55,31 @@ def test_every_block_is_timed_and_the_plan_uses_the_times(calibrated):
     assert all(t.workspace_bytes > 0 and t.backward_workspace_bytes > 0 for t in timings)   # transients measured too
 
 
+def test_the_host_update_rate_is_measured_in_the_timing_steps_and_priced(calibrated):
+    """The host optimizer's rate is the one its updates reached in the timing steps (beside the copies and the
+    compute), not the profile's standalone figure: the plan's update ops are priced at it."""
+    _, plan, path = calibrated
+    rate = plan.hardware["cpu_adam_gparams"]
+    assert rate != PROFILES["cpu"].cpu_adam_gparams and "adamw host update rate measured in a calibration step" in \
+        plan.hardware["source"]
+    assert HardwareProfile.load(path).cpu_adam_gparams == rate           # written back with the block times
+    host = [op for op in plan.ops if op.kind is OpKind.UPDATE and op.seconds > 0]
+    assert host and all(op.seconds == pytest.approx(plan.graph.blocks[op.block].owned_numel / (rate * 1e9))
+                        for op in host)
+
+
+def test_host_rate_counts_every_timed_update_at_its_blocks_parameters():
+    from lazytrain.calibrate import HOST_UPDATE, host_rate
+    from lazytrain.frontend.presets import build_from_config
+    from lazytrain.frontend.trace import trace
+    graph = trace(build_from_config(CONFIG, device="meta"), seq_len=32)
+    sig = [graph.block_signature(j) for j in range(graph.n_blocks)]
+    n = [b.owned_numel for b in graph.blocks]
+    samples = {(sig[1], HOST_UPDATE): [0.5, 1.5], (sig[0], HOST_UPDATE): [1.0], (sig[1], "forward_s"): [9.0]}
+    assert host_rate(graph, samples) == pytest.approx((2 * n[1] + n[0]) / 3.0 / 1e9)
+    assert host_rate(graph, {(sig[1], "forward_s"): [1.0]}) is None
+
+
 def test_a_measured_transient_above_the_traced_one_raises_the_plan_memory(calibrated):
     """A block seen to need more than its traced workspace (a GPU kernel's, an fp32 norm's backward) is charged
     the measured figure: in the graph's meta (not its signature, which names the timings), in the peak."""

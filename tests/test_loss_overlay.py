@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lazytrain.tasks import PRESETS
+from lazytrain.tasks import get_difficulty
+from lazytrain.train import TrainConfig
 
 pytest.importorskip("matplotlib")
 
@@ -52,7 +53,8 @@ def test_json_and_png_written(overlay):
     out, res = overlay
     data = json.loads((out / "loss_overlay.json").read_text())
     assert data["format"] == "lazytrain.loss-overlay/1" and data["model"] == "task" and data["params"] > 0
-    assert data["settings"]["batch"] == 4 and data["settings"]["seq"] == PRESETS["tiny"].seq_len
+    assert data["settings"]["batch"] == 4
+    assert data["settings"]["seq"] == get_difficulty(TrainConfig().difficulty).seq_len
     assert data["lazytrain"]["plan"]["policy"] == "keep-all" and data["lazytrain"]["param_dtype"] == "float32"
     assert "--steps 6" in data["command"] and data["comparison"] == res["comparison"]
     assert (out / "loss_overlay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

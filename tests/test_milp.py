@@ -176,3 +176,16 @@ def test_a_peak_under_a_gradient_drain_is_answered_by_the_drain_rows(monkeypatch
     plan = comp.best("milp", 16, micro_batch=2)
     assert asked == [False, True]
     assert plan.decisions.policy == "milp" and plan.predicted["peak_gpu_bytes"] <= comp.budgets["gpu_bytes"]
+
+
+def test_a_tightening_that_does_not_lower_the_peak_grows_the_next_one():
+    """The rows' budget steps down by the excess, and by twice the last step where that last step lowered the
+    excess by less than half its size (a peak the rows do not reach there: stepping by the excess alone creeps)."""
+    from lazytrain.compiler.search import tightening
+    GiB = 2**30
+    first = tightening(3 * GiB, (0, 0))
+    assert first == (int(3 * GiB * 1.05) + 1, 3 * GiB)
+    worked = tightening(GiB // 10, first)                  # the excess fell by far more than half the step
+    assert worked[0] == int(GiB // 10 * 1.05) + 1
+    stalled = tightening(GiB // 10, worked)                # the same excess again: the step doubles
+    assert stalled[0] == 2 * worked[0] and tightening(GiB // 10, stalled)[0] == 4 * worked[0]

@@ -65,7 +65,7 @@ def test_every_distinct_eval_problem_can_be_asked_for():
     import dataclasses
 
     from lazytrain.tasks import PRESETS, check_eval_size, eval_examples
-    from lazytrain.tasks.arith import eval_problem_count
+    from lazytrain.tasks.eval_size import eval_problem_count
     small = dataclasses.replace(PRESETS["tiny"], name="one-digit", max_digits=1, max_answer=18)
     n = eval_problem_count(small, 10_000)
     assert 5 <= n < 100

@@ -32,7 +32,7 @@ def test_train_writes_metrics_and_checkpoint(first_run):
     assert m["steps_done"] == 3 and len(m["loss_curve"]) == 3 and m["stop_reason"] == "steps"
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in m["loss_curve"])
     assert 0.0 <= m["exact_match"] <= 1.0 and m["eval_size"] == 8
-    assert m["settings"]["difficulty"] == "tiny" and m["settings"]["batch"] == 4
+    assert m["settings"]["difficulty"] == TrainConfig().difficulty == "tiny-pad-carry" and m["settings"]["batch"] == 4
     assert m["model"]["config"]["vocab"] == 98 and m["device"] == "cpu" and m["param_dtype"] == "float32"
     assert (out / "checkpoint" / "checkpoint.json").is_file()
     assert not list(out.glob("*.tmp*"))
@@ -72,6 +72,21 @@ def test_resume_continues_from_the_checkpoint(first_run, tmp_path):
     assert ckpt["step"] == 5
 
 
+def test_an_answer_format_trains_records_its_name_and_resumes(tmp_path):
+    """``--difficulty tiny-rev-pad``: trained on and evaluated in that format, recorded by its canonical
+    name (what a resume compares), and resumed from its checkpoint."""
+    from lazytrain.tasks import get_difficulty
+    out = tmp_path / "rev"
+    m = _train(out, "--steps", "2", "--difficulty", "tiny-rev-pad")
+    assert m["settings"]["difficulty"] == "tiny-pad-rev" and m["steps_done"] == 2
+    assert m["settings"]["seq"] == get_difficulty("tiny-pad-rev").seq_len != get_difficulty("tiny").seq_len
+    r = _train(tmp_path / "resumed", "--resume", str(out), "--steps", "3", "--difficulty", "tiny-pad-rev")
+    assert r["steps_done"] == 3 and r["settings"]["difficulty"] == "tiny-pad-rev"
+    assert r["loss_curve"][:2] == m["loss_curve"]
+    assert main(["train", *TINY, "--output", str(tmp_path / "x"), "--resume", str(out), "--steps", "4",
+                 "--difficulty", "tiny-pad-lsb"]) == 2
+
+
 def test_resume_equals_an_uninterrupted_run(tmp_path):
     """3 steps + resume to 5 replays the data stream and restores the optimizer, so with a constant
     learning rate its losses are those of 5 steps in one go."""
@@ -90,6 +105,7 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
     (["--lr", "-1"], "must be positive"),
     (["--batch", "zero"], "positive whole number"),
     (["--difficulty", "impossible"], "invalid choice"),
+    (["--difficulty", "tiny-upside"], "unknown answer format 'upside'"),
     (["--gpu-memory", "lots"], ""),
     (["--batch", "0"], "must be positive"),
     (["--steps", "-1"], "must be positive"),

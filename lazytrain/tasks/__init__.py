@@ -13,11 +13,11 @@ from .arith import (
     Problem,
     Step,
     StepKind,
-    check_eval_size,
     eval_examples,
     final_answer,
     get_difficulty,
     train_examples,
+    variant,
 )
 from .data import (
     IGNORE,
@@ -30,8 +30,12 @@ from .data import (
     shifted_cross_entropy,
     train_batches,
 )
+from .eval_size import check_eval_size
+from .formats import OPTIONS as FORMATS
+from .formats import Format
 from .tokenizer import CharTokenizer
 
-__all__ = ["IGNORE", "PRESETS", "Batch", "CharTokenizer", "Difficulty", "Example", "Problem", "Step", "StepKind",
-           "check_eval_size", "collate", "encode_example", "eval_examples", "exact_match", "final_answer",
-           "get_difficulty", "greedy_generate", "predict", "shifted_cross_entropy", "train_batches", "train_examples"]
+__all__ = ["FORMATS", "IGNORE", "PRESETS", "Batch", "CharTokenizer", "Difficulty", "Example", "Format", "Problem",
+           "Step", "StepKind", "check_eval_size", "collate", "encode_example", "eval_examples", "exact_match",
+           "final_answer", "get_difficulty", "greedy_generate", "predict", "shifted_cross_entropy", "train_batches",
+           "train_examples", "variant"]

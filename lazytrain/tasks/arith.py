@@ -27,6 +27,9 @@ and the operation next to each other, each a supervised step, and then do the ar
 neighbours at fixed relative offsets, which rotary positions make the same wherever the sentence
 puts them; neither change helps much alone.
 
+Answer formats (``formats.py``) write the same problems another way, named after the preset:
+``tiny-pad-rev`` is ``tiny`` with ``23-9=14`` written ``23-09=410:14``.
+
     >>> ex = eval_examples(1)[0]
     >>> ex.text      # e.g. 'Q: Max has 19 pens. He finds 18 more. How many pens does Max have? A: 19+18=37'
 """
@@ -36,10 +39,11 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
-from functools import cache
 from itertools import islice
+
+from .formats import PLAIN, SCRATCH_LEN, Equation, Format, parse_options
 
 
 class StepKind(Enum):
@@ -101,6 +105,23 @@ class Problem:
             count = after
         return ", ".join(parts)
 
+    def equations(self, d: Difficulty) -> list[Equation]:
+        """``solution``'s equations as numbers, each with the widest its numbers can be under ``d`` (an
+        answer format's ``pad`` fills to them: the same place holds the same width in every problem)."""
+        w = _widths(d)
+        out, count = [], self.start
+        for i, step in enumerate(self.steps):
+            after, left = step.apply(count), w["start"] if i == 0 else w["count"]
+            if step.kind is StepKind.ADD_GROUPS:
+                product = step.a * step.b
+                out.append(Equation(step.a, "*", step.b, product, (w["factor"], w["factor"], w["product"])))
+                out.append(Equation(count, "+", product, after, (left, w["product"], w["count"])))
+            else:
+                right = w["operand"] if step.kind in (StepKind.ADD, StepKind.SUB) else w["factor"]
+                out.append(Equation(count, SIGN[step.kind], step.a, after, (left, right, w["count"])))
+            count = after
+        return out
+
     @property
     def key(self) -> str:
         """The arithmetic alone, one line: ``37 ; add_groups 4 12 ; sub 19``."""
@@ -129,6 +150,7 @@ class Example:
     problem: Problem
     question: str  # the English
     answer: str    # str(problem.answer): what exact match compares with
+    difficulty: Difficulty | None = None   # its answer format and number widths; None: the plain answer
 
     @property
     def prompt(self) -> str:
@@ -137,8 +159,17 @@ class Example:
 
     @property
     def solution(self) -> str:
-        """What the model learns to write after the prompt: ``23+15=38`` (``Problem.solution``)."""
-        return self.problem.solution
+        """What the model learns to write after the prompt: ``23+15=38`` (``Problem.solution``), or the
+        same equations in the difficulty's answer format (``formats.py``)."""
+        d = self.difficulty
+        if d is None or d.fmt == PLAIN:
+            return self.problem.solution
+        return d.fmt.solution(self.problem.equations(d))
+
+    def final_answer(self, reply: str | None) -> str | None:
+        """The final number of a reply in this example's answer format (what exact match compares)."""
+        d = self.difficulty
+        return final_answer(reply) if d is None or d.fmt == PLAIN else d.fmt.final_answer(reply)
 
     @property
     def text(self) -> str:
@@ -155,6 +186,8 @@ class Difficulty:
     kinds: tuple[StepKind, ...]    # always includes ADD and SUB, so some step always fits
     max_answer: int                # every count along the way stays in 0..max_answer
     seq_len: int                   # tokens (chars + bos + eos) of the longest example; longer draws are redrawn
+    fmt: Format = PLAIN            # how the answer (and question) is written (formats.py)
+    base: Difficulty | None = None  # a format variant's plain preset: its problems, draws and split
 
 
 PRESETS = {
@@ -174,11 +207,62 @@ PRESETS = {
 
 
 def get_difficulty(spec: str | Difficulty) -> Difficulty:
+    """A preset (``tiny``) or a preset in an answer format (``tiny-pad-rev``: ``formats.py``)."""
     if isinstance(spec, Difficulty):
         return spec
-    if spec not in PRESETS:
-        raise ValueError(f"unknown difficulty {spec!r}; presets: {', '.join(PRESETS)}")
-    return PRESETS[spec]
+    if spec in PRESETS:
+        return PRESETS[spec]
+    name, *words = str(spec).split("-")
+    if name not in PRESETS or not words:
+        raise ValueError(f"unknown difficulty {spec!r}; presets: {', '.join(PRESETS)}, each with answer formats "
+                         f"after it (tiny-pad-rev; formats.py)")
+    return variant(PRESETS[name], parse_options(words, str(spec)))
+
+
+def variant(base: Difficulty, fmt: Format) -> Difficulty:
+    """``base``'s problems written in ``fmt``: the same draws, order and split (every stream is seeded by
+    the base's name and keeps what the base keeps), rows as long as the format's longest example."""
+    if fmt == PLAIN:
+        return base
+    v = replace(base, name=base.name + fmt.suffix, fmt=fmt, base=base, seq_len=0)
+    return replace(v, seq_len=_longest_tokens(v))
+
+
+def _widths(d: Difficulty) -> dict[str, int]:
+    """The most digits each place of an equation can hold under ``d`` (``Problem.equations``)."""
+    count = len(str(d.max_answer))
+    return {"start": d.max_digits, "count": count, "operand": d.max_digits, "factor": len(str(d.factor_max)),
+            "product": min(count, len(str(d.factor_max ** 2)))}
+
+
+def _longest_tokens(d: Difficulty) -> int:
+    """A bound on the tokens of ``d``'s longest example: the longest wording of the question with every
+    number at its widest, then the longest answer, each step of its longest kind."""
+    w, fmt = _widths(d), d.fmt
+    steps, question = _templates(fmt.short)
+    numbers = {"a": "9" * max(w["operand"], w["factor"]), "b": "9" * w["factor"]}
+    step_words = max(len(t.format(P="She", **numbers)) for k in d.kinds for t in steps[k])
+    words = (len(f"{max(NAMES, key=lambda n: len(n[0]))[0]} has {'9' * w['start']} {max(ITEMS, key=len)}.")
+             + d.n_steps[1] * (step_words + 1) + 1
+             + max(len(q.format(item=max(ITEMS, key=len), N="Zoe")) for q in question))
+
+    def eq_len(left: int, right: int, result: int, op: str) -> int:
+        scratch = SCRATCH_LEN if "carry" in fmt.options and op in "+-" else 0
+        return left + right + 2 + scratch + fmt.result_len(result)
+
+    answer = 0
+    for i in range(d.n_steps[1]):
+        left = w["start"] if i == 0 else w["count"]
+        kinds = []
+        for k in d.kinds:
+            if k is StepKind.ADD_GROUPS:
+                kinds.append(eq_len(w["factor"], w["factor"], w["product"], "*") + 2
+                             + eq_len(left, w["product"], w["count"], "+"))
+            else:
+                right = w["operand"] if k in (StepKind.ADD, StepKind.SUB) else w["factor"]
+                kinds.append(eq_len(left, right, w["count"], SIGN[k]))
+        answer += max(kinds) + (2 if i else 0)
+    return len("Q:  A: ") + words + answer + 2
 
 
 # ---- drawing the arithmetic ------------------------------------------------------------------------
@@ -241,14 +325,43 @@ STEP_TEMPLATES = {
 QUESTIONS = ("How many {item} now?", "How many does {N} have?", "How many {item} does {N} have?")
 
 
-def phrase(problem: Problem, rng: random.Random) -> str:
-    name, pronoun = rng.choice(NAMES)
-    item = rng.choice(ITEMS)
+#: ``short``'s wording (formats.py): the same choices as the tables above, one for one (so a short
+#: question is drawn with the same random numbers as the long one), in fewer words
+SHORT_TEMPLATES = {
+    StepKind.ADD: ("Buys {a}.", "Finds {a}.", "Gets {a}."),
+    StepKind.SUB: ("Gives {a}.", "Loses {a}.", "Sells {a}."),
+    StepKind.ADD_GROUPS: ("Buys {a} packs of {b}.", "Gets {a} bags of {b}."),
+    StepKind.MUL: ("Then has {a} times as many.",),
+    StepKind.DIV: ("Keeps 1/{a}.",),
+}
+SHORT_QUESTIONS = ("How many now?", "How many?", "How many {item}?")
+
+
+def _templates(short: bool) -> tuple[dict, tuple[str, ...]]:
+    return (SHORT_TEMPLATES, SHORT_QUESTIONS) if short else (STEP_TEMPLATES, QUESTIONS)
+
+
+def _choose(problem: Problem, rng: random.Random) -> tuple[int, ...]:
+    """The wording's random choices (name, item, one template a step, question), as indices into the
+    tables: one draw each, whatever the tables hold, so both wordings consume the same random numbers."""
+    picks = [rng.choice(range(len(NAMES))), rng.choice(range(len(ITEMS)))]
+    picks += [rng.choice(range(len(STEP_TEMPLATES[step.kind]))) for step in problem.steps]
+    return (*picks, rng.choice(range(len(QUESTIONS))))
+
+
+def _words(problem: Problem, picks: tuple[int, ...], short: bool = False) -> str:
+    steps, questions = _templates(short)
+    name, pronoun = NAMES[picks[0]]
+    item = ITEMS[picks[1]]
     sentences = [f"{name} has {problem.start} {item}."]
-    for step in problem.steps:
-        sentences.append(rng.choice(STEP_TEMPLATES[step.kind]).format(P=pronoun, a=step.a, b=step.b))
-    sentences.append(rng.choice(QUESTIONS).format(item=item, N=name))
+    for step, i in zip(problem.steps, picks[2:-1]):
+        sentences.append(steps[step.kind][i].format(P=pronoun, a=step.a, b=step.b))
+    sentences.append(questions[picks[-1]].format(item=item, N=name))
     return " ".join(sentences)
+
+
+def phrase(problem: Problem, rng: random.Random, *, short: bool = False) -> str:
+    return _words(problem, _choose(problem, rng), short)
 
 
 def n_tokens(ex: Example) -> int:
@@ -259,26 +372,35 @@ def n_tokens(ex: Example) -> int:
 # ---- the two splits --------------------------------------------------------------------------------
 
 def _examples(rng: random.Random, d: Difficulty, want_eval: bool) -> Iterator[Example]:
+    """The stream of ``d``: a format variant keeps exactly the draws its plain preset keeps (the plain
+    wording and answer fit the preset's rows), so it sees the same problems in the same order."""
+    draw = d.base or d
     while True:
-        problem = draw_problem(rng, d)
+        problem = draw_problem(rng, draw)
         if problem.in_eval != want_eval:
             continue
-        ex = Example(problem=problem, question=phrase(problem, rng), answer=str(problem.answer))
-        if n_tokens(ex) <= d.seq_len:
-            yield ex
+        picks = _choose(problem, rng)
+        plain = Example(problem=problem, question=_words(problem, picks), answer=str(problem.answer))
+        if n_tokens(plain) > draw.seq_len:
+            continue
+        if d.base is None and d.fmt == PLAIN:
+            yield plain
+        else:
+            yield Example(problem=problem, question=_words(problem, picks, d.fmt.short), answer=plain.answer,
+                          difficulty=d)
 
 
 def train_examples(difficulty: str | Difficulty = "easy", *, seed: int = 0) -> Iterator[Example]:
     """An endless, seeded stream of train problems (repeats allowed; none is ever an eval problem)."""
     d = get_difficulty(difficulty)
-    return _examples(random.Random(f"train/{d.name}/{seed}"), d, want_eval=False)
+    return _examples(random.Random(f"train/{(d.base or d).name}/{seed}"), d, want_eval=False)
 
 
 def drill_examples(difficulty: str | Difficulty = "easy", *, seed: int = 0) -> Iterator[Example]:
     """A second train stream, independent of ``train_examples``'s (its own seeded draws), for the bare
     worked answers that fill the rows' padding (``data.Drills``); train problems only, like that one."""
     d = get_difficulty(difficulty)
-    return _examples(random.Random(f"drill/{d.name}/{seed}"), d, want_eval=False)
+    return _examples(random.Random(f"drill/{(d.base or d).name}/{seed}"), d, want_eval=False)
 
 
 def eval_examples(n: int, difficulty: str | Difficulty = "easy", *, seed: int = 0) -> list[Example]:
@@ -287,88 +409,13 @@ def eval_examples(n: int, difficulty: str | Difficulty = "easy", *, seed: int = 
     d = get_difficulty(difficulty)
     seen: set[str] = set()
     out: list[Example] = []
-    for ex in _examples(random.Random(f"eval/{d.name}/{seed}"), d, want_eval=True):
+    for ex in _examples(random.Random(f"eval/{(d.base or d).name}/{seed}"), d, want_eval=True):
         if ex.problem.key not in seen:
             seen.add(ex.problem.key)
             out.append(ex)
         if len(out) == n:
             return out
     raise AssertionError("unreachable")
-
-
-# ---- how many eval problems a difficulty has -------------------------------------------------------
-
-#: the largest eval set: exact match's standard error is at most 0.5 / sqrt(n), 0.5% at 10,000 problems,
-#: and the task GPT evaluated 500 problems in 12-24 s on the 2-core machine, so 10,000 take 4-8 minutes
-MAX_EVAL_SIZE = 10_000
-
-
-def all_problems(d: Difficulty) -> Iterator[Problem]:
-    """Every problem ``draw_problem`` can draw for ``d``, each once, in a fixed order."""
-    def steps_from(count: int, left: int) -> Iterator[tuple[Step, ...]]:
-        if left == 0:
-            yield ()
-            return
-        for kind in d.kinds:
-            for a in _operands(kind, count, d) or ():
-                for b in (_groups(count, a, d) if kind is StepKind.ADD_GROUPS else (1,)):
-                    step = Step(kind=kind, a=a, b=b)
-                    for rest in steps_from(step.apply(count), left - 1):
-                        yield (step, *rest)
-    for n in range(d.n_steps[0], d.n_steps[1] + 1):
-        for start in range(1, 10 ** d.max_digits):
-            for steps in steps_from(start, n):
-                yield Problem(start=start, steps=steps)
-
-
-def _shortest_tokens(problem: Problem) -> int:
-    """Tokens of the problem's shortest wording (``phrase`` with the shortest name, pronoun, item,
-    templates and question): the problem can be drawn for a sequence that long.  Every template names
-    each of its step's numbers once, so the numbers add their digits to a floor that depends only on
-    the kinds of the steps."""
-    numbers = [problem.start, *(x for s in problem.steps for x in ((s.a, s.b) if s.kind is StepKind.ADD_GROUPS
-                                                                  else (s.a,)))]
-    return (_wording_floor(tuple(s.kind for s in problem.steps)) + sum(len(str(x)) - 1 for x in numbers)
-            + len(f"Q:  A: {problem.solution}") + 2)
-
-
-@cache
-def _wording_floor(kinds: tuple[StepKind, ...]) -> int:
-    """Characters of the shortest question for steps of these kinds, every number written as one digit."""
-    best = None
-    for name, pronoun in NAMES:
-        steps = sum(min(len(t.format(P=pronoun, a=0, b=0)) for t in STEP_TEMPLATES[k]) for k in kinds)
-        for item in ITEMS:
-            q = min(len(t.format(item=item, N=name)) for t in QUESTIONS)
-            words = len(f"{name} has 0 {item}.") + steps + q + len(kinds) + 1
-            best = words if best is None else min(best, words)
-    return best
-
-
-def eval_problem_count(d: Difficulty, at_least: int) -> int:
-    """Distinct eval problems of ``d`` that fit its ``seq_len``, counted up to ``at_least`` (the count
-    stops there: a large space is never enumerated to its end)."""
-    n = 0
-    for p in all_problems(d):
-        if p.in_eval and _shortest_tokens(p) <= d.seq_len:
-            n += 1
-            if n >= at_least:
-                break
-    return n
-
-
-def check_eval_size(n: int, difficulty: str | Difficulty) -> None:
-    """``eval_examples(n, difficulty)`` ends (there are ``n`` distinct eval problems) and is not absurd."""
-    d = get_difficulty(difficulty)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"--eval-size must be a positive whole number, got {n!r}")
-    if n > MAX_EVAL_SIZE:
-        raise ValueError(f"--eval-size {n:,} is more than an exact match needs (at most {MAX_EVAL_SIZE:,}: a "
-                         f"standard error of 0.5%)")
-    have = eval_problem_count(d, n)
-    if have < n:
-        raise ValueError(f"--eval-size {n:,}: the {d.name!r} task has only {have:,} distinct eval problems; ask for "
-                         f"at most that, or a harder --difficulty")
 
 
 def take_train(n: int, difficulty: str | Difficulty = "easy", *, seed: int = 0) -> list[Example]:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..frontend.loss_head import IGNORE
-from .arith import Difficulty, Example, drill_examples, final_answer, get_difficulty, train_examples
+from .arith import Difficulty, Example, drill_examples, get_difficulty, train_examples
 from .tokenizer import CharTokenizer
 
 GenerateFn = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] int64 -> logits [B, T, V]
@@ -172,8 +172,9 @@ def _decode(tok: CharTokenizer, ids: list[int]) -> str | None:
 def exact_match(generate_fn: GenerateFn, examples: Sequence[Example], batch_size: int = 64, *,
                 tokenizer: CharTokenizer | None = None, max_new_tokens: int | None = None) -> float:
     """Share of examples whose greedy worked answer, ended by eos in time, ends with exactly the
-    reference answer (the digits after its last ``=``)."""
+    reference answer (the digits after its last ``=``, read in the example's answer format:
+    ``Example.final_answer``)."""
     if not examples:
         raise ValueError("exact_match needs at least one example")
     got = predict(generate_fn, examples, batch_size, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
-    return sum(final_answer(g) == ex.answer for g, ex in zip(got, examples)) / len(examples)
+    return sum(ex.final_answer(g) == ex.answer for g, ex in zip(got, examples)) / len(examples)
