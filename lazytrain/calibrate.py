@@ -49,7 +49,7 @@ from .compiler.block_timing import BlockTiming, CutTiming
 from .compiler.hardware import HardwareProfile, get_profile
 from .frontend.presets import build_model
 from .frontend.trace import trace
-from .frontend.trace_export import find_layers, meta_clone, reduce_layers, reducible
+from .frontend.trace_export import find_layers, kept_layers, meta_clone, reducible
 from .ir import OpKind, PlanError, Resource, Saved
 from .ir.graph import ModelGraph
 from .ir.semantics import Sizes
@@ -71,12 +71,11 @@ def _log(verbose: bool, text: str) -> None:
 
 def timing_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """The model's structure with random weights on the CPU, cut to three layers when they are alike."""
-    clone = meta_clone(model, dtype)
     kept = None
     if reducible(model):
         prefix, layers = find_layers(model)
-        kept = {f"{prefix}.{i}.": f"{prefix}.{k}." for i, k in enumerate((0, 1, len(layers) - 1))}
-        reduce_layers(clone)
+        kept = {f"{prefix}.{i}.": f"{prefix}.{k}." for i, k in enumerate(kept_layers(len(layers)))}
+    clone = meta_clone(model, dtype, keep=3 if kept else None)
     fresh: dict[int, nn.Parameter] = {}
     with torch.no_grad():
         for m in clone.modules():

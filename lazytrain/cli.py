@@ -1,6 +1,6 @@
 """The ``lazytrain`` command: argument parsing only; the work is in compiler/ and runtime/.
 
-Each command imports what it runs in its handler, so ``show`` and ``--help`` load no part they do not use."""
+Each command imports what it runs in its handler; ``build_parser(cmd)`` adds train's and bench's flags only for them."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _batch(text: str):
 
 
 def _presets() -> str:
-    from .frontend.presets import PRESETS
+    from .frontend.preset_configs import PRESETS
     return ", ".join(PRESETS)
 
 
@@ -93,8 +93,7 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
 
 
 def _seq_tile(text: str):
-    """'auto', 'none' or a number of tokens."""
-    return None if text == "none" else "auto" if text == "auto" else _positive(text)
+    return None if text == "none" else "auto" if text == "auto" else _positive(text)   # auto, none or tokens
 
 
 def _resident(text: str):
@@ -336,7 +335,6 @@ def cmd_trace(a) -> int:
 
 
 def cmd_profile(a) -> int:
-
     from .profile import measure
     if not (a.model and os.path.isfile(a.output)):
         hw = measure(quick=a.quick, disk_dir=a.disk_dir)
@@ -401,7 +399,7 @@ def cmd_bench(a) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ap = _Parser(prog="lazytrain", description="Compile and run training schedules for models larger than the GPU.")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("compile", help="trace, cost, solve, lower, verify; write the plan")
@@ -460,7 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--time-limit-min, report exact match on held-out problems, and write "
                                    "metrics.json, loss.png and checkpoint/ into --output. Ctrl-C stops after the "
                                    "step in flight and saves; twice stops at once.")
-    _add_train_args(p)
+    if command in (None, "train"):
+        _add_train_args(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("export", help="a checkpoint as a Hugging Face folder (config, sharded safetensors, tokenizer)")
     p.add_argument("source", metavar="CHECKPOINT_DIR", help="a checkpoint folder, or the --output folder of a run")
@@ -473,16 +472,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the weights (default: the config's)")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("bench", help="side-by-side benchmark: lazytrain, FSDP2 + CPU offload, plain PyTorch")
-    from .bench import add_args as _add_bench_args
-    _add_bench_args(p)
+    if command in (None, "bench"):
+        from .bench import add_args as _add_bench_args
+        _add_bench_args(p)
     p.set_defaults(fn=cmd_bench)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
-    a.argv = list(sys.argv[1:] if argv is None else argv)     # what --gpus N starts on every rank
+    args = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser(args[0] if args and not args[0].startswith("-") else None).parse_args(args)
+    a.argv = args     # what --gpus N starts on every rank
     try:
         return a.fn(a)
     except (PlanError, ValueError, OSError, RuntimeError) as e:

@@ -153,3 +153,19 @@ def test_attention_uses_is_causal_only_where_the_mask_is_plainly_causal(kind, ca
     clone = meta_clone(_model(kind), torch.float32)
     assert use_causal_flag(clone, SEQ) is causal_flag
     assert (clone.config._attn_implementation == CAUSAL_ATTENTION) is causal_flag
+
+
+def test_a_reduced_clone_copies_only_the_layers_it_keeps():
+    import threading
+
+    from lazytrain.frontend.trace_export import meta_clone, reduce_layers
+    model = _model("llama")
+    reference = reduce_layers(meta_clone(model, torch.bfloat16), 3)
+    model.model.layers[3].lock = threading.Lock()        # cannot be deep-copied: layer 3 must never be
+    with pytest.raises(TypeError):
+        meta_clone(model, torch.bfloat16)
+    clone = meta_clone(model, torch.bfloat16, keep=3)
+    assert str(clone) == str(reference) and clone.config.num_hidden_layers == 3
+    assert [(n, p.shape, p.dtype, p.device.type) for n, p in clone.named_parameters()] == \
+        [(n, p.shape, p.dtype, p.device.type) for n, p in reference.named_parameters()]
+    assert model.config.num_hidden_layers == 6 and len(model.model.layers) == 6      # the model is untouched

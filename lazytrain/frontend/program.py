@@ -28,7 +28,7 @@ from .loss_head import DEFAULT_CHUNK_LOGITS, fused_next_token_loss
 from .loss_kernels import LossKernels, compiled_loss_kernels
 from .split import split as split_graph
 from .tiling import tile_split
-from .trace_export import BlockCode, Split, TraceError, export, find_layers, meta_clone, reduce_layers, reducible
+from .trace_export import BlockCode, Split, TraceError, export, find_layers, meta_clone, reducible
 
 
 @dataclass
@@ -132,9 +132,7 @@ def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dty
     buffers = real_buffers(model, device)
     n_layers = len(find_layers(model)[1]) if reducible(model) else None
     for keep in ((2, 3) if n_layers else (None,)):
-        clone = meta_clone(model, dtype)
-        if keep:
-            clone = reduce_layers(clone, keep)
+        clone = meta_clone(model, dtype, keep=keep)
         ep, root = export(clone, micro_batch, seq_len, example_inputs, loss_fn, packed=packed)
         sp = split_graph(ep, root, device=device, buffers=buffers, sequential=sequential)
         if keep == 2 and not same_code(sp):

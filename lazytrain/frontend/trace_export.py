@@ -131,20 +131,32 @@ class Split:
 
 # ----------------------------------------------------------------------------------------- model
 
-def meta_clone(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+def meta_clone(model: nn.Module, dtype: torch.dtype, keep: int | None = None) -> nn.Module:
     """A structural copy on ``meta`` with floating parameters in ``dtype``; no weight is copied.
+
+    ``keep``: the copy has only the layers ``reduce_layers`` keeps (the others are never copied: deep-copying
+    the 80 layers of a 70B model to drop 78 of them was 0.26 s of its trace, 0.07 s of an 8B's).
 
     The copy is in training mode whatever mode ``model`` is in (``from_pretrained`` returns a model in
     eval mode): a plan is a training step, so dropout is on where the model's config asks for it, as
     ``model.train()`` would have it.  Set the config's dropout to 0 to train without."""
     memo: dict[int, object] = {}
+    kept = None
+    if keep:
+        prefix, layers = find_layers(model)
+        kept = kept_layers(len(layers), keep)
+        memo.update({id(m): None for i, m in enumerate(layers) if i not in kept})    # left out of the copy
     for p in model.parameters(recurse=True):
         if id(p) not in memo:
             dt = dtype if p.is_floating_point() else p.dtype
             memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dt, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    return copy.deepcopy(model, memo).train()
+    clone = copy.deepcopy(model, memo).train()
+    if kept is not None:
+        copied = clone.get_submodule(prefix)
+        _set_layers(clone, prefix, [copied[i] for i in kept])
+    return clone
 
 
 def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -195,13 +207,22 @@ def reducible(model: nn.Module) -> bool:
     return not types or len(set(types)) == 1
 
 
+def kept_layers(n_layers: int, keep: int = 3) -> list[int]:
+    """The layers a reduced clone keeps: 0, 1 and the last; ``keep=2``: 0 and 1."""
+    return [0, 1, n_layers - 1][:keep]
+
+
 def reduce_layers(clone: nn.Module, keep: int = 3) -> nn.Module:
     """Keep layers 0, 1 and the last (renumbered 0, 1, 2) of a meta clone, in place; ``keep=2``: layers 0
     and 1."""
     prefix, layers = find_layers(clone)
+    return _set_layers(clone, prefix, [layers[i] for i in kept_layers(len(layers), keep)])
+
+
+def _set_layers(clone: nn.Module, prefix: str, kept: list[nn.Module]) -> nn.Module:
+    """``kept`` become the clone's layers (at ``prefix``), and its config says how many there are."""
     parent_name, _, attr = prefix.rpartition(".")
     parent = clone.get_submodule(parent_name) if parent_name else clone
-    kept = [layers[0], layers[1], layers[len(layers) - 1]][:keep]
     setattr(parent, attr, nn.ModuleList(kept))
     cfg = getattr(clone, "config", None)
     if cfg is not None and hasattr(cfg, "num_hidden_layers"):

@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-import networkx as nx
+if TYPE_CHECKING:       # networkx loads where a graph is built (``dataflow``, the cost graph), not with the IR
+    import networkx as nx
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "float64": 8,
                "int8": 1, "uint8": 1}
@@ -175,6 +177,7 @@ class ModelGraph:
     @property
     def dataflow(self) -> nx.DiGraph:
         """Blocks as nodes, an edge for each producer -> consumer pair (the chain plus skips)."""
+        import networkx as nx
         g = nx.DiGraph()
         g.add_nodes_from(range(self.n_blocks))
         g.add_edges_from((i, i + 1) for i in range(self.n_blocks - 1))
