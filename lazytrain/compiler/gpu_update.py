@@ -42,6 +42,8 @@ MIN_GAIN_S = 1e-6
 #: 0.05-0.3 s for qwen2.5-3b); counted in CPU time, as the search's deadline, so the choice does not depend on
 #: the machine's load.  The re-solve has the search's own deadline.
 SCAN_BUDGET_S = 6.0
+#: a plan whose GPU idles less than this share of its simulated step is left as it is (``choose``)
+MIN_IDLE_SHARE = 0.01
 
 
 def candidates(plan_graph, dec: Decisions) -> list[int]:
@@ -91,8 +93,16 @@ def fixed(comp, plan: Plan, req) -> Plan:
 
 
 def choose(comp, plan: Plan) -> Plan:
-    """The rule of the module docstring; returns the fastest plan found, with what was tried in its notes."""
+    """The rule of the module docstring; returns the fastest plan found, with what was tried in its notes.
+
+    A GPU update takes work off the host and puts some on the GPU, so it can at best remove the time the GPU
+    waits: a plan whose simulated GPU idles less than ``MIN_IDLE_SHARE`` of its step (GPU-bound, as most plans
+    on the FLOP-modelled profiles are) is returned as it is, without the scans.  The solved plan's solver stats
+    go with whichever plan is kept (a scan's plans are built, not solved)."""
     t0 = time.perf_counter()
+    step = plan.predicted["step_time_s"]
+    if step - plan.predicted.get("busy_s", {}).get("gpu", 0.0) < MIN_IDLE_SHARE * step:
+        return plan
     budget = [compile_cpu_seconds() + SCAN_BUDGET_S]
     best, tried = _scan(comp, plan, budget)
     over = next((t[1] for t in tried if len(t) == 3 and t[0] == len(plan.decisions.resident_blocks)
@@ -112,7 +122,7 @@ def choose(comp, plan: Plan) -> Plan:
             "resident": len(best.decisions.resident_blocks), "baseline_step_s": round(plan.predicted["step_time_s"], 5),
             "seconds": round(time.perf_counter() - t0, 3)}
     dec_noted = dataclasses.replace(best.decisions, notes={**best.decisions.notes, "gpu_update": note})
-    return dataclasses.replace(best, decisions=dec_noted, history=[*best.history, {
+    return dataclasses.replace(best, decisions=dec_noted, solver=best.solver or plan.solver, history=[*best.history, {
         "pass": "gpu_update", "seconds": note["seconds"]}])     # a copy: the search's memo stays as it was
 
 
