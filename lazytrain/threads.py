@@ -2,7 +2,7 @@
 
 On the CPU a step's speed depends on how many cores are free, and that changes: a 2-core machine
 that was busy when the run started (an install finishing, another job) is often idle a minute
-later, and the reverse.  One guess at start-up (``train.cpu_threads``: the cores idle then) can
+later, and the reverse.  One guess at start-up (``cpu_threads`` below: the cores idle then) can
 leave half the machine unused for the whole run, or oversubscribe it (a spinning OpenMP thread that
 waits for a descheduled sibling makes a step 2-3x slower).  ``ThreadTuner`` therefore tries each
 thread count for a few steps, keeps the fastest, and tries again every ``every`` steps.  Probing
@@ -12,8 +12,12 @@ reduction order, so losses agree to rounding, not bit for bit).
 
 from __future__ import annotations
 
+import os
 import statistics
+import time
 from collections.abc import Callable
+
+from .compiler.hardware import _cpu_cores
 
 
 class ThreadTuner:
@@ -70,3 +74,33 @@ class ThreadTuner:
         self.history.append((self._steps, medians))
         self._switch(min(medians, key=medians.get))
         self._until_round = self.every
+
+
+def cpu_threads(window_s: float = 0.3) -> int:
+    """Threads for this process: the cores that are idle now, at least one.
+
+    On a busy machine more OpenMP threads than free cores is far slower, not faster: a thread that
+    waits at a barrier for a descheduled sibling spins.  Measured on the shared 2-core machine at
+    load ~5 with the task model at batch 32: 0.24-0.30 s/step with 1 thread, 0.75 s/step with 2.
+    "Idle now" is the idle share of ``/proc/stat`` over ``window_s`` (the 1-minute load average,
+    used where there is no ``/proc``, still counts work that ended a minute ago: it gave this
+    process 1 thread on an idle 2-core machine right after another job).
+    """
+    cores = _cpu_cores()
+    busy = _busy_cores(window_s, cores)
+    return max(1, min(cores, cores - round(busy)))
+
+
+def _busy_cores(window_s: float, cores: int) -> float:
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + (v[4] if len(v) > 4 else 0)     # total, idle + iowait
+    try:
+        t0, i0 = sample()
+        time.sleep(window_s)
+        t1, i1 = sample()
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+    machine_cores = os.cpu_count() or cores
+    return max(0.0, machine_cores * (1 - (i1 - i0) / max(1, t1 - t0)) - (machine_cores - cores))

@@ -71,6 +71,7 @@ from .model_loading import is_hf_folder as _is_hf_folder
 from .model_loading import meta_weights, shard_loadable
 from .ranks import Ranks
 from .tasks import CharTokenizer, check_eval_size, eval_examples, exact_match, get_difficulty, train_batches
+from .threads import cpu_threads
 
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
 TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512, "rope": True}
@@ -120,36 +121,6 @@ def _device(cfg: TrainConfig) -> torch.device:
             raise ValueError("--device cuda: no CUDA GPU is visible to torch")
         return dev
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def cpu_threads(window_s: float = 0.3) -> int:
-    """Threads for this process: the cores that are idle now, at least one.
-
-    On a busy machine more OpenMP threads than free cores is far slower, not faster: a thread that
-    waits at a barrier for a descheduled sibling spins.  Measured on the shared 2-core machine at
-    load ~5 with the task model at batch 32: 0.24-0.30 s/step with 1 thread, 0.75 s/step with 2.
-    "Idle now" is the idle share of ``/proc/stat`` over ``window_s`` (the 1-minute load average,
-    used where there is no ``/proc``, still counts work that ended a minute ago: it gave this
-    process 1 thread on an idle 2-core machine right after another job).
-    """
-    cores = _cpu_cores()
-    busy = _busy_cores(window_s, cores)
-    return max(1, min(cores, cores - round(busy)))
-
-
-def _busy_cores(window_s: float, cores: int) -> float:
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + (v[4] if len(v) > 4 else 0)     # total, idle + iowait
-    try:
-        t0, i0 = sample()
-        time.sleep(window_s)
-        t1, i1 = sample()
-    except (OSError, ValueError, IndexError):
-        return os.getloadavg()[0]
-    machine_cores = os.cpu_count() or cores
-    return max(0.0, machine_cores * (1 - (i1 - i0) / max(1, t1 - t0)) - (machine_cores - cores))
 
 
 def _hardware(dev: torch.device) -> str:
