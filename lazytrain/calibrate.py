@@ -156,14 +156,13 @@ def measure(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch:
     n_micro = plan.batch_size // micro_batch
     _log(verbose, f"timing {plan.graph.n_blocks} blocks of a {type(model).__name__} on {device}: micro-batch "
                   f"{micro_batch}, seq {seq_len}, {repeats} steps of {n_micro} micro-batch(es) after {WARMUP}")
-    kinds = {OpKind.COMPUTE: "forward_s", OpKind.BACKWARD: "backward_s", OpKind.RECOMPUTE: "recompute_s",
-             OpKind.UPDATE: HOST_UPDATE}
+    kinds = {OpKind.COMPUTE: "forward_s", OpKind.BACKWARD: "backward_s", OpKind.RECOMPUTE: "recompute_s"}
     batches = _Batches(plan, _vocab(tm))
     opt = Hybrid8bitAdamW(lr=0.0) if optimizer == "hybrid8bit" else TorchAdamW(lr=0.0)
     trainer = Trainer(tm, plan, optimizer=opt, device=device, profile=True, verbose=False)
     try:
         samples = _samples(trainer, plan, batches, repeats,
-                           lambda op: None if op.kind is OpKind.UPDATE and op.resource is not Resource.CPU
+                           lambda op: HOST_UPDATE if op.kind is OpKind.UPDATE and op.resource is Resource.CPU
                            else kinds.get(op.kind))
         workspace = measured_transients(trainer, plan, batches.next())
     finally:
@@ -174,8 +173,7 @@ def measure(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch:
         sig = plan.graph.block_signature(j)
         if any(t.signature == sig for t in out) or (sig, "forward_s") not in samples:
             continue
-        fig = {k: statistics.median(samples[(sig, k)]) for k in kinds.values()
-               if k != HOST_UPDATE and (sig, k) in samples}
+        fig = {k: statistics.median(samples[(sig, k)]) for k in kinds.values() if (sig, k) in samples}
         fig.setdefault("recompute_s", fig["forward_s"])
         out.append(BlockTiming(signature=sig, block=f"{b.name} ({b.kind}) of {type(model).__name__}",
                                micro_batch=micro_batch, seq_len=seq_len, samples=len(samples[(sig, "forward_s")]),
@@ -190,7 +188,7 @@ def measure(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch:
     rate = host_rate(plan.graph, samples)
     if rate is not None:
         _log(verbose, f"  host {optimizer} update: {rate:.2f} G params/s in the timing steps (profile "
-                      f"{hw.cpu_adam8_gparams if optimizer == 'hybrid8bit' else hw.cpu_adam_gparams:.2f})")
+                      f"{getattr(hw, _rate_field(optimizer)):.2f})")
     return Measured(out, rate)
 
 
@@ -207,12 +205,16 @@ def host_rate(graph: ModelGraph, samples: dict[tuple[str, str], list[float]]) ->
     return params / seconds / 1e9 if params and seconds > 0 else None
 
 
+def _rate_field(optimizer: str) -> str:
+    """The hardware profile's field of ``optimizer``'s host rate."""
+    return "cpu_adam8_gparams" if optimizer == "hybrid8bit" else "cpu_adam_gparams"
+
+
 def with_host_rate(hw: HardwareProfile, gparams: float, optimizer: str) -> HardwareProfile:
     """``hw`` with the host optimizer's rate measured in the timing steps, and its source saying so."""
-    field = "cpu_adam8_gparams" if optimizer == "hybrid8bit" else "cpu_adam_gparams"
     note = f"{optimizer} host update rate measured in a calibration step"
     source = hw.source if note in hw.source else f"{hw.source}; {note}"
-    return dataclasses.replace(hw, **{field: gparams}, source=source)
+    return dataclasses.replace(hw, **{_rate_field(optimizer): gparams}, source=source)
 
 
 class _Batches:
