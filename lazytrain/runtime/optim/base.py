@@ -85,6 +85,15 @@ class HostOptimizer(ABC):
         to and from the GPU run asynchronously at full PCIe rate)."""
         raise NotImplementedError(f"{type(self).__name__} does not support GPU-updated streamed blocks")
 
+    def pinned_copies(self, block: int, alloc) -> dict[str, torch.Tensor]:
+        """``streamed_state(block)`` copied into buffers from ``alloc(numel, dtype)``, by name (for
+        ``pin_streamed_state``, which puts them in the block's place)."""
+        out = {}
+        for k, t in self.streamed_state(block).items():
+            out[k] = alloc(t.numel(), t.dtype)
+            out[k].copy_(t)
+        return out
+
     def step_streamed(self, block: int, grad: torch.Tensor, params: torch.Tensor, state: dict[str, torch.Tensor],
                       clip_coef: float = 1.0, lr: float | None = None) -> None:
         """``step`` for a streamed block on copies of its state: ``params`` a copy of its load buffer (owned

@@ -33,9 +33,7 @@ class Streamed8bit:
 
     def pin_streamed_state(self, block: int, alloc) -> None:
         st = self._blocks[block]
-        for k, t in self.streamed_state(block).items():
-            pinned = alloc(t.numel(), t.dtype)
-            pinned.copy_(t)
+        for k, pinned in self.pinned_copies(block, alloc).items():
             setattr(st, k, pinned)
 
     def step_streamed(self, block: int, grad: torch.Tensor, params: torch.Tensor, state: dict[str, torch.Tensor],

@@ -152,10 +152,7 @@ class TorchAdamW(HostOptimizer):
 
     def pin_streamed_state(self, block: int, alloc) -> None:
         b = self._blocks[block]
-        new = {}
-        for k, t in self.streamed_state(block).items():
-            new[k] = alloc(t.numel(), t.dtype)
-            new[k].copy_(t)
+        new = self.pinned_copies(block, alloc)
         self._flat_state[block] = (new["exp_avg"], new["exp_avg_sq"], new["steps"])
         self._blocks[block] = self._bind(b.load, new.get("master", b.load), new["exp_avg"], new["exp_avg_sq"],
                                          new["steps"], b.device)
