@@ -29,6 +29,7 @@ import lazytrain
 from lazytrain.bench_worker import host_rss_bytes
 from lazytrain.frontend.random_init import random_model
 from lazytrain.ir import GiB
+from lazytrain.runtime.profiling import plan_digest
 from lazytrain.units import parse_size
 
 
@@ -79,6 +80,10 @@ def parser() -> argparse.ArgumentParser:
                          "seconds, distinct programs and cache hits go into the output as block_compile)")
     ap.add_argument("--resident", default="auto", type=lambda t: t if t in ("none", "auto") else int(t),
                     help="none, auto (default: the compiler's choice) or a number of leading blocks kept on the GPU")
+    ap.add_argument("--refit", action="store_true",
+                    help="after each run, read the host update, parameter load and gradient offload rates its "
+                         "profiled step reached (lazytrain.step_rates) into the hardware profile, compile again "
+                         "and run that plan too: its prediction is priced at the measured in-step rates")
     ap.add_argument("--gpu-update", default="auto", type=lambda t: t if t in ("none", "auto") else int(t),
                     help="none, auto (default: the compiler's choice) or a number of the first streamed blocks "
                          "updated on the GPU (compile(..., gpu_update=...)); none for the A/B without")
@@ -92,7 +97,7 @@ def main(argv=None) -> dict:
 
     if a.seq != "max":
         a.seq = int(a.seq)
-    if a.calibrate:
+    if a.calibrate or a.refit:      # measurements go into a copy of the profile
         import tempfile
 
         from lazytrain.compiler.hardware import get_profile
@@ -118,7 +123,7 @@ def main(argv=None) -> dict:
             if threads:
                 a.optim_threads = int(threads[0])
             try:
-                results.append(run_one(a, model, build_s))
+                results.extend(run_refit(a, model, build_s) if a.refit else [run_one(a, model, build_s)])
             except Exception as e:  # noqa: BLE001 - keep the other runs; report this one
                 import traceback
                 traceback.print_exc()
@@ -128,7 +133,7 @@ def main(argv=None) -> dict:
                 with open(a.out, "w") as f:
                     json.dump(results, f, indent=1)
         return results
-    out = run_one(a, model, build_s)
+    out = run_refit(a, model, build_s) if a.refit else run_one(a, model, build_s)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
@@ -150,9 +155,37 @@ def scaled_rope_config(preset: str, scaling: str) -> str:
     return str(folder / "config.json")
 
 
-def run_one(a, model, build_s: float, plan=None) -> dict:
+def run_refit(a, model, build_s: float) -> list[dict]:
+    """``run_one``, then the in-step rates of its profiled step written into the hardware profile
+    (``a.hardware``, a file), and ``run_one`` again on the plan compiled with them."""
+    from lazytrain.compiler.hardware import HardwareProfile
+    from lazytrain.step_rates import measure
+    measured: list = []
+    first = run_one(a, model, build_s, measured=measured)
+    if not measured:
+        raise SystemExit("--refit needs the profiled step (drop --no-profile)")
+    plan, prof = measured[0]
+    hw = HardwareProfile.load(a.hardware)
+    rates = measure(plan, prof)
+    print(f"in-step rates: {rates.describe(hw)}")
+    rates.apply(hw).save(a.hardware)
+    torch.cuda.empty_cache()
+    second = run_one(a, model, build_s)
+    second["refit"] = {"host_update_gparams": rates.host_update_gparams, "param_load_gbps": rates.param_load_gbps,
+                       "grad_offload_gbps": rates.grad_offload_gbps, "ops": rates.ops, "from": rates.describe(hw),
+                       "same_decisions_as_measured": second["decisions_digest"] == first["decisions_digest"]}
+    first["refit_stage"], second["refit_stage"] = "measured", "refit"
+    return [first, second]
+
+
+def _digest(d) -> str:
+    import hashlib
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -> dict:
     """Compile (unless ``plan`` is given), cap, train warm-up + measured steps and, unless
-    ``a.profile`` is False, one profiled step; return the figures."""
+    ``a.profile`` is False, one profiled step; return the figures (and append (plan, profile) to ``measured``)."""
     t = time.perf_counter()
     if plan is None:
         plan = lazytrain.compile(model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
@@ -205,6 +238,8 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
         trainer.profile = True
         trainer.step(batch())
         prof = trainer.last_profile
+        if measured is not None:
+            measured.append((plan, prof))
     trainer.close()
 
     med = statistics.median(s.step_s for s in stats)
@@ -219,6 +254,7 @@ def run_one(a, model, build_s: float, plan=None) -> dict:
         "optim_threads": getattr(opt, "num_threads", None), "gpu_memory": a.gpu_memory,
         "device": torch.cuda.get_device_name(0),
         "total_params": plan.graph.total_params, "steps": a.steps, "warmup": a.warmup,
+        "plan_digest": plan_digest(plan), "decisions_digest": _digest(plan.decisions.to_json()),
         "median_step_s": med, "tokens_per_s": a.batch * seq / med,
         "model_tflops": 6 * plan.graph.total_params * a.batch * seq / med / 1e12,
         "model_attn_tflops": (6 * plan.graph.total_params * seq + plan.graph.attention_model_flops)

@@ -57,6 +57,7 @@ from .runtime.memtrack import compare, track
 from .runtime.optim.hybrid8bit import Hybrid8bitAdamW
 from .runtime.optim.torch_adamw import TorchAdamW
 from .runtime.trainer import Trainer
+from .step_rates import rate_field, with_host_rate
 
 #: micro-batches a step of the timing plan: each block's forward, recompute and backward run this often a step
 N_MICRO = 2
@@ -188,7 +189,7 @@ def measure(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch:
     rate = host_rate(plan.graph, samples)
     if rate is not None:
         _log(verbose, f"  host {optimizer} update: {rate:.2f} G params/s in the timing steps (profile "
-                      f"{getattr(hw, _rate_field(optimizer)):.2f})")
+                      f"{getattr(hw, rate_field(optimizer)):.2f})")
     return Measured(out, rate)
 
 
@@ -203,18 +204,6 @@ def host_rate(graph: ModelGraph, samples: dict[tuple[str, str], list[float]]) ->
     timed = [(numel[sig], s) for (sig, name), secs in samples.items() if name == HOST_UPDATE for s in secs]
     params, seconds = sum(n for n, _ in timed), sum(s for _, s in timed)
     return params / seconds / 1e9 if params and seconds > 0 else None
-
-
-def _rate_field(optimizer: str) -> str:
-    """The hardware profile's field of ``optimizer``'s host rate."""
-    return "cpu_adam8_gparams" if optimizer == "hybrid8bit" else "cpu_adam_gparams"
-
-
-def with_host_rate(hw: HardwareProfile, gparams: float, optimizer: str) -> HardwareProfile:
-    """``hw`` with the host optimizer's rate measured in the timing steps, and its source saying so."""
-    note = f"{optimizer} host update rate measured in a calibration step"
-    source = hw.source if note in hw.source else f"{hw.source}; {note}"
-    return dataclasses.replace(hw, **{_rate_field(optimizer): gparams}, source=source)
 
 
 class _Batches:

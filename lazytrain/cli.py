@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
+from .cli_types import _batch, _minutes, _non_negative, _positive, _positive_float, _resident, _seed, _seq_tile, _size
 from .ir import GiB, Plan, PlanError, Sizes, verify
 from .ir.summary import model_tflops_text
-from .units import parse_size
 
 
 class _Parser(argparse.ArgumentParser):
@@ -21,31 +20,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _whole_number(text: str, least: int, what: str, bound: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"needs a {what}, got {text!r}") from None
-    if v < least:
-        raise argparse.ArgumentTypeError(f"must be {bound}, got {v}")
-    return v
-
-
-def _positive(text: str) -> int:
-    return _whole_number(text, 1, "positive whole number", "positive")
-
-
-def _batch(text: str):
-    return "max" if text == "max" else _positive(text)
 
 
 def _presets() -> str:
@@ -92,65 +66,11 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
                    "blocks updated on the GPU (state over PCIe): auto (milp, on a GPU) chooses, N: the first N")
 
 
-def _seq_tile(text: str):
-    return None if text == "none" else "auto" if text == "auto" else _positive(text)   # auto, none or tokens
-
-
-def _resident(text: str):
-    """'none', 'auto', a number of leading blocks, or block indices separated by commas."""
-    if text in ("none", "auto"):
-        return text
-    try:
-        if "," in text:
-            return [int(x) for x in text.split(",") if x.strip()]
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"needs none, auto, a number of blocks or a list like 0,1,2; got {text!r}") \
-            from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
 def _add_resident_arg(p: argparse.ArgumentParser, default: str = "auto") -> None:
     p.add_argument("--resident", type=_resident, default=default, metavar="none|auto|N|i,j,..",
                    help="keep blocks on the GPU for the whole run (parameters, optimizer state, gradients; their "
                         "update runs on the GPU): auto lets the compiler choose how many of the first blocks (milp "
                         f"policy, on a GPU), N keeps the first N (tied groups whole) (default {default})")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"needs a positive number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    if v == math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return v
-
-
-def _seed(text: str) -> int:
-    v = _whole_number(text, 0, "whole number >= 0", ">= 0")
-    if v >= 1 << 63:
-        raise argparse.ArgumentTypeError(f"must be below 2**63, got {text}")
-    return v
-
-
-def _non_negative(text: str) -> int:
-    return _whole_number(text, 0, "whole number >= 0", ">= 0")
-
-
-def _minutes(text: str) -> float | None:
-    """A positive number of minutes, or 0 / none for no time limit."""
-    if text.strip().lower() in ("0", "none"):
-        return None
-    try:
-        return _positive_float(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"needs minutes (a positive number), or 0 for no limit; got {text!r}") \
-            from None
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
@@ -336,6 +256,10 @@ def cmd_trace(a) -> int:
 
 def cmd_profile(a) -> int:
     from .profile import measure
+    if a.step:
+        from .step_rates import refit_file
+        print(refit_file(a.output, *a.step))
+        return 0
     if not (a.model and os.path.isfile(a.output)):
         hw = measure(quick=a.quick, disk_dir=a.disk_dir)
         with open(a.output, "w") as f:
@@ -451,6 +375,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--compile-blocks", action="store_true",
                    help="with --model: time the block programs compiled by Inductor, and each cut of a block the "
                         "compiler may choose, as plans compiled with --compile-blocks run them")
+    p.add_argument("--step", nargs=2, default=None, metavar=("PLAN", "PROFILE"),
+                   help="write into -o (an existing profile) the host update, parameter load and gradient offload "
+                        "rates that PLAN's profiled step PROFILE reached (from `train --profile`); later compiles "
+                        "price those ops at them")
     p.set_defaults(fn=cmd_profile)
     p = sub.add_parser("train", help="train on the built-in arithmetic task: compile, train, evaluate, save",
                        description="Train on generated arithmetic word problems: build the model, compile a plan "

@@ -162,7 +162,7 @@ class CostModel:
         return self.sizes.shard_numel(j) * self.sizes.param_bytes
 
     def load_s(self, j: int) -> float:
-        return self.hw.h2d_seconds(self.load_bytes(j))
+        return self.hw.param_load_seconds(self.load_bytes(j))
 
     def all_gather_s(self, j: int) -> float:
         """The block's parameters assembled from every rank's shard (ring all-gather)."""
@@ -183,7 +183,7 @@ class CostModel:
         its readers' shares (``tied_sum_s``), which the step waits for before its clip coefficient."""
         if j in self.resident or j in self.gpu_updated:
             return 0.0
-        return self.hw.d2h_seconds(self.grad_bytes(j)) + self.tied_sum_s(j)
+        return self.hw.grad_offload_seconds(self.grad_bytes(j)) + self.tied_sum_s(j)
 
     def tied_sum_s(self, j: int) -> float:
         """Host time to add the readers' gradients of block j's tied parameters to its own (one fused

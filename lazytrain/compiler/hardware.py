@@ -72,50 +72,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .block_timing import BlockTiming
+from .flops import ATTENTION_HEAD_DIM_FACTOR, attention_flops, head_dim_factor, layer_flops
 
-__all__ = ["HardwareProfile", "PROFILES", "get_profile", "layer_flops", "FORMAT", "VERSION"]
+__all__ = ["HardwareProfile", "PROFILES", "get_profile", "layer_flops", "attention_flops", "head_dim_factor",
+           "ATTENTION_HEAD_DIM_FACTOR", "FORMAT", "VERSION"]
 
 FORMAT = "lazytrain.hardware"
 VERSION = 1
 GiB = 2**30
 MiB = 2**20
-
-
-def attention_flops(batch: int, seq: int, hidden: int, *, causal: bool = True, backward: bool = False) -> float:
-    """FLOPs of a fused attention over ``seq`` queries and keys: ``4*batch*seq**2*hidden`` forward, halved if
-    causal, 2.5x that backward (``hidden``: the query width, ``n_heads * head_dim``)."""
-    forward = 4.0 * batch * seq * seq * hidden / (2 if causal else 1)
-    return forward * 2.5 if backward else forward
-
-
-def layer_flops(params: int, batch: int, seq: int, hidden: int, *, causal: bool = True) -> float:
-    """Forward FLOPs of one transformer layer: ``2*params*tokens`` of matmuls + ``attention_flops``."""
-    return 2.0 * params * batch * seq + attention_flops(batch, seq, hidden, causal=causal)
-
-
-#: the attention rate by head dimension relative to 128, (forward, backward), from the same published cuDNN
-#: figures on the H100: head dim 64 reaches 413 / 595 TFLOP/s forward and ~0.85 of 128's backward; 256
-#: reaches 509 / 539 forward (backward taken equal).  Between the points: linear in log2(head dim).
-ATTENTION_HEAD_DIM_FACTOR = {64: (0.69, 0.85), 128: (1.0, 1.0), 256: (0.94, 0.94)}
-
-
-def head_dim_factor(head_dim: int, backward: bool) -> float:
-    """``ATTENTION_HEAD_DIM_FACTOR`` at ``head_dim``: interpolated in log2, held at the ends."""
-    points = sorted(ATTENTION_HEAD_DIM_FACTOR.items())
-    k = 1 if backward else 0
-    if head_dim <= points[0][0]:
-        return points[0][1][k]
-    for (d0, f0), (d1, f1) in zip(points, points[1:]):
-        if head_dim <= d1:
-            t = (math.log2(head_dim) - math.log2(d0)) / (math.log2(d1) - math.log2(d0))
-            return f0[k] + t * (f1[k] - f0[k])
-    return points[-1][1][k]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,6 +127,11 @@ class HardwareProfile:
     collective_latency_s: float = 20e-6
     internode_gbps: float = 12.5
     internode_latency_s: float = 20e-6
+    #: parameter loads and gradient offloads as a step runs them, GB/s (0: the pinned ``h2d_gbps`` /
+    #: ``d2h_gbps``).  In a host-paced step they share the host's memory with the optimizer's updates and
+    #: run slower than the copy benchmark; ``lazytrain.step_rates`` measures them in a plan's own step
+    param_load_gbps: float = 0.0
+    grad_offload_gbps: float = 0.0
     #: measured block programs (``BlockTiming``); the cost model prefers them to the figures above
     calibration: tuple = ()
 
@@ -176,7 +151,7 @@ class HardwareProfile:
             if field.type == "int" and not isinstance(value, int):
                 raise ValueError(f"hardware profile field {field.name} must be a whole number, got {value!r}")
             if field.name in ("kernel_overhead_s", "op_dispatch_s", "op_dispatch_bwd_s", "attn_fwd_tflops",
-                              "attn_bwd_tflops", "attn_half_len"):
+                              "attn_bwd_tflops", "attn_half_len", "param_load_gbps", "grad_offload_gbps"):
                 ok = value >= 0
             else:
                 ok = value > 0
@@ -242,6 +217,14 @@ class HardwareProfile:
 
     def d2h_seconds(self, nbytes: float, *, pinned: bool = True) -> float:
         return nbytes / ((self.d2h_gbps if pinned else self.pageable_d2h_gbps) * 1e9)
+
+    def param_load_seconds(self, nbytes: float) -> float:
+        """A streamed block's parameters host -> GPU (pinned), at the in-step rate where one was measured."""
+        return nbytes / ((self.param_load_gbps or self.h2d_gbps) * 1e9)
+
+    def grad_offload_seconds(self, nbytes: float) -> float:
+        """A streamed block's gradient GPU -> host (pinned), at the in-step rate where one was measured."""
+        return nbytes / ((self.grad_offload_gbps or self.d2h_gbps) * 1e9)
 
     def update_seconds(self, n_params: float, eight_bit: bool) -> float:
         """Host optimizer step over ``n_params`` parameters on all cores."""

@@ -1,0 +1,79 @@
+"""Value types of the ``lazytrain`` command's arguments: each turns one argument's text into its value, or says in
+one line what it needs (``argparse.ArgumentTypeError``), never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from .units import parse_size
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+def _whole_number(text: str, least: int, what: str, bound: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a {what}, got {text!r}") from None
+    if v < least:
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {v}")
+    return v
+
+def _positive(text: str) -> int:
+    return _whole_number(text, 1, "positive whole number", "positive")
+
+def _batch(text: str):
+    return "max" if text == "max" else _positive(text)
+
+def _seq_tile(text: str):
+    return None if text == "none" else "auto" if text == "auto" else _positive(text)   # auto, none or tokens
+
+def _resident(text: str):
+    """'none', 'auto', a number of leading blocks, or block indices separated by commas."""
+    if text in ("none", "auto"):
+        return text
+    try:
+        if "," in text:
+            return [int(x) for x in text.split(",") if x.strip()]
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs none, auto, a number of blocks or a list like 0,1,2; got {text!r}") \
+            from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a positive number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    if v == math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return v
+
+def _seed(text: str) -> int:
+    v = _whole_number(text, 0, "whole number >= 0", ">= 0")
+    if v >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"must be below 2**63, got {text}")
+    return v
+
+def _non_negative(text: str) -> int:
+    return _whole_number(text, 0, "whole number >= 0", ">= 0")
+
+def _minutes(text: str) -> float | None:
+    """A positive number of minutes, or 0 / none for no time limit."""
+    if text.strip().lower() in ("0", "none"):
+        return None
+    try:
+        return _positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"needs minutes (a positive number), or 0 for no limit; got {text!r}") \
+            from None
