@@ -443,7 +443,9 @@ def _report_profile(trainer, out: Path, bar) -> None:
                  f"{100 * (1 - prof.exposed_update_s / prof.update_s):.0f}%" if prof.update_s else "-"])
     text = tabulate(rows, headers=["work", "busy ms", "hidden under compute"], tablefmt="plain")
     prof.save(out / "profile.json", trainer.plan)
-    notes = [f"profiled step: {prof.step_s * 1e3:.1f} ms", text, f"wrote {out / 'profile.json'}"]
+    trainer.plan.save(out / "plan.json")      # the pair `lazytrain profile --step` reads
+    notes = [f"profiled step: {prof.step_s * 1e3:.1f} ms", text,
+             f"wrote {out / 'profile.json'} and {out / 'plan.json'}"]
     plot = out / "memory.png" if can_plot() else None
     notes += write_step(trainer.plan, out / "trace.json", plot=plot, profile=prof)
     _note(bar, "\n".join(notes))

@@ -46,6 +46,13 @@ def test_profile_prints_overlap_and_writes_the_measured_step(tmp_path, capsys):
     prof = StepProfile.load(tmp_path / "profile.json")
     assert prof.trace and json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert (tmp_path / "memory.png").stat().st_size > 0 and (tmp_path / "loss.png").stat().st_size > 0
+    # the pair the run wrote is what `lazytrain profile --step` reads into a hardware profile
+    from lazytrain.compiler.hardware import HardwareProfile, get_profile
+    get_profile("cpu").save(tmp_path / "hw.json")
+    assert main(["profile", "-o", str(tmp_path / "hw.json"), "--step", str(tmp_path / "plan.json"),
+                 str(tmp_path / "profile.json")]) == 0
+    assert "in-step rates" in capsys.readouterr().out
+    assert "measured in a plan's step" in HardwareProfile.load(tmp_path / "hw.json").source
 
 
 def test_without_matplotlib_training_finishes_without_pictures(tmp_path, monkeypatch):
