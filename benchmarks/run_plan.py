@@ -272,11 +272,29 @@ def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -
         "compile_blocks": bool(plan.options.get("compile_blocks")), "block_compile": block_compile,
         **({"memory_report": memory} if memory else {}),
     }
+    if prof is not None:
+        out["by_kind"] = by_kind(plan, prof)
     print(json.dumps({k: v for k, v in out.items() if k != "losses"}, indent=1))
     if getattr(a, "artifacts", None) and prof is not None:
         tag = f"{a.batch}_{a.policy}" + (f"_res{len(plan.decisions.resident_blocks)}"
                                          if plan.decisions.resident_blocks else "")
         out["artifacts"] = str(save_artifacts(Path(a.artifacts) / tag, plan, prof))
+    return out
+
+
+def by_kind(plan, prof) -> dict[str, dict]:
+    """The profiled step's ops against the plan's predicted seconds, summed by (kind, resource): where the
+    prediction is off (each op timed from when its stream or worker started it, waits excluded)."""
+    by_id = {op.id: op for op in plan.ops}
+    out: dict[str, dict] = {}
+    for i, _res, t0, t1 in prof.trace:
+        op = by_id[i]
+        row = out.setdefault(f"{op.kind.value}@{op.resource.value}", {"ops": 0, "predicted_s": 0.0, "measured_s": 0.0})
+        row["ops"] += 1
+        row["predicted_s"] += op.seconds
+        row["measured_s"] += t1 - t0
+    for row in out.values():
+        row["measured_over_predicted"] = row["measured_s"] / row["predicted_s"] if row["predicted_s"] else None
     return out
 
 
