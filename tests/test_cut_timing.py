@@ -89,6 +89,32 @@ def test_plans_take_the_measured_cut_and_the_summary_says_so():
     assert "A cut's backward costs the min-cut backward plus" in summaries["modelled"]
 
 
+def test_a_block_that_saves_at_the_min_cut_runs_the_measured_saving_forward():
+    """Calibration times a recomputed block's forward (saves nothing) apart from its recompute (saves at the
+    min-cut, as a kept or offloaded block's forward does): the plan prices each forward by what it saves, and the
+    MILP's rows the same (``fwd_save``), so its objective still agrees with the simulated step."""
+    graph = _with_cut(chain(6, saved_per_token=300_000), 0.2, 0.5)
+    base = _timings(graph)[0]                  # forward 2 ms, recompute 2.2 ms
+    hw = get_profile("h200").with_timings([base])
+    cost = CostModel(graph, hw, MB, "bfloat16")
+    assert (cost.fwd_s(1), cost.saving_fwd_s(1), cost.recompute_s(1)) == (2e-3, 2.2e-3, 2.2e-3)
+    at_cut = CostModel(graph, hw.with_timings([_timings(graph)[1]]), MB, "bfloat16",
+                       cut=tuple(1 if len(b.cuts) > 1 else 0 for b in graph.blocks))
+    assert at_cut.saving_fwd_s(1) == pytest.approx(2.1e-3)        # at a timed cut: that cut's saving forward
+    coef = coefficients(cost, {"gpu_bytes": 10 * 2**30, "host_bytes": 200 * 2**30}, 1, 12.0)
+    assert coef.fwd_save[1] == pytest.approx(2.2) and coef.fwd[1] == pytest.approx(2.0)
+    assert coefficients(CostModel(graph, get_profile("h200"), MB, "bfloat16"), {"gpu_bytes": 10 * 2**30,
+                        "host_bytes": 200 * 2**30}, 1, 12.0).fwd_save == []      # modelled: rows as before
+    for gpu in ("14GiB", "80GiB"):
+        plan = lazytrain.compile(graph, batch_size=8, seq_len=graph.seq_len, gpu_memory=gpu, host_memory="200GiB",
+                                 hardware=hw, policy="milp", micro_batch=8, resident="none", gpu_update="none")
+        saved = [op for op in plan.ops if op.kind is OpKind.COMPUTE and op.block == 1]
+        assert saved and all(op.seconds == (2.2e-3 if op.save else 2e-3) for op in saved)
+        if not plan.decisions.notes.get("milp_fallback"):
+            obj = plan.solver.objective
+            assert abs(plan.predicted["step_time_s"] - obj) <= 0.02 * obj
+
+
 def test_cut_plan_saves_every_offering_block_at_the_cut():
     graph = _with_cut(chain(4, saved_per_token=300_000), 0.2, 0.5)
     hw = get_profile("h200")

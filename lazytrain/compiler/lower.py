@@ -223,7 +223,8 @@ class _Lowering:
                 # so GPU memory stays bounded in time even when the copies are slower than compute
                 throttle = tuple(self.saved_offloads[j][mb - 2: mb - 1]) if mb >= 2 else ()
                 self.emit(OpKind.COMPUTE, j, mb=mb, tensor=_tid(TensorKind.ACT, j + 1, mb) if j + 1 < L else None,
-                          save=save, resource=Resource.GPU, seconds=c.fwd_s(j), deps=throttle)
+                          save=save, resource=Resource.GPU, seconds=c.saving_fwd_s(j) if save else c.fwd_s(j),
+                          deps=throttle)
                 a_in = _tid(TensorKind.ACT, j, mb)
                 if self.bplace[j] is Place.GPU:
                     pass                                  # stays until its segment's backward

@@ -49,6 +49,10 @@ class Coefficients:
     cut_S: list = field(default_factory=list)
     cut_R: list = field(default_factory=list)
     cut_F: list = field(default_factory=list)
+    #: per block, ms of its forward that saves for backward at the min-cut (kept, offloaded, or recomputed in the
+    #: backward), where that differs from ``fwd``, the forward that saves nothing: measured blocks only
+    #: (``CostModel.saving_fwd_s``); empty: every block's is ``fwd``
+    fwd_save: list = field(default_factory=list)
     #: with several ranks (``ir.sharding``): per block its all-gather and reduce-scatter on the collective
     #: stream, and the all-reduce of the norms (empty / 0 in a world of one: no rows)
     ag: list = field(default_factory=list)
@@ -97,7 +101,8 @@ def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
         ar=cost.all_reduce_s() * MS if cost.sharded else 0.0,
         cut_S=[[cost.saved_bytes(j, k) / GiB for k in range(cost.n_cuts(j))] for j in range(L)],
         cut_R=[[cost.cut_recompute_s(j, k) * MS for k in range(cost.n_cuts(j))] for j in range(L)],
-        cut_F=_cut_forward_ms(cost))
+        cut_F=_cut_forward_ms(cost),
+        fwd_save=_saving_forward_ms(cost))
 
 
 def _cut_forward_ms(cost) -> list:
@@ -105,6 +110,13 @@ def _cut_forward_ms(cost) -> list:
     they were without measured cuts)."""
     out = [[cost.cut_forward_s(j, k) * MS for k in range(cost.n_cuts(j))] for j in range(cost.graph.n_blocks)]
     return out if any(any(row) for row in out) else []
+
+
+def _saving_forward_ms(cost) -> list:
+    """Per block, its forward's ms when it saves for backward at the min-cut; empty where no block's differs
+    from its plain forward (modelled blocks: the rows stay as they were)."""
+    out = [cost.saving_fwd_s(j) * MS for j in range(cost.graph.n_blocks)]
+    return out if any(abs(t - cost.fwd_s(j) * MS) > 0 for j, t in enumerate(out)) else []
 
 
 def _resident_gib(cost, j: int, per_resident: float) -> float:

@@ -260,8 +260,12 @@ def time_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions) 
     load = [c.load[j] * v.streamed(j) for j in range(L)]
     gout = [c.gout[j] * v.streamed(j) for j in range(L)]
     U = [c.U[j] * v.streamed(j) for j in range(L)]
+    # a block that saves at its min-cut (kept or offloaded) runs the saving forward, measured apart from the plain one
+    save_fwd_ms = [(c.fwd_save[j] - c.fwd[j]) * (v.keep_c[j][0] + v.host_c[j][0] + v.nvme_c[j][0])
+                   if c.fwd_save and c.fwd_save[j] != c.fwd[j] else 0.0 for j in range(L)]
+    rec_ms = c.fwd_save or c.fwd       # a recompute is a saving forward
     for j in range(L):
-        m += TF[j] >= M * c.fwd[j] + M * cut_fwd_ms[j], f"gpu_F[{j}]"
+        m += TF[j] >= M * c.fwd[j] + M * cut_fwd_ms[j] + M * save_fwd_ms[j], f"gpu_F[{j}]"
         if j + 1 < L:
             m += TF[j] >= load[j + 1], f"h2d_F[{j}]"
         spilled_in = v.spilled(c, j - 1) if j >= 1 else 0.0
@@ -269,7 +273,7 @@ def time_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions) 
             f"d2h_F[{j}]"
         if c.use_nvme:
             m += TF[j] >= M * c.nvw_ms * (v.saved(c, j, "nvme") + c.A[j] * v.bn[j]), f"nvme_F[{j}]"
-        m += TB[j] >= M * c.bwd[j] + M * c.fwd[j] * v.rec[j] + M * cut_ms[j], f"gpu_B[{j}]"
+        m += TB[j] >= M * c.bwd[j] + M * rec_ms[j] * v.rec[j] + M * cut_ms[j], f"gpu_B[{j}]"
         if j >= 1:
             k = j - 1
             reloads = M * c.h2d_ms * (v.saved(c, k, "off") - v.late_gib(c, k) + v.late_gib(c, j) + c.A[k] * boff[k])
@@ -288,7 +292,7 @@ def time_rows(m: LinearModel, c: Coefficients, v: Variables, opts: MilpOptions) 
         # the last late reload must land before the last micro-batch's backward can run
         m += TB[j] >= M * c.h2d_ms * v.late_gib(c, j) + c.bwd[j] + cut_ms[j], f"late_reload_then_backward[{j}]"
     # block 0's reloads happen before its backward (nothing left to hide them under)
-    m += TB[0] >= M * c.bwd[0] + M * c.fwd[0] * v.rec[0] + M * cut_ms[0] + M * c.h2d_ms * c.A[0] * v.bh[0], \
+    m += TB[0] >= M * c.bwd[0] + M * rec_ms[0] * v.rec[0] + M * cut_ms[0] + M * c.h2d_ms * c.A[0] * v.bh[0], \
         "h2d_B_first"
     m += TB[0] >= M * c.h2d_ms * v.late_gib(c, 0), "h2d_B_0_late"
     # with several ranks block 0's gradient is reduce-scattered before its offload, the norms all-reduced
