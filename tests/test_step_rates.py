@@ -58,7 +58,7 @@ def test_the_rates_are_what_the_ops_moved_over_their_seconds():
     assert rates.grad_offload_gbps == pytest.approx(GRAD_GBPS)
     assert rates.host_update_gparams == pytest.approx(UPDATE_GPARAMS)
     assert rates.ops == {"update": 6, "load": 11, "grad_offload": 6}
-    assert "parameter loads 20.0 GB/s" in rates.describe(get_profile("h200"))
+    assert "parameter and state loads 20.0 GB/s" in rates.describe(get_profile("h200"))
 
 
 def test_the_next_compile_prices_loads_offloads_and_updates_at_them_and_nothing_else():
@@ -120,9 +120,19 @@ def test_lazytrain_profile_step_writes_the_rates_into_the_file(tmp_path, capsys)
     get_profile("h200").save(tmp_path / "hw.json")
     assert main(["profile", "-o", str(tmp_path / "hw.json"), "--step", str(tmp_path / "plan.json"),
                  str(tmp_path / "profile.json")]) == 0
-    assert "gradient offloads 15.0 GB/s" in capsys.readouterr().out
+    assert "gradient offloads and state stores 15.0 GB/s" in capsys.readouterr().out
     hw = HardwareProfile.load(tmp_path / "hw.json")
     assert (hw.param_load_gbps, hw.grad_offload_gbps) == pytest.approx((LOAD_GBPS, GRAD_GBPS))
     assert main(["profile", "-o", str(tmp_path / "missing.json"), "--step", str(tmp_path / "plan.json"),
                  str(tmp_path / "profile.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_a_gpu_updated_blocks_state_copies_go_at_the_model_state_rates():
+    from lazytrain.compiler.cost import CostModel
+    hw = dataclasses.replace(get_profile("h200"), param_load_gbps=LOAD_GBPS, grad_offload_gbps=GRAD_GBPS)
+    cost = CostModel(_plan().graph, hw, 8, "bfloat16")
+    n = cost.state_bytes(1)
+    assert cost.state_load_s(1) == pytest.approx(n / (LOAD_GBPS * 1e9))
+    assert cost.state_store_s(1) == pytest.approx(n / (GRAD_GBPS * 1e9))
+    assert cost.h2d_s(n) == pytest.approx(n / (hw.h2d_gbps * 1e9))      # an activation's copy: the benchmark's

@@ -237,6 +237,15 @@ class CostModel:
         optimizer state beyond them (``Sizes.of(ostate[j])``)."""
         return self.param_bytes(j) + self.sizes.of(TensorId(kind=TensorKind.OPT_STATE, index=j))
 
+    def state_load_s(self, j: int) -> float:
+        """A GPU-updated block's parameters and optimizer state host -> GPU: the model's own state, copied from
+        pinned host memory like a parameter load, at the same in-step rate."""
+        return self.hw.param_load_seconds(self.state_bytes(j))
+
+    def state_store_s(self, j: int) -> float:
+        """... and back GPU -> host after its update, like a gradient offload."""
+        return self.hw.grad_offload_seconds(self.state_bytes(j))
+
     def act_bytes(self, i: int) -> int:
         return self.graph.boundary_bytes[i] * self.micro_batch
 

@@ -127,9 +127,10 @@ class HardwareProfile:
     collective_latency_s: float = 20e-6
     internode_gbps: float = 12.5
     internode_latency_s: float = 20e-6
-    #: parameter loads and gradient offloads as a step runs them, GB/s (0: the pinned ``h2d_gbps`` /
-    #: ``d2h_gbps``).  In a host-paced step they share the host's memory with the optimizer's updates and
-    #: run slower than the copy benchmark; ``lazytrain.step_rates`` measures them in a plan's own step
+    #: the model's own state over PCIe as a step runs it, GB/s (0: the pinned ``h2d_gbps`` / ``d2h_gbps``):
+    #: parameter loads and GPU-updated blocks' state loads, gradient offloads and state stores.  In a host-paced
+    #: step they share the host's memory with the optimizer's updates and run slower than the copy benchmark;
+    #: ``lazytrain.step_rates`` measures them in a plan's own step
     param_load_gbps: float = 0.0
     grad_offload_gbps: float = 0.0
     #: measured block programs (``BlockTiming``); the cost model prefers them to the figures above
@@ -219,11 +220,11 @@ class HardwareProfile:
         return nbytes / ((self.d2h_gbps if pinned else self.pageable_d2h_gbps) * 1e9)
 
     def param_load_seconds(self, nbytes: float) -> float:
-        """A streamed block's parameters host -> GPU (pinned), at the in-step rate where one was measured."""
+        """A streamed block's parameters (a GPU-updated block's state) host -> GPU, at the in-step rate if measured."""
         return nbytes / ((self.param_load_gbps or self.h2d_gbps) * 1e9)
 
     def grad_offload_seconds(self, nbytes: float) -> float:
-        """A streamed block's gradient GPU -> host (pinned), at the in-step rate where one was measured."""
+        """A streamed block's gradient (a GPU-updated block's state) GPU -> host, at the in-step rate if measured."""
         return nbytes / ((self.grad_offload_gbps or self.d2h_gbps) * 1e9)
 
     def update_seconds(self, n_params: float, eight_bit: bool) -> float:

@@ -129,7 +129,7 @@ class _Lowering:
         j, c = self.gu_order[k], self.cost
         n = c.state_bytes(j)
         self.emit(OpKind.STATE_LOAD, j, tensor=_tid(TensorKind.OPT_STATE, j), src=H, dst=G, nbytes=n,
-                  resource=Resource.H2D, seconds=c.h2d_s(n),
+                  resource=Resource.H2D, seconds=c.state_load_s(j),
                   deps=(self.state_updates[k - STATE_SLOTS],) if k >= STATE_SLOTS else ())
 
     def gpu_update(self, j: int) -> None:
@@ -140,7 +140,7 @@ class _Lowering:
         self.state_updates.append(len(self.ops) - 1)
         n = c.state_bytes(j)
         self.emit(OpKind.STATE_STORE, j, tensor=_tid(TensorKind.OPT_STATE, j), src=G, dst=H, nbytes=n,
-                  resource=Resource.D2H, seconds=c.d2h_s(n))
+                  resource=Resource.D2H, seconds=c.state_store_s(j))
         k = len(self.state_updates) - 1 + STATE_SLOTS
         if k < len(self.gu_order):
             self.state_load(k)
