@@ -101,6 +101,7 @@ class Compiler:
             self.options["nodes"] = nodes
         if compile_blocks:      # the runtime compiles the block programs (``frontend/compiled.py``)
             self.options["compile_blocks"] = True
+        self._costs: dict[tuple, CostModel] = {}         # ``cost``'s, by its arguments
         self.search = Search(self)
 
     def with_gpu_budget(self, gpu_bytes: int) -> Compiler:
@@ -117,9 +118,17 @@ class Compiler:
 
     def cost(self, micro_batch: int, resident: frozenset | None = None, cut: tuple = (),
              gpu_updated: frozenset = frozenset()) -> CostModel:
-        return CostModel(self.graph, self.hw, micro_batch, self.param_dtype, self.optimizer == "hybrid8bit",
-                         resident=self.resident if resident is None else resident, world_size=self.world_size,
-                         nodes=self.nodes, cut=cut, gpu_updated=gpu_updated)
+        """The cost model of one micro-batch and placement, built once: a search builds many plans at each
+        micro-batch, and a cost model's tables (``CostModel._block_s``, its ``Sizes``) are computed on first use."""
+        resident = self.resident if resident is None else resident
+        key = (micro_batch, resident, tuple(cut), gpu_updated)
+        cost = self._costs.get(key)
+        if cost is None or cost.graph is not self.graph or cost.hw is not self.hw:
+            cost = self._costs[key] = CostModel(self.graph, self.hw, micro_batch, self.param_dtype,
+                                                self.optimizer == "hybrid8bit", resident=resident,
+                                                world_size=self.world_size, nodes=self.nodes, cut=cut,
+                                                gpu_updated=gpu_updated)
+        return cost
 
     def with_resident(self, decisions):
         """``decisions`` with this compiler's fixed resident blocks (policies decide the rest)."""

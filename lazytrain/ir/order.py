@@ -60,9 +60,13 @@ class HazardWalk:
 
     def step(self, op: Op, eff: Effects) -> list[Hazard]:
         """The hazards of ``op`` (the next op of the list, with its effects) on the ops before it."""
+        return self.hazards(op.id, op.kind, op.resource, eff)
+
+    def hazards(self, me: int, kind: OpKind, res: Resource, eff: Effects) -> list[Hazard]:
+        """``step`` of the op with id ``me``, ``kind`` and ``resource`` ``res``: the lowering asks before it
+        builds the op, whose deps are what it asks for."""
         writer, readers = self.writer, self.readers
         found: list[Hazard] = []
-        me, res = op.id, op.resource
         same_step = bool(eff.reads)     # every value it reads was written in this list
         for v in eff.reads:
             t, tier = v
@@ -94,20 +98,27 @@ class HazardWalk:
         # a host update in the step of its gradients (every gradient it reads was offloaded in this
         # list) may apply the step's clip coefficient: the norm is complete once the D2H stream has
         # run every grad_offload so far, i.e. once the last one is done
-        if op.kind is OpKind.UPDATE and same_step and self.last_norm >= 0 \
-                and op.resource is not Resource.GPU:
+        if kind is OpKind.UPDATE and same_step and self.last_norm >= 0 and res is not Resource.GPU:
             found.append(Hazard(self.last_norm, None, "norm"))
-        elif op.kind is OpKind.GRAD_OFFLOAD:
-            self.last_grad_offload = self.last_norm = op.id
-        elif op.kind is OpKind.ALL_REDUCE:     # sums the norms of every grad_offload so far
+        elif kind is OpKind.GRAD_OFFLOAD:
+            self.last_grad_offload = self.last_norm = me
+        elif kind is OpKind.ALL_REDUCE:     # sums the norms of every grad_offload so far
             if self.last_grad_offload >= 0:
                 found.append(Hazard(self.last_grad_offload, None, "norm"))
-            self.last_norm = op.id
+            self.last_norm = me
         return found
 
     def deps(self, op: Op, eff: Effects, ops: list[Op]) -> set[int]:
         """``step``, as the dependencies the hazards need (``ops``: the ops before ``op``)."""
-        return {h.before for h in self.step(op, eff) if needs_dep(op, ops[h.before])}
+        return self.deps_of(op.id, op.kind, op.resource, eff, ops)
+
+    def deps_of(self, me: int, kind: OpKind, res: Resource, eff: Effects, ops: list[Op]) -> set[int]:
+        """``hazards``, as the dependencies they need (``needs_dep``): all of them for an op without a
+        resource, else those on an op of another resource."""
+        found = self.hazards(me, kind, res, eff)
+        if res is Resource.NONE:
+            return {h.before for h in found}
+        return {h.before for h in found if ops[h.before].resource is not res}
 
 
 def needs_dep(op: Op, before: Op) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from .graph import DTYPE_BYTES, ModelGraph
-from .ops import Op, OpKind, TensorId, TensorKind, Tier
+from .ops import Op, OpKind, TensorId, TensorKind, Tier, tensor_id
 from .sharding import block_sections, sections_owned_shard_numel, sections_shard_numel
 
 GRAD_ACCUM_BYTES = 4   # gradients accumulate in fp32 on the GPU (exact over micro-batches)
@@ -223,80 +223,86 @@ def effects(op: Op, sizes: Sizes) -> Effects:
 
     The host parameters ``params[o] on host`` are the host store's load buffers: resident for the whole
     run (not counted as plan memory), read by every ``load`` of a block that reads block o's
-    parameters and overwritten by o's ``update``; only their order matters."""
-    L = sizes.graph.n_blocks
-    j, m, k = op.block, op.mb, op.kind
+    parameters and overwritten by o's ``update``; only their order matters.
+
+    The most frequent kinds come first (a compile asks once per op, ~10^5 times for 80 blocks)."""
+    return effects_of(op.kind, op.block, op.mb, op.tensor, op.src, op.dst, op.save, sizes)
+
+
+def effects_of(k: OpKind, j: int, m: int | None, tensor: TensorId | None, src: Tier | None, dst: Tier | None,
+               save: bool, sizes: Sizes) -> Effects:
+    """``effects`` of the op with these fields (kind, block, mb, tensor, src, dst, save; the others do not
+    change what it touches): the lowering asks before it builds the op, whose deps follow from them."""
+    if k is OpKind.FREE:
+        return Effects((), (), ((tensor, src),))
+    if k is OpKind.OFFLOAD or k is OpKind.RELOAD:
+        return Effects(((tensor, src),), ((tensor, dst),), ())
     G = Tier.GPU
-    params = TensorId(kind=TensorKind.PARAMS, index=j)
+    params = tensor_id(TensorKind.PARAMS, j)
     resident = j in sizes.resident
     # a resident block's parameters and gradients are not plan tensors in a world of one; with several
     # ranks only its shards are (``resident_shards``): the gathered parameters and accumulator are
     planned = not resident or sizes.world_size > 1
     pread = ((params, G),) if planned else ()
-    if k is OpKind.LOAD:        # with several ranks: this rank's shard, which an all_gather completes
-        host = tuple((TensorId(kind=TensorKind.PARAMS, index=o), Tier.HOST) for o in sizes.owners(j))
-        dst = params if sizes.world_size == 1 else TensorId(kind=TensorKind.PARAM_SHARD, index=j)
-        return Effects(host, ((dst, G),), ())
-    if k is OpKind.ALL_GATHER:  # a resident block's shards (its own and its tied owners') stay
-        if resident:
-            return Effects(tuple((TensorId(kind=TensorKind.PARAM_SHARD, index=o), G) for o in sizes.owners(j)),
-                           ((params, G),), ())
-        shard = (TensorId(kind=TensorKind.PARAM_SHARD, index=j), G)
-        return Effects((shard,), ((params, G),), (shard,))
-    if k is OpKind.REDUCE_SCATTER:  # a resident block's adds into its owners' resident shard accumulators
-        acc = (TensorId(kind=TensorKind.GRADS, index=j), G)
-        if resident:
-            return Effects((acc,), (), (acc,), mutates=tuple(
-                (TensorId(kind=TensorKind.GRAD_SHARD, index=o), G) for o in sizes.owners(j)))
-        return Effects((acc,), ((TensorId(kind=TensorKind.GRAD_SHARD, index=j), G),), (acc,))
-    if k is OpKind.ALL_REDUCE:   # the norms it sums are not plan values (its wait on the grad_offloads is
-        # ``ir.order``'s "norm"), but resident blocks' accumulators are read where they are
-        return Effects(tuple((TensorId(kind=TensorKind.GRAD_SHARD, index=r), G) for r in sorted(sizes.resident)),
-                       (), ())
-    if k in (OpKind.COMPUTE, OpKind.RECOMPUTE):
-        reads = (*pread, (TensorId(kind=TensorKind.ACT, index=j, mb=m), G))
+    if k is OpKind.COMPUTE or k is OpKind.RECOMPUTE:
+        reads = (*pread, (tensor_id(TensorKind.ACT, j, m), G))
         writes = []
-        if k is OpKind.COMPUTE or op.tensor is None or op.tensor.kind is TensorKind.ACT:
-            if j + 1 < L:
-                writes.append((TensorId(kind=TensorKind.ACT, index=j + 1, mb=m), G))
-        if op.save or k is OpKind.RECOMPUTE:
-            writes.append((TensorId(kind=TensorKind.SAVED, index=j, mb=m), G))
+        if k is OpKind.COMPUTE or tensor is None or tensor.kind is TensorKind.ACT:
+            if j + 1 < sizes.graph.n_blocks:
+                writes.append((tensor_id(TensorKind.ACT, j + 1, m), G))
+        if save or k is OpKind.RECOMPUTE:
+            writes.append((tensor_id(TensorKind.SAVED, j, m), G))
         return Effects(reads, tuple(writes), (), sizes.workspace(j))
     if k is OpKind.BACKWARD:
-        saved = TensorId(kind=TensorKind.SAVED, index=j, mb=m)
+        saved = tensor_id(TensorKind.SAVED, j, m)
         reads = [*pread, (saved, G)]
         drops = [(saved, G)]
-        if j + 1 < L:
-            dout = TensorId(kind=TensorKind.GRAD_ACT, index=j + 1, mb=m)
+        if j + 1 < sizes.graph.n_blocks:
+            dout = tensor_id(TensorKind.GRAD_ACT, j + 1, m)
             reads.append((dout, G))
             drops.append((dout, G))
-        writes = [(TensorId(kind=TensorKind.GRADS, index=j), G)] if planned else []
+        writes = [(tensor_id(TensorKind.GRADS, j), G)] if planned else []
         if j > 0:
-            writes.append((TensorId(kind=TensorKind.GRAD_ACT, index=j, mb=m), G))
+            writes.append((tensor_id(TensorKind.GRAD_ACT, j, m), G))
         return Effects(tuple(reads), tuple(writes), tuple(drops),
                        sizes.backward_workspace(j) + sizes.param_grad_transient(j) + sizes.recompute_transient(j))
-    if k in (OpKind.OFFLOAD, OpKind.RELOAD):
-        return Effects(((op.tensor, op.src),), ((op.tensor, op.dst),), ())
+    if k is OpKind.LOAD:        # with several ranks: this rank's shard, which an all_gather completes
+        host = tuple((tensor_id(TensorKind.PARAMS, o), Tier.HOST) for o in sizes.owners(j))
+        dst = params if sizes.world_size == 1 else tensor_id(TensorKind.PARAM_SHARD, j)
+        return Effects(host, ((dst, G),), ())
     if k is OpKind.GRAD_OFFLOAD:
-        g = TensorId(kind=TensorKind.GRADS, index=j)
-        src = g if sizes.world_size == 1 else TensorId(kind=TensorKind.GRAD_SHARD, index=j)
+        g = tensor_id(TensorKind.GRADS, j)
+        src = g if sizes.world_size == 1 else tensor_id(TensorKind.GRAD_SHARD, j)
         return Effects(((src, G),), ((g, Tier.HOST),), ((src, G),), sizes.grad_cast_transient(j))
-    if k is OpKind.STATE_LOAD:     # a GPU-updated block's parameters and state, for its update and forward
-        state = TensorId(kind=TensorKind.OPT_STATE, index=j)
-        return Effects(((params, Tier.HOST), (state, Tier.HOST)), ((params, G), (state, G)), ())
-    if k is OpKind.STATE_STORE:    # ... back to the host store, which the next load of the block copies
-        state = TensorId(kind=TensorKind.OPT_STATE, index=j)
-        return Effects(((params, G), (state, G)), (), ((state, G),),
-                       mutates=((params, Tier.HOST), (state, Tier.HOST)))
     if k is OpKind.UPDATE:   # consumes the host gradients of every block that reads j's parameters
         if resident:         # ... or, on the GPU, the accumulator it owns for the whole run
             return Effects((), (), (), mutates=resident_shards(sizes, j))
         if j in sizes.gpu_updated:   # ... or the accumulator kept on the GPU since the last backward
-            acc = (TensorId(kind=TensorKind.GRADS, index=j), G)
-            state = (TensorId(kind=TensorKind.OPT_STATE, index=j), G)
+            acc = (tensor_id(TensorKind.GRADS, j), G)
+            state = (tensor_id(TensorKind.OPT_STATE, j), G)
             return Effects((acc, state, (params, G)), (), (acc,), mutates=(state, (params, G)))
-        gs = tuple((TensorId(kind=TensorKind.GRADS, index=c), Tier.HOST) for c in sizes.readers(j))
+        gs = tuple((tensor_id(TensorKind.GRADS, c), Tier.HOST) for c in sizes.readers(j))
         return Effects(gs, (), gs, mutates=((params, Tier.HOST),))
-    if k is OpKind.FREE:
-        return Effects((), (), ((op.tensor, op.src),))
+    if k is OpKind.ALL_GATHER:  # a resident block's shards (its own and its tied owners') stay
+        if resident:
+            return Effects(tuple((tensor_id(TensorKind.PARAM_SHARD, o), G) for o in sizes.owners(j)),
+                           ((params, G),), ())
+        shard = (tensor_id(TensorKind.PARAM_SHARD, j), G)
+        return Effects((shard,), ((params, G),), (shard,))
+    if k is OpKind.REDUCE_SCATTER:  # a resident block's adds into its owners' resident shard accumulators
+        acc = (tensor_id(TensorKind.GRADS, j), G)
+        if resident:
+            return Effects((acc,), (), (acc,), mutates=tuple(
+                (tensor_id(TensorKind.GRAD_SHARD, o), G) for o in sizes.owners(j)))
+        return Effects((acc,), ((tensor_id(TensorKind.GRAD_SHARD, j), G),), (acc,))
+    if k is OpKind.ALL_REDUCE:   # the norms it sums are not plan values (its wait on the grad_offloads is
+        # ``ir.order``'s "norm"), but resident blocks' accumulators are read where they are
+        return Effects(tuple((tensor_id(TensorKind.GRAD_SHARD, r), G) for r in sorted(sizes.resident)), (), ())
+    if k is OpKind.STATE_LOAD:     # a GPU-updated block's parameters and state, for its update and forward
+        state = tensor_id(TensorKind.OPT_STATE, j)
+        return Effects(((params, Tier.HOST), (state, Tier.HOST)), ((params, G), (state, G)), ())
+    if k is OpKind.STATE_STORE:    # ... back to the host store, which the next load of the block copies
+        state = tensor_id(TensorKind.OPT_STATE, j)
+        return Effects(((params, G), (state, G)), (), ((state, G),),
+                       mutates=((params, Tier.HOST), (state, Tier.HOST)))
     raise ValueError(f"unknown op kind {k}")
