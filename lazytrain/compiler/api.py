@@ -150,8 +150,8 @@ class Compiler:
         plan = Plan(graph=self.graph, hardware=self.hw.to_json(), budgets=dict(budgets), batch_size=batch_size,
                     seq_len=self.graph.seq_len, param_dtype=self.param_dtype, decisions=decisions, ops=ops,
                     options=dict(self.options), world_size=self.world_size)
-        rep = verify(plan, early_exit=check_budget, effs=effs)
-        sim = simulate(plan, effs=effs)
+        rep = verify(plan, early_exit=check_budget, effs=effs, sizes=cost.sizes)
+        sim = simulate(plan, effs=effs, sizes=cost.sizes)
         plan.predicted = self._predicted(plan, rep, sim)
         if plan.budgets.get("gpu_bytes") and plan.predicted["peak_gpu_bytes"] > plan.budgets["gpu_bytes"]:
             raise PlanError(f"simulated peak GPU memory {plan.predicted['peak_gpu_bytes'] / GiB:.2f} GiB "

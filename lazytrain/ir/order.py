@@ -142,8 +142,9 @@ class UpdateOrder:
 
     @classmethod
     def of(cls, ops: list[Op], sizes: Sizes) -> UpdateOrder:
-        grad_off = {op.block: op.id for op in ops if op.kind is OpKind.GRAD_OFFLOAD}
-        updates = {op.block: op.id for op in ops if op.kind is OpKind.UPDATE}
+        grad_offload, update = OpKind.GRAD_OFFLOAD, OpKind.UPDATE    # locals: a member read off its Enum is slow
+        grad_off = {op.block: op.id for op in ops if op.kind is grad_offload}
+        updates = {op.block: op.id for op in ops if op.kind is update}
         last = max(grad_off.values(), default=-1)
         lagged, norm_first = set(), True
         for owner, u in updates.items():
@@ -170,19 +171,20 @@ def cross_period(ops: list[Op], sizes: Sizes, *, clip: bool) -> dict[int, list[i
     accumulator its previous backward left on the GPU (with clipping, after the whole previous backward), and
     its ``state_load`` reads the host state the previous ``state_store`` wrote."""
     order = UpdateOrder.of(ops, sizes)
-    step_end = [op.id for op in ops if op.kind in (OpKind.GRAD_OFFLOAD, OpKind.BACKWARD, OpKind.REDUCE_SCATTER,
-                                                   OpKind.ALL_REDUCE)]
+    ending = frozenset((OpKind.GRAD_OFFLOAD, OpKind.BACKWARD, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE))
+    load, scatter, state_load = OpKind.LOAD, OpKind.REDUCE_SCATTER, OpKind.STATE_LOAD   # (a member read off its
+    step_end = [op.id for op in ops if op.kind in ending]                               # Enum is slow)
     grad_off = order.grad_offloads
     first_load: dict[int, int] = {}             # owner -> the first load of a block reading its parameters
     for op in ops:
-        if op.kind is OpKind.LOAD:
+        if op.kind is load:
             for o in sizes.owners(op.block):
                 first_load.setdefault(o, op.id)
     extra: dict[int, list[int]] = {}
     # with several ranks a resident block's reduce_scatter adds into the accumulators its owners' updates read
-    scatters = {op.block: op.id for op in ops if op.kind is OpKind.REDUCE_SCATTER and op.block in sizes.resident}
+    scatters = {op.block: op.id for op in ops if op.kind is scatter and op.block in sizes.resident}
     for op in ops:          # reads what the previous state_store wrote; the runtime starts no step before
-        if op.kind is OpKind.STATE_LOAD:    # the previous one's device work is done, so neither does this
+        if op.kind is state_load:    # the previous one's device work is done, so neither does this
             extra.setdefault(op.id, []).extend(step_end)
     for owner, u in order.updates.items():
         if owner in sizes.gpu_updated:
