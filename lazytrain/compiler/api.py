@@ -15,7 +15,7 @@ from ..frontend.presets import build_model
 from ..frontend.trace import trace
 from ..frontend.trace_cache import TraceCache
 from ..frontend.validate import check_compile_args, micro_batch_candidates
-from ..ir import GiB, Place, Plan, PlanError, Saved, verify
+from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
 from ..units import parse_size
 from . import gpu_update as gpu_update_rule
@@ -163,10 +163,11 @@ class Compiler:
         ops = plan.ops
         flops = 6 * self.graph.total_params * plan.batch_size * self.graph.seq_len
         blocks, dec = self.graph.blocks, plan.decisions
-        hw_flops = sum(blocks[op.block].fwd_flops if op.kind.value in ("compute", "recompute")
+        forward, work = {OpKind.COMPUTE, OpKind.RECOMPUTE}, {OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD}
+        hw_flops = sum(blocks[op.block].fwd_flops if op.kind in forward
                        else blocks[op.block].bwd_flops + (blocks[op.block].cuts[dec.cut_of(op.block)].recompute_flops
                                                           if dec.cut_of(op.block) else 0)
-                       for op in ops if op.kind.value in ("compute", "recompute", "backward")) * dec.micro_batch
+                       for op in ops if op.kind in work) * dec.micro_batch
         return {
             "step_time_s": sim.step_time_s, "peak_gpu_bytes": max(rep.peak_gpu_bytes, sim.peak_gpu_bytes),
             "peak_host_bytes": rep.peak_host_bytes, "peak_nvme_bytes": rep.peak_nvme_bytes,
