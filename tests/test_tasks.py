@@ -158,9 +158,12 @@ def oracle(examples, answer_of=lambda ex: ex.solution):
             n = len(ids) - ids[::-1].index(next(i for i in ids[::-1] if i != TOK.pad_id))
             text = TOK.decode(ids[:n])
             target = targets[text[:text.index(" A: ") + 4]]
-            for t in range(n):
-                if ids[:t + 1] == target[:t + 1] and t + 1 < len(target):
-                    logits[row, t, target[t + 1]] = 5.0
+            # sure at every position t < n where ids[:t + 1] is a prefix of the target and the target goes on:
+            # the positions before the first difference (one indexed write, not one per position)
+            k = 0
+            while k < min(n, len(target) - 1) and ids[k] == target[k]:
+                k += 1
+            logits[row, torch.arange(k), torch.tensor(target[1:k + 1], dtype=torch.long)] = 5.0
         return logits
     return fn
 

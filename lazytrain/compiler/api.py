@@ -15,7 +15,7 @@ from ..frontend.presets import build_model
 from ..frontend.trace import trace
 from ..frontend.trace_cache import TraceCache
 from ..frontend.validate import check_compile_args, micro_batch_candidates
-from ..ir import GiB, Place, Plan, PlanError, Saved, verify
+from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
 from ..units import parse_size
 from . import gpu_update as gpu_update_rule
@@ -101,6 +101,7 @@ class Compiler:
             self.options["nodes"] = nodes
         if compile_blocks:      # the runtime compiles the block programs (``frontend/compiled.py``)
             self.options["compile_blocks"] = True
+        self._costs: dict[tuple, CostModel] = {}         # ``cost``'s, by its arguments
         self.search = Search(self)
 
     def with_gpu_budget(self, gpu_bytes: int) -> Compiler:
@@ -117,9 +118,17 @@ class Compiler:
 
     def cost(self, micro_batch: int, resident: frozenset | None = None, cut: tuple = (),
              gpu_updated: frozenset = frozenset()) -> CostModel:
-        return CostModel(self.graph, self.hw, micro_batch, self.param_dtype, self.optimizer == "hybrid8bit",
-                         resident=self.resident if resident is None else resident, world_size=self.world_size,
-                         nodes=self.nodes, cut=cut, gpu_updated=gpu_updated)
+        """The cost model of one micro-batch and placement, built once: a search builds many plans at each
+        micro-batch, and a cost model's tables (``CostModel._block_s``, its ``Sizes``) are computed on first use."""
+        resident = self.resident if resident is None else resident
+        key = (micro_batch, resident, tuple(cut), gpu_updated)
+        cost = self._costs.get(key)
+        if cost is None or cost.graph is not self.graph or cost.hw is not self.hw:
+            cost = self._costs[key] = CostModel(self.graph, self.hw, micro_batch, self.param_dtype,
+                                                self.optimizer == "hybrid8bit", resident=resident,
+                                                world_size=self.world_size, nodes=self.nodes, cut=cut,
+                                                gpu_updated=gpu_updated)
+        return cost
 
     def with_resident(self, decisions):
         """``decisions`` with this compiler's fixed resident blocks (policies decide the rest)."""
@@ -141,8 +150,8 @@ class Compiler:
         plan = Plan(graph=self.graph, hardware=self.hw.to_json(), budgets=dict(budgets), batch_size=batch_size,
                     seq_len=self.graph.seq_len, param_dtype=self.param_dtype, decisions=decisions, ops=ops,
                     options=dict(self.options), world_size=self.world_size)
-        rep = verify(plan, early_exit=check_budget, effs=effs)
-        sim = simulate(plan, effs=effs)
+        rep = verify(plan, early_exit=check_budget, effs=effs, sizes=cost.sizes)
+        sim = simulate(plan, effs=effs, sizes=cost.sizes)
         plan.predicted = self._predicted(plan, rep, sim)
         if plan.budgets.get("gpu_bytes") and plan.predicted["peak_gpu_bytes"] > plan.budgets["gpu_bytes"]:
             raise PlanError(f"simulated peak GPU memory {plan.predicted['peak_gpu_bytes'] / GiB:.2f} GiB "
@@ -154,10 +163,11 @@ class Compiler:
         ops = plan.ops
         flops = 6 * self.graph.total_params * plan.batch_size * self.graph.seq_len
         blocks, dec = self.graph.blocks, plan.decisions
-        hw_flops = sum(blocks[op.block].fwd_flops if op.kind.value in ("compute", "recompute")
+        forward, work = {OpKind.COMPUTE, OpKind.RECOMPUTE}, {OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD}
+        hw_flops = sum(blocks[op.block].fwd_flops if op.kind in forward
                        else blocks[op.block].bwd_flops + (blocks[op.block].cuts[dec.cut_of(op.block)].recompute_flops
                                                           if dec.cut_of(op.block) else 0)
-                       for op in ops if op.kind.value in ("compute", "recompute", "backward")) * dec.micro_batch
+                       for op in ops if op.kind in work) * dec.micro_batch
         return {
             "step_time_s": sim.step_time_s, "peak_gpu_bytes": max(rep.peak_gpu_bytes, sim.peak_gpu_bytes),
             "peak_host_bytes": rep.peak_host_bytes, "peak_nvme_bytes": rep.peak_nvme_bytes,

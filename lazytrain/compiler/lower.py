@@ -38,8 +38,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..ir import Decisions, Op, OpKind, Place, Resource, Saved, TensorId, TensorKind, Tier
+from ..ir.ops import tensor_id
 from ..ir.order import HazardWalk
-from ..ir.semantics import Effects, effects
+from ..ir.semantics import Effects, effects_of
 from .cost import CostModel
 
 _T = {Place.GPU: Tier.GPU, Place.HOST: Tier.HOST, Place.NVME: Tier.NVME}
@@ -52,8 +53,7 @@ G, H, N = Tier.GPU, Tier.HOST, Tier.NVME
 STATE_SLOTS = 3
 
 
-def _tid(kind: TensorKind, index: int, mb: int | None = None) -> TensorId:
-    return TensorId(kind=kind, index=index, mb=mb)
+_tid = tensor_id
 
 
 def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
@@ -76,6 +76,7 @@ class _Lowering:
         self.dec, self.cost, self.clip = dec, cost, clip
         g = cost.graph
         self.L, self.M = g.n_blocks, dec.n_micro
+        self.sizes = cost.sizes
         self.resident = cost.resident
         self.gpu_updated = cost.gpu_updated
         #: GPU-updated blocks in forward order, and the op id of each one's state_store once emitted
@@ -102,15 +103,18 @@ class _Lowering:
                 if o not in self.resident and o not in self.gpu_updated:
                     self.updates_after[min(cost.sizes.readers(o))].append(o)
 
-    def emit(self, kind: OpKind, block: int, *, deps: tuple[int, ...] = (), **fields) -> int:
-        """Append an op; its dependencies are ``deps`` (the schedule's own) and every hazard's."""
+    def emit(self, kind: OpKind, block: int, *, mb: int | None = None, tensor: TensorId | None = None,
+             src: Tier | None = None, dst: Tier | None = None, nbytes: int = 0, save: bool = False,
+             resource: Resource = Resource.NONE, seconds: float = 0.0, deps: tuple[int, ...] = ()) -> int:
+        """Append an op; its dependencies are ``deps`` (the schedule's own) and every hazard's, found from its
+        fields before it is built (a frozen op is built once)."""
         i = len(self.ops)
-        op = Op(id=i, kind=kind, block=block, window=self.window, **fields)
-        eff = effects(op, self.cost.sizes)
+        eff = effects_of(kind, block, mb, tensor, src, dst, save, self.sizes)
         self.effs.append(eff)
-        need = self.hazards.deps(op, eff, self.ops)
-        self.ops.append(Op(id=i, kind=kind, block=block, window=self.window, deps=tuple(sorted(need.union(deps))),
-                           **fields))
+        need = self.hazards.deps_of(i, kind, resource, eff, self.ops)
+        self.ops.append(Op(id=i, kind=kind, block=block, mb=mb, tensor=tensor, src=src, dst=dst, nbytes=nbytes,
+                           save=save, resource=resource, seconds=seconds, window=self.window,
+                           deps=tuple(sorted(need.union(deps)))))
         return i
 
     # ---- pieces ------------------------------------------------------------------------------------

@@ -29,12 +29,14 @@ class SimResult:
     peak_gpu_bytes: int = 0
 
 
-def simulate(plan: Plan, periods: int = 3, effs: list[Effects] | None = None) -> SimResult:
+def simulate(plan: Plan, periods: int = 3, effs: list[Effects] | None = None, sizes: Sizes | None = None) -> SimResult:
     """The plan's timeline over ``periods`` steps; ``effs``: each op's ``effects`` where the caller has
-    them (for the memory curve), else computed here."""
+    them (for the memory curve), else computed here; ``sizes``: the caller's ``Sizes``, used where they equal
+    the plan's (``Sizes.of_plan``)."""
     ops = plan.ops
     n = len(ops)
-    extra = cross_period(ops, Sizes.of_plan(plan), clip=bool(plan.options.get("clip", True)))
+    sizes = Sizes.of_plan(plan, like=sizes)
+    extra = cross_period(ops, sizes, clip=bool(plan.options.get("clip", True)))
     free_at = {r: 0.0 for r in Resource}
     prev_end: list[float] = [0.0] * n
     period_end = [0.0]
@@ -72,39 +74,41 @@ def simulate(plan: Plan, periods: int = 3, effs: list[Effects] | None = None) ->
     # the collective stream appears only in a plan that uses it (a world of one has no collectives)
     busy = {r.value: 0.0 for r in Resource if r is not Resource.NONE
             and (r is not Resource.NET or plan.world_size > 1)}
-    for op in ops:
-        if op.resource is not Resource.NONE:
-            busy[op.resource.value] += op.seconds
+    name = {r: r.value for r in Resource}
+    for r, s in zip(resource, seconds):
+        if r is not none:
+            busy[name[r]] += s
     gpu_idle = max(0.0, step - busy["gpu"])
-    mem = _memory_curve(plan, last_start, last_end, t0, effs)
+    mem = _memory_curve(plan, last_start, last_end, t0, effs, sizes)
     return SimResult(step_time_s=step, busy_s=busy, exposed_transfer_s=gpu_idle, gpu_idle_s=gpu_idle,
                      start=[s - t0 for s in last_start], end=[e - t0 for e in last_end], memory=mem,
                      peak_gpu_bytes=max((b for _, b in mem), default=0))
 
 
-def _memory_curve(plan: Plan, start: list[float], end: list[float], t0: float,
-                  effs: list[Effects] | None) -> list[tuple[float, int]]:
+def _memory_curve(plan: Plan, start: list[float], end: list[float], t0: float, effs: list[Effects] | None,
+                  sizes: Sizes) -> list[tuple[float, int]]:
     """GPU bytes over time: an op's GPU outputs are allocated when it starts, drops released when
     it ends (what a stream-ordered allocator sees)."""
-    sizes = Sizes.of_plan(plan)
     if effs is None:
         effs = [effects(op, sizes) for op in plan.ops]
     events: list[tuple[float, int]] = []
     seen_grads: set[int] = set()
+    gpu, grads = Tier.GPU, TensorKind.GRADS      # enum members as locals: a member read off its class is slow
     for op, eff in zip(plan.ops, effs):
+        i = op.id
         for t, tier in eff.writes:
-            if tier is Tier.GPU:
-                if t.kind is TensorKind.GRADS:
+            if tier is gpu:
+                if t.kind is grads:
                     if t.index in seen_grads:
                         continue
                     seen_grads.add(t.index)
-                events.append((start[op.id], sizes.of(t, tier)))
+                events.append((start[i], sizes.of(t, tier)))
         if eff.transient:
-            events.append((start[op.id], eff.transient))
-            events.append((end[op.id], -eff.transient))
+            events.append((start[i], eff.transient))
+            events.append((end[i], -eff.transient))
         for t, tier in eff.drops:
-            if tier is Tier.GPU:
-                events.append((end[op.id], -sizes.of(t, tier)))
+            if tier is gpu:
+                events.append((end[i], -sizes.of(t, tier)))
     events.sort(key=lambda e: (e[0], e[1]))
     cur = sizes.resident_bytes() + sizes.kept_grad_bytes()
     curve = []

@@ -43,6 +43,10 @@ class Hazard(NamedTuple):
 #: ``Hazard((before, value, kind))`` built in C: a NamedTuple's own constructor is a Python call, and a walk
 #: makes about three hazards per op (~10^5 for a 72-micro-batch plan of 80 blocks)
 _hazard = partial(tuple.__new__, Hazard)
+#: the enum members the walk reads once per op, as module constants: in Python 3.11 a member read off its Enum
+#: class is ~0.15 us (EnumType's ``__getattr__`` keeps it off the interpreter's attribute cache)
+_UPDATE, _GRAD_OFFLOAD, _ALL_REDUCE, _GPU, _NONE = (OpKind.UPDATE, OpKind.GRAD_OFFLOAD, OpKind.ALL_REDUCE,
+                                                   Resource.GPU, Resource.NONE)
 
 
 class HazardWalk:
@@ -60,9 +64,13 @@ class HazardWalk:
 
     def step(self, op: Op, eff: Effects) -> list[Hazard]:
         """The hazards of ``op`` (the next op of the list, with its effects) on the ops before it."""
+        return self.hazards(op.id, op.kind, op.resource, eff)
+
+    def hazards(self, me: int, kind: OpKind, res: Resource, eff: Effects) -> list[Hazard]:
+        """``step`` of the op with id ``me``, ``kind`` and ``resource`` ``res``: the lowering asks before it
+        builds the op, whose deps are what it asks for."""
         writer, readers = self.writer, self.readers
         found: list[Hazard] = []
-        me, res = op.id, op.resource
         same_step = bool(eff.reads)     # every value it reads was written in this list
         for v in eff.reads:
             t, tier = v
@@ -94,20 +102,27 @@ class HazardWalk:
         # a host update in the step of its gradients (every gradient it reads was offloaded in this
         # list) may apply the step's clip coefficient: the norm is complete once the D2H stream has
         # run every grad_offload so far, i.e. once the last one is done
-        if op.kind is OpKind.UPDATE and same_step and self.last_norm >= 0 \
-                and op.resource is not Resource.GPU:
+        if kind is _UPDATE and same_step and self.last_norm >= 0 and res is not _GPU:
             found.append(Hazard(self.last_norm, None, "norm"))
-        elif op.kind is OpKind.GRAD_OFFLOAD:
-            self.last_grad_offload = self.last_norm = op.id
-        elif op.kind is OpKind.ALL_REDUCE:     # sums the norms of every grad_offload so far
+        elif kind is _GRAD_OFFLOAD:
+            self.last_grad_offload = self.last_norm = me
+        elif kind is _ALL_REDUCE:     # sums the norms of every grad_offload so far
             if self.last_grad_offload >= 0:
                 found.append(Hazard(self.last_grad_offload, None, "norm"))
-            self.last_norm = op.id
+            self.last_norm = me
         return found
 
     def deps(self, op: Op, eff: Effects, ops: list[Op]) -> set[int]:
         """``step``, as the dependencies the hazards need (``ops``: the ops before ``op``)."""
-        return {h.before for h in self.step(op, eff) if needs_dep(op, ops[h.before])}
+        return self.deps_of(op.id, op.kind, op.resource, eff, ops)
+
+    def deps_of(self, me: int, kind: OpKind, res: Resource, eff: Effects, ops: list[Op]) -> set[int]:
+        """``hazards``, as the dependencies they need (``needs_dep``): all of them for an op without a
+        resource, else those on an op of another resource."""
+        found = self.hazards(me, kind, res, eff)
+        if res is _NONE:
+            return {h.before for h in found}
+        return {h.before for h in found if ops[h.before].resource is not res}
 
 
 def needs_dep(op: Op, before: Op) -> bool:
@@ -131,8 +146,9 @@ class UpdateOrder:
 
     @classmethod
     def of(cls, ops: list[Op], sizes: Sizes) -> UpdateOrder:
-        grad_off = {op.block: op.id for op in ops if op.kind is OpKind.GRAD_OFFLOAD}
-        updates = {op.block: op.id for op in ops if op.kind is OpKind.UPDATE}
+        grad_offload, update = OpKind.GRAD_OFFLOAD, OpKind.UPDATE    # locals: a member read off its Enum is slow
+        grad_off = {op.block: op.id for op in ops if op.kind is grad_offload}
+        updates = {op.block: op.id for op in ops if op.kind is update}
         last = max(grad_off.values(), default=-1)
         lagged, norm_first = set(), True
         for owner, u in updates.items():
@@ -159,19 +175,20 @@ def cross_period(ops: list[Op], sizes: Sizes, *, clip: bool) -> dict[int, list[i
     accumulator its previous backward left on the GPU (with clipping, after the whole previous backward), and
     its ``state_load`` reads the host state the previous ``state_store`` wrote."""
     order = UpdateOrder.of(ops, sizes)
-    step_end = [op.id for op in ops if op.kind in (OpKind.GRAD_OFFLOAD, OpKind.BACKWARD, OpKind.REDUCE_SCATTER,
-                                                   OpKind.ALL_REDUCE)]
+    ending = frozenset((OpKind.GRAD_OFFLOAD, OpKind.BACKWARD, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE))
+    load, scatter, state_load = OpKind.LOAD, OpKind.REDUCE_SCATTER, OpKind.STATE_LOAD   # (a member read off its
+    step_end = [op.id for op in ops if op.kind in ending]                               # Enum is slow)
     grad_off = order.grad_offloads
     first_load: dict[int, int] = {}             # owner -> the first load of a block reading its parameters
     for op in ops:
-        if op.kind is OpKind.LOAD:
+        if op.kind is load:
             for o in sizes.owners(op.block):
                 first_load.setdefault(o, op.id)
     extra: dict[int, list[int]] = {}
     # with several ranks a resident block's reduce_scatter adds into the accumulators its owners' updates read
-    scatters = {op.block: op.id for op in ops if op.kind is OpKind.REDUCE_SCATTER and op.block in sizes.resident}
+    scatters = {op.block: op.id for op in ops if op.kind is scatter and op.block in sizes.resident}
     for op in ops:          # reads what the previous state_store wrote; the runtime starts no step before
-        if op.kind is OpKind.STATE_LOAD:    # the previous one's device work is done, so neither does this
+        if op.kind is state_load:    # the previous one's device work is done, so neither does this
             extra.setdefault(op.id, []).extend(step_end)
     for owner, u in order.updates.items():
         if owner in sizes.gpu_updated:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from .graph import DTYPE_BYTES, ModelGraph
-from .ops import Op, OpKind, TensorId, TensorKind, Tier
+from .ops import Op, OpKind, TensorId, TensorKind, Tier, tensor_id
 from .sharding import block_sections, sections_owned_shard_numel, sections_shard_numel
 
 GRAD_ACCUM_BYTES = 4   # gradients accumulate in fp32 on the GPU (exact over micro-batches)
@@ -53,14 +53,17 @@ class Sizes:
     gpu_updated: frozenset = frozenset()
 
     @classmethod
-    def of_plan(cls, plan) -> Sizes:
+    def of_plan(cls, plan, like: Sizes | None = None) -> Sizes:
         """The sizes a plan's ops imply (its graph, micro-batch, dtype, resident blocks, optimizer; an
-        optimizer the file does not name as one of ``DEVICE_STATE_BYTES`` counts as the 8-bit one)."""
+        optimizer the file does not name as one of ``DEVICE_STATE_BYTES`` counts as the 8-bit one).  ``like``
+        where it equals them: its tables, computed on first use, are reused (the cost model's that lowered the
+        plan holds them)."""
         opt = plan.options.get("optimizer")
         per = DEVICE_STATE_BYTES.get(opt, None) if isinstance(opt, str) else None
-        return cls(plan.graph, plan.micro_batch, plan.param_dtype, resident=plan.decisions.resident_blocks,
-                   device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit"] if per is None else per,
-                   world_size=plan.world_size, cut=plan.decisions.cut, gpu_updated=plan.decisions.gpu_updated_blocks)
+        sizes = cls(plan.graph, plan.micro_batch, plan.param_dtype, resident=plan.decisions.resident_blocks,
+                    device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit"] if per is None else per,
+                    world_size=plan.world_size, cut=plan.decisions.cut, gpu_updated=plan.decisions.gpu_updated_blocks)
+        return like if like is not None and like == sizes else sizes
 
     def saved_per_sample(self, block: int, cut: int | None = None) -> int:
         """Bytes block j's forward saves per sample at ``cut`` (default: this plan's cut of it)."""
@@ -95,6 +98,19 @@ class Sizes:
         return sum(self.of(TensorId(kind=TensorKind.GRADS, index=j)) for j in self.gpu_updated)
 
     def of(self, t: TensorId, tier: Tier = Tier.GPU) -> int:
+        """Bytes of one copy of ``t`` on ``tier`` (the same for every micro-batch), memoized: verify and the
+        simulator ask for every write and drop."""
+        key = (t.kind, t.index, tier)
+        n = self._bytes.get(key)
+        if n is None:
+            n = self._bytes[key] = self._bytes_of(t, tier)
+        return n
+
+    @cached_property
+    def _bytes(self) -> dict[tuple, int]:
+        return {}
+
+    def _bytes_of(self, t: TensorId, tier: Tier) -> int:
         if t.kind is TensorKind.PARAMS:
             return self._param_numel[t.index] * self.param_bytes
         if t.kind is TensorKind.GRADS:
@@ -223,80 +239,100 @@ def effects(op: Op, sizes: Sizes) -> Effects:
 
     The host parameters ``params[o] on host`` are the host store's load buffers: resident for the whole
     run (not counted as plan memory), read by every ``load`` of a block that reads block o's
-    parameters and overwritten by o's ``update``; only their order matters."""
-    L = sizes.graph.n_blocks
-    j, m, k = op.block, op.mb, op.kind
-    G = Tier.GPU
-    params = TensorId(kind=TensorKind.PARAMS, index=j)
+    parameters and overwritten by o's ``update``; only their order matters.
+
+    The most frequent kinds come first (a compile asks once per op, ~10^5 times for 80 blocks)."""
+    return effects_of(op.kind, op.block, op.mb, op.tensor, op.src, op.dst, op.save, sizes)
+
+
+# the enum members ``effects_of`` reads, as module constants: it runs once per op (~10^5 times a compile), and in
+# Python 3.11 reading a member off its Enum class costs ten times a global (EnumType's ``__getattr__`` keeps the
+# read off the interpreter's attribute cache)
+_FREE, _OFFLOAD, _RELOAD, _COMPUTE, _RECOMPUTE, _BACKWARD, _LOAD, _GRAD_OFFLOAD, _UPDATE = (
+    OpKind.FREE, OpKind.OFFLOAD, OpKind.RELOAD, OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD, OpKind.LOAD,
+    OpKind.GRAD_OFFLOAD, OpKind.UPDATE)
+_ALL_GATHER, _REDUCE_SCATTER, _ALL_REDUCE, _STATE_LOAD, _STATE_STORE = (
+    OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE, OpKind.STATE_LOAD, OpKind.STATE_STORE)
+_PARAMS, _GRADS, _ACT, _SAVED, _GRAD_ACT, _PARAM_SHARD, _GRAD_SHARD, _OPT_STATE = (
+    TensorKind.PARAMS, TensorKind.GRADS, TensorKind.ACT, TensorKind.SAVED, TensorKind.GRAD_ACT, TensorKind.PARAM_SHARD,
+    TensorKind.GRAD_SHARD, TensorKind.OPT_STATE)
+_GPU_TIER, _HOST_TIER = Tier.GPU, Tier.HOST
+
+
+def effects_of(k: OpKind, j: int, m: int | None, tensor: TensorId | None, src: Tier | None, dst: Tier | None,
+               save: bool, sizes: Sizes) -> Effects:
+    """``effects`` of the op with these fields (kind, block, mb, tensor, src, dst, save; the others do not
+    change what it touches): the lowering asks before it builds the op, whose deps follow from them."""
+    if k is _FREE:
+        return Effects((), (), ((tensor, src),))
+    if k is _OFFLOAD or k is _RELOAD:
+        return Effects(((tensor, src),), ((tensor, dst),), ())
+    G = _GPU_TIER
+    params = tensor_id(_PARAMS, j)
     resident = j in sizes.resident
     # a resident block's parameters and gradients are not plan tensors in a world of one; with several
     # ranks only its shards are (``resident_shards``): the gathered parameters and accumulator are
     planned = not resident or sizes.world_size > 1
     pread = ((params, G),) if planned else ()
-    if k is OpKind.LOAD:        # with several ranks: this rank's shard, which an all_gather completes
-        host = tuple((TensorId(kind=TensorKind.PARAMS, index=o), Tier.HOST) for o in sizes.owners(j))
-        dst = params if sizes.world_size == 1 else TensorId(kind=TensorKind.PARAM_SHARD, index=j)
-        return Effects(host, ((dst, G),), ())
-    if k is OpKind.ALL_GATHER:  # a resident block's shards (its own and its tied owners') stay
-        if resident:
-            return Effects(tuple((TensorId(kind=TensorKind.PARAM_SHARD, index=o), G) for o in sizes.owners(j)),
-                           ((params, G),), ())
-        shard = (TensorId(kind=TensorKind.PARAM_SHARD, index=j), G)
-        return Effects((shard,), ((params, G),), (shard,))
-    if k is OpKind.REDUCE_SCATTER:  # a resident block's adds into its owners' resident shard accumulators
-        acc = (TensorId(kind=TensorKind.GRADS, index=j), G)
-        if resident:
-            return Effects((acc,), (), (acc,), mutates=tuple(
-                (TensorId(kind=TensorKind.GRAD_SHARD, index=o), G) for o in sizes.owners(j)))
-        return Effects((acc,), ((TensorId(kind=TensorKind.GRAD_SHARD, index=j), G),), (acc,))
-    if k is OpKind.ALL_REDUCE:   # the norms it sums are not plan values (its wait on the grad_offloads is
-        # ``ir.order``'s "norm"), but resident blocks' accumulators are read where they are
-        return Effects(tuple((TensorId(kind=TensorKind.GRAD_SHARD, index=r), G) for r in sorted(sizes.resident)),
-                       (), ())
-    if k in (OpKind.COMPUTE, OpKind.RECOMPUTE):
-        reads = (*pread, (TensorId(kind=TensorKind.ACT, index=j, mb=m), G))
+    if k is _COMPUTE or k is _RECOMPUTE:
+        reads = (*pread, (tensor_id(_ACT, j, m), G))
         writes = []
-        if k is OpKind.COMPUTE or op.tensor is None or op.tensor.kind is TensorKind.ACT:
-            if j + 1 < L:
-                writes.append((TensorId(kind=TensorKind.ACT, index=j + 1, mb=m), G))
-        if op.save or k is OpKind.RECOMPUTE:
-            writes.append((TensorId(kind=TensorKind.SAVED, index=j, mb=m), G))
+        if k is _COMPUTE or tensor is None or tensor.kind is _ACT:
+            if j + 1 < sizes.graph.n_blocks:
+                writes.append((tensor_id(_ACT, j + 1, m), G))
+        if save or k is _RECOMPUTE:
+            writes.append((tensor_id(_SAVED, j, m), G))
         return Effects(reads, tuple(writes), (), sizes.workspace(j))
-    if k is OpKind.BACKWARD:
-        saved = TensorId(kind=TensorKind.SAVED, index=j, mb=m)
+    if k is _BACKWARD:
+        saved = tensor_id(_SAVED, j, m)
         reads = [*pread, (saved, G)]
         drops = [(saved, G)]
-        if j + 1 < L:
-            dout = TensorId(kind=TensorKind.GRAD_ACT, index=j + 1, mb=m)
+        if j + 1 < sizes.graph.n_blocks:
+            dout = tensor_id(_GRAD_ACT, j + 1, m)
             reads.append((dout, G))
             drops.append((dout, G))
-        writes = [(TensorId(kind=TensorKind.GRADS, index=j), G)] if planned else []
+        writes = [(tensor_id(_GRADS, j), G)] if planned else []
         if j > 0:
-            writes.append((TensorId(kind=TensorKind.GRAD_ACT, index=j, mb=m), G))
+            writes.append((tensor_id(_GRAD_ACT, j, m), G))
         return Effects(tuple(reads), tuple(writes), tuple(drops),
                        sizes.backward_workspace(j) + sizes.param_grad_transient(j) + sizes.recompute_transient(j))
-    if k in (OpKind.OFFLOAD, OpKind.RELOAD):
-        return Effects(((op.tensor, op.src),), ((op.tensor, op.dst),), ())
-    if k is OpKind.GRAD_OFFLOAD:
-        g = TensorId(kind=TensorKind.GRADS, index=j)
-        src = g if sizes.world_size == 1 else TensorId(kind=TensorKind.GRAD_SHARD, index=j)
-        return Effects(((src, G),), ((g, Tier.HOST),), ((src, G),), sizes.grad_cast_transient(j))
-    if k is OpKind.STATE_LOAD:     # a GPU-updated block's parameters and state, for its update and forward
-        state = TensorId(kind=TensorKind.OPT_STATE, index=j)
-        return Effects(((params, Tier.HOST), (state, Tier.HOST)), ((params, G), (state, G)), ())
-    if k is OpKind.STATE_STORE:    # ... back to the host store, which the next load of the block copies
-        state = TensorId(kind=TensorKind.OPT_STATE, index=j)
-        return Effects(((params, G), (state, G)), (), ((state, G),),
-                       mutates=((params, Tier.HOST), (state, Tier.HOST)))
-    if k is OpKind.UPDATE:   # consumes the host gradients of every block that reads j's parameters
+    if k is _LOAD:        # with several ranks: this rank's shard, which an all_gather completes
+        host = tuple((tensor_id(_PARAMS, o), _HOST_TIER) for o in sizes.owners(j))
+        dst = params if sizes.world_size == 1 else tensor_id(_PARAM_SHARD, j)
+        return Effects(host, ((dst, G),), ())
+    if k is _GRAD_OFFLOAD:
+        g = tensor_id(_GRADS, j)
+        src = g if sizes.world_size == 1 else tensor_id(_GRAD_SHARD, j)
+        return Effects(((src, G),), ((g, _HOST_TIER),), ((src, G),), sizes.grad_cast_transient(j))
+    if k is _UPDATE:   # consumes the host gradients of every block that reads j's parameters
         if resident:         # ... or, on the GPU, the accumulator it owns for the whole run
             return Effects((), (), (), mutates=resident_shards(sizes, j))
         if j in sizes.gpu_updated:   # ... or the accumulator kept on the GPU since the last backward
-            acc = (TensorId(kind=TensorKind.GRADS, index=j), G)
-            state = (TensorId(kind=TensorKind.OPT_STATE, index=j), G)
+            acc = (tensor_id(_GRADS, j), G)
+            state = (tensor_id(_OPT_STATE, j), G)
             return Effects((acc, state, (params, G)), (), (acc,), mutates=(state, (params, G)))
-        gs = tuple((TensorId(kind=TensorKind.GRADS, index=c), Tier.HOST) for c in sizes.readers(j))
-        return Effects(gs, (), gs, mutates=((params, Tier.HOST),))
-    if k is OpKind.FREE:
-        return Effects((), (), ((op.tensor, op.src),))
+        gs = tuple((tensor_id(_GRADS, c), _HOST_TIER) for c in sizes.readers(j))
+        return Effects(gs, (), gs, mutates=((params, _HOST_TIER),))
+    if k is _ALL_GATHER:  # a resident block's shards (its own and its tied owners') stay
+        if resident:
+            return Effects(tuple((tensor_id(_PARAM_SHARD, o), G) for o in sizes.owners(j)),
+                           ((params, G),), ())
+        shard = (tensor_id(_PARAM_SHARD, j), G)
+        return Effects((shard,), ((params, G),), (shard,))
+    if k is _REDUCE_SCATTER:  # a resident block's adds into its owners' resident shard accumulators
+        acc = (tensor_id(_GRADS, j), G)
+        if resident:
+            return Effects((acc,), (), (acc,), mutates=tuple(
+                (tensor_id(_GRAD_SHARD, o), G) for o in sizes.owners(j)))
+        return Effects((acc,), ((tensor_id(_GRAD_SHARD, j), G),), (acc,))
+    if k is _ALL_REDUCE:   # the norms it sums are not plan values (its wait on the grad_offloads is
+        # ``ir.order``'s "norm"), but resident blocks' accumulators are read where they are
+        return Effects(tuple((tensor_id(_GRAD_SHARD, r), G) for r in sorted(sizes.resident)), (), ())
+    if k is _STATE_LOAD:     # a GPU-updated block's parameters and state, for its update and forward
+        state = tensor_id(_OPT_STATE, j)
+        return Effects(((params, _HOST_TIER), (state, _HOST_TIER)), ((params, G), (state, G)), ())
+    if k is _STATE_STORE:    # ... back to the host store, which the next load of the block copies
+        state = tensor_id(_OPT_STATE, j)
+        return Effects(((params, G), (state, G)), (), ((state, G),),
+                       mutates=((params, _HOST_TIER), (state, _HOST_TIER)))
     raise ValueError(f"unknown op kind {k}")

@@ -43,11 +43,13 @@ def _fail(op: Op, msg: str) -> PlanError:
     return PlanError(f"op #{op.id} ({op}): {msg}")
 
 
-def verify(plan: Plan, *, early_exit: bool = False, effs: list[Effects] | None = None) -> MemoryReport:
+def verify(plan: Plan, *, early_exit: bool = False, effs: list[Effects] | None = None,
+           sizes: Sizes | None = None) -> MemoryReport:
     """Check ``plan``; returns its memory report or raises PlanError.  With ``early_exit`` the
     walk stops at the first point over the GPU budget (used when screening candidates).  ``effs``: each
-    op's ``effects`` where the caller has them (the lowering computes them), else computed here."""
-    sizes = Sizes.of_plan(plan)
+    op's ``effects`` where the caller has them (the lowering computes them), else computed here; ``sizes``:
+    the caller's ``Sizes``, used where they equal the plan's (``Sizes.of_plan``)."""
+    sizes = Sizes.of_plan(plan, like=sizes)
     _check_ids(plan)
     _check_sharded(plan, sizes)
     order = _check_updates(plan, sizes)
@@ -103,9 +105,11 @@ def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
     """Every owner updated exactly once: after every gradient of its readers is on the host, or
     (lagged) before all of them and before any load of its parameters; a resident block on the GPU."""
     ops = plan.ops
+    # the kinds these passes over every op compare with, as locals: a member read off its Enum is slow
+    update, grad_offload, load, free = OpKind.UPDATE, OpKind.GRAD_OFFLOAD, OpKind.LOAD, OpKind.FREE
     updates: dict[int, Op] = {}
     for op in ops:
-        if op.kind is OpKind.UPDATE:
+        if op.kind is update:
             if op.block in updates:
                 raise _fail(op, f"block {op.block} is updated twice in one step (first at #{updates[op.block].id})")
             updates[op.block] = op
@@ -113,10 +117,10 @@ def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
     if resident and tie_closure(plan.graph, resident) != resident:
         raise PlanError(f"blocks {sorted(tie_closure(plan.graph, resident) - resident)} share tied parameters with "
                         f"resident blocks but are not resident (a tie group is resident as a whole)")
-    grad_off = {op.block: op.id for op in ops if op.kind is OpKind.GRAD_OFFLOAD}
+    grad_off = {op.block: op.id for op in ops if op.kind is grad_offload}
     first_load: dict[int, Op] = {}              # owner -> the first load of a block reading its parameters
     for op in ops:
-        if op.kind is OpKind.LOAD:
+        if op.kind is load:
             for o in sizes.owners(op.block):
                 first_load.setdefault(o, op)
     for owner in sorted({p.owner for b in plan.graph.blocks for p in b.params}):
@@ -140,14 +144,16 @@ def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
                 raise _fail(first, f"loads parameters of block {owner} before its lagged update #{u.id}")
         elif not all(before):
             raise _fail(u, "update runs between the gradients of its contributors (some before, some after)")
+    state = (OpKind.STATE_LOAD, OpKind.STATE_STORE)
     for op in ops:
-        if op.kind in (OpKind.STATE_LOAD, OpKind.STATE_STORE) and op.block not in sizes.gpu_updated:
+        if op.kind in state and op.block not in sizes.gpu_updated:
             raise _fail(op, f"block {op.block} is not GPU-updated (decisions.gpu_update): its state stays on the host")
     gathered = plan.world_size > 1      # with several ranks a resident block's gathered parameters are freed
+    moving, fixed = (load, grad_offload), (TensorKind.PARAMS, TensorKind.GRADS)
     for op in ops:
-        if op.block in resident and op.kind in (OpKind.LOAD, OpKind.GRAD_OFFLOAD) or (
-                op.kind is OpKind.FREE and op.block in resident and op.tensor is not None
-                and op.tensor.kind in (TensorKind.PARAMS, TensorKind.GRADS) and not gathered):
+        if op.block in resident and op.kind in moving or (
+                op.kind is free and op.block in resident and op.tensor is not None
+                and op.tensor.kind in fixed and not gathered):
             raise _fail(op, f"block {op.block} is resident: its parameters and gradients never move")
     return UpdateOrder.of(ops, sizes)
 
@@ -204,12 +210,15 @@ def _check_gpu_update(plan: Plan, sizes: Sizes, u: Op) -> None:
                                     f"left on the GPU, not load #{first_load}")
 
 
+#: kinds whose host copies are the host store, not plan memory (``_static``)
+_STATIC_HOST_KINDS = frozenset((TensorKind.GRADS, TensorKind.PARAMS, TensorKind.OPT_STATE))
+
+
 def _static(t: TensorId, tier: Tier, batch: set) -> bool:
     """Copies that are not plan memory: host gradients and parameters (the host store), the batch on the
     host, and resident blocks' shards on the GPU (``batch`` holds these copies: ``resident_bytes`` counts
-    the shards)."""
-    return tier is Tier.HOST and t.kind in (TensorKind.GRADS, TensorKind.PARAMS, TensorKind.OPT_STATE) \
-        or (t, tier) in batch
+    the shards).  ``_walk`` inlines it."""
+    return tier is Tier.HOST and t.kind in _STATIC_HOST_KINDS or (t, tier) in batch
 
 
 def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, early_exit: bool) -> MemoryReport:
@@ -245,35 +254,61 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
             for t, _ in eff.reads:
                 grad_readers[t] += 1
 
+    # the loop below runs once per op (~10^5 for 72 micro-batches of 80 blocks): enum members as locals (a
+    # class attribute of an Enum is a descriptor lookup), ``_static`` inlined, each copy's tiers looked up once
+    GPU, HOST, NVME, GRADS, UPDATE = Tier.GPU, Tier.HOST, Tier.NVME, TensorKind.GRADS, OpKind.UPDATE
+    host_static = _STATIC_HOST_KINDS
+    batch_kinds = {t.kind for t, _ in batch}
+    gpu_use, host_use, nvme_use = use[GPU], use[HOST], use[NVME]
+    gpu_peak, host_peak, nvme_peak = peak[GPU], peak[HOST], peak[NVME]
     for op, eff in zip(ops, effs):
-        if op.kind is OpKind.UPDATE:
+        drops, mutates = eff.drops, eff.mutates
+        if op.kind is UPDATE:     # (its reads and drops are checked, not its in-place writes)
             for t, _ in eff.reads:
                 grad_readers[t] -= 1
-            eff = Effects(eff.reads, eff.writes, tuple(d for d in eff.drops if grad_readers[d[0]] == 0))
-        for t, tier in (*eff.reads, *eff.mutates):
-            if tier not in where.get(t, {}):
-                raise _fail(op, f"reads {t} on {tier.value}, which is not resident there")
+            drops, mutates = tuple(d for d in drops if grad_readers[d[0]] == 0), ()
+        for group in (eff.reads, mutates):
+            for t, tier in group:
+                at = where.get(t)
+                if at is None or tier not in at:
+                    raise _fail(op, f"reads {t} on {tier.value}, which is not resident there")
         for t, tier in eff.writes:
-            if tier in where[t]:
-                if t.kind is TensorKind.GRADS and tier is Tier.GPU:
-                    where[t][tier] = op.id   # accumulation
+            at = where[t]
+            if tier in at:
+                if t.kind is GRADS and tier is GPU:
+                    at[tier] = op.id   # accumulation
                     continue
                 raise _fail(op, f"writes {t} on {tier.value}, which is already there (leak or double load)")
-            where[t][tier] = op.id
-            if not _static(t, tier, batch):
-                use[tier] += sizes.of(t, tier)
-        peak[Tier.GPU] = max(peak[Tier.GPU], use[Tier.GPU] + eff.transient)
-        if early_exit and gpu_cap is not None and peak[Tier.GPU] > gpu_cap:
-            raise _fail(op, f"GPU memory {peak[Tier.GPU] / GiB:.2f} GiB exceeds the budget of {gpu_cap / GiB:.2f} GiB")
-        for t, tier in eff.drops:
-            if tier not in where.get(t, {}):
+            at[tier] = op.id
+            if not (tier is HOST and t.kind in host_static or t.kind in batch_kinds and (t, tier) in batch):
+                if tier is GPU:
+                    gpu_use += sizes.of(t, tier)
+                elif tier is HOST:
+                    host_use += sizes.of(t, tier)
+                else:
+                    nvme_use += sizes.of(t, tier)
+        if gpu_use + eff.transient > gpu_peak:
+            gpu_peak = gpu_use + eff.transient
+        if early_exit and gpu_cap is not None and gpu_peak > gpu_cap:
+            raise _fail(op, f"GPU memory {gpu_peak / GiB:.2f} GiB exceeds the budget of {gpu_cap / GiB:.2f} GiB")
+        for t, tier in drops:
+            at = where.get(t)
+            if at is None or tier not in at:
                 raise _fail(op, f"drops {t} on {tier.value}, which is not resident there")
-            del where[t][tier]
-            if not _static(t, tier, batch):
-                use[tier] -= sizes.of(t, tier)
-        for tier in (Tier.HOST, Tier.NVME):
-            peak[tier] = max(peak[tier], use[tier])
-        curve.append(use[Tier.GPU])
+            del at[tier]
+            if not (tier is HOST and t.kind in host_static or t.kind in batch_kinds and (t, tier) in batch):
+                if tier is GPU:
+                    gpu_use -= sizes.of(t, tier)
+                elif tier is HOST:
+                    host_use -= sizes.of(t, tier)
+                else:
+                    nvme_use -= sizes.of(t, tier)
+        if host_use > host_peak:
+            host_peak = host_use
+        if nvme_use > nvme_peak:
+            nvme_peak = nvme_use
+        curve.append(gpu_use)
+    peak = {GPU: gpu_peak, HOST: host_peak, NVME: nvme_peak}
 
     missing = sorted(t.index for t in kept if Tier.GPU not in where.get(t, {}))
     if missing:
@@ -292,13 +327,16 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
                         peak_nvme_bytes=peak[Tier.NVME], host_static_bytes=static_host, gpu_curve=tuple(curve))
 
 
+_NO_RESOURCE = Resource.NONE      # (``_ordered`` runs once per hazard: a member read off its Enum is slow)
+
+
 def _ordered(ops: list[Op], op: Op, before: int) -> bool:
     """Is op ``before`` certain to finish before ``op`` starts?  Yes if it is a dependency, runs earlier
     on the same resource (each resource is FIFO), or precedes a dependency on its own resource."""
     if before in op.deps:
         return True
     res = ops[before].resource
-    if res is Resource.NONE:        # a free has no FIFO: only a direct dependency orders it
+    if res is _NO_RESOURCE:        # a free has no FIFO: only a direct dependency orders it
         return False
     return res is op.resource or any(ops[d].resource is res and d > before for d in op.deps)
 
