@@ -416,8 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, ValueError, OSError, RuntimeError) as e:
         if not getattr(e, "quiet", False):       # (a rank's copy of rank 0's error, which rank 0 prints)
             print(f"lazytrain {a.command}: error: {e}", file=sys.stderr)
-        from .launch import leave_error
-        leave_error(str(e))
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):    # a rank under torchrun (launch imports torch: seconds)
+            from .launch import leave_error
+            leave_error(str(e))
         return 2
     except KeyboardInterrupt:
         print(f"lazytrain {a.command}: interrupted", file=sys.stderr)

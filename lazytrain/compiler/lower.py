@@ -112,9 +112,9 @@ class _Lowering:
         eff = effects_of(kind, block, mb, tensor, src, dst, save, self.sizes)
         self.effs.append(eff)
         need = self.hazards.deps_of(i, kind, resource, eff, self.ops)
+        need.update(deps)
         self.ops.append(Op(id=i, kind=kind, block=block, mb=mb, tensor=tensor, src=src, dst=dst, nbytes=nbytes,
-                           save=save, resource=resource, seconds=seconds, window=self.window,
-                           deps=tuple(sorted(need.union(deps)))))
+                           save=save, resource=resource, seconds=seconds, window=self.window, deps=tuple(sorted(need))))
         return i
 
     # ---- pieces ------------------------------------------------------------------------------------

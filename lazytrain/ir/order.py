@@ -90,15 +90,15 @@ class HazardWalk:
                 t, tier = v
                 key = (t.kind, t.index, t.mb, tier)
                 r = readers.get(key)
-                if r:
+                if r:           # then no reader since this write (an empty or absent entry reads the same)
                     for x in r.values():
                         if x != me:
                             found.append(_hazard((x, v, "write")))
+                    r.clear()
                 w = writer.get(key)
                 if w is not None and w != me:
                     found.append(_hazard((w, v, "overwrite")))
                 writer[key] = me
-                readers[key] = {}
         # a host update in the step of its gradients (every gradient it reads was offloaded in this
         # list) may apply the step's clip coefficient: the norm is complete once the D2H stream has
         # run every grad_offload so far, i.e. once the last one is done
