@@ -24,6 +24,7 @@ from .hardware import get_profile
 from .loss_chunk import with_loss_chunk
 from .lower import lower_with_effects
 from .measured_workspace import with_measured_workspace
+from .paused_gc import paused_gc
 from .resident import resident_request
 from .search import Search
 from .simulate import SimResult, simulate
@@ -142,6 +143,10 @@ class Compiler:
 
     def build_simulated(self, decisions, batch_size: int, *, check_budget: bool = True) -> tuple[Plan, SimResult]:
         """``build``, and the simulation its predictions come from (the search reads where memory peaks)."""
+        with paused_gc():
+            return self._build_simulated(decisions, batch_size, check_budget)
+
+    def _build_simulated(self, decisions, batch_size: int, check_budget: bool) -> tuple[Plan, SimResult]:
         cost = self.cost(decisions.micro_batch, decisions.resident_blocks, decisions.cut, decisions.gpu_updated_blocks)
         if check_budget:
             self._quick_reject(decisions, cost)
