@@ -56,9 +56,9 @@ def parser() -> argparse.ArgumentParser:
                     help="per run, write plan.json, profile.json, trace.json (measured) and memory.png "
                          "into DIR/<batch>_<policy>/")
     ap.add_argument("--runs", default=None,
-                    help="several runs on one model build, e.g. '8:megatrain,32:milp,8:milp:12,32:milp@auto,"
-                         "1x32768:milp,1xmax:milp' (batch[xseq]:policy[@resident][:optimizer threads]; seq a "
-                         "number or 'max'); results go to OUT as a JSON list")
+                    help="several runs on one model build, e.g. '8:megatrain,32:milp,8:milp:12,32:milp@auto/6,"
+                         "1x32768:milp,1xmax:milp' (batch[xseq]:policy[@resident[/gpu_update]][:optimizer "
+                         "threads]; seq a number or 'max'); results go to OUT as a JSON list")
     ap.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
                     help="the preset's config with rope_scaling {rope_type: TYPE, factor: FACTOR} (e.g. yarn:4, as "
                          "Qwen2.5's model cards advise past 32,768 tokens), for sequences beyond its declared "
@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
     build_s = time.perf_counter() - t
     if a.runs:
         results = []
-        default_resident = a.resident
+        default_resident, default_gpu_update = a.resident, a.gpu_update
         for spec in a.runs.split(","):
             b, pol, *threads = spec.split(":")
             pol, _, res = pol.partition("@")
@@ -119,7 +119,9 @@ def main(argv=None) -> dict:
             a.batch, a.policy = int(b), pol
             if seq:
                 a.seq = seq if seq == "max" else int(seq)
+            res, _, gpu = res.partition("/")
             a.resident = (res if res in ("none", "auto") else int(res)) if res else default_resident
+            a.gpu_update = (gpu if gpu in ("none", "auto") else int(gpu)) if gpu else default_gpu_update
             if threads:
                 a.optim_threads = int(threads[0])
             try:
@@ -276,8 +278,9 @@ def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -
         out["by_kind"] = by_kind(plan, prof)
     print(json.dumps({k: v for k, v in out.items() if k != "losses"}, indent=1))
     if getattr(a, "artifacts", None) and prof is not None:
-        tag = f"{a.batch}_{a.policy}" + (f"_res{len(plan.decisions.resident_blocks)}"
-                                         if plan.decisions.resident_blocks else "")
+        dec = plan.decisions
+        tag = f"{a.batch}_{a.policy}" + (f"_res{len(dec.resident_blocks)}" if dec.resident_blocks else "") \
+            + (f"_gu{len(dec.gpu_updated_blocks)}" if dec.gpu_updated_blocks else "")
         out["artifacts"] = str(save_artifacts(Path(a.artifacts) / tag, plan, prof))
     return out
 

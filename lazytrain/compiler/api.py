@@ -384,7 +384,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                     compile_blocks=compile_blocks, deadline=deadline)
     # cost, lower, verify and simulate run for each candidate the search builds (``Compiler.build``)
     plan = _search(comp, policy, batch_size, micro_batch, max_batch_limit)
-    plan = _gpu_updated(comp, plan, policy, gpu_req)
+    plan = _gpu_updated(comp, plan, policy, gpu_req, micro_batch)
     if comp.search.failures:
         warnings.warn("the MILP solvers failed (" + "; ".join(comp.search.failures) + "); the plan comes from "
                       f"the {plan.decisions.policy} policy where they did (plan.solver.failures)", stacklevel=2)
@@ -430,14 +430,14 @@ def _search(comp: Compiler, policy: str, batch_size, micro_batch: int | None, ma
     return plan
 
 
-def _gpu_updated(comp: Compiler, plan: Plan, policy: str, req) -> Plan:
+def _gpu_updated(comp: Compiler, plan: Plan, policy: str, req, micro_batch: int | None = None) -> Plan:
     """The searched plan with the GPU-updated streamed blocks asked for, or (``"auto"``, the MILP policy on a
     GPU in a world of one) those the rule of ``compiler/gpu_update.py`` chooses."""
     if req == "none" or comp.world_size > 1:
         return plan
     if req == "auto":
         return gpu_update_rule.choose(comp, plan) if policy == "milp" and comp.hw.has_gpu else plan
-    return gpu_update_rule.fixed(comp, plan, req)
+    return gpu_update_rule.fixed(comp, plan, req, policy, micro_batch)
 
 
 def _returned(comp: Compiler, plan: Plan, policy: str) -> Plan:

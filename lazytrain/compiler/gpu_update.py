@@ -44,6 +44,8 @@ MIN_GAIN_S = 1e-6
 SCAN_BUDGET_S = 6.0
 #: a plan whose GPU idles less than this share of its simulated step is left as it is (``choose``)
 MIN_IDLE_SHARE = 0.01
+#: searches run again, each with less GPU budget, to fit the GPU-updated blocks a caller asks for (``fixed``)
+RESOLVES = 3
 
 
 def candidates(plan_graph, dec: Decisions) -> list[int]:
@@ -80,16 +82,38 @@ def with_blocks(dec: Decisions, blocks, n_blocks: int) -> Decisions:
     return dataclasses.replace(dec, gpu_update=tuple(j in blocks for j in range(n_blocks)) if blocks else ())
 
 
-def fixed(comp, plan: Plan, req) -> Plan:
-    """The plan with the GPU-updated blocks asked for (a count: the first streamed ones), checked as any."""
+def fixed(comp, plan: Plan, req, policy: str, micro_batch: int | None = None) -> Plan:
+    """The plan with the GPU-updated blocks asked for (a count: the first streamed ones), checked as any.
+
+    The solved plan usually fills the GPU budget with kept activations, so asked-for blocks often do not fit
+    beside it; as ``choose`` does, the search is then run again with the GPU budget lowered by the memory they
+    lack (up to ``RESOLVES`` times: the re-solved plan peaks elsewhere) and the blocks put on that plan, checked
+    against the whole budget (at the caller's micro-batch, if one was given).  A request that fits no re-solved
+    plan raises the budget error of the last try."""
     g = plan.graph
-    blocks = candidates(g, plan.decisions)[:req] if isinstance(req, int) else req
-    bad = [j for j in blocks if not 0 <= j < g.n_blocks]
+    bad = [j for j in (() if isinstance(req, int) else req) if not 0 <= j < g.n_blocks]
     if bad:
         raise ValueError(f"gpu_update blocks {bad} out of range 0..{g.n_blocks - 1}")
-    if not blocks:
-        return plan
-    return comp.build(with_blocks(plan.decisions, blocks, g.n_blocks), plan.batch_size)
+    base, gpu_bytes = plan, comp.budgets["gpu_bytes"]
+    for attempt in range(RESOLVES + 1):
+        blocks = candidates(g, base.decisions)[:req] if isinstance(req, int) else req
+        if not blocks:
+            return base
+        dec = with_blocks(base.decisions, blocks, g.n_blocks)
+        try:
+            return comp.build(dec, base.batch_size)
+        except PlanError:
+            if attempt == RESOLVES:
+                raise
+        lack = comp.build(dec, base.batch_size, check_budget=False).predicted["peak_gpu_bytes"] \
+            - comp.budgets["gpu_bytes"]
+        gpu_bytes -= max(int(lack), 2**26)          # at least 64 MiB less: the next solve must differ
+        if gpu_bytes <= 0:
+            raise PlanError(f"GPU-updated blocks {list(blocks)} do not fit the GPU budget beside any plan")
+        base = comp.with_gpu_budget(gpu_bytes).best(policy, plan.batch_size, micro_batch)
+        if base is None:
+            raise PlanError(f"GPU-updated blocks {list(blocks)} do not fit the GPU budget: no plan leaves the "
+                            f"{max(int(lack), 0) / 2**30:.2f} GiB they need")
 
 
 def choose(comp, plan: Plan) -> Plan:
