@@ -89,7 +89,7 @@ def fixed(comp, plan: Plan, req, policy: str, micro_batch: int | None = None) ->
     beside it; as ``choose`` does, the search is then run again with the GPU budget lowered by the memory they
     lack (up to ``RESOLVES`` times: the re-solved plan peaks elsewhere) and the blocks put on that plan, checked
     against the whole budget (at the caller's micro-batch, if one was given).  A request that fits no re-solved
-    plan raises the budget error of the last try."""
+    plan raises a ``PlanError`` that says by how much it missed."""
     g = plan.graph
     bad = [j for j in (() if isinstance(req, int) else req) if not 0 <= j < g.n_blocks]
     if bad:
@@ -103,17 +103,23 @@ def fixed(comp, plan: Plan, req, policy: str, micro_batch: int | None = None) ->
         try:
             return comp.build(dec, base.batch_size)
         except PlanError:
-            if attempt == RESOLVES:
-                raise
-        lack = comp.build(dec, base.batch_size, check_budget=False).predicted["peak_gpu_bytes"] \
-            - comp.budgets["gpu_bytes"]
-        gpu_bytes -= max(int(lack), 2**26)          # at least 64 MiB less: the next solve must differ
+            pass
+        peak = comp.build(dec, base.batch_size, check_budget=False).predicted["peak_gpu_bytes"]
+        lack = peak - comp.budgets["gpu_bytes"]
+        if attempt == RESOLVES:
+            raise PlanError(f"GPU-updated blocks {list(blocks)} do not fit the GPU budget of "
+                            f"{comp.budgets['gpu_bytes'] / 2**30:.2f} GiB: with them the plans re-solved with less "
+                            f"memory for the rest still peak {peak / 2**30:.2f} GiB; ask for fewer (or 'auto')")
+        if attempt == 0:        # what the blocks add to the solved plan's peak: the first re-solve leaves that
+            gpu_bytes -= max(int(peak - base.predicted["peak_gpu_bytes"]), int(lack), 2**26)
+        else:                   # the re-solved plan peaks elsewhere: leave what it still lacked, 64 MiB at least
+            gpu_bytes -= max(int(lack), 2**26)
         if gpu_bytes <= 0:
-            raise PlanError(f"GPU-updated blocks {list(blocks)} do not fit the GPU budget beside any plan")
+            raise PlanError(f"GPU-updated blocks {list(blocks)} need more than the whole GPU budget; ask for fewer")
         base = comp.with_gpu_budget(gpu_bytes).best(policy, plan.batch_size, micro_batch)
         if base is None:
             raise PlanError(f"GPU-updated blocks {list(blocks)} do not fit the GPU budget: no plan leaves the "
-                            f"{max(int(lack), 0) / 2**30:.2f} GiB they need")
+                            f"{max(int(lack), 0) / 2**30:.2f} GiB they need; ask for fewer (or 'auto')")
 
 
 def choose(comp, plan: Plan) -> Plan:
