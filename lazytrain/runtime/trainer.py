@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from ..frontend.program import build_program
 from ..ir import OpKind, Plan, PlanError, TensorId, TensorKind, Tier, verify
 from ..ir.order import UpdateOrder
 from ..ir.semantics import Sizes
+from ..paused_gc import freeze_long_lived, paused_gc
 from . import checkpoint, interpreter
 from .batch import (
     as_tokens,
@@ -41,6 +43,7 @@ from .batch import (
     pad_positions,
     token_limits,
 )
+from .compute_device import compute_device, device_type
 from .context import GpuParams, H, HostCopy, Run, Step, _tid
 from .distributed import World, global_tokens
 from .gpu_update import pin_state
@@ -99,9 +102,9 @@ class Trainer:
         check_trainer_args(model, plan, optimizer, device)
         #: the data-parallel world (``distributed.World``; None for one process): joined before the
         #: device is chosen (a rank's GPU is its LOCAL_RANK's)
-        self.world = World.start(_device_type(device))
+        self.world = World.start(device_type(device))
         plan.check_world_size(1 if self.world is None else self.world.size)
-        self.device = _device(device)
+        self.device = compute_device(device)
         verify(plan)                  # a plan read back from a file or checkpoint is checked like a fresh one
         self.plan = plan
         self.model = model
@@ -221,7 +224,8 @@ class Trainer:
         if self.world is not None:       # the head's gradient is 1 / valid tokens of the global batch
             step.inv_tokens = 1.0 / torch.as_tensor(self._global_tokens, dtype=torch.float64).clamp_min(1)
         try:
-            interpreter.run(step)
+            with paused_gc() if self.device.type == "cuda" else nullcontext():    # no collection stalls the issue
+                interpreter.run(step)
             run.streams.synchronize()     # the step's device work (updates may still run on the host)
             for i in run.schedule.host_io:   # NVMe work of this step (writes, deletes) must be done
                 fut = step.done.get(i)
@@ -249,6 +253,8 @@ class Trainer:
             n_tok = int(n_tok)
         step_s = time.perf_counter() - t0
         self.steps += 1
+        if self.device.type == "cuda":
+            freeze_long_lived()          # the run's objects exist now: later collections do not walk them
         B, S = self.plan.batch_size * (1 if self.world is None else self.world.size), self.plan.seq_len
         if step.profiler is not None:
             self.last_profile = step.profiler.finish(step_s)
@@ -346,24 +352,6 @@ class Trainer:
 
 
 # ---- the trainer's construction, in steps ----------------------------------------------------------
-def _device_type(device) -> str:
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device).type
-
-
-def _device(device) -> torch.device:
-    """The compute device (CUDA when available), with the caching allocator set up on CUDA."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = torch.device(device)
-    if out.type == "cuda" and out.index is None:
-        out = torch.device("cuda", torch.cuda.current_device())
-    if out.type == "cuda":
-        _expandable_segments()
-    return out
-
-
 def _nvme_store(plan: Plan, nvme_dir, rank: int | None) -> NvmeStore | None:
     """The NVMe folder, checked (writable, room for the plan's NVMe peak) before anything is allocated.  Each
     of several ranks writes into its own ``rankRRRR`` folder in it: they run one plan, so they would name
@@ -485,16 +473,3 @@ def _resident(lays: list[BlockLayout], gpu_params: dict[int, torch.Tensor], devi
                 extra.append(gpu_params[owner])
         params[j] = GpuParams(flat, views, tuple(extra))
     return params, targets, grads
-
-
-def _expandable_segments() -> None:
-    """Ask the CUDA caching allocator for expandable segments unless the user configured it: blocks
-    of many sizes (parameters, activations, loss chunks) otherwise fragment it (up to 1.6 GiB reserved
-    but unusable at a 24 GiB budget on the H200).  Only effective before the process's first CUDA
-    allocation; harmless after."""
-    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
-        return
-    try:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    except Exception:  # noqa: BLE001 - an allocator without the option: keep the default
-        pass
