@@ -161,3 +161,33 @@ def test_compiled_blocks_match_eager_on_gpu(tmp_path):
     assert tr.compile_report.blocks == plan.graph.n_blocks - 1 and not tr.compile_report.failed
     _trains_like_eager_fp32("qwen2", model, ref, tr)
     tr.close()
+
+
+def test_gradient_norm_reads_the_finished_device_reductions():
+    """The global norm of a plan with resident blocks (their accumulators reduced on the compute stream at the
+    end of the step) is read once those reductions are done: at learning rate 0 every step sees the same
+    gradients, so every step reports the same norm, and it is eager PyTorch's.  Regression: the norms were read
+    on the caller's stream while the compute stream was still reducing them (a qwen2.5-7b step reported 4.19
+    beside 6.68 for the same data); large accumulators make that race likely."""
+    import lazytrain
+    from lazytrain.frontend.presets import build_from_config
+
+    cfg = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 6,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": False,
+           "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
+    torch.manual_seed(0)
+    model = build_from_config(cfg, device="cpu", dtype=torch.float32)
+    ref = copy.deepcopy(model).cuda()
+    plan = lazytrain.compile(model, batch_size=4, seq_len=256, micro_batch=4, hardware="h200", policy="megatrain",
+                             optimizer="adamw", param_dtype="float32", gpu_memory="40GiB", resident=5,
+                             gpu_update="none")
+    assert len(plan.decisions.resident_blocks) >= 5
+    ids = torch.randint(0, 32000, (4, 256), generator=torch.Generator().manual_seed(3))
+    tr = Trainer(model, plan, optimizer=TorchAdamW(lr=0.0, max_grad_norm=1.0), device="cuda")
+    try:
+        norms = [tr.step((ids, ids.clone())).grad_norm for _ in range(8)]
+    finally:
+        tr.close()
+    ref(input_ids=ids.cuda(), labels=ids.cuda()).loss.backward()
+    eager = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))
+    torch.testing.assert_close(norms, [eager] * len(norms), rtol=1e-4, atol=0)

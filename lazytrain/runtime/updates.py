@@ -140,6 +140,9 @@ class Updates:
         self.tracker.begin_step()
         # resident accumulators hold whole gradients, tied shares included (with several ranks, this rank's
         # shard of them, which the reduce-scatters on the collective stream added)
+        # the reductions and their one read on the same stream: read from another (the caller's), the norms
+        # of the accumulators just enqueued would race their kernels (a qwen2.5-7b step reported 4.19 for a
+        # norm of 6.68); the gradient offloads' norms, on the D2H stream, are complete (waited above)
         with self.streams.on(Resource.GPU if self.world is None else Resource.NET):
             for o, acc in self.resident_grad.items():
                 step.grad_sq[o] = torch.linalg.vector_norm(acc).square()
@@ -147,8 +150,9 @@ class Updates:
                 acc = step.copies.get((_tid(TensorKind.GRADS, o), G))
                 if acc is not None:
                     step.grad_sq[o] = torch.linalg.vector_norm(acc).square()
-        on_device = [j for j in range(len(self.store.layouts)) if step.grad_sq.get(j) is not None]
-        sqs = dict(zip(on_device, torch.stack([step.grad_sq[j] for j in on_device]).tolist())) if on_device else {}
+            on_device = [j for j in range(len(self.store.layouts)) if step.grad_sq.get(j) is not None]
+            sqs = dict(zip(on_device, torch.stack([step.grad_sq[j] for j in on_device]).tolist())) \
+                if on_device else {}
         totals = {}
         for j, lay in enumerate(self.store.layouts):      # one device->host read for every block's norm
             sq = sqs.get(j)
