@@ -57,9 +57,9 @@ def parser() -> argparse.ArgumentParser:
                          "into DIR/<batch>_<policy>/")
     ap.add_argument("--runs", default=None,
                     help="several runs on one model build, e.g. '8:megatrain,32:milp,8:milp:12,32:milp@auto/6,"
-                         "1x32768:milp,1xmax:milp,32:milp:nogc' (batch[xseq]:policy[@resident[/gpu_update]][:optimizer "
-                         "threads][:nogc]; seq a number or 'max'; nogc: the trainer's handling of Python's collector "
-                         "off, for an A/B, only before runs with it); results go to OUT as a JSON list")
+                         "1x32768:milp,1xmax:milp' (batch[xseq]:policy[@resident[/gpu_update]][:optimizer "
+                         "threads]; seq a number or 'max'); runs with the same compile arguments share one plan; "
+                         "results go to OUT as a JSON list")
     ap.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
                     help="the preset's config with rope_scaling {rope_type: TYPE, factor: FACTOR} (e.g. yarn:4, as "
                          "Qwen2.5's model cards advise past 32,768 tokens), for sequences beyond its declared "
@@ -123,8 +123,6 @@ def main(argv=None) -> dict:
             res, _, gpu = res.partition("/")
             a.resident = (res if res in ("none", "auto") else int(res)) if res else default_resident
             a.gpu_update = (gpu if gpu in ("none", "auto") else int(gpu)) if gpu else default_gpu_update
-            a.gc_default = "nogc" in threads      # the A/B: this run without the trainer's collector handling
-            threads = [t for t in threads if t != "nogc"]
             if threads:
                 a.optim_threads = int(threads[0])
             try:
@@ -218,7 +216,6 @@ def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -
     threads = getattr(a, "optim_threads", None)
     opt = (Hybrid8bitAdamW(lr=a.lr, max_grad_norm=1.0, num_threads=threads) if a.optimizer == "hybrid8bit"
            else TorchAdamW(lr=a.lr, max_grad_norm=1.0))
-    collector_as_it_comes(getattr(a, "gc_default", False))
     t = time.perf_counter()
     trainer = lazytrain.Trainer(model, plan, optimizer=opt, device="cuda", nvme_dir=a.nvme_dir)
     setup_s = time.perf_counter() - t
@@ -338,19 +335,6 @@ def memory_report(trainer, plan, batch, top: int = 12):
     if error is not None:
         raise error
     return report, s
-
-
-def collector_as_it_comes(on: bool) -> None:
-    """The A/B of the trainer's handling of Python's collector (``lazytrain/paused_gc.py``): with ``on``, the
-    trainer's steps run with the collector as Python sets it (its pause and freeze replaced by no-ops), else with
-    the trainer's own.  The freeze is once per process: a run with it on makes later ``nogc`` runs meaningless."""
-    import contextlib
-
-    import lazytrain.paused_gc
-    import lazytrain.runtime.trainer as trainer_module
-    trainer_module.paused_gc, trainer_module.freeze_long_lived = (
-        (contextlib.nullcontext, lambda: None) if on
-        else (lazytrain.paused_gc.paused_gc, lazytrain.paused_gc.freeze_long_lived))
 
 
 def save_artifacts(folder: Path, plan, prof) -> Path:

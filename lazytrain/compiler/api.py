@@ -17,7 +17,6 @@ from ..frontend.trace_cache import TraceCache
 from ..frontend.validate import check_compile_args, micro_batch_candidates
 from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
-from ..paused_gc import paused_gc
 from ..units import parse_size
 from . import gpu_update as gpu_update_rule
 from .cost import CostModel
@@ -25,6 +24,7 @@ from .hardware import get_profile
 from .loss_chunk import with_loss_chunk
 from .lower import lower_with_effects
 from .measured_workspace import with_measured_workspace
+from .paused_gc import paused_gc
 from .resident import resident_request
 from .search import Search
 from .simulate import SimResult, simulate

@@ -22,7 +22,6 @@ import logging
 import os
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +30,6 @@ from ..frontend.program import build_program
 from ..ir import OpKind, Plan, PlanError, TensorId, TensorKind, Tier, verify
 from ..ir.order import UpdateOrder
 from ..ir.semantics import Sizes
-from ..paused_gc import freeze_long_lived, paused_gc
 from . import checkpoint, interpreter
 from .batch import (
     as_tokens,
@@ -224,8 +222,7 @@ class Trainer:
         if self.world is not None:       # the head's gradient is 1 / valid tokens of the global batch
             step.inv_tokens = 1.0 / torch.as_tensor(self._global_tokens, dtype=torch.float64).clamp_min(1)
         try:
-            with paused_gc() if self.device.type == "cuda" else nullcontext():    # no collection stalls the issue
-                interpreter.run(step)
+            interpreter.run(step)
             run.streams.synchronize()     # the step's device work (updates may still run on the host)
             for i in run.schedule.host_io:   # NVMe work of this step (writes, deletes) must be done
                 fut = step.done.get(i)
@@ -253,8 +250,6 @@ class Trainer:
             n_tok = int(n_tok)
         step_s = time.perf_counter() - t0
         self.steps += 1
-        if self.device.type == "cuda":
-            freeze_long_lived()          # the run's objects exist now: later collections do not walk them
         B, S = self.plan.batch_size * (1 if self.world is None else self.world.size), self.plan.seq_len
         if step.profiler is not None:
             self.last_profile = step.profiler.finish(step_s)
