@@ -32,7 +32,9 @@ def _expandable_segments() -> None:
     allocation; harmless after."""
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
         return
+    # the device-generic setter where torch has it (the CUDA one now warns that it is deprecated)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     try:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        setter("expandable_segments:True")
     except Exception:  # noqa: BLE001 - an allocator without the option: keep the default
         pass
