@@ -241,6 +241,28 @@ def test_the_rule_chooses_gpu_updated_blocks_where_host_updates_pace_the_step():
         lazytrain.compile(model, gpu_update=2, world_size=2, **kw)
 
 
+@pytest.mark.filterwarnings("ignore:micro-batch")     # the re-solves at less memory may fall back to a heuristic
+def test_a_fixed_count_that_does_not_fit_the_solved_plan_re_solves():
+    """Asked-for GPU-updated blocks whose accumulators do not fit beside the solved plan's kept activations: the
+    search runs again with less GPU memory and the blocks go on that plan, within the budget; a count that fits
+    no plan is refused with what it lacks (not a budget error from deep in verify)."""
+    import lazytrain
+    from lazytrain.compiler.synthetic import chain
+    graph = chain(6, layer_params=300_000_000, saved_per_token=200_000)
+    kw = dict(batch_size=8, micro_batch=8, hardware="h200", time_limit=2, resident=[0, 1, 2], seq_tile=None,
+              gpu_memory="16GiB")
+    base = lazytrain.compile(graph, gpu_update="none", **kw)
+    two = lazytrain.compile(graph, gpu_update=2, **kw)
+    assert sorted(two.decisions.gpu_updated_blocks) == [3, 4]
+    assert two.predicted["peak_gpu_bytes"] <= two.budgets["gpu_bytes"] == base.budgets["gpu_bytes"]
+    as_solved = dataclasses.replace(base.decisions, gpu_update=two.decisions.gpu_update, notes={})
+    assert base.budgets["gpu_bytes"] < Compiler(graph, get_profile("h200"), {**base.budgets, "gpu_bytes": 2**50},
+                                                param_dtype="bfloat16", optimizer="hybrid8bit", clip=True
+                                                ).build(as_solved, 8).predicted["peak_gpu_bytes"]
+    with pytest.raises(PlanError, match=r"GPU-updated blocks \[3, 4, 5\] do not fit .* ask for fewer"):
+        lazytrain.compile(graph, gpu_update=3, **kw)
+
+
 # ---- on a real GPU (run on the lent machine; skipped without CUDA) --------------------------------
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
