@@ -263,6 +263,43 @@ def test_a_fixed_count_that_does_not_fit_the_solved_plan_re_solves():
         lazytrain.compile(graph, gpu_update=3, **kw)
 
 
+def _counts(steps: list[float | None]):
+    """``gpu_update._Counts`` over a table: k -> step (None: does not fit), and the ks it built."""
+    from types import SimpleNamespace
+
+    from lazytrain.compiler import gpu_update as gu
+    built: list[int] = []
+
+    def build(k):
+        if steps[k - 1] is None:
+            raise PlanError("over budget")
+        return SimpleNamespace(predicted={"step_time_s": steps[k - 1]})
+    return gu._Counts(build, [float("inf")], lambda k, p: built.append(k)), built
+
+
+@pytest.mark.parametrize("fits", [0, 1, 3, 16, 30])
+@pytest.mark.parametrize("hint", [1, 5, 30])
+def test_the_scan_finds_the_largest_count_that_fits_and_the_fastest_below_it(fits, hint):
+    """The rule's search over k (``_best_count``, ``_largest_fitting``, ``_lowest``) against building every
+    count: the same largest count that fits, from any hint, and the same fastest count, whether the step still
+    falls where memory stops it or turns back up before; each count built at most once, fewer than all."""
+    from lazytrain.compiler import gpu_update as gu
+    n = 30
+    for turn in (None, 4, 11):            # the step falls by 1 a block, then (past `turn`) rises by 0.5
+        steps = [None if k > fits else (100.0 - k if turn is None or k <= turn else 100.0 - turn + 0.5 * (k - turn))
+                 for k in range(1, n + 1)]
+        counts, built = _counts(steps)
+        kmax = gu._largest_fitting(counts, n, hint)
+        assert kmax == fits
+        if kmax:
+            want = min(range(1, kmax + 1), key=lambda k: steps[k - 1])
+            assert gu._lowest(counts, 1, kmax) == want
+        assert len(built) == len(set(built)) and (len(built) < n or fits == n)
+        best, _ = gu._best_count(_counts(steps)[0], n, hint)
+        assert best == (min(range(1, fits + 1), key=lambda k: steps[k - 1]) if fits else 0)
+    assert gu._largest_fitting(_counts([None] * n)[0], n, hint) == 0
+
+
 # ---- on a real GPU (run on the lent machine; skipped without CUDA) --------------------------------
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -10,18 +10,20 @@ a few blocks' state in flight), which the solved plan usually has not left free;
 (parameters, state and accumulator for the whole run, ~10 bytes a parameter with the 8-bit optimizer), so
 the rule also trades the last blocks of the resident prefix for GPU-updated ones.
 
-The rule (``choose``): for d = 0, 1, ... resident blocks given back (the prefix's last, tie groups never),
-and k = 1, 2, ... GPU-updated blocks (the first streamed ones), build the plan (lower, ``verify`` against the
-budgets, simulate) and keep the fastest; k grows until the plan no longer fits or three more blocks bring
-nothing, d until two more resident blocks given back bring nothing.  The solved plan (d = k = 0) is the
-baseline, so the result is never slower on the simulator.  Where the blocks that would shorten the step most
-do not fit beside the solved plan's activations, the search is run once more with the GPU budget lowered by
-the memory they lack (the solver then keeps fewer activations or resident blocks), and the scan repeated on
-that plan with the whole budget; the faster of the two is kept.  The scans stop after ``SCAN_BUDGET_S`` CPU
-seconds.  The MILP itself does not price the GPU update (its
-windows would need the kept accumulators and the state traffic as terms): the activation and cut decisions
-stay the solver's.  ``plan.decisions.notes["gpu_update"]`` records what was tried; ``lazytrain show`` says it.
-"""
+The rule (``choose``): for d = 0, 1, ... resident blocks given back (the prefix's last, tie groups never), and k
+GPU-updated blocks (the first streamed ones), build the plan (lower, ``verify`` against the budgets, simulate) and
+keep the fastest. For each d, k = 1, 2, 3 are built in turn, and on until three more blocks bring nothing or one
+does not fit; a step that still falls at k = 3 (each block takes a host update off it until memory, the state
+copies or the GPU stop it) is followed by galloping and bisection to the largest k that fits and a search of the
+best k below it that assumes the step falls, then rises (``_best_count``), so a long fall costs ~2 log2 k builds,
+not k. d grows until two more resident blocks given back bring nothing. The solved plan (d = k = 0) is the
+baseline, so the result is never slower on the simulator. Where the blocks that would shorten the step most do not
+fit beside the solved plan's activations, the search is run once more with the GPU budget lowered by the memory
+they lack (the solver then keeps fewer activations or resident blocks), and the scan repeated on that plan with the
+whole budget; the faster of the two is kept. The scans stop after ``SCAN_BUDGET_S`` CPU seconds. The MILP itself
+does not price the GPU update (its windows would need the kept accumulators and the state traffic as terms): the
+activation and cut decisions stay the solver's. ``plan.decisions.notes["gpu_update"]`` records what was tried;
+``lazytrain show`` says it."""
 
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ from .deadline import compile_cpu_seconds
 #: load can make the next one wait before the host's saving shows), two more resident blocks given back the scan
 #: over d
 K_PATIENCE, D_PATIENCE = 3, 2
+#: counts built one by one before a step that still falls is followed by galloping and bisection (``_best_count``)
+LINEAR = 3
 #: a step shorter by less than this is no gain (seconds: the simulator's rounding across periods)
 MIN_GAIN_S = 1e-6
 #: CPU seconds the scans may take in all (each plan built costs a lowering, ``verify`` and a simulation:
@@ -134,16 +138,14 @@ def choose(comp, plan: Plan) -> Plan:
     if step - plan.predicted.get("busy_s", {}).get("gpu", 0.0) < MIN_IDLE_SHARE * step:
         return plan
     budget = [compile_cpu_seconds() + SCAN_BUDGET_S]
-    best, tried = _scan(comp, plan, budget)
-    over = next((t[1] for t in tried if len(t) == 3 and t[0] == len(plan.decisions.resident_blocks)
-                 and t[2] is None), None)      # the first count that did not fit beside the solved plan
+    best, tried, over = _scan(comp, plan, budget)      # over: the first count that did not fit beside the plan
     room = _room(comp, plan, over, budget) if over is not None else 0
     resolved = None
     if room > 0:        # the solved plan leaves too little memory: solve again with that much less
         resolved = comp.with_gpu_budget(comp.budgets["gpu_bytes"] - room).best("milp", plan.batch_size)
     if resolved is not None:
         budget = [compile_cpu_seconds() + SCAN_BUDGET_S]
-        again, tried_again = _scan(comp, resolved, budget, base_step=best.predicted["step_time_s"])
+        again, tried_again, _ = _scan(comp, resolved, budget, base_step=best.predicted["step_time_s"])
         tried += [["re-solved", round(room / 2**30, 3)], *tried_again]
         if again.predicted["step_time_s"] < best.predicted["step_time_s"] - MIN_GAIN_S:
             best = again
@@ -162,57 +164,158 @@ def _room(comp, plan: Plan, over: int, budget: list[float]) -> int:
     ``over``, the first count that did not fit; 0 when more than ``over - 1`` blocks would not be faster."""
     g, dec = plan.graph, plan.decisions
     cands = candidates(g, dec)
-    step_fit = None if over <= 1 else comp.build(with_blocks(dec, cands[:over - 1], g.n_blocks), plan.batch_size,
-                                                 check_budget=False).predicted["step_time_s"]
-    free_step = plan.predicted["step_time_s"] if step_fit is None else step_fit
-    free_peak, misses = None, 0
-    for k in range(over, len(cands) + 1):
-        if compile_cpu_seconds() > budget[0]:
-            break
-        p = comp.build(with_blocks(dec, cands[:k], g.n_blocks), plan.batch_size, check_budget=False)
-        if p.predicted["step_time_s"] < free_step - MIN_GAIN_S:
-            free_step, free_peak, misses = p.predicted["step_time_s"], p.predicted["peak_gpu_bytes"], 0
+    free = _Counts(lambda k: comp.build(with_blocks(dec, cands[:k], g.n_blocks), plan.batch_size,
+                                        check_budget=False), budget, lambda k, p: None)
+    try:
+        k = _lowest(free, over - 1, len(cands)) if over > 1 else _lowest(free, 1, len(cands))
+    except _OutOfTime:
+        return 0
+    step_fit = plan.predicted["step_time_s"] if over <= 1 else free.step(over - 1)
+    if k < over or free.step(k) >= step_fit - MIN_GAIN_S:
+        return 0
+    return max(0, int(free.at(k).predicted["peak_gpu_bytes"] - plan.budgets["gpu_bytes"]))
+
+
+class _OutOfTime(Exception):
+    """The scans' CPU budget ran out."""
+
+
+class _Counts:
+    """The plans of one base decision with its first k candidate blocks GPU-updated, k = 1, 2, ...: built once
+    each (``at``), None where it does not fit; ``step`` is the simulated step (infinite where it does not fit).
+    Every build is reported to ``record(k, plan or None)``."""
+
+    def __init__(self, build, budget: list[float], record):
+        self.build, self.budget, self.record = build, budget, record
+        self.plans: dict[int, Plan | None] = {}
+
+    def at(self, k: int) -> Plan | None:
+        if k not in self.plans:
+            if compile_cpu_seconds() > self.budget[0]:
+                raise _OutOfTime
+            try:
+                p = self.build(k)
+            except PlanError:              # over a budget
+                p = None
+            self.plans[k] = p
+            self.record(k, p)
+        return self.plans[k]
+
+    def step(self, k: int) -> float:
+        p = self.at(k)
+        return float("inf") if p is None else p.predicted["step_time_s"]
+
+
+def _largest_fitting(counts: _Counts, n: int, hint: int) -> int:
+    """The largest k in 0..n whose plan fits (more GPU-updated blocks only add memory, so the counts that fit
+    are 1..k): galloping from ``hint`` (the previous d's, which the next one usually exceeds by a few blocks:
+    hint + 1, + 2, + 4, ...), then bisection."""
+    if n == 0 or counts.at(1) is None:
+        return 0
+    lo, hi = 1, n + 1                      # at(lo) fits; at(hi) does not (n + 1: never built)
+    hint = min(max(hint, 1), n)
+    if hint > 1:
+        if counts.at(hint) is None:
+            hi = hint
+        else:
+            lo = hint
+    stride = 1
+    while hi == n + 1 and lo < n:          # gallop up until a count does not fit
+        probe = min(lo + stride, n)
+        if counts.at(probe) is None:
+            hi = probe
+        else:
+            lo = probe
+        stride *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if counts.at(mid) is None:
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+def _lowest(counts: _Counts, lo: int, hi: int) -> int:
+    """The k in lo..hi with the shortest step, for a step that falls then rises with k (each GPU-updated
+    block takes a host update off the step until the state copies or the GPU pace it): the end ``hi`` when
+    the step still falls there (the usual case: memory stops the count first), else a ternary search."""
+    if hi <= lo:
+        return lo
+    if counts.step(hi) < counts.step(hi - 1) - MIN_GAIN_S:
+        return hi
+    hi -= 1
+    while hi - lo > 2:
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if counts.step(m1) <= counts.step(m2):
+            hi = m2 - 1 if counts.step(m1) < counts.step(m2) else m2
+        else:
+            lo = m1 + 1
+    return min(range(lo, hi + 1), key=counts.step)
+
+
+def _best_count(counts: _Counts, n: int, hint: int) -> tuple[int, int | None]:
+    """The best count of GPU-updated blocks in 0..n and the largest that fits (None where the search did not need
+    it).  Counts 1, 2, ... are built in turn until ``K_PATIENCE`` in a row bring nothing or one does not fit (the
+    step turned before memory stopped it); if it still falls after ``LINEAR`` counts, the largest count that fits
+    is found by galloping and bisection (``_largest_fitting``) and the best between by ``_lowest``: the step
+    falls by about one host update per block until memory stops it, so a long fall costs ~2 log2 of its length
+    in builds, not its length."""
+    best_k, best_s, misses = 0, float("inf"), 0
+    for k in range(1, n + 1):
+        s = counts.step(k)
+        if s == float("inf"):
+            return best_k, k - 1
+        if s < best_s - MIN_GAIN_S:
+            best_k, best_s, misses = k, s, 0
         else:
             misses += 1
             if misses >= K_PATIENCE:
-                break
-    return 0 if free_peak is None else max(0, int(free_peak - plan.budgets["gpu_bytes"]))
+                return best_k, None
+        if k >= LINEAR and best_k == k and k < n:
+            kmax = _largest_fitting(counts, n, max(hint, k + 1))
+            return _lowest(counts, k, kmax), kmax
+    return best_k, n
 
 
-def _scan(comp, plan: Plan, budget: list[float], base_step: float | None = None) -> tuple[Plan, list]:
+def _scan(comp, plan: Plan, budget: list[float], base_step: float | None = None) -> tuple[Plan, list, int | None]:
     """The scan over (d, k) from ``plan`` (module docstring): the fastest plan (``plan`` itself unless one is
-    faster than it and than ``base_step``) and the (resident blocks, k, step or None) tried."""
+    faster than it and than ``base_step``), the (resident blocks, k, step or None) built, and the first count
+    that did not fit at d = 0 (None if every candidate fit or the time ran out first).
+
+    For each d the best count comes from ``_best_count``: one by one while the step turns early, by galloping
+    and bisection over a long fall."""
     g, dec = plan.graph, plan.decisions
     best, best_step = plan, plan.predicted["step_time_s"]
     bar = best_step if base_step is None else min(best_step, base_step)
     tried: list[list] = [[len(dec.resident_blocks), 0, round(best_step, 5)]]
     trade = _tradeable(g, dec)
-    stale_d = 0
+    stale_d, hint, first_over = 0, 2, None
     for d in range(len(trade) + 1):
         res = dec.resident_blocks - set(trade[:d])
         base = dataclasses.replace(dec, resident=tuple(j in res for j in range(g.n_blocks)) if res else ())
         cands = candidates(g, base)
-        improved, misses, local = False, 0, float("inf")
-        for k in range(1, len(cands) + 1):
-            if compile_cpu_seconds() > budget[0]:
-                tried.append(["out of time"])
-                return best, tried
-            try:
-                p = comp.build(with_blocks(base, cands[:k], g.n_blocks), plan.batch_size)
-            except PlanError:              # over a budget: more blocks only add memory
-                tried.append([len(res), k, None])
-                break
-            step = p.predicted["step_time_s"]
-            tried.append([len(res), k, round(step, 5)])
-            if step < min(best_step, bar) - MIN_GAIN_S:
-                best, best_step, improved = p, step, True
-            if step < local - MIN_GAIN_S:
-                local, misses = step, 0
-            else:
-                misses += 1
-                if misses >= K_PATIENCE:
-                    break
+        n_res = len(res)
+
+        def build(k: int, base=base, cands=cands) -> Plan:
+            return comp.build(with_blocks(base, cands[:k], g.n_blocks), plan.batch_size)
+
+        def record(k: int, p: Plan | None, n_res=n_res) -> None:
+            tried.append([n_res, k, None if p is None else round(p.predicted["step_time_s"], 5)])
+        counts = _Counts(build, budget, record)
+        try:
+            k, kmax = _best_count(counts, len(cands), hint)
+        except _OutOfTime:
+            tried.append(["out of time"])
+            return best, tried, first_over
+        if kmax is not None:
+            hint = max(hint, kmax)
+            if d == 0 and kmax < len(cands):
+                first_over = kmax + 1
+        improved = bool(k) and counts.step(k) < min(best_step, bar) - MIN_GAIN_S
+        if improved:
+            best, best_step = counts.at(k), counts.step(k)
         stale_d = 0 if improved else stale_d + 1
         if stale_d >= D_PATIENCE:
             break
-    return best, tried
+    return best, tried, first_over
