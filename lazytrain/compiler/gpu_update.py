@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 from ..ir import Decisions, Plan, PlanError
 from ..ir.semantics import tie_closure
@@ -120,10 +121,19 @@ def fixed(comp, plan: Plan, req, policy: str, micro_batch: int | None = None) ->
             gpu_bytes -= max(int(lack), 2**26)
         if gpu_bytes <= 0:
             raise PlanError(f"GPU-updated blocks {list(blocks)} need more than the whole GPU budget; ask for fewer")
-        base = comp.with_gpu_budget(gpu_bytes).best(policy, plan.batch_size, micro_batch)
+        base = _re_solved(comp, gpu_bytes, policy, plan.batch_size, micro_batch)
         if base is None:
             raise PlanError(f"GPU-updated blocks {list(blocks)} do not fit the GPU budget: no plan leaves the "
                             f"{max(int(lack), 0) / 2**30:.2f} GiB they need; ask for fewer (or 'auto')")
+
+
+def _re_solved(comp, gpu_bytes: int, policy: str, batch_size: int, micro_batch: int | None = None) -> Plan | None:
+    """The search's best plan with ``gpu_bytes`` of GPU budget, the memory GPU-updated blocks need set aside.
+    Its warnings (a micro-batch where the MILP found nothing at that budget and a heuristic stood in) are about a
+    budget the caller never gave, so they are not passed on; what the kept plan is, ``show`` says."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return comp.with_gpu_budget(gpu_bytes).best(policy, batch_size, micro_batch)
 
 
 def choose(comp, plan: Plan) -> Plan:
@@ -142,7 +152,7 @@ def choose(comp, plan: Plan) -> Plan:
     room = _room(comp, plan, over, budget) if over is not None else 0
     resolved = None
     if room > 0:        # the solved plan leaves too little memory: solve again with that much less
-        resolved = comp.with_gpu_budget(comp.budgets["gpu_bytes"] - room).best("milp", plan.batch_size)
+        resolved = _re_solved(comp, comp.budgets["gpu_bytes"] - room, "milp", plan.batch_size)
     if resolved is not None:
         budget = [compile_cpu_seconds() + SCAN_BUDGET_S]
         again, tried_again, _ = _scan(comp, resolved, budget, base_step=best.predicted["step_time_s"])
