@@ -105,11 +105,13 @@ class Compiler:
         self._costs: dict[tuple, CostModel] = {}         # ``cost``'s, by its arguments
         self.search = Search(self)
 
-    def with_gpu_budget(self, gpu_bytes: int) -> Compiler:
+    def with_gpu_budget(self, gpu_bytes: int, deadline: float | None = None) -> Compiler:
         """This compiler with another GPU budget and a search of its own (``gpu_update.choose`` re-solves with
-        the memory its GPU-updated blocks need set aside)."""
+        the memory its GPU-updated blocks need set aside), within ``deadline`` CPU seconds if given."""
         other = copy.copy(self)
         other.budgets = {**self.budgets, "gpu_bytes": gpu_bytes}
+        if deadline is not None:
+            other.deadline = deadline
         other.search = Search(other)
         return other
 

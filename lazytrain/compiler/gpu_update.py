@@ -20,10 +20,10 @@ not k. d grows until two more resident blocks given back bring nothing. The solv
 baseline, so the result is never slower on the simulator. Where the blocks that would shorten the step most do not
 fit beside the solved plan's activations, the search is run once more with the GPU budget lowered by the memory
 they lack (the solver then keeps fewer activations or resident blocks), and the scan repeated on that plan with the
-whole budget; the faster of the two is kept. The scans stop after ``SCAN_BUDGET_S`` CPU seconds. The MILP itself
-does not price the GPU update (its windows would need the kept accumulators and the state traffic as terms): the
-activation and cut decisions stay the solver's. ``plan.decisions.notes["gpu_update"]`` records what was tried;
-``lazytrain show`` says it."""
+whole budget; the faster of the two is kept. The rule stops after ``RULE_BUDGET_S`` CPU seconds, its re-solve
+included. The MILP itself does not price the GPU update (its windows would need the kept accumulators and the state
+traffic as terms): the activation and cut decisions stay the solver's. ``plan.decisions.notes["gpu_update"]``
+records what was tried; ``lazytrain show`` says it."""
 
 from __future__ import annotations
 
@@ -43,10 +43,14 @@ K_PATIENCE, D_PATIENCE = 3, 2
 LINEAR = 3
 #: a step shorter by less than this is no gain (seconds: the simulator's rounding across periods)
 MIN_GAIN_S = 1e-6
-#: CPU seconds the scans may take in all (each plan built costs a lowering, ``verify`` and a simulation:
-#: 0.05-0.3 s for qwen2.5-3b); counted in CPU time, as the search's deadline, so the choice does not depend on
-#: the machine's load.  The re-solve has the search's own deadline.
-SCAN_BUDGET_S = 6.0
+#: CPU seconds the rule may take in all, its scans and its re-solve together (each plan built costs a lowering,
+#: ``verify`` and a simulation: 0.05-0.3 s for qwen2.5-3b; the re-solve gets at most half of what the first scan
+#: left); counted in CPU time, as the search's deadline, so the choice does not depend on the machine's load.
+#: Per scan, with the re-solve on the search's own deadline, the rule took up to 19 s of a qwen2.5-14b compile
+#: (33 s in all, over the 20 s a compile may take)
+RULE_BUDGET_S = 6.0
+#: the least CPU time a re-solve is started with
+MIN_RESOLVE_S = 1.0
 #: a plan whose GPU idles less than this share of its simulated step is left as it is (``choose``)
 MIN_IDLE_SHARE = 0.01
 #: searches run again, each with less GPU budget, to fit the GPU-updated blocks a caller asks for (``fixed``)
@@ -127,13 +131,15 @@ def fixed(comp, plan: Plan, req, policy: str, micro_batch: int | None = None) ->
                             f"{max(int(lack), 0) / 2**30:.2f} GiB they need; ask for fewer (or 'auto')")
 
 
-def _re_solved(comp, gpu_bytes: int, policy: str, batch_size: int, micro_batch: int | None = None) -> Plan | None:
-    """The search's best plan with ``gpu_bytes`` of GPU budget, the memory GPU-updated blocks need set aside.
-    Its warnings (a micro-batch where the MILP found nothing at that budget and a heuristic stood in) are about a
-    budget the caller never gave, so they are not passed on; what the kept plan is, ``show`` says."""
+def _re_solved(comp, gpu_bytes: int, policy: str, batch_size: int, micro_batch: int | None = None,
+               deadline: float | None = None) -> Plan | None:
+    """The search's best plan with ``gpu_bytes`` of GPU budget, the memory GPU-updated blocks need set aside
+    (within ``deadline`` CPU seconds, else the search's own).  Its warnings (a micro-batch where the MILP found
+    nothing at that budget and a heuristic stood in) are about a budget the caller never gave, so they are not
+    passed on; what the kept plan is, ``show`` says."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return comp.with_gpu_budget(gpu_bytes).best(policy, batch_size, micro_batch)
+        return comp.with_gpu_budget(gpu_bytes, deadline=deadline).best(policy, batch_size, micro_batch)
 
 
 def choose(comp, plan: Plan) -> Plan:
@@ -147,14 +153,19 @@ def choose(comp, plan: Plan) -> Plan:
     step = plan.predicted["step_time_s"]
     if step - plan.predicted.get("busy_s", {}).get("gpu", 0.0) < MIN_IDLE_SHARE * step:
         return plan
-    budget = [compile_cpu_seconds() + SCAN_BUDGET_S]
+    budget = [compile_cpu_seconds() + RULE_BUDGET_S]     # the scans, the room and the re-solve, all together
     best, tried, over = _scan(comp, plan, budget)      # over: the first count that did not fit beside the plan
     room = _room(comp, plan, over, budget) if over is not None else 0
     resolved = None
-    if room > 0:        # the solved plan leaves too little memory: solve again with that much less
-        resolved = _re_solved(comp, comp.budgets["gpu_bytes"] - room, "milp", plan.batch_size)
+    left = budget[0] - compile_cpu_seconds()
+    if room > 0 and (comp.time_limit is not None or left >= 2 * MIN_RESOLVE_S):
+        # the solved plan leaves too little memory: solve again with that much less, in at most half of what is
+        # left (the other half scans its plan); a caller's time limit per solve has no deadline, as the search
+        resolved = _re_solved(comp, comp.budgets["gpu_bytes"] - room, "milp", plan.batch_size,
+                              deadline=None if comp.time_limit is not None else left / 2)
+    elif room > 0:
+        tried.append(["no time to re-solve"])
     if resolved is not None:
-        budget = [compile_cpu_seconds() + SCAN_BUDGET_S]
         again, tried_again, _ = _scan(comp, resolved, budget, base_step=best.predicted["step_time_s"])
         tried += [["re-solved", round(room / 2**30, 3)], *tried_again]
         if again.predicted["step_time_s"] < best.predicted["step_time_s"] - MIN_GAIN_S:
