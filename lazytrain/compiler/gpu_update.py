@@ -188,7 +188,7 @@ def _room(comp, plan: Plan, over: int, budget: list[float]) -> int:
     free = _Counts(lambda k: comp.build(with_blocks(dec, cands[:k], g.n_blocks), plan.batch_size,
                                         check_budget=False), budget, lambda k, p: None)
     try:
-        k = _lowest(free, over - 1, len(cands)) if over > 1 else _lowest(free, 1, len(cands))
+        k = _lowest(free, max(over - 1, 1), len(cands))
     except _OutOfTime:
         return 0
     step_fit = plan.predicted["step_time_s"] if over <= 1 else free.step(over - 1)
