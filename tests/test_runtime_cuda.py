@@ -163,12 +163,13 @@ def test_compiled_blocks_match_eager_on_gpu(tmp_path):
     tr.close()
 
 
-def test_gradient_norm_reads_the_finished_device_reductions():
+def test_gradient_norm_reads_the_finished_device_reductions(monkeypatch):
     """The global norm of a plan with resident blocks (their accumulators reduced on the compute stream at the
     end of the step) is read once those reductions are done: at learning rate 0 every step sees the same
     gradients, so every step reports the same norm, and it is eager PyTorch's.  Regression: the norms were read
     on the caller's stream while the compute stream was still reducing them (a qwen2.5-7b step reported 4.19
-    beside 6.68 for the same data); large accumulators make that race likely."""
+    beside 6.68 for the same data).  Each device reduction is made to wait ~10 ms on its stream first, so a read
+    that does not wait for it loses the race every time (without the delay the old code passed this test)."""
     import lazytrain
     from lazytrain.frontend.presets import build_from_config
 
@@ -183,11 +184,20 @@ def test_gradient_norm_reads_the_finished_device_reductions():
                              gpu_update="none")
     assert len(plan.decisions.resident_blocks) >= 5
     ids = torch.randint(0, 32000, (4, 256), generator=torch.Generator().manual_seed(3))
+    norm = torch.linalg.vector_norm
+
+    def late_norm(x, *args, **kwargs):      # the kernels of a busy stream: the reduction ends ~10 ms later
+        if x.is_cuda:
+            torch.cuda._sleep(20_000_000)
+        return norm(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", late_norm)
     tr = Trainer(model, plan, optimizer=TorchAdamW(lr=0.0, max_grad_norm=1.0), device="cuda")
     try:
         norms = [tr.step((ids, ids.clone())).grad_norm for _ in range(8)]
     finally:
         tr.close()
+    monkeypatch.undo()
     ref(input_ids=ids.cuda(), labels=ids.cuda()).loss.backward()
     eager = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))
     torch.testing.assert_close(norms, [eager] * len(norms), rtol=1e-4, atol=0)
