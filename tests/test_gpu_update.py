@@ -241,6 +241,22 @@ def test_the_rule_chooses_gpu_updated_blocks_where_host_updates_pace_the_step():
         lazytrain.compile(model, gpu_update=2, world_size=2, **kw)
 
 
+def test_the_rule_stops_at_the_compiles_deadline(monkeypatch):
+    """The rule's scans count inside the compile's deadline: with nothing of it left after the search, the rule
+    builds no plan, says it ran out of time, and the solved plan is returned as it was."""
+    import lazytrain
+    from lazytrain.compiler.deadline import Deadline
+    hw = dataclasses.replace(get_profile("h200"), cpu_adam8_gparams=5e-3, cpu_adam_gparams=5e-3)
+    kw = dict(batch_size=B, seq_len=SEQ, micro_batch=2, hardware=hw, gpu_memory="8GiB", resident="none", time_limit=0.5,
+              param_dtype="float32", seq_tile=None)
+    monkeypatch.setattr(Deadline, "after_cpu_left", lambda self: 0.0)
+    plan = lazytrain.compile(_graph("llama"), **kw)
+    note = plan.decisions.notes["gpu_update"]
+    assert note["tried"][-1] == ["out of time"] and len(note["tried"]) == 2     # the baseline, then nothing built
+    assert not plan.decisions.gpu_update
+    assert plan.predicted["step_time_s"] == pytest.approx(note["baseline_step_s"], abs=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:micro-batch")     # the re-solves at less memory may fall back to a heuristic
 def test_a_fixed_count_that_does_not_fit_the_solved_plan_re_solves():
     """Asked-for GPU-updated blocks whose accumulators do not fit beside the solved plan's kept activations: the

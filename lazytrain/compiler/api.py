@@ -80,7 +80,7 @@ class Compiler:
     def __init__(self, graph: ModelGraph, hw, budgets: dict, *, param_dtype: str, optimizer: str, clip: bool,
                  solver: str = DEFAULT_SOLVER, time_limit: float | None = None, resident: frozenset = frozenset(),
                  choose_resident: bool = False, world_size: int = 1, nodes: int = 1, compile_blocks: bool = False,
-                 deadline: float | None = None):
+                 deadline: float | None = None, rule_follows: bool = False):
         if solver not in SOLVERS:
             raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
         self.graph, self.hw, self.budgets = graph, hw, budgets
@@ -92,8 +92,12 @@ class Compiler:
         #: the solver asked for first, the other one if it fails
         self.solver_order = (solver, *(s for s in SOLVERS if s != solver))
         self.time_limit = time_limit
-        #: CPU seconds the MILP search may take in all (``search.DEADLINE_S`` when None; ``compiler/deadline.py``)
+        #: CPU seconds the planning may take in all, the search and the GPU-update rule after it
+        #: (``search.DEADLINE_S`` when None; ``compiler/deadline.py``)
         self.deadline = deadline
+        #: the GPU-update rule runs after the search (``gpu_update.choose``): the search leaves it a share of
+        #: the deadline
+        self.rule_follows = rule_follows
         self.options = {"host_bytes_per_param": HOST_BYTES_PER_PARAM[optimizer], "optimizer": optimizer,
                         "clip": clip}
         #: data-parallel ranks and hosts (``ir.sharding``); a world of one writes nothing of them
@@ -112,6 +116,7 @@ class Compiler:
         other.budgets = {**self.budgets, "gpu_bytes": gpu_bytes}
         if deadline is not None:
             other.deadline = deadline
+        other.rule_follows = False          # its search is the rule's own
         other.search = Search(other)
         return other
 
@@ -311,8 +316,9 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     then the best heuristic plan is used, with one warning and the failures in ``plan.solver``.
     ``time_limit``: CPU seconds per solve (default ``SOLVE_TIME_LIMIT``).  ``deadline``: CPU seconds (the
     compile's and its solver's; at most four times as many wall seconds) the search for the plan may take in
-    all, heuristics, solves and the checks of their plans included (default ``search.DEADLINE_S``, none when
-    ``time_limit`` is given); counted in CPU time, a busy machine does not change the plan.  When it runs out
+    all, heuristics, solves, the checks of their plans and the GPU-update rule after them included (default
+    ``search.DEADLINE_S``, none when ``time_limit`` is given; the search leaves the rule ``search.RULE_RESERVE_S``
+    of it); counted in CPU time, a busy machine does not change the plan.  When it runs out
     the best plan found so far is returned and ``plan.solver.out_of_time`` says so (``deadline_clock``: which
     clock ran out).
 
@@ -383,7 +389,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
                     solver=solver, time_limit=time_limit, resident=fixed,
                     choose_resident=auto and policy == "milp" and hw.has_gpu, world_size=world_size, nodes=nodes,
-                    compile_blocks=compile_blocks, deadline=deadline)
+                    compile_blocks=compile_blocks, deadline=deadline,
+                    rule_follows=gpu_update_rule.rule_runs(gpu_req, policy, hw.has_gpu, world_size))
     # cost, lower, verify and simulate run for each candidate the search builds (``Compiler.build``)
     plan = _search(comp, policy, batch_size, micro_batch, max_batch_limit)
     plan = _gpu_updated(comp, plan, policy, gpu_req, micro_batch)
@@ -438,7 +445,7 @@ def _gpu_updated(comp: Compiler, plan: Plan, policy: str, req, micro_batch: int 
     if req == "none" or comp.world_size > 1:
         return plan
     if req == "auto":
-        return gpu_update_rule.choose(comp, plan) if policy == "milp" and comp.hw.has_gpu else plan
+        return gpu_update_rule.choose(comp, plan) if comp.rule_follows else plan
     return gpu_update_rule.fixed(comp, plan, req, policy, micro_batch)
 
 

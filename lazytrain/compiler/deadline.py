@@ -26,10 +26,15 @@ def compile_cpu_seconds() -> float:
 
 class Deadline:
     """``seconds`` of CPU time from ``start()`` (none when ``seconds`` is None), and ``WALL_FACTOR`` times
-    that in wall time.  ``stopped_by`` records the clock that ran out first ("cpu" or "wall")."""
+    that in wall time.  ``stopped_by`` records the clock that ran out first ("cpu" or "wall").
 
-    def __init__(self, seconds: float | None):
+    ``reserve``: CPU seconds of the deadline kept for the work after the search (the GPU-update rule,
+    ``compiler/gpu_update.py``): the search's own clocks end that much earlier, and ``after_cpu_left`` says
+    what is left to the whole deadline."""
+
+    def __init__(self, seconds: float | None, reserve: float = 0.0):
         self.seconds = seconds
+        self.reserve = reserve if seconds is not None else 0.0
         self._cpu_end = self._wall_end = float("inf")
         #: the longest a check of a solution (a plan's build) took so far, in CPU and wall seconds: what a
         #: solve must leave time for
@@ -41,9 +46,18 @@ class Deadline:
     def start(self) -> None:
         """Start counting (a new question of the caller's)."""
         if self.seconds is not None:
-            self._cpu_end = compile_cpu_seconds() + self.seconds
-            self._wall_end = time.monotonic() + isolated.WALL_FACTOR * self.seconds
+            search_s = self.search_seconds()
+            self._cpu_end = compile_cpu_seconds() + search_s
+            self._wall_end = time.monotonic() + isolated.WALL_FACTOR * search_s
         self.stopped_by = ""
+
+    def search_seconds(self) -> float | None:
+        """CPU seconds of the deadline that are the search's (None without a deadline)."""
+        return None if self.seconds is None else self.seconds - self.reserve
+
+    def after_cpu_left(self) -> float:
+        """CPU seconds left to the whole deadline, the reserve included (infinite without a deadline)."""
+        return self._cpu_end + self.reserve - compile_cpu_seconds()
 
     def cpu_left(self) -> float:
         """CPU seconds to the deadline once the slowest build so far is set aside (infinite without one)."""

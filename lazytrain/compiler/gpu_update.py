@@ -13,17 +13,18 @@ the rule also trades the last blocks of the resident prefix for GPU-updated ones
 The rule (``choose``): for d = 0, 1, ... resident blocks given back (the prefix's last, tie groups never), and k
 GPU-updated blocks (the first streamed ones), build the plan (lower, ``verify`` against the budgets, simulate) and
 keep the fastest. For each d, k = 1, 2, 3 are built in turn, and on until three more blocks bring nothing or one
-does not fit; a step that still falls at k = 3 (each block takes a host update off it until memory, the state
-copies or the GPU stop it) is followed by galloping and bisection to the largest k that fits and a search of the
-best k below it that assumes the step falls, then rises (``_best_count``), so a long fall costs ~2 log2 k builds,
-not k. d grows until two more resident blocks given back bring nothing. The solved plan (d = k = 0) is the
-baseline, so the result is never slower on the simulator. Where the blocks that would shorten the step most do not
-fit beside the solved plan's activations, the search is run once more with the GPU budget lowered by the memory
-they lack (the solver then keeps fewer activations or resident blocks), and the scan repeated on that plan with the
-whole budget; the faster of the two is kept. The rule stops after ``RULE_BUDGET_S`` CPU seconds, its re-solve
-included. The MILP itself does not price the GPU update (its windows would need the kept accumulators and the state
-traffic as terms): the activation and cut decisions stay the solver's. ``plan.decisions.notes["gpu_update"]``
-records what was tried; ``lazytrain show`` says it."""
+does not fit; a step that still falls at k = 3 (each block takes a host update off it until memory, the state copies
+or the GPU stop it) is followed by galloping and bisection to the largest k that fits and a search of the best k
+below it that assumes the step falls, then rises (``_best_count``), so a long fall costs ~2 log2 k builds, not k. d
+grows until two more resident blocks given back bring nothing. The solved plan (d = k = 0) is the baseline, so the
+result is never slower on the simulator. Where the blocks that would shorten the step most do not fit beside the
+solved plan's activations, the search is run once more with the GPU budget lowered by the memory they lack (the
+solver then keeps fewer activations or resident blocks), and the scan repeated on that plan with the whole budget;
+the faster of the two is kept. The rule stops after ``RULE_BUDGET_S`` CPU seconds, its re-solve included, or earlier
+at the compile's deadline (the search leaves it ``search.RULE_RESERVE_S`` of it). The MILP itself does not price the GPU
+update (its windows would need the kept accumulators and the state traffic as terms): the activation and cut
+decisions stay the solver's. ``plan.decisions.notes["gpu_update"]`` records what was tried; ``lazytrain show`` says
+it."""
 
 from __future__ import annotations
 
@@ -68,6 +69,12 @@ def candidates(plan_graph, dec: Decisions) -> list[int]:
 def _tradeable(plan_graph, dec: Decisions) -> list[int]:
     """Resident blocks the rule may give back, last first: those sharing no tied parameter."""
     return sorted((j for j in dec.resident_blocks if tie_closure(plan_graph, {j}) == {j}), reverse=True)
+
+
+def rule_runs(req, policy: str, has_gpu: bool, world_size: int) -> bool:
+    """Does ``choose`` run after the search: asked for (``"auto"``), on the MILP's plan, on a GPU, in a world
+    of one (the sharded runtime has no GPU-updated blocks)?"""
+    return req == "auto" and policy == "milp" and has_gpu and world_size == 1
 
 
 def request(gpu_update) -> str | int | tuple[int, ...]:
@@ -153,7 +160,8 @@ def choose(comp, plan: Plan) -> Plan:
     step = plan.predicted["step_time_s"]
     if step - plan.predicted.get("busy_s", {}).get("gpu", 0.0) < MIN_IDLE_SHARE * step:
         return plan
-    budget = [compile_cpu_seconds() + RULE_BUDGET_S]     # the scans, the room and the re-solve, all together
+    # the scans, the room and the re-solve, all together, within what the search left of the compile's deadline
+    budget = [compile_cpu_seconds() + min(RULE_BUDGET_S, comp.search.deadline.after_cpu_left())]
     best, tried, over = _scan(comp, plan, budget)      # over: the first count that did not fit beside the plan
     room = _room(comp, plan, over, budget) if over is not None else 0
     resolved = None

@@ -35,14 +35,35 @@ TIGHTENINGS = 5
 SOLVER_BUDGET_S, SHORT_SOLVER_BUDGET_S, SHORT_BUDGET_BLOCKS = 12.0, 4.0, 48
 MIN_SOLVE_S = 0.5
 #: CPU seconds (this process's and the solver's, ``compiler/deadline.py``; ``isolated.WALL_FACTOR`` times as
-#: many wall seconds at most) the MILP search of one compile may take, from its start (the graph traced) to its
-#: answer: the heuristics, every solve, re-solve and the build that checks its plan in time order.  Past it no
-#: solve starts and the best plan so far is returned (``SolverStats.out_of_time``); a solve's limit is cut so
-#: that it and its plan's build (as long as the slowest build so far) end by then.  The solver budget above plus
-#: the builds of its plans: without a deadline qwen2.5-72b at 48 GiB, batch 72 searched for 23.9 s (six
-#: solves, seven 45,000-op builds of ~2.5 s), over the 20 s a whole compile may take; 8B-class chains
-#: (``SHORT_BUDGET_BLOCKS``) get the short one (llama3-8b at 48 GiB, batch 8 re-solved ten times)
+#: many wall seconds at most) the planning of one compile may take, from its start (the graph traced) to its
+#: answer: the search (the heuristics, every solve, re-solve and the build that checks its plan in time order)
+#: and, where it follows, the GPU-update rule.  Past the search's part no solve starts and the best plan so far
+#: is returned (``SolverStats.out_of_time``); a solve's limit is cut so that it and its plan's build (as long as
+#: the slowest build so far) end by then.  The solver budget above plus the builds of its plans: without a
+#: deadline qwen2.5-72b at 48 GiB, batch 72 searched for 23.9 s (six solves, seven 45,000-op builds of ~2.5 s),
+#: over the 20 s a whole compile may take.  8B-class chains (``SHORT_BUDGET_BLOCKS``) get the short one
+#: (llama3-8b at 48 GiB, batch 8 re-solved ten times).
 DEADLINE_S, SHORT_DEADLINE_S = 15.0, 4.0
+#: CPU seconds of the deadline the search leaves for the GPU-update rule when the rule follows it (``Compiler.
+#: rule_follows``; the rule takes at most ``gpu_update.RULE_BUDGET_S`` of what is left): long chains carve them
+#: out of their deadline (the rule's 6 s counted apart, on top of a 15 s search, put 32B-72B compiles at 20-23 s),
+#: short chains get them on top of their 4 s (there the rule's plan is often much faster than the solved one --
+#: llama3-8b at 24 GiB, batch 8: 1.66 s simulated against 2.20 s -- and takes ~100 builds of ~45 ms to find).
+#: A caller's deadline leaves the rule at most half of it.
+RULE_RESERVE_S, SHORT_RULE_RESERVE_S = 3.0, 6.0
+
+
+def _deadline(comp, short: bool) -> Deadline:
+    """The compile's planning deadline (``DEADLINE_S``): the caller's, else the default unless the caller set a
+    time limit per solve (then each solve takes it whole), else none; with the rule's reserve where it follows."""
+    seconds = (comp.deadline if comp.deadline is not None else
+               None if comp.time_limit is not None else SHORT_DEADLINE_S if short else DEADLINE_S)
+    if seconds is None or not comp.rule_follows:
+        return Deadline(seconds)
+    reserve = SHORT_RULE_RESERVE_S if short else RULE_RESERVE_S
+    if comp.deadline is not None:
+        return Deadline(seconds, min(reserve, seconds / 2))
+    return Deadline(seconds + reserve, reserve) if short else Deadline(seconds, reserve)
 
 
 def milp_size(graph) -> int:
@@ -102,13 +123,18 @@ class Search:
         #: solver failures met in this search (the caller warns once)
         self.failures: list[str] = []
         short = milp_size(comp.graph) <= SHORT_BUDGET_BLOCKS
-        #: solver seconds left to this search (``SOLVER_BUDGET_S``); unused when the caller set a time limit
-        self.solver_left = SHORT_SOLVER_BUDGET_S if short else SOLVER_BUDGET_S
+        #: CPU seconds this search and the GPU-update rule after it may take (``_deadline``), counted per question
+        #: of the caller's
+        self.deadline = _deadline(comp, short)
+        #: solver seconds left to this search (``SOLVER_BUDGET_S``, in proportion where the search's part of the
+        #: deadline is shorter than the default: the micro-batches share it evenly, and a budget the deadline cuts
+        #: leaves the last micro-batch tried almost nothing -- qwen2.5-14b at 80 GiB, batch 32 with 12 s of search
+        #: and 12 of solver: 8.21 s simulated at micro-batch 32 against 7.72 at 16); unused when the caller set a
+        #: time limit
+        budget, full = (SHORT_SOLVER_BUDGET_S, SHORT_DEADLINE_S) if short else (SOLVER_BUDGET_S, DEADLINE_S)
+        searched = self.deadline.search_seconds()
+        self.solver_left = budget if searched is None else min(budget, budget * searched / full)
         self._tries_left = 1      # micro-batches the MILP search still means to try (shares the budget)
-        #: CPU seconds this search may take (``DEADLINE_S``): the caller's, else the default unless the caller set
-        #: a time limit per solve (then each solve takes it whole), else none; counted per question of the caller's
-        self.deadline = Deadline(comp.deadline if comp.deadline is not None else
-                                 None if comp.time_limit is not None else SHORT_DEADLINE_S if short else DEADLINE_S)
         self._depth = 0                          # questions in progress (the MILP's asks the heuristics')
         self.ran_out = False      # a solve or re-solve was skipped for the deadline
 
