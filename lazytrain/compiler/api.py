@@ -365,32 +365,11 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         from ..calibrate import compile_calibrated
         return compile_calibrated(compile_model, model, {k: v for k, v in options.items() if k != "calibrate"})
     _check_options(policy=policy, optimizer=optimizer, seq_len=seq_len, micro_batch=micro_batch, seq_tile=seq_tile,
-                   deadline=deadline)
+                   deadline=deadline, compile_blocks=compile_blocks)
     check_compile_args(model, batch_size=batch_size, seq_len=seq_len, micro_batch=micro_batch, nvme_dir=nvme_dir)
     history: list[dict] = []
     t0 = time.perf_counter()
-    if policy == "milp":
-        isolated.prestart(solver)       # its start-up overlaps the trace
-    hw = get_profile(hardware) if isinstance(hardware, str) else hardware
-    if not isinstance(compile_blocks, bool):
-        raise ValueError(f"compile_blocks must be True or False, got {compile_blocks!r}")
-    graph = _as_graph(model, seq_len, param_dtype, history, packed, seq_tile, compile_blocks)
-    budgets = make_budgets(hw, gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
-    graph = with_loss_chunk(graph, budgets["gpu_bytes"])     # the loss head's chunk, from the GPU budget
-    graph = with_measured_workspace(graph, hw)               # calibrated transients, where they exceed the traced
-    fixed, auto = resident_request(graph, resident)
-    gpu_req = gpu_update_rule.request(gpu_update)
-    if gpu_req not in ("auto", "none", 0, ()) and world_size > 1:
-        raise ValueError(f"GPU-updated streamed blocks need a world of one (gpu_update={gpu_update!r}, world_size "
-                         f"{world_size}): use gpu_update='none' (or 'auto', which chooses none there)")
-    if world_size != 1 or nodes != 1:
-        check_world(world_size, nodes)
-        budgets = per_rank_budgets(budgets, world_size, nodes)
-    comp = Compiler(graph, hw, budgets, param_dtype=param_dtype, optimizer=optimizer, clip=clip,
-                    solver=solver, time_limit=time_limit, resident=fixed,
-                    choose_resident=auto and policy == "milp" and hw.has_gpu, world_size=world_size, nodes=nodes,
-                    compile_blocks=compile_blocks, deadline=deadline,
-                    rule_follows=gpu_update_rule.rule_runs(gpu_req, policy, hw.has_gpu, world_size))
+    comp, gpu_req = _compiler(model, options, history)
     # cost, lower, verify and simulate run for each candidate the search builds (``Compiler.build``)
     plan = _search(comp, policy, batch_size, micro_batch, max_batch_limit)
     plan = _gpu_updated(comp, plan, policy, gpu_req, micro_batch)
@@ -402,8 +381,39 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     return plan
 
 
-def _check_options(*, policy: str, optimizer: str, seq_len, micro_batch, seq_tile, deadline=None) -> None:
+def _compiler(model, o: dict, history: list[dict]) -> tuple[Compiler, object]:
+    """The ``Compiler`` of one compile (``o``: ``compile_model``'s checked options): the model traced (or its
+    trace read from the cache), the budgets, the loss head's chunk and the measured workspaces applied, the
+    resident and GPU-update requests resolved; with the GPU-update request for after the search."""
+    policy, world_size = o["policy"], o["world_size"]
+    if policy == "milp":
+        isolated.prestart(o["solver"])       # its start-up overlaps the trace
+    hw = get_profile(o["hardware"]) if isinstance(o["hardware"], str) else o["hardware"]
+    graph = _as_graph(model, o["seq_len"], o["param_dtype"], history, o["packed"], o["seq_tile"], o["compile_blocks"])
+    budgets = make_budgets(hw, o["gpu_memory"], o["host_memory"], o["nvme_dir"], o["nvme_memory"], o["reserve"])
+    graph = with_loss_chunk(graph, budgets["gpu_bytes"])     # the loss head's chunk, from the GPU budget
+    graph = with_measured_workspace(graph, hw)               # calibrated transients, where they exceed the traced
+    fixed, auto = resident_request(graph, o["resident"])
+    gpu_req = gpu_update_rule.request(o["gpu_update"])
+    if gpu_req not in ("auto", "none", 0, ()) and world_size > 1:
+        raise ValueError(f"GPU-updated streamed blocks need a world of one (gpu_update={o['gpu_update']!r}, "
+                         f"world_size {world_size}): use gpu_update='none' (or 'auto', which chooses none there)")
+    if world_size != 1 or o["nodes"] != 1:
+        check_world(world_size, o["nodes"])
+        budgets = per_rank_budgets(budgets, world_size, o["nodes"])
+    comp = Compiler(graph, hw, budgets, param_dtype=o["param_dtype"], optimizer=o["optimizer"], clip=o["clip"],
+                    solver=o["solver"], time_limit=o["time_limit"], resident=fixed,
+                    choose_resident=auto and policy == "milp" and hw.has_gpu, world_size=world_size,
+                    nodes=o["nodes"], compile_blocks=o["compile_blocks"], deadline=o["deadline"],
+                    rule_follows=gpu_update_rule.rule_runs(gpu_req, policy, hw.has_gpu, world_size))
+    return comp, gpu_req
+
+
+def _check_options(*, policy: str, optimizer: str, seq_len, micro_batch, seq_tile, deadline=None,
+                   compile_blocks: bool = False) -> None:
     """The options ``compile_model`` checks itself, before the sizes (``frontend/validate.py``)."""
+    if not isinstance(compile_blocks, bool):
+        raise ValueError(f"compile_blocks must be True or False, got {compile_blocks!r}")
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if optimizer not in HOST_BYTES_PER_PARAM:

@@ -224,35 +224,13 @@ def _static(t: TensorId, tier: Tier, batch: set) -> bool:
 def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, early_exit: bool) -> MemoryReport:
     """Residency and memory in program order: every read and drop finds its copy, no copy is written
     twice, the step ends as it began (the batch and the pending host gradients), and the peak per tier."""
-    ops, graph = plan.ops, plan.graph
-    resident = sizes.resident
-    where: dict[TensorId, dict[Tier, int]] = defaultdict(dict)   # tensor -> tier -> producer op id
-    # at the start of the step: the gradients lagged updates apply, the host parameters, and the batch
-    pending = {c for o in order.lagged - resident for c in sizes.readers(o)}
-    for b in pending:
-        where[TensorId(kind=TensorKind.GRADS, index=b)][Tier.HOST] = -1
-    for j in range(graph.n_blocks):
-        if j not in resident:
-            where[TensorId(kind=TensorKind.PARAMS, index=j)][Tier.HOST] = -1
-    batch = {(TensorId(kind=TensorKind.ACT, index=0, mb=m), Tier.HOST) for m in range(plan.n_micro)}
-    batch |= {v for j in resident for v in resident_shards(sizes, j)}
-    for t, tier in batch:
-        where[t][tier] = -1
-    # GPU-updated blocks: the host store's copy of their state, and the accumulators the last backward left
-    kept = {TensorId(kind=TensorKind.GRADS, index=j) for j in sizes.gpu_updated}
-    for j in sizes.gpu_updated:
-        where[TensorId(kind=TensorKind.OPT_STATE, index=j)][Tier.HOST] = -1
-        where[TensorId(kind=TensorKind.GRADS, index=j)][Tier.GPU] = -1
+    ops = plan.ops
+    start = _StepStart(plan, sizes, order)
+    where, batch = start.where, start.batch
     use = {Tier.GPU: sizes.resident_bytes() + sizes.kept_grad_bytes(), Tier.HOST: 0, Tier.NVME: 0}
-    peak = dict(use)
     curve = []
     gpu_cap = plan.budgets.get("gpu_bytes")
-    # a tied reader's host gradient is read by several updates and dropped by the last of them
-    grad_readers: dict[TensorId, int] = defaultdict(int)
-    for op, eff in zip(ops, effs):
-        if op.kind is OpKind.UPDATE:
-            for t, _ in eff.reads:
-                grad_readers[t] += 1
+    grad_readers = _update_readers(ops, effs)
 
     # the loop below runs once per op (~10^5 for 72 micro-batches of 80 blocks): enum members as locals (a
     # class attribute of an Enum is a descriptor lookup), ``_static`` inlined, each copy's tiers looked up once
@@ -260,7 +238,7 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
     host_static = _STATIC_HOST_KINDS
     batch_kinds = {t.kind for t, _ in batch}
     gpu_use, host_use, nvme_use = use[GPU], use[HOST], use[NVME]
-    gpu_peak, host_peak, nvme_peak = peak[GPU], peak[HOST], peak[NVME]
+    gpu_peak, host_peak, nvme_peak = gpu_use, host_use, nvme_use
     for op, eff in zip(ops, effs):
         drops, mutates = eff.drops, eff.mutates
         if op.kind is UPDATE:     # (its reads and drops are checked, not its in-place writes)
@@ -308,23 +286,65 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
         if nvme_use > nvme_peak:
             nvme_peak = nvme_use
         curve.append(gpu_use)
-    peak = {GPU: gpu_peak, HOST: host_peak, NVME: nvme_peak}
-
-    missing = sorted(t.index for t in kept if Tier.GPU not in where.get(t, {}))
-    if missing:
-        raise PlanError(f"GPU-updated blocks {missing} end the step without their gradient accumulator on the GPU "
-                        "(the next step's update applies it)")
-    leftovers = [f"{t} on {tier.value}" for t, tiers in where.items() for tier in tiers
-                 if not _static(t, tier, batch) and not (t in kept and tier is Tier.GPU)]
-    if leftovers:
-        raise PlanError(f"the step ends with tensors still resident: {', '.join(leftovers[:5])}"
-                        f"{' …' if len(leftovers) > 5 else ''} (every step must start from the same state)")
-    host_grads = {t.index for t, tiers in where.items() if t.kind is TensorKind.GRADS and Tier.HOST in tiers}
-    if host_grads != pending:
-        raise PlanError(f"gradients of blocks {sorted(host_grads ^ pending)} are left pending at the end of the step")
+    start.check_end(where)
     static_host = host_static_bytes(plan)
-    return MemoryReport(peak_gpu_bytes=peak[Tier.GPU], peak_host_bytes=static_host + peak[Tier.HOST],
-                        peak_nvme_bytes=peak[Tier.NVME], host_static_bytes=static_host, gpu_curve=tuple(curve))
+    return MemoryReport(peak_gpu_bytes=gpu_peak, peak_host_bytes=static_host + host_peak,
+                        peak_nvme_bytes=nvme_peak, host_static_bytes=static_host, gpu_curve=tuple(curve))
+
+
+class _StepStart:
+    """Where every copy is when a step starts (``where``: tensor -> tier -> producer op id, -1 for "before the
+    step"), which must hold again when it ends: the gradients lagged updates apply (``pending``), the host
+    parameters of streamed blocks, the batch and resident blocks' shards (``batch``), and for GPU-updated blocks
+    the host store's state and the accumulators the last backward left on the GPU (``kept``)."""
+
+    def __init__(self, plan: Plan, sizes: Sizes, order: UpdateOrder):
+        resident = sizes.resident
+        self.where: dict[TensorId, dict[Tier, int]] = defaultdict(dict)
+        where = self.where
+        self.pending = {c for o in order.lagged - resident for c in sizes.readers(o)}
+        for b in self.pending:
+            where[TensorId(kind=TensorKind.GRADS, index=b)][Tier.HOST] = -1
+        for j in range(plan.graph.n_blocks):
+            if j not in resident:
+                where[TensorId(kind=TensorKind.PARAMS, index=j)][Tier.HOST] = -1
+        batch = {(TensorId(kind=TensorKind.ACT, index=0, mb=m), Tier.HOST) for m in range(plan.n_micro)}
+        batch |= {v for j in resident for v in resident_shards(sizes, j)}
+        for t, tier in batch:
+            where[t][tier] = -1
+        self.batch = batch
+        self.kept = {TensorId(kind=TensorKind.GRADS, index=j) for j in sizes.gpu_updated}
+        for j in sizes.gpu_updated:
+            where[TensorId(kind=TensorKind.OPT_STATE, index=j)][Tier.HOST] = -1
+            where[TensorId(kind=TensorKind.GRADS, index=j)][Tier.GPU] = -1
+
+    def check_end(self, where: dict[TensorId, dict[Tier, int]]) -> None:
+        """The step ends as it began: the kept accumulators on the GPU, nothing else left over, the same host
+        gradients pending."""
+        kept, batch = self.kept, self.batch
+        missing = sorted(t.index for t in kept if Tier.GPU not in where.get(t, {}))
+        if missing:
+            raise PlanError(f"GPU-updated blocks {missing} end the step without their gradient accumulator on the "
+                            "GPU (the next step's update applies it)")
+        leftovers = [f"{t} on {tier.value}" for t, tiers in where.items() for tier in tiers
+                     if not _static(t, tier, batch) and not (t in kept and tier is Tier.GPU)]
+        if leftovers:
+            raise PlanError(f"the step ends with tensors still resident: {', '.join(leftovers[:5])}"
+                            f"{' …' if len(leftovers) > 5 else ''} (every step must start from the same state)")
+        host_grads = {t.index for t, tiers in where.items() if t.kind is TensorKind.GRADS and Tier.HOST in tiers}
+        if host_grads != self.pending:
+            raise PlanError(f"gradients of blocks {sorted(host_grads ^ self.pending)} are left pending at the end "
+                            "of the step")
+
+
+def _update_readers(ops: list[Op], effs: list[Effects]) -> dict[TensorId, int]:
+    """How many updates read each host gradient: a tied reader's is read by several and dropped by the last."""
+    readers: dict[TensorId, int] = defaultdict(int)
+    for op, eff in zip(ops, effs):
+        if op.kind is OpKind.UPDATE:
+            for t, _ in eff.reads:
+                readers[t] += 1
+    return readers
 
 
 _NO_RESOURCE = Resource.NONE      # (``_ordered`` runs once per hazard: a member read off its Enum is slow)
