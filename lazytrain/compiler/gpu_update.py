@@ -16,15 +16,16 @@ keep the fastest. For each d, k = 1, 2, 3 are built in turn, and on until three 
 does not fit; a step that still falls at k = 3 (each block takes a host update off it until memory, the state copies
 or the GPU stop it) is followed by galloping and bisection to the largest k that fits and a search of the best k
 below it that assumes the step falls, then rises (``_best_count``), so a long fall costs ~2 log2 k builds, not k. d
-grows until two more resident blocks given back bring nothing. The solved plan (d = k = 0) is the baseline, so the
-result is never slower on the simulator. Where the blocks that would shorten the step most do not fit beside the
-solved plan's activations, the search is run once more with the GPU budget lowered by the memory they lack (the
-solver then keeps fewer activations or resident blocks), and the scan repeated on that plan with the whole budget;
-the faster of the two is kept. The rule stops after ``RULE_BUDGET_S`` CPU seconds, its re-solve included, or earlier
-at the compile's deadline (the search leaves it ``search.RULE_RESERVE_S`` of it). The MILP itself does not price the GPU
-update (its windows would need the kept accumulators and the state traffic as terms): the activation and cut
-decisions stay the solver's. ``plan.decisions.notes["gpu_update"]`` records what was tried; ``lazytrain show`` says
-it."""
+grows until two more resident blocks given back bring nothing (before the first gain, a d that fits more blocks than
+the last counts as progress: llama3-8b at 48 GiB, batch 8 gains first at d = 3). The solved plan (d = k = 0) is the
+baseline, so the result is never slower on the simulator. Where the blocks that would shorten the step most do not
+fit beside the solved plan's activations, the search is run once more with the GPU budget lowered by the memory they
+lack (the solver then keeps fewer activations or resident blocks), and the scan repeated on that plan with the whole
+budget; the faster of the two is kept. The rule stops after ``RULE_BUDGET_S`` CPU seconds, its re-solve included, or
+earlier at the compile's deadline (the search leaves it ``search.RULE_RESERVE_S`` of it). The MILP itself does not
+price the GPU update (its windows would need the kept accumulators and the state traffic as terms): the activation
+and cut decisions stay the solver's. ``plan.decisions.notes["gpu_update"]`` records what was tried; ``lazytrain
+show`` says it."""
 
 from __future__ import annotations
 
@@ -319,7 +320,7 @@ def _scan(comp, plan: Plan, budget: list[float], base_step: float | None = None)
     bar = best_step if base_step is None else min(best_step, base_step)
     tried: list[list] = [[len(dec.resident_blocks), 0, round(best_step, 5)]]
     trade = _tradeable(g, dec)
-    stale_d, hint, first_over = 0, 2, None
+    stale_d, hint, first_over, fitted = 0, 2, None, -1
     for d in range(len(trade) + 1):
         res = dec.resident_blocks - set(trade[:d])
         base = dataclasses.replace(dec, resident=tuple(j in res for j in range(g.n_blocks)) if res else ())
@@ -344,7 +345,11 @@ def _scan(comp, plan: Plan, budget: list[float], base_step: float | None = None)
         improved = bool(k) and counts.step(k) < min(best_step, bar) - MIN_GAIN_S
         if improved:
             best, best_step = counts.at(k), counts.step(k)
-        stale_d = 0 if improved else stale_d + 1
+        # until a d first shortens the step, one that fits more blocks than the last is progress too: the first
+        # blocks a given-back resident block makes room for may not pay (their state copies), more do
+        grew = best is plan and kmax is not None and kmax > fitted
+        fitted = max(fitted, kmax or 0)
+        stale_d = 0 if improved or grew else stale_d + 1
         if stale_d >= D_PATIENCE:
             break
     return best, tried, first_over
