@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from functools import cache
 
 import pytest
@@ -277,6 +278,27 @@ def test_a_fixed_count_that_does_not_fit_the_solved_plan_re_solves():
                                                 ).build(as_solved, 8).predicted["peak_gpu_bytes"]
     with pytest.raises(PlanError, match=r"GPU-updated blocks \[3, 4, 5\] do not fit .* ask for fewer"):
         lazytrain.compile(graph, gpu_update=3, **kw)
+
+
+def test_a_fixed_count_that_slows_the_plan_is_returned_with_a_warning():
+    """A host fast enough that its updates never pace the step: GPU-updated blocks only add PCIe traffic and
+    memory, and two of them fit only beside a plan re-solved with less memory; the caller gets that plan and one
+    warning with both predicted steps (not a silently slower plan)."""
+    import lazytrain
+    from lazytrain.compiler.synthetic import chain
+    hw = dataclasses.replace(get_profile("h200"), cpu_adam8_gparams=1e3, cpu_adam_gparams=1e3)
+    graph = chain(6, layer_params=300_000_000, saved_per_token=200_000)
+    kw = dict(batch_size=8, hardware=hw, time_limit=2, resident=[0, 1, 2], seq_tile=None, gpu_memory="16GiB")
+    base = lazytrain.compile(graph, gpu_update="none", **kw)
+    with pytest.warns(UserWarning, match=r"with the 2 GPU-updated blocks asked for, which fit only beside a plan "
+                                         r"re-solved with .* GiB less .* ask for fewer") as caught:
+        two = lazytrain.compile(graph, gpu_update=2, **kw)
+    assert two.predicted["step_time_s"] > 1.1 * base.predicted["step_time_s"]
+    assert len(two.decisions.gpu_updated_blocks) == 2
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert lazytrain.compile(graph, gpu_update=1, **kw).decisions.gpu_updated_blocks      # 3% slower: no warning
 
 
 def _counts(steps: list[float | None]):
