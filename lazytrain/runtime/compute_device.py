@@ -8,6 +8,7 @@ import torch
 
 
 def device_type(device) -> str:
+    """The type of ``device``; for None, CUDA when there is one, else the CPU."""
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(device).type
@@ -15,9 +16,7 @@ def device_type(device) -> str:
 
 def compute_device(device) -> torch.device:
     """The compute device (CUDA when available), with the caching allocator set up on CUDA."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = torch.device(device)
+    out = torch.device(device_type(device) if device is None else device)
     if out.type == "cuda" and out.index is None:
         out = torch.device("cuda", torch.cuda.current_device())
     if out.type == "cuda":
