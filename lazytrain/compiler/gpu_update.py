@@ -120,14 +120,11 @@ def fixed(comp, plan: Plan, req, policy: str, micro_batch: int | None = None) ->
         if not blocks:
             return base
         dec = with_blocks(base.decisions, blocks, g.n_blocks)
-        try:
-            out = comp.build(dec, base.batch_size)
-        except PlanError:
-            pass
-        else:
-            _warn_if_slower(out, plan, blocks, resolved_bytes=comp.budgets["gpu_bytes"] - gpu_bytes)
-            return out
-        peak = comp.build(dec, base.batch_size, check_budget=False).predicted["peak_gpu_bytes"]
+        trial = comp.build(dec, base.batch_size, check_budget=False)     # built once: its peak says what it lacks
+        if comp.within_budgets(trial):
+            _warn_if_slower(trial, plan, blocks, resolved_bytes=comp.budgets["gpu_bytes"] - gpu_bytes)
+            return trial
+        peak = trial.predicted["peak_gpu_bytes"]
         lack = peak - comp.budgets["gpu_bytes"]
         if attempt == RESOLVES:
             raise PlanError(f"GPU-updated blocks {list(blocks)} do not fit the GPU budget of "
