@@ -452,11 +452,11 @@ def _search(comp: Compiler, policy: str, batch_size, micro_batch: int | None, ma
 def _gpu_updated(comp: Compiler, plan: Plan, policy: str, req, micro_batch: int | None = None) -> Plan:
     """The searched plan with the GPU-updated streamed blocks asked for, or (``"auto"``, the MILP policy on a
     GPU in a world of one) those the rule of ``compiler/gpu_update.py`` chooses."""
-    if req == "none" or comp.world_size > 1:
-        return plan
-    if req == "auto":
+    if req == "auto":           # (``rule_follows``: the MILP policy, a GPU, a world of one)
         return gpu_update_rule.choose(comp, plan) if comp.rule_follows else plan
-    return gpu_update_rule.fixed(comp, plan, req, policy, micro_batch)
+    if req == "none":
+        return plan
+    return gpu_update_rule.fixed(comp, plan, req, policy, micro_batch)     # (a world of one: ``_compiler``)
 
 
 def _returned(comp: Compiler, plan: Plan, policy: str) -> Plan:

@@ -227,17 +227,16 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
     ops = plan.ops
     start = _StepStart(plan, sizes, order)
     where, batch = start.where, start.batch
-    use = {Tier.GPU: sizes.resident_bytes() + sizes.kept_grad_bytes(), Tier.HOST: 0, Tier.NVME: 0}
     curve = []
     gpu_cap = plan.budgets.get("gpu_bytes")
     grad_readers = _update_readers(ops, effs)
 
     # the loop below runs once per op (~10^5 for 72 micro-batches of 80 blocks): enum members as locals (a
     # class attribute of an Enum is a descriptor lookup), ``_static`` inlined, each copy's tiers looked up once
-    GPU, HOST, NVME, GRADS, UPDATE = Tier.GPU, Tier.HOST, Tier.NVME, TensorKind.GRADS, OpKind.UPDATE
+    GPU, HOST, GRADS, UPDATE = Tier.GPU, Tier.HOST, TensorKind.GRADS, OpKind.UPDATE
     host_static = _STATIC_HOST_KINDS
     batch_kinds = {t.kind for t, _ in batch}
-    gpu_use, host_use, nvme_use = use[GPU], use[HOST], use[NVME]
+    gpu_use, host_use, nvme_use = sizes.resident_bytes() + sizes.kept_grad_bytes(), 0, 0
     gpu_peak, host_peak, nvme_peak = gpu_use, host_use, nvme_use
     for op, eff in zip(ops, effs):
         drops, mutates = eff.drops, eff.mutates
