@@ -44,8 +44,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .compiler.api import BudgetError, Compiler, compile_model
+from .compiler.api import Compiler, compile_model
 from .compiler.block_timing import BlockTiming, CutTiming
+from .compiler.budgets import BudgetError
 from .compiler.hardware import HardwareProfile, get_profile
 from .frontend.presets import build_model
 from .frontend.trace import trace

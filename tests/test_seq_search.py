@@ -104,7 +104,7 @@ def test_a_host_budget_that_binds_is_named_not_the_gpu():
 
 
 def test_the_default_host_budget_leaves_a_reserve_and_the_model_the_caller_holds():
-    from lazytrain.compiler.api import host_reserve
+    from lazytrain.compiler.budgets import host_reserve
     from lazytrain.compiler.hardware import get_profile
     from lazytrain.frontend.presets import build_model
     model = build_model("tiny", device="cpu")

@@ -9,16 +9,14 @@ import dataclasses
 import time
 import warnings
 
-import torch
-
 from ..frontend.presets import build_model
 from ..frontend.trace import trace
 from ..frontend.trace_cache import TraceCache
 from ..frontend.validate import check_compile_args, micro_batch_candidates
 from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
-from ..units import parse_size
 from . import gpu_update as gpu_update_rule
+from .budgets import BudgetError, binding, held_host_bytes, make_budgets
 from .cost import CostModel
 from .hardware import get_profile
 from .loss_chunk import with_loss_chunk
@@ -39,10 +37,6 @@ DEFAULT_SOLVER = DEFAULT_ORDER[0]
 SOLVE_TIME_LIMIT = 10.0
 #: host bytes per parameter by optimizer (load buffer + grad buffer + master + states)
 HOST_BYTES_PER_PARAM = {"hybrid8bit": 8.25, "adamw": 16.0}
-
-
-class BudgetError(PlanError):
-    """No plan fits the memory budgets; the message states the smallest budget that would."""
 
 
 def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool = False,
@@ -229,63 +223,6 @@ class Compiler:
         whatever else the plan does).  It lies in the MILP's space, so no MILP plan needs less GPU memory."""
         mb = micro_batch or 1
         return self.build(self.search.frugal(batch_size, mb), batch_size, check_budget=False)
-
-
-def host_reserve(host_bytes: int) -> int:
-    """Host memory a plan leaves to the rest of the process and the system when the budget is the machine's
-    whole memory: 4 GiB + 5% (the OS and page cache, Python, CUDA's host side, the data pipeline)."""
-    return int(4 * GiB + 0.05 * host_bytes)
-
-
-def held_host_bytes(model) -> int:
-    """Bytes of ``model``'s parameters and buffers in host memory: the caller holds them while the
-    runtime's store holds its own copy (a meta model, a preset name or a config holds none)."""
-    if not isinstance(model, torch.nn.Module):
-        return 0
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.device.type != "cpu":
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
-
-
-def binding(plan: Plan, budgets: dict) -> str | None:
-    """The budget ``plan`` exceeds, with the figures (None: it fits them all)."""
-    pred = plan.predicted
-    for tier, key in (("GPU", "gpu_bytes"), ("host", "host_bytes"), ("NVMe", "nvme_bytes")):
-        need = pred[f"peak_{key}"]
-        cap = budgets.get(key) or 0
-        if need > cap:
-            left = (f" (what {budgets['gpu_total_bytes'] / GiB:.2f} GiB leaves after the "
-                    f"{budgets['gpu_reserve_bytes'] / GiB:.2f} GiB reserve)" if tier == "GPU" else "")
-            return (f"{tier} memory: its leanest plan ({plan.decisions.policy}, micro-batch {plan.micro_batch}) "
-                    f"peaks at {need / GiB:.2f} GiB, over the budget of {cap / GiB:.2f} GiB{left}")
-    return None
-
-
-def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memory=None, reserve=None,
-                 held_bytes: int = 0) -> dict:
-    """Budgets in bytes from sizes (``"24GiB"``) or byte counts; defaults from the hardware profile.
-    The GPU budget the plan must meet is the given memory less ``reserve`` (CUDA context, cuBLAS
-    workspaces, allocator fragmentation; default 1.5 GiB + 5%: on the H200 a plan 2.2 GiB under a
-    24 GiB cap still met 1.6 GiB of reserved-but-unused allocator blocks).  The host budget defaults to
-    the profile's host memory less ``host_reserve`` and less ``held_bytes`` (the model the caller holds:
-    a 7B model's bf16 weights are 14 GiB beside the store); a given ``host_memory`` is taken as is."""
-
-    def size(v, default):
-        return default if v is None else (parse_size(v) if isinstance(v, str) else int(v))
-    gpu = size(gpu_memory, hw.gpu_memory_bytes)
-    res = size(reserve, int(1.5 * GiB + 0.05 * gpu))
-    budgets = {"gpu_bytes": gpu - res, "gpu_total_bytes": gpu, "gpu_reserve_bytes": res,
-               "host_bytes": size(host_memory, hw.host_memory_bytes - host_reserve(hw.host_memory_bytes) - held_bytes),
-               "nvme_bytes": size(nvme_memory, 0) if nvme_dir else 0, "nvme_dir": nvme_dir}
-    if budgets["gpu_bytes"] <= 0:
-        raise BudgetError(f"GPU memory {gpu / GiB:.2f} GiB is below the reserve of {res / GiB:.2f} GiB")
-    return budgets
 
 
 def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micro_batch: int | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..frontend.tiling import TILE_TOKENS
 from ..ir.graph import ModelGraph
-from .api import BudgetError
+from .budgets import BudgetError
 
 
 def compile_auto_tiled(compile_fn, model, options: dict):

@@ -23,7 +23,8 @@ from ..frontend.trace import trace
 from ..frontend.validate import declared_positions, scaled_rope
 from ..ir import PlanError
 from ..ir.graph import ModelGraph
-from .api import POLICIES, BudgetError, Compiler, binding, make_budgets
+from .api import POLICIES, Compiler
+from .budgets import BudgetError, binding, make_budgets
 from .hardware import get_profile
 from .resident import resident_request
 from .solvers.heuristics import HEURISTICS
