@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import types
 import warnings
 from functools import cache
 
@@ -336,6 +337,90 @@ def test_the_scan_finds_the_largest_count_that_fits_and_the_fastest_below_it(fit
         best, _ = gu._best_count(_counts(steps)[0], n, hint)
         assert best == (min(range(1, fits + 1), key=lambda k: steps[k - 1]) if fits else 0)
     assert gu._largest_fitting(_counts([None] * n)[0], n, hint) == 0
+
+
+class _TableCompiler:
+    """A stand-in for ``Compiler`` in ``gpu_update.choose``: a plan's step is ``step(d, k)`` for d resident blocks
+    given back and k GPU-updated, over the GPU budget where ``fits(d, k)`` is False; built without the budgets
+    (what ``_room`` asks), ``free(k)`` at d = 0 (default ``step(0, k)``), peaking ``room`` bytes over it.
+    ``built`` counts the builds."""
+
+    def __init__(self, resident: int, step, fits, free=None, room: int = GiB):
+        from lazytrain.compiler.deadline import Deadline
+        from lazytrain.compiler.synthetic import chain
+        from lazytrain.ir import Decisions, Place, Saved
+        self.graph = chain(30, layer_params=1000, saved_per_token=10)
+        L = self.graph.n_blocks
+        self.resident, self.step, self.fits, self.room, self.built = resident, step, fits, room, 0
+        self.resolved: list[int] = []
+        self.free = free or (lambda k: step(0, k))
+        self.budgets, self.time_limit = {"gpu_bytes": 100 * GiB}, None
+        self.search = types.SimpleNamespace(deadline=Deadline(None))
+        dec = Decisions(policy="milp", micro_batch=1, n_micro=1, boundary=(Place.GPU,) * L,
+                        saved=(Saved.KEEP,) * L, resident=tuple(j < resident for j in range(L)))
+        self.plan = self.build(dec, 1)
+        self.plan.predicted["busy_s"] = {"gpu": 0.5 * self.plan.predicted["step_time_s"]}    # the host paces it
+        self.built = 0
+
+    def with_gpu_budget(self, gpu_bytes, deadline=None):
+        """The re-solve: recorded in ``resolved``; it finds no plan."""
+        self.resolved.append(gpu_bytes)
+        return types.SimpleNamespace(best=lambda *a: None)
+
+    def build(self, dec, batch_size, *, check_budget=True):
+        self.built += 1
+        d, k = self.resident - len(dec.resident_blocks), len(dec.gpu_updated_blocks)
+        if check_budget and not self.fits(d, k):
+            raise PlanError("over budget")
+        step, peak = (self.step(d, k), self.budgets["gpu_bytes"]) if check_budget else \
+            (self.free(k), self.budgets["gpu_bytes"] + self.room)
+        return _TablePlan(self.graph, dec, batch_size, {"step_time_s": step, "peak_gpu_bytes": peak})
+
+
+@dataclasses.dataclass
+class _TablePlan:
+    graph: object
+    decisions: object
+    batch_size: int
+    predicted: dict
+    solver: object = None
+    history: list = dataclasses.field(default_factory=list)
+    budgets: dict = dataclasses.field(default_factory=lambda: {"gpu_bytes": 100 * GiB})
+
+
+def test_the_scan_stops_giving_back_resident_blocks_where_the_step_turns_before_memory_stops_it():
+    """Each resident block given back makes room for one more GPU-updated block, but the step turns back up
+    past k = d (qwen2.5-7b at 80 GiB, batch 8, on the h200 profile): more room buys nothing, and the scan stops
+    after ``D_PATIENCE`` (2) values of d instead of giving all 20 back; where memory is what stops the count
+    (the step still falls there), giving blocks back goes on until the step shortens."""
+    from lazytrain.compiler import gpu_update as gu
+    comp = _TableCompiler(20, lambda d, k: 10.0 + 0.5 * d - 0.5 * min(k, d) + 0.01 * max(0, k - d),
+                          lambda d, k: k <= d + 2)
+    plan = gu.choose(comp, comp.plan)
+    assert not plan.decisions.gpu_update and len(plan.decisions.resident_blocks) == 20
+    assert {t[0] for t in plan.decisions.notes["gpu_update"]["tried"] if len(t) == 3} == {20, 19}
+    assert comp.built <= 20        # the rule before: every d to 20, ~80 builds
+    # three blocks fit per resident block given back, each shortens the step by 0.2 until memory stops it: the
+    # first four resident blocks given back bring nothing (1, 4, 7, 10 blocks fit), the fifth does
+    comp = _TableCompiler(20, lambda d, k: 10.0 + 0.5 * d - 0.2 * k, lambda d, k: k <= max(0, 3 * d - 2))
+    plan = gu.choose(comp, comp.plan)
+    assert len(plan.decisions.resident_blocks) <= 15 and plan.predicted["step_time_s"] < 10.0
+
+
+@pytest.mark.parametrize("free_gain,room_gib,resolves", [(0.005, 10, False), (0.05, 10, True), (0.05, 40, False)])
+def test_the_rule_re_solves_only_for_a_gain_that_can_pay_for_the_memory(free_gain, room_gib, resolves):
+    """Two GPU-updated blocks fit; without the budget, four would shorten the step by ``free_gain`` more.  The rule
+    re-solves with that memory set aside only where the gain reaches ``RESOLVE_GAIN`` (1%) and the memory is at
+    most ``MAX_ROOM_SHARE`` of the budget (a third)."""
+    from lazytrain.compiler import gpu_update as gu
+    best = 10.0 - 0.2
+    comp = _TableCompiler(0, lambda d, k: 10.0 - 0.1 * k, lambda d, k: k <= 2,
+                          free=lambda k: 10.0 - 0.1 * min(k, 2) - (best * free_gain if k >= 4 else 0),
+                          room=room_gib * GiB)
+    plan = gu.choose(comp, comp.plan)
+    assert comp.resolved == ([100 * GiB - room_gib * GiB] if resolves else [])
+    assert sorted(plan.decisions.gpu_updated_blocks) == [0, 1]
+    assert (["no re-solve", room_gib] in plan.decisions.notes["gpu_update"]["tried"]) == (room_gib > 100 / 3)
 
 
 # ---- on a real GPU (run on the lent machine; skipped without CUDA) --------------------------------

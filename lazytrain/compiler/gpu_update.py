@@ -17,11 +17,15 @@ does not fit; a step that still falls at k = 3 (each block takes a host update o
 or the GPU stop it) is followed by galloping and bisection to the largest k that fits and a search of the best k
 below it that assumes the step falls, then rises (``_best_count``), so a long fall costs ~2 log2 k builds, not k. d
 grows until two more resident blocks given back bring nothing (before the first gain, a d that fits more blocks than
-the last counts as progress: llama3-8b at 48 GiB, batch 8 gains first at d = 3). The solved plan (d = k = 0) is the
-baseline, so the result is never slower on the simulator. Where the blocks that would shorten the step most do not
-fit beside the solved plan's activations, the search is run once more with the GPU budget lowered by the memory they
-lack (the solver then keeps fewer activations or resident blocks), and the scan repeated on that plan with the whole
-budget; the faster of the two is kept. The rule stops after ``RULE_BUDGET_S`` CPU seconds, its re-solve included, or
+the last counts as progress: llama3-8b at 48 GiB, batch 8 gains first at d = 3 -- while memory is what stopped the
+count: where the step turned first, more room buys nothing). A d after one whose step fell past ``LINEAR`` counts
+starts at the last d's largest count instead of k = 1. The solved plan (d = k = 0) is the baseline, so the result is
+never slower on the simulator. Where the blocks that would shorten the step most do not fit beside the solved plan's
+activations, the search is run once more with the GPU budget lowered by the memory they lack (the solver then keeps
+fewer activations or resident blocks), and the scan repeated on that plan with the whole budget (plans built once:
+the two scans share them); the faster of the two is kept.  The re-solve runs only where those blocks would shorten
+the best step by ``RESOLVE_GAIN`` on the solved plan's other decisions and need at most ``MAX_ROOM_SHARE`` of the
+budget. The rule stops after ``RULE_BUDGET_S`` CPU seconds, its re-solve included, or
 earlier at the compile's deadline (the search leaves it ``search.RULE_RESERVE_S`` of it). The MILP itself does not
 price the GPU update (its windows would need the kept accumulators and the state traffic as terms): the activation
 and cut decisions stay the solver's. ``plan.decisions.notes["gpu_update"]`` records what was tried; ``lazytrain
@@ -43,6 +47,9 @@ from .deadline import compile_cpu_seconds
 K_PATIENCE, D_PATIENCE = 3, 2
 #: counts built one by one before a step that still falls is followed by galloping and bisection (``_best_count``)
 LINEAR = 3
+#: counts below the largest that fits tried one by one before a ternary search, where the step turned before
+#: memory stopped it (``_lowest``)
+WALK = 3
 #: a step shorter by less than this is no gain (seconds: the simulator's rounding across periods)
 MIN_GAIN_S = 1e-6
 #: CPU seconds the rule may take in all, its scans and its re-solve together (each plan built costs a lowering,
@@ -51,6 +58,15 @@ MIN_GAIN_S = 1e-6
 #: Per scan, with the re-solve on the search's own deadline, the rule took up to 19 s of a qwen2.5-14b compile
 #: (33 s in all, over the 20 s a compile may take)
 RULE_BUDGET_S = 6.0
+#: a re-solve is only run where the blocks it would make room for shorten the scan's best step by this share on
+#: the solved plan's other decisions: the memory it takes from the rest costs the re-solved plan about as much
+#: (qwen2.5-7b at 80 GiB, batch 8: 0.47% to gain, the re-solve with 1.05 GiB less memory 0.8% slower)
+RESOLVE_GAIN = 0.01
+#: nor where they need more than this share of the GPU budget: the rest of a plan re-solved with that much less
+#: memory is slower than the blocks can win back (llama3-8b at 24 GiB, batch 8: 14.2 GiB for 18 blocks, the
+#: re-solved plan's best 2.20 s against the scan's 1.66; qwen2.5-7b 24 GiB: 11.8 GiB, 1.59 against 1.56; the
+#: re-solves that won took 9-18%: qwen2.5-7b at 48 GiB, batch 8, 8.6 GiB, 1.275 s against 1.316)
+MAX_ROOM_SHARE = 1 / 3
 #: the least CPU time a re-solve is started with
 MIN_RESOLVE_S = 1.0
 #: a plan whose GPU idles less than this share of its simulated step is left as it is (``choose``)
@@ -181,10 +197,14 @@ def choose(comp, plan: Plan) -> Plan:
         return plan
     # the scans, the room and the re-solve, all together, within what the search left of the compile's deadline
     budget = [compile_cpu_seconds() + min(RULE_BUDGET_S, comp.search.deadline.after_cpu_left())]
-    best, tried, over = _scan(comp, plan, budget)      # over: the first count that did not fit beside the plan
-    room = _room(comp, plan, over, budget) if over is not None else 0
+    built: dict[tuple, Plan | None] = {}     # both scans' plans by their decisions: a re-solve often repeats many
+    best, tried, over = _scan(comp, plan, budget, built)      # over: the first count that did not fit
+    room = _room(comp, plan, over, budget, best.predicted["step_time_s"]) if over is not None else 0
     resolved = None
     left = budget[0] - compile_cpu_seconds()
+    if room > MAX_ROOM_SHARE * comp.budgets["gpu_bytes"]:
+        tried.append(["no re-solve", round(room / 2**30, 3)])
+        room = 0
     if room > 0 and (comp.time_limit is not None or left >= 2 * MIN_RESOLVE_S):
         # the solved plan leaves too little memory: solve again with that much less, in at most half of what is
         # left (the other half scans its plan); a caller's time limit per solve has no deadline, as the search
@@ -193,7 +213,7 @@ def choose(comp, plan: Plan) -> Plan:
     elif room > 0:
         tried.append(["no time to re-solve"])
     if resolved is not None:
-        again, tried_again, _ = _scan(comp, resolved, budget, base_step=best.predicted["step_time_s"])
+        again, tried_again, _ = _scan(comp, resolved, budget, built, base_step=best.predicted["step_time_s"])
         tried += [["re-solved", round(room / 2**30, 3)], *tried_again]
         if again.predicted["step_time_s"] < best.predicted["step_time_s"] - MIN_GAIN_S:
             best = again
@@ -206,10 +226,12 @@ def choose(comp, plan: Plan) -> Plan:
         "pass": "gpu_update", "seconds": note["seconds"]}])     # a copy: the search's memo stays as it was
 
 
-def _room(comp, plan: Plan, over: int, budget: list[float]) -> int:
+def _room(comp, plan: Plan, over: int, budget: list[float], best_step: float) -> int:
     """GPU bytes the plan would need beyond its budget for the GPU-updated blocks that would shorten its step
     most if memory were no object (the first streamed blocks, on the solved plan's other decisions), from
-    ``over``, the first count that did not fit; 0 when more than ``over - 1`` blocks would not be faster."""
+    ``over``, the first count that did not fit; 0 when more than ``over - 1`` blocks would not be faster, or
+    not faster than ``best_step``, the scan's best, by ``RESOLVE_GAIN``: a plan re-solved with less memory for
+    the rest is no faster than these blocks on the solved plan's decisions, the most a re-solve could reach."""
     g, dec = plan.graph, plan.decisions
     cands = candidates(g, dec)
     free = _Counts(lambda k: comp.build(with_blocks(dec, cands[:k], g.n_blocks), plan.batch_size,
@@ -219,7 +241,7 @@ def _room(comp, plan: Plan, over: int, budget: list[float]) -> int:
     except _OutOfTime:
         return 0
     step_fit = plan.predicted["step_time_s"] if over <= 1 else free.step(over - 1)
-    if k < over or free.step(k) >= step_fit - MIN_GAIN_S:
+    if k < over or free.step(k) >= min(step_fit, best_step * (1 - RESOLVE_GAIN)) - MIN_GAIN_S:
         return 0
     return max(0, int(free.at(k).predicted["peak_gpu_bytes"] - plan.budgets["gpu_bytes"]))
 
@@ -293,6 +315,12 @@ def _lowest(counts: _Counts, lo: int, hi: int) -> int:
     if counts.step(hi) < counts.step(hi - 1) - MIN_GAIN_S:
         return hi
     hi -= 1
+    # the step usually turns a few blocks below where memory stops the count: walk down from there (each
+    # count already built by the galloping costs nothing) before a ternary search over what is left
+    for _ in range(WALK):
+        if hi <= lo or counts.step(hi - 1) > counts.step(hi) + MIN_GAIN_S:
+            return hi
+        hi -= 1
     while hi - lo > 2:
         m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
         if counts.step(m1) <= counts.step(m2):
@@ -326,10 +354,29 @@ def _best_count(counts: _Counts, n: int, hint: int) -> tuple[int, int | None]:
     return best_k, n
 
 
-def _scan(comp, plan: Plan, budget: list[float], base_step: float | None = None) -> tuple[Plan, list, int | None]:
+def _built(comp, dec: Decisions, batch_size: int, built: dict[tuple, Plan | None]) -> Plan:
+    """``comp.build(dec, batch_size)``, once per decision in ``built`` (None: over a budget, a ``PlanError``
+    again): the scan of a re-solved plan meets many plans of the first scan's (qwen3-8b at 48 GiB, batch 8: a
+    re-solve with 4 GiB less kept 15 resident blocks where the first scan gave back 2 of 17, and its scan
+    built 30 of the first's plans again)."""
+    key = (dec.micro_batch, dec.n_micro, dec.boundary, dec.saved, dec.cut, dec.resident_blocks,
+           dec.gpu_updated_blocks)
+    if key not in built:
+        try:
+            built[key] = comp.build(dec, batch_size)
+        except PlanError:
+            built[key] = None
+    if built[key] is None:
+        raise PlanError("over a budget")
+    return built[key]
+
+
+def _scan(comp, plan: Plan, budget: list[float], built: dict[tuple, Plan | None],
+          base_step: float | None = None) -> tuple[Plan, list, int | None]:
     """The scan over (d, k) from ``plan`` (module docstring): the fastest plan (``plan`` itself unless one is
-    faster than it and than ``base_step``), the (resident blocks, k, step or None) built, and the first count
-    that did not fit at d = 0 (None if every candidate fit or the time ran out first).
+    faster than it and than ``base_step``), the (resident blocks, k, step or None) built (``built``: every
+    plan built so far, by its decisions), and the first count that did not fit at d = 0 (None if every
+    candidate fit or the time ran out first).
 
     For each d the best count comes from ``_best_count``: one by one while the step turns early, by galloping
     and bisection over a long fall."""
@@ -346,13 +393,17 @@ def _scan(comp, plan: Plan, budget: list[float], base_step: float | None = None)
         n_res = len(res)
 
         def build(k: int, base=base, cands=cands) -> Plan:
-            return comp.build(with_blocks(base, cands[:k], g.n_blocks), plan.batch_size)
+            return _built(comp, with_blocks(base, cands[:k], g.n_blocks), plan.batch_size, built)
 
         def record(k: int, p: Plan | None, n_res=n_res) -> None:
             tried.append([n_res, k, None if p is None else round(p.predicted["step_time_s"], 5)])
         counts = _Counts(build, budget, record)
         try:
-            k, kmax = _best_count(counts, len(cands), hint)
+            if d and fitted >= LINEAR:      # the last d's step fell past LINEAR counts: start where it ended
+                kmax = _largest_fitting(counts, len(cands), hint)
+                k = _lowest(counts, 1, kmax) if kmax else 0
+            else:
+                k, kmax = _best_count(counts, len(cands), hint)
         except _OutOfTime:
             tried.append(["out of time"])
             return best, tried, first_over
@@ -363,9 +414,12 @@ def _scan(comp, plan: Plan, budget: list[float], base_step: float | None = None)
         improved = bool(k) and counts.step(k) < min(best_step, bar) - MIN_GAIN_S
         if improved:
             best, best_step = counts.at(k), counts.step(k)
-        # until a d first shortens the step, one that fits more blocks than the last is progress too: the first
-        # blocks a given-back resident block makes room for may not pay (their state copies), more do
-        grew = best is plan and kmax is not None and kmax > fitted
+        # until a d first shortens the step, one that fits more blocks than the last is progress too (the first
+        # blocks a given-back resident block makes room for may not pay: their state copies; more do), but only
+        # while memory is what stops the count (its step still falls at the largest count that fits): where the
+        # step turns before that, more room buys nothing (qwen2.5-7b at 80 GiB, batch 8: each d fits one more
+        # block and its best step is the solved plan's, through all 25 resident blocks)
+        grew = best is plan and kmax is not None and kmax > fitted and k == kmax
         fitted = max(fitted, kmax or 0)
         stale_d = 0 if improved or grew else stale_d + 1
         if stale_d >= D_PATIENCE:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:       # networkx loads where a graph is built (``dataflow``, the cost graph), not with the IR
@@ -79,7 +80,7 @@ class Cut:
     recompute_attn_flops: int = 0
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True)      # no slots: the element counts below are cached per block
 class Block:
     """The unit that streams through the GPU: embedding, one decoder layer, or head + loss."""
 
@@ -106,18 +107,19 @@ class Block:
     #: block that runs eager or has one cut: it saves ``saved_bytes``
     cuts: tuple[Cut, ...] = ()
 
-    @property
+    @cached_property
     def param_numel(self) -> int:
-        """Elements this block loads (tied links included)."""
+        """Elements this block loads (tied links included); computed once (a block is immutable, and the
+        lowering, verify and the cost model ask for it per op)."""
         return sum(p.numel for p in self.params)
 
-    @property
+    @cached_property
     def owned_numel(self) -> int:
-        """Elements this block updates."""
+        """Elements this block updates; computed once."""
         return sum(p.numel for p in self.params if p.owner == self.index)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True)      # no slots: ``all_readers`` is cached per graph
 class ModelGraph:
     """A model as a chain of blocks plus the per-sample bytes live at each boundary.
 
@@ -155,7 +157,12 @@ class ModelGraph:
         return self.all_readers()[owner]
 
     def all_readers(self) -> tuple[tuple[int, ...], ...]:
-        """``readers`` of every block, in one pass over the parameters."""
+        """``readers`` of every block, in one pass over the parameters, once per graph (the GPU-update rule's
+        candidates ask for every block's tie group in each of its ~100 builds)."""
+        return self._readers_table
+
+    @cached_property
+    def _readers_table(self) -> tuple[tuple[int, ...], ...]:
         out: list[set[int]] = [{j} for j in range(len(self.blocks))]
         for b in self.blocks:
             for p in b.params:
