@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +29,6 @@ import lazytrain
 from lazytrain.bench_worker import host_rss_bytes
 from lazytrain.frontend.random_init import random_model
 from lazytrain.ir import GiB
-from lazytrain.runtime import attention_kernel
 from lazytrain.runtime.profiling import plan_digest
 from lazytrain.units import parse_size
 
@@ -59,9 +57,8 @@ def parser() -> argparse.ArgumentParser:
                          "into DIR/<batch>_<policy>/")
     ap.add_argument("--runs", default=None,
                     help="several runs on one model build, e.g. '8:megatrain,32:milp,8:milp:12,32:milp@auto/6,"
-                         "1x32768:milp,1xmax:milp,32:milp:s0.0005' (batch[xseq]:policy[@resident[/gpu_update]]"
-                         "[:optimizer threads][:s<switch interval>]; seq a number or 'max'); runs with the same "
-                         "compile arguments share one plan; "
+                         "1x32768:milp,1xmax:milp' (batch[xseq]:policy[@resident[/gpu_update]][:optimizer "
+                         "threads]; seq a number or 'max'); runs with the same compile arguments share one plan; "
                          "results go to OUT as a JSON list")
     ap.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
                     help="the preset's config with rope_scaling {rope_type: TYPE, factor: FACTOR} (e.g. yarn:4, as "
@@ -88,10 +85,6 @@ def parser() -> argparse.ArgumentParser:
                     help="after each run, read the host update, parameter load and gradient offload rates its "
                          "profiled step reached (lazytrain.step_rates) into the hardware profile, compile again "
                          "and run that plan too: its prediction is priced at the measured in-step rates")
-    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
-                    help="sys.setswitchinterval(S) for the run: how long a thread holding the GIL keeps it from one "
-                         "that waits (Python's default 0.005; an A/B of the host threads' hold on the one that "
-                         "issues the GPU's work)")
     ap.add_argument("--gpu-update", default="auto", type=lambda t: t if t in ("none", "auto") else int(t),
                     help="none, auto (default: the compiler's choice) or a number of the first streamed blocks "
                          "updated on the GPU (compile(..., gpu_update=...)); none for the A/B without")
@@ -105,8 +98,6 @@ def main(argv=None) -> dict:
 
     if a.seq != "max":
         a.seq = int(a.seq)
-    if a.switch_interval is not None:
-        sys.setswitchinterval(a.switch_interval)
     if a.calibrate or a.refit:      # measurements go into a copy of the profile
         import tempfile
 
@@ -132,11 +123,8 @@ def main(argv=None) -> dict:
             res, _, gpu = res.partition("/")
             a.resident = (res if res in ("none", "auto") else int(res)) if res else default_resident
             a.gpu_update = (gpu if gpu in ("none", "auto") else int(gpu)) if gpu else default_gpu_update
-            for extra in threads:       # optimizer threads, or "s" and a switch interval for this run
-                if extra.startswith("s"):
-                    sys.setswitchinterval(float(extra[1:]))
-                else:
-                    a.optim_threads = int(extra)
+            if threads:
+                a.optim_threads = int(threads[0])
             try:
                 results.extend(run_refit(a, model, build_s) if a.refit else [run_one(a, model, build_s)])
             except Exception as e:  # noqa: BLE001 - keep the other runs; report this one
@@ -272,8 +260,7 @@ def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -
         "resident": sorted(plan.decisions.resident_blocks),
         "gpu_updated": sorted(plan.decisions.gpu_updated_blocks),
         "optimizer": a.optimizer,
-        "optim_threads": getattr(opt, "num_threads", None), "switch_interval": sys.getswitchinterval(),
-        "attention": attention_kernel.chosen(torch.device("cuda")), "gpu_memory": a.gpu_memory,
+        "optim_threads": getattr(opt, "num_threads", None), "gpu_memory": a.gpu_memory,
         "device": torch.cuda.get_device_name(0),
         "total_params": plan.graph.total_params, "steps": a.steps, "warmup": a.warmup,
         "plan_digest": plan_digest(plan), "decisions_digest": _digest(plan.decisions.to_json()),

@@ -30,7 +30,7 @@ from ..frontend.program import build_program
 from ..ir import OpKind, Plan, PlanError, TensorId, TensorKind, Tier, verify
 from ..ir.order import UpdateOrder
 from ..ir.semantics import Sizes
-from . import attention_kernel, checkpoint, interpreter
+from . import checkpoint, interpreter
 from .batch import (
     as_tokens,
     check_positions,
@@ -150,8 +150,7 @@ class Trainer:
         updates.world = self.world
         rg = frozenset(t.name for b in self.program.graph.blocks for t in (*b.inputs, *b.outputs) if t.requires_grad)
         #: what compiling the block programs did (``frontend/compiled.py``); None when the plan runs them eager
-        with attention_kernel.preferred(self.device):      # a compiled graph keeps the kernel traced into it
-            self.compile_report = _compile_blocks(self.program, plan, self.device, param_dtype, frozen, rg, verbose)
+        self.compile_report = _compile_blocks(self.program, plan, self.device, param_dtype, frozen, rg, verbose)
         self.ctx = Run(plan=plan, program=self.program, device=self.device, streams=streams, store=self.store,
                        pool=HostPool(self.device.type == "cuda"), nvme=nvme, optimizer=optimizer, tracker=tracker,
                        requires_grad=rg, frozen=frozen, resident=params, resident_targets=targets, updates=updates,
@@ -223,8 +222,7 @@ class Trainer:
         if self.world is not None:       # the head's gradient is 1 / valid tokens of the global batch
             step.inv_tokens = 1.0 / torch.as_tensor(self._global_tokens, dtype=torch.float64).clamp_min(1)
         try:
-            with attention_kernel.preferred(self.device):
-                interpreter.run(step)
+            interpreter.run(step)
             run.streams.synchronize()     # the step's device work (updates may still run on the host)
             for i in run.schedule.host_io:   # NVMe work of this step (writes, deletes) must be done
                 fut = step.done.get(i)
