@@ -57,8 +57,9 @@ def parser() -> argparse.ArgumentParser:
                          "into DIR/<batch>_<policy>/")
     ap.add_argument("--runs", default=None,
                     help="several runs on one model build, e.g. '8:megatrain,32:milp,8:milp:12,32:milp@auto/6,"
-                         "1x32768:milp,1xmax:milp' (batch[xseq]:policy[@resident[/gpu_update]][:optimizer "
-                         "threads]; seq a number or 'max'); runs with the same compile arguments share one plan; "
+                         "1x32768:milp,1xmax:milp,32:milp:c80GiB' (batch[xseq]:policy[@resident[/gpu_update]]"
+                         "[:optimizer threads][:c<GPU memory cap to train under, default --gpu-memory>]; seq a number "
+                         "or 'max'); runs with the same compile arguments share one plan; "
                          "results go to OUT as a JSON list")
     ap.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
                     help="the preset's config with rope_scaling {rope_type: TYPE, factor: FACTOR} (e.g. yarn:4, as "
@@ -123,8 +124,12 @@ def main(argv=None) -> dict:
             res, _, gpu = res.partition("/")
             a.resident = (res if res in ("none", "auto") else int(res)) if res else default_resident
             a.gpu_update = (gpu if gpu in ("none", "auto") else int(gpu)) if gpu else default_gpu_update
-            if threads:
-                a.optim_threads = int(threads[0])
+            a.run_cap = None
+            for extra in threads:       # optimizer threads, or "c" and the GPU memory cap this run trains under
+                if extra.startswith("c"):
+                    a.run_cap = extra[1:]
+                else:
+                    a.optim_threads = int(extra)
             try:
                 results.extend(run_refit(a, model, build_s) if a.refit else [run_one(a, model, build_s)])
             except Exception as e:  # noqa: BLE001 - keep the other runs; report this one
@@ -208,7 +213,7 @@ def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -
     print(plan.summary())
     seq = plan.seq_len
 
-    gpu_bytes = parse_size(a.gpu_memory)
+    gpu_bytes = parse_size(getattr(a, "run_cap", None) or a.gpu_memory)
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_bytes / total))
 
@@ -230,9 +235,11 @@ def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -
 
     stats = []
     memory = None
+    alloc0 = {}
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
             torch.cuda.reset_peak_memory_stats()
+            alloc0 = _allocator_events()
         if i == 0 and getattr(a, "memory_report", False):
             memory, s = memory_report(trainer, plan, batch())
         else:
@@ -242,6 +249,7 @@ def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -
         if i >= a.warmup:
             stats.append(s)
     peak = torch.cuda.max_memory_allocated()
+    allocator = {k: v - alloc0.get(k, 0) for k, v in _allocator_events().items()}
     prof = None
     if getattr(a, "profile", True):
         trainer.profile = True
@@ -261,6 +269,7 @@ def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -
         "gpu_updated": sorted(plan.decisions.gpu_updated_blocks),
         "optimizer": a.optimizer,
         "optim_threads": getattr(opt, "num_threads", None), "gpu_memory": a.gpu_memory,
+        "run_cap": getattr(a, "run_cap", None) or a.gpu_memory, "allocator_events": allocator,
         "device": torch.cuda.get_device_name(0),
         "total_params": plan.graph.total_params, "steps": a.steps, "warmup": a.warmup,
         "plan_digest": plan_digest(plan), "decisions_digest": _digest(plan.decisions.to_json()),
@@ -290,6 +299,14 @@ def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -
             + (f"_gu{len(dec.gpu_updated_blocks)}" if dec.gpu_updated_blocks else "")
         out["artifacts"] = str(save_artifacts(Path(a.artifacts) / tag, plan, prof))
     return out
+
+
+def _allocator_events() -> dict[str, int]:
+    """The caching allocator's counters that stall the step: retries (a failed cudaMalloc, the cache freed and
+    tried again), cudaFree calls and device-wide synchronizations they forced, segments mapped / unmapped."""
+    st = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_free", "num_sync_all_streams", "num_device_alloc", "num_ooms")
+    return {k: int(st.get(k, 0)) for k in keys}
 
 
 def by_kind(plan, prof) -> dict[str, dict]:
