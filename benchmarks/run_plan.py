@@ -180,7 +180,8 @@ def run_refit(a, model, build_s: float) -> list[dict]:
     torch.cuda.empty_cache()
     second = run_one(a, model, build_s)
     second["refit"] = {"host_update_gparams": rates.host_update_gparams, "param_load_gbps": rates.param_load_gbps,
-                       "grad_offload_gbps": rates.grad_offload_gbps, "ops": rates.ops, "from": rates.describe(hw),
+                       "grad_offload_gbps": rates.grad_offload_gbps, "forward_ratio": rates.forward_ratio,
+                       "backward_ratio": rates.backward_ratio, "ops": rates.ops, "from": rates.describe(hw),
                        "same_decisions_as_measured": second["decisions_digest"] == first["decisions_digest"]}
     first["refit_stage"], second["refit_stage"] = "measured", "refit"
     return [first, second]

@@ -23,9 +23,12 @@ import dataclasses
 
 from .compiler.hardware import HardwareProfile
 from .ir import OpKind, Plan, Resource
+from .ir.summary import measured_blocks
 
 #: a rate is only read from at least this many timed ops of its kind (one op's span is too noisy a figure)
 MIN_OPS = 4
+#: the GPU's work on measured blocks, by the in-step scale it is priced with (``BlockTiming.scaled``)
+_COMPUTE = {OpKind.COMPUTE: "forwards", OpKind.RECOMPUTE: "forwards", OpKind.BACKWARD: "backwards"}
 
 
 def rate_field(optimizer: str) -> str:
@@ -43,13 +46,17 @@ def with_host_rate(hw: HardwareProfile, gparams: float, optimizer: str,
 
 @dataclasses.dataclass(frozen=True)
 class StepRates:
-    """Rates a profiled step reached; None where it timed fewer than ``MIN_OPS`` ops of the kind."""
+    """Rates a profiled step reached; None where it timed fewer than ``MIN_OPS`` ops of the kind.
+    ``forward_ratio`` / ``backward_ratio``: measured blocks' forwards (and recomputes) / backwards over what the
+    plan priced them at (``HardwareProfile.step_forward_scale``: the clocks of a GPU under a step's load)."""
 
     host_update_gparams: float | None
     param_load_gbps: float | None
     grad_offload_gbps: float | None
     optimizer: str
     ops: dict[str, int]
+    forward_ratio: float | None = None
+    backward_ratio: float | None = None
 
     def apply(self, hw: HardwareProfile) -> HardwareProfile:
         """``hw`` with every rate this step measured, its source saying where they come from."""
@@ -62,6 +69,12 @@ class StepRates:
             note = "parameter loads and gradient offloads at rates measured in a plan's step"
             source = out.source if note in out.source else f"{out.source}; {note}"
             out = dataclasses.replace(out, **copies, source=source)
+        scales = {k: getattr(out, k) * r for k, r in (("step_forward_scale", self.forward_ratio),
+                                                      ("step_backward_scale", self.backward_ratio)) if r is not None}
+        if scales:
+            note = "measured blocks scaled to their times in a plan's step"
+            source = out.source if note in out.source else f"{out.source}; {note}"
+            out = dataclasses.replace(out, **scales, source=source)
         return out
 
     def describe(self, hw: HardwareProfile) -> str:
@@ -76,6 +89,11 @@ class StepRates:
         if self.grad_offload_gbps is not None:
             parts.append(f"gradient offloads and state stores {self.grad_offload_gbps:.1f} GB/s "
                          f"({self.ops['grad_offload']} ops; profile {hw.grad_offload_gbps or hw.d2h_gbps:.1f})")
+        for name, r, field in (("forwards", self.forward_ratio, "step_forward_scale"),
+                               ("backwards", self.backward_ratio, "step_backward_scale")):
+            if r is not None:
+                parts.append(f"measured blocks' {name} {r:.3f}x their price ({self.ops[name]} ops; scale "
+                             f"{getattr(hw, field):.3f} -> {getattr(hw, field) * r:.3f})")
         return "; ".join(parts) or "no host update, parameter load or gradient offload timed in the step"
 
 
@@ -89,9 +107,18 @@ def measure(plan: Plan, profile) -> StepRates:
     sharded = plan.world_size > 1
     moved = {"update": [0.0, 0.0], "load": [0.0, 0.0], "grad_offload": [0.0, 0.0]}
     count = dict.fromkeys(moved, 0)
+    timed = set(measured_blocks(plan))
+    priced = {"forwards": [0.0, 0.0], "backwards": [0.0, 0.0]}      # [measured s, priced s]
+    count.update(dict.fromkeys(priced, 0))
     for i, _res, t0, t1 in profile.trace:
         op = by_id.get(i)
         if op is None or t1 <= t0:
+            continue
+        if op.block in timed and op.resource is Resource.GPU and op.seconds > 0 and op.kind in _COMPUTE:
+            key = _COMPUTE[op.kind]
+            priced[key][0] += t1 - t0
+            priced[key][1] += op.seconds
+            count[key] += 1
             continue
         if op.kind is OpKind.UPDATE and op.resource is Resource.CPU:
             n = plan.graph.blocks[op.block].owned_numel
@@ -111,9 +138,13 @@ def measure(plan: Plan, profile) -> StepRates:
         amount, seconds = moved[key]
         return amount / seconds / 1e9 if count[key] >= MIN_OPS and seconds > 0 else None
 
+    def ratio(key: str) -> float | None:
+        measured_s, priced_s = priced[key]
+        return measured_s / priced_s if count[key] >= MIN_OPS and priced_s > 0 else None
+
     return StepRates(host_update_gparams=rate("update"), param_load_gbps=rate("load"),
                      grad_offload_gbps=rate("grad_offload"), optimizer=str(plan.options.get("optimizer", "hybrid8bit")),
-                     ops=count)
+                     ops=count, forward_ratio=ratio("forwards"), backward_ratio=ratio("backwards"))
 
 
 def refit_file(hardware: str, plan_path: str, profile_path: str) -> str:

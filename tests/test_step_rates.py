@@ -14,6 +14,7 @@ from lazytrain.cli import main
 from lazytrain.compiler.api import compile_model
 from lazytrain.compiler.hardware import HardwareProfile, get_profile
 from lazytrain.ir import OpKind, Plan, Resource
+from lazytrain.ir.summary import measured_blocks
 from lazytrain.runtime.profiling import StepProfile
 from lazytrain.step_rates import MIN_OPS, measure
 
@@ -57,7 +58,8 @@ def test_the_rates_are_what_the_ops_moved_over_their_seconds():
     assert rates.param_load_gbps == pytest.approx(LOAD_GBPS)
     assert rates.grad_offload_gbps == pytest.approx(GRAD_GBPS)
     assert rates.host_update_gparams == pytest.approx(UPDATE_GPARAMS)
-    assert rates.ops == {"update": 6, "load": 11, "grad_offload": 6}
+    assert rates.ops == {"update": 6, "load": 11, "grad_offload": 6, "forwards": 0, "backwards": 0}
+    assert rates.forward_ratio is None and rates.backward_ratio is None     # no block of it measured
     assert "parameter and state loads 20.0 GB/s" in rates.describe(get_profile("h200"))
 
 
@@ -88,6 +90,42 @@ def test_the_next_compile_prices_loads_offloads_and_updates_at_them_and_nothing_
         seen.add(op.kind)
     assert {OpKind.LOAD, OpKind.GRAD_OFFLOAD, OpKind.UPDATE, OpKind.RELOAD} <= seen
     assert again.predicted["step_time_s"] > plan.predicted["step_time_s"]
+
+
+def test_measured_blocks_are_scaled_to_their_times_in_the_step():
+    """The GPU runs a step's forwards slower than the calibration timed them (its clocks under a step's load):
+    the measured blocks' forwards and backwards over their prices become the profile's in-step scales, and the
+    next compile prices those blocks at the step's times (forward, recompute, backward), the rest as before."""
+    from lazytrain.compiler.block_timing import BlockTiming
+    base = _plan()
+    sigs = {base.graph.block_signature(j): base.graph.blocks[j].name for j in range(base.graph.n_blocks)}
+    timings = tuple(BlockTiming(signature=sig, block=name, micro_batch=mb, seq_len=base.seq_len,
+                                forward_s=1e-3 * mb, backward_s=2e-3 * mb, recompute_s=1.1e-3 * mb, samples=3)
+                    for sig, name in sigs.items() for mb in (1, 2, 4, 8))
+    hw = get_profile("h200").with_timings(timings)
+    plan = compile_model("tiny", hardware=hw, **SHAPE)
+    assert measured_blocks(plan)
+    slower = {OpKind.COMPUTE: 1.2, OpKind.RECOMPUTE: 1.2, OpKind.BACKWARD: 1.05}
+    trace, t = [], 0.0
+    for op in plan.ops:
+        if op.kind in slower:
+            trace.append((op.id, op.resource.value, t, t + op.seconds * slower[op.kind]))
+            t += op.seconds * slower[op.kind]
+    prof = StepProfile(step_s=t, hidden={}, transfer_s={}, exposed_update_s=0.0, update_s=0.0, busy_s={}, trace=trace)
+    rates = measure(plan, prof)
+    assert (rates.forward_ratio, rates.backward_ratio) == pytest.approx((1.2, 1.05))
+    fitted = rates.apply(hw)
+    assert (fitted.step_forward_scale, fitted.step_backward_scale) == pytest.approx((1.2, 1.05))
+    assert "scaled to their times in a plan's step" in fitted.source
+    assert HardwareProfile.from_json(json.loads(json.dumps(fitted.to_json()))) == fitted
+    again = compile_model("tiny", hardware=fitted, **SHAPE)
+    assert [(op.kind, op.block, op.mb) for op in again.ops] == [(op.kind, op.block, op.mb) for op in plan.ops]
+    for op, old in zip(again.ops, plan.ops):
+        assert op.seconds == pytest.approx(old.seconds * slower.get(op.kind, 1.0))
+    # measured again on a step that ran as priced: the scales stay
+    exact = StepProfile(step_s=t, hidden={}, transfer_s={}, exposed_update_s=0.0, update_s=0.0, busy_s={},
+                        trace=[(op.id, op.resource.value, 0.0, op.seconds) for op in again.ops if op.kind in slower])
+    assert measure(again, exact).apply(fitted).step_forward_scale == pytest.approx(1.2)
 
 
 def test_too_few_timed_ops_give_no_rate_and_leave_the_profile_as_it_was():

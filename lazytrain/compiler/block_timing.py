@@ -73,6 +73,17 @@ class BlockTiming:
         """The measured timing of the cut at ``budget`` that saves ``saved_bytes`` a sample, if there is one."""
         return next((c for c in self.cuts if c.budget == budget and c.saved_bytes == saved_bytes), None)
 
+    def scaled(self, forward: float, backward: float) -> BlockTiming:
+        """This timing as a training step runs it (``HardwareProfile.step_forward_scale`` and
+        ``step_backward_scale``): the forward programs (``forward_s``, and ``recompute_s``, which also prices a
+        kept block's saving forward) times ``forward``, the backward times ``backward``; every cut's the same way."""
+        if forward == 1.0 and backward == 1.0:
+            return self
+        cuts = tuple(dataclasses.replace(c, forward_s=c.forward_s * forward, backward_s=c.backward_s * backward)
+                     for c in self.cuts)
+        return dataclasses.replace(self, forward_s=self.forward_s * forward, backward_s=self.backward_s * backward,
+                                   recompute_s=self.recompute_s * forward, cuts=cuts)
+
     @classmethod
     def from_json(cls, d) -> BlockTiming:
         names = {f.name for f in dataclasses.fields(cls)}

@@ -64,12 +64,14 @@ class CostModel:
 
     @cached_property
     def measured(self) -> dict:
-        """Block index -> ``BlockTiming`` for the blocks whose program was timed at this micro-batch."""
+        """Block index -> ``BlockTiming`` for the blocks whose program was timed at this micro-batch, as a step
+        runs it (``BlockTiming.scaled`` by the profile's in-step scales)."""
         find = getattr(self.hw, "measured", None)
         if find is None or not getattr(self.hw, "calibration", ()):
             return {}
+        fs, bs = getattr(self.hw, "step_forward_scale", 1.0), getattr(self.hw, "step_backward_scale", 1.0)
         found = {j: find(self.graph.block_signature(j), self.micro_batch) for j in range(self.graph.n_blocks)}
-        return {j: t for j, t in found.items() if t is not None}
+        return {j: t.scaled(fs, bs) for j, t in found.items() if t is not None}
 
     def fwd_s(self, j: int) -> float:
         """Forward of block j at its cut: the cut's measured forward where timed (module docstring)."""

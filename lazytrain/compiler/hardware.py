@@ -133,6 +133,15 @@ class HardwareProfile:
     #: ``lazytrain.step_rates`` measures them in a plan's own step
     param_load_gbps: float = 0.0
     grad_offload_gbps: float = 0.0
+    #: measured blocks' forwards, and backwards (with the recompute inside them), as a training step runs them over
+    #: the calibration's timing steps (1: as calibrated).  A step holds the GPU busy for seconds, and its clocks
+    #: fall under the power limit from the boost clocks of an idle GPU, where the calibration's short steps
+    #: start: on the H200 (700 W) a qwen2.5-3b layer-sized MLP forward ran 7.44 ms after idle and 8.4-8.9 ms after
+    #: 0.3 s of matmuls (1545-1695 MHz against 1980); in a 3B step the layers' forwards ran 1.03x the calibration's
+    #: at the step's start and 1.10-1.19x after, the backwards 1.03-1.05x.  ``lazytrain.step_rates`` measures
+    #: them in a plan's own step
+    step_forward_scale: float = 1.0
+    step_backward_scale: float = 1.0
     #: measured block programs (``BlockTiming``); the cost model prefers them to the figures above
     calibration: tuple = ()
 
