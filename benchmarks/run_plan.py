@@ -207,6 +207,8 @@ def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -
                   calibrate=getattr(a, "calibrate", False), compile_blocks=getattr(a, "compile_blocks", False),
                   time_limit=getattr(a, "time_limit", None), gpu_update=getattr(a, "gpu_update", "auto"))
         key = json.dumps(kw, sort_keys=True, default=str)
+        if isinstance(a.hardware, str) and Path(a.hardware).is_file():      # --refit rewrites the file: a new plan
+            key += _digest(Path(a.hardware).read_text())
         if key not in _compiled:         # runs that differ only in how they run (optimizer threads) share the plan
             _compiled[key] = lazytrain.compile(model, **kw)
         plan = _compiled[key]
