@@ -82,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
                          "seconds, distinct programs and cache hits go into the output as block_compile)")
     ap.add_argument("--resident", default="auto", type=lambda t: t if t in ("none", "auto") else int(t),
                     help="none, auto (default: the compiler's choice) or a number of leading blocks kept on the GPU")
+    ap.add_argument("--profile-steps", type=int, default=None, metavar="N",
+                    help="profiled steps after the measured ones (default 1, 3 with --refit: its rates are each the "
+                         "median over them)")
     ap.add_argument("--refit", action="store_true",
                     help="after each run, read the host update, parameter load and gradient offload rates its "
                          "profiled step reached (lazytrain.step_rates) into the hardware profile, compile again "
@@ -172,9 +175,9 @@ def run_refit(a, model, build_s: float) -> list[dict]:
     first = run_one(a, model, build_s, measured=measured)
     if not measured:
         raise SystemExit("--refit needs the profiled step (drop --no-profile)")
-    plan, prof = measured[0]
+    plan, profs = measured[0]
     hw = HardwareProfile.load(a.hardware)
-    rates = measure(plan, prof)
+    rates = measure(plan, profs)
     print(f"in-step rates: {rates.describe(hw)}")
     rates.apply(hw).save(a.hardware)
     torch.cuda.empty_cache()
@@ -256,10 +259,13 @@ def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -
     prof = None
     if getattr(a, "profile", True):
         trainer.profile = True
-        trainer.step(batch())
-        prof = trainer.last_profile
+        profs = []
+        for _ in range(getattr(a, "profile_steps", None) or (3 if getattr(a, "refit", False) else 1)):
+            trainer.step(batch())
+            profs.append(trainer.last_profile)
+        prof = profs[-1]
         if measured is not None:
-            measured.append((plan, prof))
+            measured.append((plan, profs))
     trainer.close()
 
     med = statistics.median(s.step_s for s in stats)

@@ -375,10 +375,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--compile-blocks", action="store_true",
                    help="with --model: time the block programs compiled by Inductor, and each cut of a block the "
                         "compiler may choose, as plans compiled with --compile-blocks run them")
-    p.add_argument("--step", nargs=2, default=None, metavar=("PLAN", "PROFILE"),
-                   help="write into -o (an existing profile) the host update, parameter load and gradient offload "
-                        "rates that PLAN's profiled step PROFILE reached (from `train --profile`); later compiles "
-                        "price those ops at them")
+    p.add_argument("--step", nargs="+", default=None, metavar="PLAN PROFILE",
+                   help="PLAN PROFILE [PROFILE ...]: write into -o (an existing profile) the host update, parameter "
+                        "load and gradient offload rates and the measured blocks' in-step scales that PLAN's profiled "
+                        "steps reached (from `train --profile`; each the median over the steps given); later "
+                        "compiles price those ops at them")
     p.set_defaults(fn=cmd_profile)
     p = sub.add_parser("train", help="train on the built-in arithmetic task: compile, train, evaluate, save",
                        description="Train on generated arithmetic word problems: build the model, compile a plan "

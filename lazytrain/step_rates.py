@@ -98,10 +98,33 @@ class StepRates:
 
 
 def measure(plan: Plan, profile) -> StepRates:
-    """The in-step rates of ``plan`` in ``profile`` (a ``StepProfile`` measured on it: ``profile.check(plan)``
-    raises ``ValueError`` for another plan's).  Only host-side ops count: a resident or GPU-updated block's update
-    runs on the GPU; its state loads and stores count with the parameter loads and gradient offloads (the same
-    pinned host memory, priced at the same rates: on the H200 they ran at 34 GB/s beside loads at 40)."""
+    """The in-step rates of ``plan`` in ``profile``: a ``StepProfile`` measured on it (``profile.check(plan)``
+    raises ``ValueError`` for another plan's), or several, whose rates are each the median over the steps that
+    timed it (one step is a noisy figure: on the H200 one profiled 3B step's host updates ran at 3.0 G params/s
+    where the call before measured 5.1, and the plan compiled on it gave up 14% of its speed).  Only host-side ops
+    count as updates: a resident or GPU-updated block's update runs on the GPU; its state loads and stores count
+    with the parameter loads and gradient offloads (the same pinned host memory, priced at the same rates: on
+    the H200 they ran at 34 GB/s beside loads at 40)."""
+    if isinstance(profile, (list, tuple)):
+        if not profile:
+            raise ValueError("no profiled step to measure")
+        steps = [_measure_one(plan, p) for p in profile]
+        fields = ("host_update_gparams", "param_load_gbps", "grad_offload_gbps", "forward_ratio", "backward_ratio")
+        med = {f: _median([getattr(r, f) for r in steps]) for f in fields}
+        ops = {k: sum(r.ops[k] for r in steps) for k in steps[0].ops}
+        return StepRates(**med, optimizer=steps[0].optimizer, ops=ops)
+    return _measure_one(plan, profile)
+
+
+def _median(values: list[float | None]) -> float | None:
+    got = sorted(v for v in values if v is not None)
+    if not got:
+        return None
+    n = len(got)
+    return got[n // 2] if n % 2 else (got[n // 2 - 1] + got[n // 2]) / 2
+
+
+def _measure_one(plan: Plan, profile) -> StepRates:
     profile.check(plan)
     by_id = {op.id: op for op in plan.ops}
     sharded = plan.world_size > 1
@@ -147,13 +170,15 @@ def measure(plan: Plan, profile) -> StepRates:
                      ops=count, forward_ratio=ratio("forwards"), backward_ratio=ratio("backwards"))
 
 
-def refit_file(hardware: str, plan_path: str, profile_path: str) -> str:
-    """``lazytrain profile -o HW --step PLAN PROFILE``: the in-step rates of a saved plan's profiled step
-    (``lazytrain train --profile``, ``StepProfile.save``) written into the hardware profile file ``hardware``;
-    returns what was measured, against what the file had."""
+def refit_file(hardware: str, plan_path: str, *profile_paths: str) -> str:
+    """``lazytrain profile -o HW --step PLAN PROFILE [PROFILE ...]``: the in-step rates of a saved plan's profiled
+    steps (``lazytrain train --profile``, ``StepProfile.save``; each rate the median over them) written into the
+    hardware profile file ``hardware``; returns what was measured, against what the file had."""
     from .ir import Plan
     from .runtime.profiling import StepProfile
+    if not profile_paths:
+        raise ValueError("--step needs PLAN and at least one PROFILE")
     hw = HardwareProfile.load(hardware)
-    rates = measure(Plan.load(plan_path), StepProfile.load(profile_path))
+    rates = measure(Plan.load(plan_path), [StepProfile.load(p) for p in profile_paths])
     rates.apply(hw).save(hardware)
-    return f"in-step rates of {profile_path}: {rates.describe(hw)}"
+    return f"in-step rates of {', '.join(profile_paths)}: {rates.describe(hw)}"

@@ -166,6 +166,33 @@ def test_lazytrain_profile_step_writes_the_rates_into_the_file(tmp_path, capsys)
     assert "missing.json" in capsys.readouterr().err
 
 
+def test_several_profiled_steps_give_each_rate_as_its_median(tmp_path, capsys):
+    """One step whose host updates ran 2x slow (an outlier) among three: the median keeps the other steps' rate;
+    the CLI takes several profiles the same way and refuses a PLAN without one."""
+    plan = _plan()
+    slow = {op.id for op in plan.ops if op.kind is OpKind.UPDATE}
+
+    def stretched(factor: float) -> StepProfile:
+        p = _fake_step(plan)
+        trace = [(i, r, t0, t0 + (t1 - t0) * (factor if i in slow else 1.0)) for i, r, t0, t1 in p.trace]
+        return dataclasses.replace(p, trace=trace)
+    steps = [_fake_step(plan), stretched(2.0), stretched(1.1)]
+    rates = measure(plan, steps)
+    assert rates.host_update_gparams == pytest.approx(UPDATE_GPARAMS / 1.1)
+    assert rates.param_load_gbps == pytest.approx(LOAD_GBPS)
+    assert rates.ops["update"] == 3 * measure(plan, steps[0]).ops["update"]
+    plan.save(tmp_path / "plan.json")
+    for k, p in enumerate(steps):
+        p.save(tmp_path / f"p{k}.json", plan)
+    get_profile("h200").save(tmp_path / "hw.json")
+    assert main(["profile", "-o", str(tmp_path / "hw.json"), "--step", str(tmp_path / "plan.json"),
+                 *(str(tmp_path / f"p{k}.json") for k in range(3))]) == 0
+    assert HardwareProfile.load(tmp_path / "hw.json").cpu_adam8_gparams == pytest.approx(UPDATE_GPARAMS / 1.1)
+    capsys.readouterr()
+    assert main(["profile", "-o", str(tmp_path / "hw.json"), "--step", str(tmp_path / "plan.json")]) == 2
+    assert "at least one PROFILE" in capsys.readouterr().err
+
+
 def test_a_gpu_updated_blocks_state_copies_go_at_the_model_state_rates():
     from lazytrain.compiler.cost import CostModel
     hw = dataclasses.replace(get_profile("h200"), param_load_gbps=LOAD_GBPS, grad_offload_gbps=GRAD_GBPS)
