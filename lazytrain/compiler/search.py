@@ -32,7 +32,12 @@ TIGHTENINGS = 5
 #: ``SHORT_BUDGET_BLOCKS`` blocks (8B-class models; ``milp_size``: a compiled block counts once per cut) get
 #: less: qwen2.5-3b with compiled blocks (38 blocks, 4 cuts a layer: 146) at 24 GiB, batch 8 needs six ~1.3 s
 #: solves to a plan in budget (0.466 s predicted, megatrain 0.961) and ended on megatrain with the short ones.
-SOLVER_BUDGET_S, SHORT_SOLVER_BUDGET_S, SHORT_BUDGET_BLOCKS = 12.0, 4.0, 48
+#: The short budget and deadline (2.5 s; 4 s before): on 27 presets x budgets x batches of qwen2.5-3b, qwen2.5-7b and
+#: llama3-8b the MILP's plans (every block streamed, no rule) were the same at 2.5 s as at 4 s, each compile 1-1.5 s
+#: shorter where the search had run to its deadline; with the resident choice and the rule, 16 of 16 batch-8/32
+#: rows at 24/48 GiB as fast or faster (the rule's re-solve then ends elsewhere: llama3-8b 48 GiB b8 1.360 s
+#: against 1.424).
+SOLVER_BUDGET_S, SHORT_SOLVER_BUDGET_S, SHORT_BUDGET_BLOCKS = 12.0, 2.5, 48
 MIN_SOLVE_S = 0.5
 #: CPU seconds (this process's and the solver's, ``compiler/deadline.py``; ``isolated.WALL_FACTOR`` times as
 #: many wall seconds at most) the planning of one compile may take, from its start (the graph traced) to its
@@ -43,14 +48,15 @@ MIN_SOLVE_S = 0.5
 #: deadline qwen2.5-72b at 48 GiB, batch 72 searched for 23.9 s (six solves, seven 45,000-op builds of ~2.5 s),
 #: over the 20 s a whole compile may take.  8B-class chains (``SHORT_BUDGET_BLOCKS``) get the short one
 #: (llama3-8b at 48 GiB, batch 8 re-solved ten times).
-DEADLINE_S, SHORT_DEADLINE_S = 15.0, 4.0
+DEADLINE_S, SHORT_DEADLINE_S = 15.0, 2.5
 #: CPU seconds of the deadline the search leaves for the GPU-update rule when the rule follows it (``Compiler.
 #: rule_follows``; the rule takes at most ``gpu_update.RULE_BUDGET_S`` of what is left): long chains carve them
 #: out of their deadline (the rule's 6 s counted apart, on top of a 15 s search, put 32B-72B compiles at 20-23 s),
-#: short chains get them on top of their 4 s (there the rule's plan is often much faster than the solved one --
-#: llama3-8b at 24 GiB, batch 8: 1.66 s simulated against 2.20 s -- and takes ~100 builds of ~45 ms to find).
-#: A caller's deadline leaves the rule at most half of it.
-RULE_RESERVE_S, SHORT_RULE_RESERVE_S = 3.0, 6.0
+#: short chains get them on top of their 2.5 s (there the rule's plan is often much faster than the solved one --
+#: llama3-8b at 24 GiB, batch 8: 1.66 s simulated against 2.20 s; 3 s find it since the rule prunes its scans
+#: and a build takes ~20 ms at 8B, where 6 s were needed before).  A caller's deadline leaves the rule at most half
+#: of it.
+RULE_RESERVE_S, SHORT_RULE_RESERVE_S = 3.0, 3.0
 
 
 def _deadline(comp, short: bool) -> Deadline:
