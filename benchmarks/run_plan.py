@@ -27,6 +27,7 @@ import torch
 
 import lazytrain
 from lazytrain.bench_worker import host_rss_bytes
+from lazytrain.compiler.loss_chunk import LOSS_HEAD_MODES
 from lazytrain.frontend.random_init import random_model
 from lazytrain.ir import GiB
 from lazytrain.runtime.profiling import plan_digest
@@ -58,9 +59,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--runs", default=None,
                     help="several runs on one model build, e.g. '8:megatrain,32:milp,8:milp:12,32:milp@auto/6,"
                          "1x32768:milp,1xmax:milp,32:milp:c80GiB' (batch[xseq]:policy[@resident[/gpu_update]]"
-                         "[:optimizer threads][:c<GPU memory cap to train under, default --gpu-memory>]; seq a number "
+                         "[:optimizer threads][:c<GPU memory cap to train under, default --gpu-memory>]"
+                         "[:single_pass|:recompute (the loss head, default --loss-head)]; seq a number "
                          "or 'max'); runs with the same compile arguments share one plan; "
                          "results go to OUT as a JSON list")
+    ap.add_argument("--loss-head", default="auto", choices=LOSS_HEAD_MODES,
+                    help="how the fused loss head forms its gradients (compile_model's loss_head)")
     ap.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
                     help="the preset's config with rope_scaling {rope_type: TYPE, factor: FACTOR} (e.g. yarn:4, as "
                          "Qwen2.5's model cards advise past 32,768 tokens), for sequences beyond its declared "
@@ -116,7 +120,7 @@ def main(argv=None) -> dict:
     build_s = time.perf_counter() - t
     if a.runs:
         results = []
-        default_resident, default_gpu_update = a.resident, a.gpu_update
+        default_resident, default_gpu_update, default_loss_head = a.resident, a.gpu_update, a.loss_head
         for spec in a.runs.split(","):
             b, pol, *threads = spec.split(":")
             pol, _, res = pol.partition("@")
@@ -128,9 +132,12 @@ def main(argv=None) -> dict:
             a.resident = (res if res in ("none", "auto") else int(res)) if res else default_resident
             a.gpu_update = (gpu if gpu in ("none", "auto") else int(gpu)) if gpu else default_gpu_update
             a.run_cap = None
-            for extra in threads:       # optimizer threads, or "c" and the GPU memory cap this run trains under
+            a.loss_head = default_loss_head
+            for extra in threads:       # optimizer threads, "c" and the GPU memory cap it trains under, a head mode
                 if extra.startswith("c"):
                     a.run_cap = extra[1:]
+                elif extra in LOSS_HEAD_MODES:
+                    a.loss_head = extra
                 else:
                     a.optim_threads = int(extra)
             try:
@@ -208,7 +215,8 @@ def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -
                   host_memory=a.host_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,
                   nvme_dir=a.nvme_dir, resident=getattr(a, "resident", "auto"),
                   calibrate=getattr(a, "calibrate", False), compile_blocks=getattr(a, "compile_blocks", False),
-                  time_limit=getattr(a, "time_limit", None), gpu_update=getattr(a, "gpu_update", "auto"))
+                  time_limit=getattr(a, "time_limit", None), gpu_update=getattr(a, "gpu_update", "auto"),
+                  loss_head=getattr(a, "loss_head", "auto"))
         key = json.dumps(kw, sort_keys=True, default=str)
         if isinstance(a.hardware, str) and Path(a.hardware).is_file():      # --refit rewrites the file: a new plan
             key += _digest(Path(a.hardware).read_text())
@@ -276,6 +284,7 @@ def run_one(a, model, build_s: float, plan=None, measured: list | None = None) -
         "policy": a.policy, "seq_tile": plan.graph.meta.get("seq_tile"), "calibrated": getattr(a, "calibrate", False),
         "resident": sorted(plan.decisions.resident_blocks),
         "gpu_updated": sorted(plan.decisions.gpu_updated_blocks),
+        "loss_head": "single_pass" if (plan.graph.meta.get("loss_head") or {}).get("single_pass") else "recompute",
         "optimizer": a.optimizer,
         "optim_threads": getattr(opt, "num_threads", None), "gpu_memory": a.gpu_memory,
         "run_cap": getattr(a, "run_cap", None) or a.gpu_memory, "allocator_events": allocator,

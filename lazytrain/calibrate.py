@@ -340,7 +340,7 @@ def compile_calibrated(compile_fn, model, options: dict, *, verbose: bool = True
     graph = trace(model, seq_len=options["seq_len"], dtype=options["param_dtype"], seq_tile=tile,
                   compile_blocks=bool(options.get("compile_blocks")))
     plan = compile_fn(graph, **{**options, "hardware": hw})
-    if missing(graph, hw, plan.micro_batch):
+    if missing(plan.graph, hw, plan.micro_batch):      # the graph as compiled (its loss head chosen)
         mb = plan.micro_batch
         optimizer = options.get("optimizer", "hybrid8bit")
         m = measure(model, hw, seq_len=options["seq_len"], micro_batch=mb, param_dtype=options["param_dtype"],

@@ -62,7 +62,9 @@ def test_a_chat_fine_tune_stops_at_the_templates_end_of_turn(tmp_path):
                              param_dtype="float32", optimizer="adamw", policy="keep-all")
     with lazytrain.Trainer(model, plan, optimizer=lazytrain.optim.TorchAdamW(lr=2e-2), device="cpu",
                            verbose=False) as tr:
-        for step in range(150):
+        # 300 steps: at this learning rate the trajectory turns on fp32 rounding (the loss head's single pass and
+        # its recompute differ by ulps and reach 1e-3 at different steps); both have memorised the four by 300
+        for step in range(300):
             tr.step(batches.batch(step))
         tr.sync_to_model()
     eot = enc.end_of_turn_id()

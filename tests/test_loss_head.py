@@ -11,7 +11,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lazytrain.compiler.loss_chunk import LOSS_HEAD_SHARE, chunk_logits, with_loss_chunk
+from lazytrain.compiler.loss_chunk import (
+    LOSS_HEAD_SHARE,
+    SINGLE_PASS_MIN_ROWS,
+    SINGLE_PASS_SHARE,
+    accumulator_bytes,
+    chunk_logits,
+    single_pass,
+    with_loss_chunk,
+)
 from lazytrain.frontend.loss_head import bytes_per_logit, fused_next_token_loss, row_bytes
 from lazytrain.ir import GiB
 
@@ -98,16 +106,85 @@ def test_the_compiler_chunks_by_the_budget_and_the_trainer_uses_it():
                    param_dtype="float32", policy="recompute-all")
     head = plan.graph.meta["loss_head"]
     assert head["chunk_logits"] == chunk_logits(head, plan.budgets["gpu_bytes"]) == head["seq_len"] * head["vocab"]
-    assert plan.graph.blocks[-1].workspace_fixed_bytes == head["chunk_logits"] * head["bytes_per_logit"]
-    assert "loss head" in plan.summary()
+    assert head["single_pass"] is True     # a 2 GiB budget has room for the tiny head's accumulator
+    assert plan.graph.blocks[-1].workspace_fixed_bytes == \
+        head["chunk_logits"] * head["bytes_per_logit"] + accumulator_bytes(head)
+    assert "loss head" in plan.summary() and "single pass" in plan.summary()
     # a smaller budget, a smaller chunk: a power of two within the share of the budget
     small = with_loss_chunk(plan.graph, 1024 ** 2)
     c = small.meta["loss_head"]["chunk_logits"]
     assert c < head["chunk_logits"] and c & (c - 1) == 0
     assert c * head["bytes_per_logit"] <= LOSS_HEAD_SHARE * 1024 ** 2 < 2 * c * head["bytes_per_logit"]
     assert small.blocks[-1].workspace_fixed_bytes == c * head["bytes_per_logit"] < 1 * GiB
+    assert small.meta["loss_head"]["single_pass"] is False     # too few rows a chunk
     trainer = Trainer(model, plan, device="cpu")
-    assert trainer.program.loss_chunk_logits == head["chunk_logits"]
+    assert trainer.program.loss_chunk_logits == head["chunk_logits"] and trainer.program.loss_single_pass
+
+
+def test_the_single_pass_moves_the_recompute_out_of_the_heads_flops_where_its_accumulator_fits():
+    """The rule (``compiler/loss_chunk.py``): single pass where the fp32 weight-gradient accumulator takes at most
+    ``SINGLE_PASS_SHARE`` of the budget and a chunk has ``SINGLE_PASS_MIN_ROWS`` rows; its FLOPs: the head's
+    backward loses the recompute and its two gradient matmuls go to the forward; choosing again from a chosen
+    graph (a plan's) starts from the traced head."""
+    from lazytrain.frontend.presets import build_model
+    from lazytrain.frontend.trace import trace
+
+    graph = trace(build_model("tiny", device="meta", dtype=torch.bfloat16), seq_len=256, dtype="bfloat16")
+    head = graph.meta["loss_head"]
+    acc = accumulator_bytes(head)
+    assert acc == head["vocab"] * head["hidden"] * 4       # fp32, twice the bf16 weight
+    matmul = 2 * head["seq_len"] * head["vocab"] * head["hidden"]
+    traced = graph.blocks[-1]
+    assert traced.bwd_flops >= 3 * matmul
+    roomy = int(acc / SINGLE_PASS_SHARE) + (1 << 30)
+    one = with_loss_chunk(graph, roomy)
+    b = one.blocks[-1]
+    assert one.meta["loss_head"]["single_pass"] is True
+    assert (b.fwd_flops, b.bwd_flops) == (traced.fwd_flops + 2 * matmul, traced.bwd_flops - 3 * matmul)
+    assert b.workspace_fixed_bytes == one.meta["loss_head"]["chunk_logits"] * head["bytes_per_logit"] + acc
+    # below the share: the recompute, whatever the chunk
+    tight = int(acc / SINGLE_PASS_SHARE) - 1
+    two = with_loss_chunk(graph, tight)
+    assert two.meta["loss_head"]["single_pass"] is False
+    assert (two.blocks[-1].fwd_flops, two.blocks[-1].bwd_flops) == (traced.fwd_flops, traced.bwd_flops)
+    # chosen again from a chosen graph: as if from the trace
+    for g, budget in ((one, tight), (one, roomy), (two, roomy)):
+        again = with_loss_chunk(g, budget)
+        assert again.blocks[-1] == with_loss_chunk(graph, budget).blocks[-1]
+        assert again.meta["loss_head"] == with_loss_chunk(graph, budget).meta["loss_head"]
+    # too few rows a chunk (a budget whose chunk is under SINGLE_PASS_MIN_ROWS rows of the vocabulary)
+    rows_short = {**head, "seq_len": 4 * SINGLE_PASS_MIN_ROWS}
+    assert not single_pass(rows_short, (SINGLE_PASS_MIN_ROWS - 1) * head["vocab"], roomy)
+    assert single_pass(rows_short, SINGLE_PASS_MIN_ROWS * head["vocab"], roomy)
+    # a figure set without the weight's dtype (a trace from before the single pass): the recompute
+    assert not single_pass({k: v for k, v in head.items() if k != "param_bytes"}, 1 << 30, roomy)
+
+
+def test_the_single_pass_holds_its_chunk_and_accumulator_and_forms_no_gradient_without_grad():
+    """The single pass's peak stays within its chunk, its accumulator and the gradients it returns; under
+    ``no_grad`` (an evaluation) its forward is the loss alone: one matmul's FLOPs, not three."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    dtype = torch.bfloat16
+    rows = 64
+    chunk = rows * VOCAB
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, ROWS, HIDDEN, generator=g).to(dtype).requires_grad_(True)
+    weight = (torch.randn(VOCAB, HIDDEN, generator=g) * 0.1).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, VOCAB, (1, ROWS), generator=g)
+    with LiveBytes() as mem:
+        loss, _ = fused_next_token_loss(feats, weight, None, labels, chunk, single_pass=True)
+        loss.backward()
+    size = torch.empty((), dtype=dtype).element_size()
+    grads = (ROWS + VOCAB) * HIDDEN * size
+    # the CPU adds each row chunk's weight gradient through fp32 copies of its operands (CUDA: one fp32-accumulating
+    # matmul), counted here on top
+    cpu_copies = (rows * VOCAB + rows * HIDDEN) * 4
+    bound = chunk * bytes_per_logit(dtype, None) + VOCAB * HIDDEN * 4 + grads + cpu_copies
+    assert mem.peak <= bound, (mem.peak, bound)
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        fused_next_token_loss(feats, weight, None, labels, chunk, single_pass=True)
+    assert fc.get_total_flops() == 2 * ROWS * VOCAB * HIDDEN
 
 
 def test_fused_chunk_kernels_match_the_eager_passes():
@@ -162,3 +239,39 @@ def test_inductor_chunk_kernels_match_eager_on_gpu():
     for a, b in zip(out[0], out[2]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
     assert peak[2] < peak[0]
+
+
+@pytest.mark.cuda
+def test_the_single_pass_matches_the_recompute_on_gpu_within_its_bytes():
+    """On the GPU, in bf16, eager and with Inductor's chunk kernels: the single pass gives the recompute's loss and
+    gradients (to bf16 rounding; the weight's gradient accumulated in fp32 by the matmul itself), and its peak
+    stays within its chunk, its fp32 accumulator and the gradients (the backward's scaled copy included)."""
+    from lazytrain.frontend.loss_kernels import compiled_loss_kernels
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(0)
+    rows, vocab, hidden = 2048, 50000, 256
+    feats = torch.randn(4, rows // 4, hidden, generator=g).to("cuda", torch.bfloat16)
+    weight = (torch.randn(vocab, hidden, generator=g) * 0.05).to("cuda", torch.bfloat16)
+    labels = torch.randint(0, vocab, (4, rows // 4), generator=g).cuda()
+    labels[0, :100] = -100
+    chunk = 300 * vocab            # 300 rows a chunk: 7 chunks, the last narrower
+    kernels = compiled_loss_kernels()
+    for k in (None, kernels):
+        out, peak = [], []
+        for single in (False, True, True):
+            f, w = (t.clone().requires_grad_(True) for t in (feats, weight))
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            loss, n = fused_next_token_loss(f, w, None, labels, chunk, kernels=k, single_pass=single)
+            (loss / n).backward()
+            torch.cuda.synchronize()
+            peak.append(torch.cuda.max_memory_allocated() - base)
+            out.append((loss.detach().float(), f.grad.float(), w.grad.float()))
+        for a, b in zip(out[0], out[2]):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-4)
+        grads = (rows + vocab) * hidden * 2
+        bound = chunk * bytes_per_logit(torch.bfloat16, None) + vocab * hidden * 4 + grads + rows * 16
+        assert peak[2] <= bound, (k is not None, peak[2], bound)

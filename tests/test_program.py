@@ -73,17 +73,22 @@ def test_chain_matches_model(kind, monkeypatch):
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
-    prog = build_program(model, micro_batch=MB, seq_len=SEQ, device="cpu", dtype=torch.float32,
-                         loss_chunk_logits=MB * SEQ * 64)
-    assert prog.graph.n_blocks == 6 + 2
-    params = dict(model.named_parameters())
-    loss_sum, n_tokens = _chain(prog, params, ids, labels)
-    assert int(n_tokens) == int((labels[:, 1:] != -100).sum())
-    loss = loss_sum / n_tokens
-    torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-6)
-    loss.backward()
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    # the head in vocabulary chunks with its backward's recompute, then in a single pass of row chunks (2+ each)
+    for single_pass in (False, True):
+        prog = build_program(model, micro_batch=MB, seq_len=SEQ, device="cpu", dtype=torch.float32,
+                             loss_chunk_logits=MB * SEQ * 64, loss_single_pass=single_pass)
+        assert prog.graph.n_blocks == 6 + 2
+        params = dict(model.named_parameters())
+        loss_sum, n_tokens = _chain(prog, params, ids, labels)
+        assert int(n_tokens) == int((labels[:, 1:] != -100).sum())
+        loss = loss_sum / n_tokens
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-6)
+        loss.backward()
+        for n, p in model.named_parameters():
+            # the single pass normalises the softmax by its row sum, eager by its log-sum-exp: fp32 ulps apart
+            torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-5, atol=1e-6 if single_pass else 1e-7,
+                                       msg=lambda m, n=n, s=single_pass: f"{n} (single pass {s}): {m}")
+        model.zero_grad(set_to_none=True)
     # the program never mutated the model
     assert all(p.device.type == "cpu" for p in model.parameters())
 
@@ -114,6 +119,11 @@ def test_chunked_loss_matches_full_and_chunks(monkeypatch):
     assert int(n) == 11
     assert torch.autograd.gradcheck(lambda f, w, b: fused_next_token_loss(f, w, b, labels, 14 * 3)[0].double(),
                                     (feats, w, b))
+    # the single pass: 3 rows of the whole vocabulary a chunk (5 chunks, the last of 2 rows)
+    one = fused_next_token_loss(feats, w, b, labels, 11 * 3, single_pass=True)[0]
+    torch.testing.assert_close(one, ref)
+    assert torch.autograd.gradcheck(
+        lambda f, w, b: fused_next_token_loss(f, w, b, labels, 11 * 3, single_pass=True)[0].double(), (feats, w, b))
 
 
 def test_sequential_blocks_run_user_loss():

@@ -19,7 +19,7 @@ from . import gpu_update as gpu_update_rule
 from .budgets import BudgetError, binding, held_host_bytes, make_budgets
 from .cost import CostModel
 from .hardware import get_profile
-from .loss_chunk import with_loss_chunk
+from .loss_chunk import LOSS_HEAD_MODES, with_loss_chunk
 from .lower import lower_with_effects
 from .measured_workspace import with_measured_workspace
 from .paused_gc import paused_gc
@@ -232,7 +232,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
                   time_limit: float | None = None, reserve=None, max_batch_limit: int = 1 << 16,
                   resident="auto", calibrate: bool = False, packed: bool = False,
                   seq_tile: int | str | None = "auto", world_size: int = 1, nodes: int = 1,
-                  compile_blocks: bool = False, deadline: float | None = None, gpu_update="auto") -> Plan:
+                  compile_blocks: bool = False, deadline: float | None = None, gpu_update="auto",
+                  loss_head: str = "auto") -> Plan:
     """Compile a training plan.  ``model``: an ``nn.Module`` (meta or real), a preset name, a path
     to a Hugging Face ``config.json``, ``package.module:factory``, or an already traced ModelGraph.
 
@@ -285,6 +286,11 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     ``compile_blocks``: the runtime runs each distinct block program compiled by Inductor, forward and backward,
     the tensors its backward needs still kept, moved and recomputed by the plan (``frontend/compiled.py``); the
     graph's saved bytes are then what the compiled forwards save.  Off by default until measured on a GPU.
+
+    ``loss_head``: how the fused LM head + cross-entropy forms its gradients (``frontend/loss_head.py``):
+    ``"auto"`` (default: in a single pass where its weight-gradient accumulator fits the budget's share,
+    ``compiler/loss_chunk.py``), ``"single_pass"`` (the forward forms them, no logits recomputed) or
+    ``"recompute"`` (the backward recomputes the logits chunk by chunk: no accumulator).
     """
     held = held_host_bytes(model) if host_memory is None else 0
     if held:    # resolved here, once: the searches and the calibration below compile a traced graph (it holds none)
@@ -302,7 +308,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         from ..calibrate import compile_calibrated
         return compile_calibrated(compile_model, model, {k: v for k, v in options.items() if k != "calibrate"})
     _check_options(policy=policy, optimizer=optimizer, seq_len=seq_len, micro_batch=micro_batch, seq_tile=seq_tile,
-                   deadline=deadline, compile_blocks=compile_blocks)
+                   deadline=deadline, compile_blocks=compile_blocks, loss_head=loss_head)
     check_compile_args(model, batch_size=batch_size, seq_len=seq_len, micro_batch=micro_batch, nvme_dir=nvme_dir)
     history: list[dict] = []
     t0 = time.perf_counter()
@@ -328,7 +334,7 @@ def _compiler(model, o: dict, history: list[dict]) -> tuple[Compiler, object]:
     hw = get_profile(o["hardware"]) if isinstance(o["hardware"], str) else o["hardware"]
     graph = _as_graph(model, o["seq_len"], o["param_dtype"], history, o["packed"], o["seq_tile"], o["compile_blocks"])
     budgets = make_budgets(hw, o["gpu_memory"], o["host_memory"], o["nvme_dir"], o["nvme_memory"], o["reserve"])
-    graph = with_loss_chunk(graph, budgets["gpu_bytes"])     # the loss head's chunk, from the GPU budget
+    graph = with_loss_chunk(graph, budgets["gpu_bytes"], o["loss_head"])    # the loss head's chunk and pass
     graph = with_measured_workspace(graph, hw)               # calibrated transients, where they exceed the traced
     fixed, auto = resident_request(graph, o["resident"])
     gpu_req = gpu_update_rule.request(o["gpu_update"])
@@ -347,8 +353,10 @@ def _compiler(model, o: dict, history: list[dict]) -> tuple[Compiler, object]:
 
 
 def _check_options(*, policy: str, optimizer: str, seq_len, micro_batch, seq_tile, deadline=None,
-                   compile_blocks: bool = False) -> None:
+                   compile_blocks: bool = False, loss_head: str = "auto") -> None:
     """The options ``compile_model`` checks itself, before the sizes (``frontend/validate.py``)."""
+    if loss_head not in LOSS_HEAD_MODES:
+        raise ValueError(f"loss_head must be one of {', '.join(map(repr, LOSS_HEAD_MODES))}, got {loss_head!r}")
     if not isinstance(compile_blocks, bool):
         raise ValueError(f"compile_blocks must be True or False, got {compile_blocks!r}")
     if policy not in POLICIES:

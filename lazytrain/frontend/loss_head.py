@@ -22,6 +22,18 @@ Cost (priced by the trace, chosen by ``compiler/loss_chunk.py``): FLOPs 2·N·V�
 (the recompute plus the two gradient matmuls); GPU bytes: one chunk's logits at ``bytes_per_logit`` each
 plus, per row, the fp32 feature-gradient accumulator, the model-dtype partial product and four fp32 row
 statistics (``row_bytes``).
+
+**Single pass** (``single_pass=True``, where the compiler finds the room): the loss is the last thing a step
+computes and its own gradient seed is a scalar the backward only multiplies in, so the forward can form the
+gradients at once, chunking the *rows* instead: each chunk of ``chunk_logits // V`` rows takes the whole
+vocabulary, so its log-sum-exp is known before its ``d loss / d logits`` is formed from the same logits; the
+chunk's feature gradient is one matmul over the whole vocabulary and its share of the weight's gradient is
+added into one ``vocab x hidden`` fp32 accumulator (bf16 products accumulated in fp32, as one large matmul
+over all rows would).  FLOPs 3 x 2·N·V·d in the forward and none in the backward, which scales the stored
+gradients by the seed: the logits' recompute is gone (2·N·V·d, 2.4% of a Qwen2.5-7B step's model FLOPs).
+GPU bytes: the accumulator (4 bytes a weight element, whose storage the model-dtype gradient then reuses) on
+top of the chunk, from the head's forward to its backward, which the plan runs back to back (the backward's
+scaled copy of the gradient is the plan's gradient buffer).
 """
 
 from __future__ import annotations
@@ -82,29 +94,121 @@ def _targets(labels: torch.Tensor, lo: int, hi: int):
     return inside, torch.where(inside, labels - lo, 0)[:, None]
 
 
+def _softcap_derivative(z, softcap: float | None):
+    """d cap*tanh(x/cap) / dx at the capped logits ``z`` (None without a softcap)."""
+    return z.div(softcap).square_().neg_().add_(1) if softcap else None
+
+
+def _finish_dz(p, inside, col, row_grad, deriv, scale: float, dtype: torch.dtype):
+    """``d loss / d logits`` from the softmax ``p`` (overwritten): minus the target's one, times the rows' weights,
+    the softcap's and the scale's derivatives, in ``dtype``."""
+    p.scatter_add_(1, col, inside.to(p.dtype).neg_()[:, None])
+    p.mul_(row_grad[:, None])
+    if deriv is not None:
+        p.mul_(deriv)
+    if scale != 1.0:
+        p.mul_(scale)
+    return p.to(dtype)
+
+
 def _chunk_dz(f, w, b, labels, lo: int, hi: int, lse, row_grad, scale: float, softcap: float | None):
     """One chunk's ``d loss / d logits`` in the model dtype, by in-place passes over one fp32 copy of its logits
     (the eager path; ``loss_kernels.chunk_grad`` is the same as one fusible function)."""
     z = _logits(f, w, b, scale, softcap)
-    deriv = z.div(softcap).square_().neg_().add_(1) if softcap else None   # d cap*tanh(x/cap) / dx
+    deriv = _softcap_derivative(z, softcap)
     p = z.sub_(lse[:, None]).exp_()          # softmax, in place of the logits
     inside, col = _targets(labels, lo, hi)
-    p.scatter_add_(1, col, inside.to(p.dtype).neg_()[:, None])
-    p.mul_(row_grad[:, None])
-    if softcap:
-        p.mul_(deriv)
-        del deriv
-    if scale != 1.0:
-        p.mul_(scale)
-    return p.to(f.dtype)
+    return _finish_dz(p, inside, col, row_grad, deriv, scale, f.dtype)
+
+
+def _rows_loss_dz(f, w, b, labels, scale: float, softcap: float | None, kernels):
+    """(per-row loss, ``d loss_row / d logits`` in the model dtype) of a chunk of rows over the whole vocabulary:
+    its log-sum-exp first, then the gradient from the same logits (the single pass)."""
+    counted = labels != IGNORE
+    if kernels is not None:
+        zb = _product(f, w, b)
+        stat = torch.float64 if zb.dtype == torch.float64 else torch.float32
+        rows = zb.shape[0]
+        m, s, t = kernels.stats(zb, labels, torch.full((rows,), float("-inf"), dtype=stat, device=zb.device),
+                                torch.zeros(rows, dtype=stat, device=zb.device),
+                                torch.zeros(rows, dtype=stat, device=zb.device), scale, softcap)
+        lse = m + s.log()
+        dz = kernels.grad(zb, labels, lse, counted.to(stat), scale, softcap)
+        return torch.where(counted, lse - t, 0.0), dz
+    z = _logits(f, w, b, scale, softcap)
+    deriv = _softcap_derivative(z, softcap)
+    inside, col = _targets(labels, 0, z.shape[1])
+    target = z.gather(1, col).squeeze(1)
+    m = z.amax(dim=1)
+    p = z.sub_(m[:, None]).exp_()
+    s = p.sum(dim=1)
+    loss = torch.where(counted, m + s.log() - target, 0.0)
+    p.div_(s[:, None])                       # the softmax, in place
+    return loss, _finish_dz(p, inside, col, counted.to(p.dtype), deriv, scale, f.dtype)
+
+
+def _add_product(acc, a, b) -> None:
+    """``acc += a @ b`` with ``a``, ``b`` in the model dtype and ``acc`` in fp32 (or their dtype): on CUDA one
+    matmul that accumulates in fp32 and adds into ``acc`` itself; elsewhere through fp32 copies."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def _into_own_storage(acc: torch.Tensor, dtype: torch.dtype, rows: int = 4096) -> torch.Tensor:
+    """``acc`` (fp32) cast to ``dtype`` (narrower) in the front of its own storage, a block of rows at a time (each
+    cast into a small buffer first: a row block's target bytes overlap only rows already cast): no second
+    ``vocab x hidden`` buffer at the end of the pass."""
+    out = acc.view(-1).view(dtype)[:acc.numel()].view(acc.shape)
+    for lo in range(0, acc.shape[0], rows):
+        out[lo:lo + rows].copy_(acc[lo:lo + rows].to(dtype))
+    return out
+
+
+def _single_pass(ctx, feats, weight, bias, labels, rows: int, softcap, scale: float, kernels) -> torch.Tensor:
+    """The loss, with the gradients formed on the way (kept on ``ctx`` for the backward to scale)."""
+    need_f, need_w, need_b = ctx.needs_input_grad[:3]
+    wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    gf = torch.empty_like(feats) if need_f else None
+    gw = torch.zeros(weight.shape, dtype=wide, device=weight.device) if need_w else None
+    gb = torch.zeros(bias.shape, dtype=wide, device=bias.device) if need_b else None
+    total = torch.zeros((), dtype=wide, device=feats.device)
+    for lo in range(0, feats.shape[0], rows):
+        f = feats[lo:lo + rows]
+        loss, dz = _rows_loss_dz(f, weight, bias, labels[lo:lo + rows], scale, softcap, kernels)
+        total += loss.sum()
+        if need_f:
+            torch.mm(dz, weight, out=gf[lo:lo + rows])
+        if need_w:
+            _add_product(gw, dz.t(), f)
+        if need_b:
+            gb += dz.sum(dim=0, dtype=wide)
+        del dz
+    if gw is not None and gw.dtype != weight.dtype:
+        gw = _into_own_storage(gw, weight.dtype)
+    if gb is not None:
+        gb = gb.to(bias.dtype)
+    # saved as any saved tensor (the runtime's saved-tensor hooks hold them until the backward, which the plan runs
+    # right after this forward; a graph kept with ``retain_graph`` can run it again)
+    ctx.save_for_backward(gf, gw, gb)
+    ctx.single_pass = True
+    return total
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
     """sum over counted rows of CE(features @ W.T + b, labels), one vocabulary chunk of logits at a time."""
 
     @staticmethod
-    def forward(ctx, feats, weight, bias, labels, chunk_logits, softcap=None, scale=1.0, kernels=None):
+    def forward(ctx, feats, weight, bias, labels, chunk_logits, softcap=None, scale=1.0, kernels=None,
+                single_pass=False):
         rows, vocab = feats.shape[0], weight.shape[0]
+        ctx.single_pass = False
+        if single_pass and not feats.is_meta:
+            return _single_pass(ctx, feats, weight, bias, labels, max(1, chunk_logits // vocab), softcap, scale,
+                                usable(kernels))
         # shapes only (the cost measurement): FLOPs are linear in the columns, so one chunk counts the same
         cols = vocab if feats.is_meta else loss_chunk_columns(chunk_logits, rows, vocab)
         stat = torch.float64 if feats.dtype == torch.float64 else torch.float32
@@ -134,6 +238,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.single_pass:     # the seed times the gradients the forward formed (the product in fp32)
+            return (*(None if g is None else g * grad for g in ctx.saved_tensors), None, None, None, None, None, None)
         feats, weight, bias, labels, lse = ctx.saved_tensors
         need_f, need_w, need_b = ctx.needs_input_grad[:3]
         vocab, cols, softcap, scale = weight.shape[0], ctx.cols, ctx.softcap, ctx.scale
@@ -163,16 +269,19 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 gb[lo:hi] = dz.sum(dim=0)
             del dz             # before the next chunk's logits exist
         gf = None if gf is None else gf.to(feats.dtype)
-        return gf, gw, gb, None, None, None, None, None
+        return gf, gw, gb, None, None, None, None, None, None
 
 
 def fused_next_token_loss(feats, weight, bias, labels, chunk_logits: int, softcap: float | None = None,
-                          scale: float = 1.0, kernels: LossKernels | None = None):
+                          scale: float = 1.0, kernels: LossKernels | None = None, single_pass: bool = False):
     """(summed next-token CE, number of counted tokens) of features (b, s, d) against labels (b, s): the
     logits at position t are compared with the label at t + 1; ``scale``: logits multiplied by it first
     (Cohere, Granite); ``softcap``: logits = softcap * tanh(logits / softcap) (Gemma-2); ``kernels``: each
-    chunk's pointwise work as compiled functions (``loss_kernels.py``) instead of the in-place eager passes."""
+    chunk's pointwise work as compiled functions (``loss_kernels.py``) instead of the in-place eager passes;
+    ``single_pass``: the gradients formed in the forward, chunked by rows (module docstring), where a backward
+    follows (under ``no_grad`` the forward computes the loss alone)."""
     shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1).reshape(-1)
     flat = feats.reshape(-1, feats.shape[-1])
-    loss = FusedLinearCrossEntropy.apply(flat, weight, bias, shifted, chunk_logits, softcap, scale, kernels)
+    loss = FusedLinearCrossEntropy.apply(flat, weight, bias, shifted, chunk_logits, softcap, scale, kernels,
+                                         single_pass and torch.is_grad_enabled())
     return loss, (shifted != IGNORE).sum()

@@ -40,6 +40,8 @@ class BlockProgram:
     micro_batch: int = 1
     seq_len: int = 0
     loss_chunk_logits: int = DEFAULT_CHUNK_LOGITS
+    #: the fused loss head forms its gradients in the forward (``loss_head.py``; the compiler's choice)
+    loss_single_pass: bool = False
     packed: bool = False                # takes position_ids: examples packed into rows (``packing.py``)
     #: name -> (shape at ``micro_batch``, dtype, needs grad) of every value crossing a block boundary
     values: dict = field(default_factory=dict, repr=False)
@@ -62,7 +64,7 @@ class BlockProgram:
             lh = bc.loss
             loss, n = fused_next_token_loss(outs[0], params[lh.weight], None if lh.bias is None else params[lh.bias],
                                             inputs[lh.labels], self.loss_chunk_logits, lh.softcap, lh.scale,
-                                            self.loss_kernels)
+                                            self.loss_kernels, self.loss_single_pass)
             return {"loss_sum": loss, "n_tokens": n}
         if bc.user_loss:
             return {"loss_sum": outs[0], "n_tokens": torch.ones((), dtype=torch.int64, device=outs[0].device)}
@@ -108,18 +110,19 @@ class BlockProgram:
 
 def build_program(model: nn.Module, *, micro_batch: int, seq_len: int, device: str | torch.device,
                   dtype: torch.dtype, example_inputs=None, loss_fn=None,
-                  loss_chunk_logits: int = DEFAULT_CHUNK_LOGITS, packed: bool = False,
-                  seq_tile: int | None = None) -> BlockProgram:
+                  loss_chunk_logits: int = DEFAULT_CHUNK_LOGITS, loss_single_pass: bool = False,
+                  packed: bool = False, seq_tile: int | None = None) -> BlockProgram:
     """Export ``model`` (never touching its weights) and split it into per-block programs; ``seq_tile``:
     layers' position-wise tails run in chunks of that many tokens (``tiling.py``); ``packed``: with
     ``position_ids`` and the per-example mask (``packing.py``); ``loss_chunk_logits``: logits per chunk of
-    the fused loss head (``loss_head.py``)."""
+    the fused loss head (``loss_head.py``), ``loss_single_pass``: its gradients formed in its forward."""
     from .trace import graph_from_split  # trace.py builds on this module's programs
     sp = build_split(model, micro_batch=micro_batch, seq_len=seq_len, device=device, dtype=dtype,
                      example_inputs=example_inputs, loss_fn=loss_fn, packed=packed, seq_tile=seq_tile)
     graph = graph_from_split(sp, model, seq_len=seq_len, dtype=dtype, micro_batch=micro_batch, measure=False)
     return BlockProgram(graph=graph, blocks=sp.blocks, micro_batch=micro_batch, seq_len=seq_len,
-                        loss_chunk_logits=loss_chunk_logits, packed=packed, values=dict(sp.values))
+                        loss_chunk_logits=loss_chunk_logits, loss_single_pass=loss_single_pass, packed=packed,
+                        values=dict(sp.values))
 
 
 def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dtype, example_inputs=None,

@@ -326,7 +326,7 @@ def loss_head_figures(lh, weight_shape: tuple, dtype: torch.dtype, seq_len: int)
     """What the compiler needs to choose the fused loss head's chunk (``graph.meta["loss_head"]``)."""
     return {"vocab": int(weight_shape[0]), "hidden": int(weight_shape[1]), "seq_len": seq_len,
             "bytes_per_logit": bytes_per_logit(dtype, lh.softcap), "row_bytes": row_bytes(dtype, weight_shape[1]),
-            "chunk_logits": DEFAULT_CHUNK_LOGITS}
+            "param_bytes": torch.empty((), dtype=dtype).element_size(), "chunk_logits": DEFAULT_CHUNK_LOGITS}
 
 
 def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: int):

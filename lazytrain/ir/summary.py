@@ -158,15 +158,25 @@ _LOSS_HEAD_KEYS = ("chunk_logits", "bytes_per_logit", "seq_len", "vocab")
 
 
 def _loss_head_text(plan, head: dict) -> str:
-    """The fused loss head's chunk (``compiler/loss_chunk.py``): columns, bytes, and what it costs in time."""
+    """The fused loss head's chunk and pass (``compiler/loss_chunk.py``): chunks, bytes, and what it costs in
+    time."""
     rows = plan.micro_batch * head["seq_len"]
-    cols = loss_chunk_columns(head["chunk_logits"], rows, head["vocab"])
-    chunks = -(-head["vocab"] // cols)
     gib = head["chunk_logits"] * head["bytes_per_logit"] / GiB
     whole = rows * head["vocab"] * 4 / GiB
-    text = (f"lm_head + cross-entropy fused in {chunks} chunk{'s' if chunks > 1 else ''} of {cols} vocabulary "
-            f"columns ({gib:.2f} GiB a chunk, instead of {whole:.2f} GiB of fp32 logits a micro-batch); backward "
-            "recomputes the logits (one more forward of the head)")
+    if head.get("single_pass") is True:
+        per = max(1, head["chunk_logits"] // head["vocab"])
+        chunks = -(-rows // per)
+        acc = plan.graph.blocks[head["block"]].workspace_fixed_bytes / GiB - gib
+        text = (f"lm_head + cross-entropy fused in {chunks} chunk{'s' if chunks > 1 else ''} of {per} rows over the "
+                f"whole vocabulary ({gib:.2f} GiB a chunk, instead of {whole:.2f} GiB of fp32 logits a micro-batch), "
+                f"in a single pass: the forward forms the gradients (a {acc:.2f} GiB weight-gradient accumulator), "
+                "no logits recomputed")
+    else:
+        cols = loss_chunk_columns(head["chunk_logits"], rows, head["vocab"])
+        chunks = -(-head["vocab"] // cols)
+        text = (f"lm_head + cross-entropy fused in {chunks} chunk{'s' if chunks > 1 else ''} of {cols} vocabulary "
+                f"columns ({gib:.2f} GiB a chunk, instead of {whole:.2f} GiB of fp32 logits a micro-batch); "
+                "backward recomputes the logits (one more forward of the head)")
     if plan.options.get("compile_blocks"):
         text += "; each chunk's softmax work is one compiled kernel each way (frontend/loss_kernels.py)"
     return text

@@ -402,10 +402,13 @@ def _saved_vs_plan(program, plan: Plan) -> float:
 
 
 def _loss_chunk(plan: Plan) -> dict:
-    """The fused loss head's chunk the compiler chose (``compiler/loss_chunk.py``), where the plan names one."""
+    """The fused loss head's chunk and pass the compiler chose (``compiler/loss_chunk.py``), where the plan names
+    them."""
     head = plan.graph.meta.get("loss_head")
     chunk = head.get("chunk_logits") if isinstance(head, dict) else None
-    return {"loss_chunk_logits": chunk} if type(chunk) is int and chunk > 0 else {}
+    if type(chunk) is not int or chunk < 1:
+        return {}
+    return {"loss_chunk_logits": chunk, "loss_single_pass": head.get("single_pass") is True}
 
 
 def _frozen(model: torch.nn.Module, optimizer) -> frozenset[str]:
