@@ -288,7 +288,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     graph's saved bytes are then what the compiled forwards save.  Off by default until measured on a GPU.
 
     ``loss_head``: how the fused LM head + cross-entropy forms its gradients (``frontend/loss_head.py``):
-    ``"auto"`` (default: in a single pass where its weight-gradient accumulator fits the budget's share,
+    ``"auto"`` (default: on a GPU, in a single pass where its weight-gradient accumulator fits the budget's share,
     ``compiler/loss_chunk.py``), ``"single_pass"`` (the forward forms them, no logits recomputed) or
     ``"recompute"`` (the backward recomputes the logits chunk by chunk: no accumulator).
     """
@@ -334,7 +334,7 @@ def _compiler(model, o: dict, history: list[dict]) -> tuple[Compiler, object]:
     hw = get_profile(o["hardware"]) if isinstance(o["hardware"], str) else o["hardware"]
     graph = _as_graph(model, o["seq_len"], o["param_dtype"], history, o["packed"], o["seq_tile"], o["compile_blocks"])
     budgets = make_budgets(hw, o["gpu_memory"], o["host_memory"], o["nvme_dir"], o["nvme_memory"], o["reserve"])
-    graph = with_loss_chunk(graph, budgets["gpu_bytes"], o["loss_head"])    # the loss head's chunk and pass
+    graph = with_loss_chunk(graph, budgets["gpu_bytes"], o["loss_head"], hw.has_gpu)   # the loss head's chunk, pass
     graph = with_measured_workspace(graph, hw)               # calibrated transients, where they exceed the traced
     fixed, auto = resident_request(graph, o["resident"])
     gpu_req = gpu_update_rule.request(o["gpu_update"])

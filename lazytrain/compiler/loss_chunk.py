@@ -61,14 +61,16 @@ def single_pass(head: dict, chunk: int, gpu_bytes: int) -> bool:
         and rows >= min(SINGLE_PASS_MIN_ROWS, head["seq_len"])
 
 
-def with_loss_chunk(graph: ModelGraph, gpu_bytes: int | None, mode: str = "auto") -> ModelGraph:
+def with_loss_chunk(graph: ModelGraph, gpu_bytes: int | None, mode: str = "auto", gpu: bool = True) -> ModelGraph:
     """``graph`` with its loss head's chunk chosen for ``gpu_bytes`` (``chunk_logits``): the chunk in
     ``meta["loss_head"]`` (the runtime builds the head with it) and its bytes as the head's fixed workspace;
     where the single pass fits (``single_pass``), ``meta["loss_head"]["single_pass"]``, the recompute's FLOPs
     taken out of the head's backward, the gradient matmuls moved into its forward and the accumulator added to its
-    workspace.  ``mode`` (``LOSS_HEAD_MODES``): ``"auto"`` that rule, ``"single_pass"`` / ``"recompute"`` the one
-    asked for (a single pass still needs a chunk of at least one row).  A graph without a fused loss head, or
-    without a GPU budget, is returned as it is."""
+    workspace.  ``mode`` (``LOSS_HEAD_MODES``): ``"auto"`` that rule where the profile has a ``gpu`` (on the CPU the
+    recompute: it applies the loss's seed before the gradient matmuls, as eager does, where the single pass scales
+    their products, ulps apart, and CPU runs are the references the tests hold to eager's gradients),
+    ``"single_pass"`` / ``"recompute"`` the one asked for (a single pass still needs a chunk of at least one row).
+    A graph without a fused loss head, or without a GPU budget, is returned as it is."""
     head = graph.meta.get("loss_head")
     if not isinstance(head, dict) or not gpu_bytes:
         return graph
@@ -79,7 +81,7 @@ def with_loss_chunk(graph: ModelGraph, gpu_bytes: int | None, mode: str = "auto"
     if head.get("single_pass") is True:     # a graph chosen for before (a plan's): back to the traced head first
         b = dataclasses.replace(b, fwd_flops=b.fwd_flops - 2 * matmul, bwd_flops=b.bwd_flops + 3 * matmul)
     if mode == "auto":
-        one = single_pass(head, chunk, gpu_bytes)
+        one = gpu and single_pass(head, chunk, gpu_bytes)
     else:
         one = mode == "single_pass" and accumulator_bytes(head) is not None and chunk >= head["vocab"]
     fixed = chunk * head["bytes_per_logit"]

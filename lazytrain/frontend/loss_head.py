@@ -54,6 +54,9 @@ DEFAULT_CHUNK_LOGITS = 1 << 27
 #: row statistics each fp32 a token: running maximum, running sum, target logit, then the log-sum-exp
 ROW_STATS = 4
 
+#: vocabulary columns of the eager single pass's sum of exponentials at a time (its only transient beyond the chunk)
+SUM_COLUMNS = 1024
+
 
 def bytes_per_logit(dtype: torch.dtype, softcap: float | None) -> int:
     """Peak GPU bytes per logit of a chunk: the model-dtype product next to its fp32 copy (the copy alone
@@ -140,11 +143,13 @@ def _rows_loss_dz(f, w, b, labels, scale: float, softcap: float | None, kernels)
     inside, col = _targets(labels, 0, z.shape[1])
     target = z.gather(1, col).squeeze(1)
     m = z.amax(dim=1)
-    p = z.sub_(m[:, None]).exp_()
-    s = p.sum(dim=1)
-    loss = torch.where(counted, m + s.log() - target, 0.0)
-    p.div_(s[:, None])                       # the softmax, in place
-    return loss, _finish_dz(p, inside, col, counted.to(p.dtype), deriv, scale, f.dtype)
+    s = torch.zeros_like(m)
+    for lo in range(0, z.shape[1], SUM_COLUMNS):     # exp(z - max) summed a slice at a time: z stays for the softmax
+        s += torch.exp(z[:, lo:lo + SUM_COLUMNS] - m[:, None]).sum(dim=1)
+    lse = m + s.log()
+    p = z.sub_(lse[:, None]).exp_()          # the softmax in place, as eager's exp(log_softmax)
+    return torch.where(counted, lse - target, 0.0), _finish_dz(p, inside, col, counted.to(p.dtype), deriv, scale,
+                                                             f.dtype)
 
 
 def _add_product(acc, a, b) -> None:
