@@ -14,10 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lazytrain.compiler.loss_chunk import (
     LOSS_HEAD_SHARE,
     SINGLE_PASS_MIN_ROWS,
-    SINGLE_PASS_SHARE,
     accumulator_bytes,
     chunk_logits,
-    single_pass,
+    single_pass_rows,
     with_loss_chunk,
 )
 from lazytrain.frontend.loss_head import bytes_per_logit, fused_next_token_loss, row_bytes
@@ -102,30 +101,42 @@ def test_the_compiler_chunks_by_the_budget_and_the_trainer_uses_it():
     from lazytrain.runtime.trainer import Trainer
 
     model = build_model("tiny", device="cpu", dtype=torch.float32)
-    plan = compile(model, batch_size=2, seq_len=64, gpu_memory="2GiB", hardware="h200", reserve=0,
-                   param_dtype="float32", policy="recompute-all")
+    kw = dict(batch_size=16, seq_len=512, gpu_memory="2GiB", hardware="h200", reserve=0, param_dtype="float32",
+              policy="keep-all")
+    plan = compile(model, loss_head="recompute", **kw)
     head = plan.graph.meta["loss_head"]
     assert head["chunk_logits"] == chunk_logits(head, plan.budgets["gpu_bytes"]) == head["seq_len"] * head["vocab"]
-    assert head["single_pass"] is True     # a 2 GiB budget has room for the tiny head's accumulator
-    assert plan.graph.blocks[-1].workspace_fixed_bytes == \
-        head["chunk_logits"] * head["bytes_per_logit"] + accumulator_bytes(head)
-    assert "loss head" in plan.summary() and "single pass" in plan.summary()
+    assert head["single_pass"] is False
+    assert plan.graph.blocks[-1].workspace_fixed_bytes == head["chunk_logits"] * head["bytes_per_logit"]
+    assert "loss head" in plan.summary() and "recomputes the logits" in plan.summary()
     # a smaller budget, a smaller chunk: a power of two within the share of the budget
     small = with_loss_chunk(plan.graph, 1024 ** 2)
     c = small.meta["loss_head"]["chunk_logits"]
     assert c < head["chunk_logits"] and c & (c - 1) == 0
     assert c * head["bytes_per_logit"] <= LOSS_HEAD_SHARE * 1024 ** 2 < 2 * c * head["bytes_per_logit"]
     assert small.blocks[-1].workspace_fixed_bytes == c * head["bytes_per_logit"] < 1 * GiB
-    assert small.meta["loss_head"]["single_pass"] is False     # too few rows a chunk
     trainer = Trainer(model, plan, device="cpu")
-    assert trainer.program.loss_chunk_logits == head["chunk_logits"] and trainer.program.loss_single_pass
+    assert trainer.program.loss_chunk_logits == head["chunk_logits"] and not trainer.program.loss_single_pass
+    # auto on a GPU profile with memory to spare: the searched decisions with the single-pass head, which the
+    # simulation finds shorter (the recompute's FLOPs gone), in chunks of the micro-batch's rows
+    auto = compile(model, **kw)
+    one = auto.graph.meta["loss_head"]
+    assert one["single_pass"] is True and auto.decisions == plan.decisions
+    assert one["chunk_logits"] == auto.micro_batch * 512 * one["vocab"]
+    assert auto.predicted["step_time_s"] < plan.predicted["step_time_s"]
+    step = next(h for h in auto.history if h["pass"] == "loss_head")
+    assert step["single_pass"] is True and step["tried_rows_step_s"][0][0] == auto.micro_batch * 512
+    assert "single pass" in auto.summary()
+    assert Trainer(model, auto, device="cpu").program.loss_single_pass
+    # on a CPU profile auto keeps the recompute (CPU runs are eager's references)
+    assert compile(model, **{**kw, "hardware": "cpu"}).graph.meta["loss_head"]["single_pass"] is False
 
 
-def test_the_single_pass_moves_the_recompute_out_of_the_heads_flops_where_its_accumulator_fits():
-    """The rule (``compiler/loss_chunk.py``): single pass where the fp32 weight-gradient accumulator takes at most
-    ``SINGLE_PASS_SHARE`` of the budget and a chunk has ``SINGLE_PASS_MIN_ROWS`` rows; its FLOPs: the head's
-    backward loses the recompute and its two gradient matmuls go to the forward; choosing again from a chosen
-    graph (a plan's) starts from the traced head."""
+def test_the_single_pass_moves_the_recompute_out_of_the_heads_flops():
+    """``with_loss_chunk`` with rows: the head's backward loses the recompute and its two gradient matmuls go to the
+    forward, its chunk (whole-vocabulary rows) and accumulator are its fixed workspace; choosing again from a chosen
+    graph (a plan's) starts from the traced head.  ``single_pass_rows``: powers of two within the share, from the
+    micro-batch's rows down to ``SINGLE_PASS_MIN_ROWS``."""
     from lazytrain.frontend.presets import build_model
     from lazytrain.frontend.trace import trace
 
@@ -136,28 +147,25 @@ def test_the_single_pass_moves_the_recompute_out_of_the_heads_flops_where_its_ac
     matmul = 2 * head["seq_len"] * head["vocab"] * head["hidden"]
     traced = graph.blocks[-1]
     assert traced.bwd_flops >= 3 * matmul
-    roomy = int(acc / SINGLE_PASS_SHARE) + (1 << 30)
-    one = with_loss_chunk(graph, roomy)
+    one = with_loss_chunk(graph, 1 << 30, 512)
     b = one.blocks[-1]
-    assert one.meta["loss_head"]["single_pass"] is True
+    assert one.meta["loss_head"]["single_pass"] is True and one.meta["loss_head"]["chunk_logits"] == 512 * head["vocab"]
     assert (b.fwd_flops, b.bwd_flops) == (traced.fwd_flops + 2 * matmul, traced.bwd_flops - 3 * matmul)
-    assert b.workspace_fixed_bytes == one.meta["loss_head"]["chunk_logits"] * head["bytes_per_logit"] + acc
-    # below the share: the recompute, whatever the chunk
-    tight = int(acc / SINGLE_PASS_SHARE) - 1
-    two = with_loss_chunk(graph, tight)
+    assert b.workspace_fixed_bytes == 512 * head["vocab"] * head["bytes_per_logit"] + acc
+    two = with_loss_chunk(graph, 1 << 30)
     assert two.meta["loss_head"]["single_pass"] is False
     assert (two.blocks[-1].fwd_flops, two.blocks[-1].bwd_flops) == (traced.fwd_flops, traced.bwd_flops)
-    # chosen again from a chosen graph: as if from the trace
-    for g, budget in ((one, tight), (one, roomy), (two, roomy)):
-        again = with_loss_chunk(g, budget)
-        assert again.blocks[-1] == with_loss_chunk(graph, budget).blocks[-1]
-        assert again.meta["loss_head"] == with_loss_chunk(graph, budget).meta["loss_head"]
-    # too few rows a chunk (a budget whose chunk is under SINGLE_PASS_MIN_ROWS rows of the vocabulary)
-    rows_short = {**head, "seq_len": 4 * SINGLE_PASS_MIN_ROWS}
-    assert not single_pass(rows_short, (SINGLE_PASS_MIN_ROWS - 1) * head["vocab"], roomy)
-    assert single_pass(rows_short, SINGLE_PASS_MIN_ROWS * head["vocab"], roomy)
-    # a figure set without the weight's dtype (a trace from before the single pass): the recompute
-    assert not single_pass({k: v for k, v in head.items() if k != "param_bytes"}, 1 << 30, roomy)
+    for g, rows in ((one, None), (one, 512), (one, 256), (two, 512)):
+        again = with_loss_chunk(g, 1 << 30, rows)
+        assert again.blocks[-1] == with_loss_chunk(graph, 1 << 30, rows).blocks[-1]
+        assert again.meta["loss_head"] == with_loss_chunk(graph, 1 << 30, rows).meta["loss_head"]
+    row = head["vocab"] * head["bytes_per_logit"]
+    assert single_pass_rows(head, int(4096 * row / LOSS_HEAD_SHARE), 8 * 256) == [2048, 1024, 512, 256]
+    assert single_pass_rows(head, int(1000 * row / LOSS_HEAD_SHARE), 8 * 256) == [512, 256]
+    assert single_pass_rows(head, int(100 * row / LOSS_HEAD_SHARE), 8 * 256) == []
+    assert single_pass_rows(head, 1 << 40, 100) == [128]              # a small micro-batch: its rows, rounded up
+    assert single_pass_rows({k: v for k, v in head.items() if k != "param_bytes"}, 1 << 40, 512) == []
+    assert SINGLE_PASS_MIN_ROWS == 256
 
 
 def test_the_single_pass_holds_its_chunk_and_accumulator_and_forms_no_gradient_without_grad():

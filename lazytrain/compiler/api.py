@@ -19,7 +19,7 @@ from . import gpu_update as gpu_update_rule
 from .budgets import BudgetError, binding, held_host_bytes, make_budgets
 from .cost import CostModel
 from .hardware import get_profile
-from .loss_chunk import LOSS_HEAD_MODES, with_loss_chunk
+from .loss_chunk import LOSS_HEAD_MODES, faster_head, single_pass_rows, with_loss_chunk
 from .lower import lower_with_effects
 from .measured_workspace import with_measured_workspace
 from .paused_gc import paused_gc
@@ -288,9 +288,10 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     graph's saved bytes are then what the compiled forwards save.  Off by default until measured on a GPU.
 
     ``loss_head``: how the fused LM head + cross-entropy forms its gradients (``frontend/loss_head.py``):
-    ``"auto"`` (default: on a GPU, in a single pass where its weight-gradient accumulator fits the budget's share,
-    ``compiler/loss_chunk.py``), ``"single_pass"`` (the forward forms them, no logits recomputed) or
-    ``"recompute"`` (the backward recomputes the logits chunk by chunk: no accumulator).
+    ``"auto"`` (default: on a GPU, the searched plan's decisions with a single-pass head where they still fit and
+    the simulated step is shorter, ``compiler/loss_chunk.py``), ``"single_pass"`` (the forward forms them, no
+    logits recomputed, a weight-gradient accumulator held; the search plans for it) or ``"recompute"`` (the
+    backward recomputes the logits chunk by chunk).
     """
     held = held_host_bytes(model) if host_memory is None else 0
     if held:    # resolved here, once: the searches and the calibration below compile a traced graph (it holds none)
@@ -316,6 +317,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     # cost, lower, verify and simulate run for each candidate the search builds (``Compiler.build``)
     plan = _search(comp, policy, batch_size, micro_batch, max_batch_limit)
     plan = _gpu_updated(comp, plan, policy, gpu_req, micro_batch)
+    if loss_head == "auto" and comp.hw.has_gpu:
+        plan = faster_head(comp, plan)      # the single-pass loss head, where the plan has the memory for it
     if comp.search.failures:
         warnings.warn("the MILP solvers failed (" + "; ".join(comp.search.failures) + "); the plan comes from "
                       f"the {plan.decisions.policy} policy where they did (plan.solver.failures)", stacklevel=2)
@@ -334,7 +337,7 @@ def _compiler(model, o: dict, history: list[dict]) -> tuple[Compiler, object]:
     hw = get_profile(o["hardware"]) if isinstance(o["hardware"], str) else o["hardware"]
     graph = _as_graph(model, o["seq_len"], o["param_dtype"], history, o["packed"], o["seq_tile"], o["compile_blocks"])
     budgets = make_budgets(hw, o["gpu_memory"], o["host_memory"], o["nvme_dir"], o["nvme_memory"], o["reserve"])
-    graph = with_loss_chunk(graph, budgets["gpu_bytes"], o["loss_head"], hw.has_gpu)   # the loss head's chunk, pass
+    graph = with_loss_chunk(graph, budgets["gpu_bytes"], _forced_single_rows(graph, budgets, o["loss_head"]))
     graph = with_measured_workspace(graph, hw)               # calibrated transients, where they exceed the traced
     fixed, auto = resident_request(graph, o["resident"])
     gpu_req = gpu_update_rule.request(o["gpu_update"])
@@ -350,6 +353,15 @@ def _compiler(model, o: dict, history: list[dict]) -> tuple[Compiler, object]:
                     nodes=o["nodes"], compile_blocks=o["compile_blocks"], deadline=o["deadline"],
                     rule_follows=gpu_update_rule.rule_runs(gpu_req, policy, hw.has_gpu, world_size))
     return comp, gpu_req
+
+
+def _forced_single_rows(graph: ModelGraph, budgets: dict, mode: str) -> int | None:
+    """Rows a chunk of the single-pass loss head asked for takes (one sample's at most, as the recompute's chunk),
+    else None: the recompute, which ``faster_head`` may turn into a single pass after the search."""
+    head = graph.meta.get("loss_head")
+    if mode != "single_pass" or not isinstance(head, dict) or not budgets.get("gpu_bytes"):
+        return None
+    return (single_pass_rows(head, budgets["gpu_bytes"], head["seq_len"]) or [1])[0]
 
 
 def _check_options(*, policy: str, optimizer: str, seq_len, micro_batch, seq_tile, deadline=None,

@@ -1,7 +1,7 @@
-"""The fused loss head's chunk (``frontend/loss_head.py``): how many logits exist at once, and whether the head
-runs in a single pass, from the GPU budget.
+"""The fused loss head's chunk (``frontend/loss_head.py``): how many logits exist at once, from the GPU budget, and
+whether the head runs in a single pass.
 
-The rule: the largest power of two of logits whose bytes stay within ``LOSS_HEAD_SHARE`` of the GPU budget,
+The chunk: the largest power of two of logits whose bytes stay within ``LOSS_HEAD_SHARE`` of the GPU budget,
 and never more than one sample's logits (``seq_len x vocab``: at micro-batch 1 that is the whole head in one
 chunk, and a larger chunk would only be priced, never used).  Why a share and not a search: the chunk buys
 nothing but fewer, larger GEMMs, and from a few thousand vocabulary columns on a chunk's matmuls already run
@@ -9,30 +9,35 @@ at full rate, while every byte it holds is a byte the MILP cannot spend on kept 
 cost is in the graph the solver sees: its time in the head's backward FLOPs (the recompute of every chunk's
 logits, one forward's worth: ``trace``), its memory as the head's fixed workspace, set here.
 
-The single pass (the gradients formed in the forward, the chunk's rows taking the whole vocabulary) saves that
-recompute, 2·N·V·d FLOPs, for a ``vocab x hidden`` fp32 weight-gradient accumulator held from the head's
-forward to its backward.  The rule: single pass where the accumulator takes at most ``SINGLE_PASS_SHARE`` of
-the GPU budget and a chunk holds at least ``SINGLE_PASS_MIN_ROWS`` rows (fewer, and its matmuls shrink).  Its
-FLOPs move into the head's forward, its accumulator into the head's fixed workspace: the solver and the
+The single pass (the gradients formed in the forward, each chunk of rows taking the whole vocabulary) saves that
+recompute, 2·N·V·d FLOPs, for a ``vocab x hidden`` fp32 weight-gradient accumulator held from the head's forward
+to its backward, and its chunks read and write that accumulator once each (fewer, larger row chunks: less
+traffic, more memory).  Measured on the H200 (``benchmarks/loss_head_bench.py``, 32,768 tokens, 883 rows a
+chunk): the head alone 0.90x (qwen2.5-3b) and 0.92x (qwen2.5-7b) of the recompute's time; but the plan of
+qwen2.5-3b at 24 GiB, batch 32, forced to a single pass, gave its 1.2 GiB accumulator up from resident blocks and
+ran 5% slower.  So memory decides, and the compiler does not guess: ``faster_head`` takes the searched plan's
+decisions with the single-pass head (row chunks from the largest the share allows down to
+``SINGLE_PASS_MIN_ROWS``) where they still fit every budget and the simulated step is shorter.  Its FLOPs move
+into the head's forward, its chunk and accumulator into the head's fixed workspace: the simulation and the
 calibration (whose block signature includes the FLOPs) see the head that runs.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import time
 
 from ..ir import ModelGraph
+from ..ir.plan import PlanError
 
 #: share of the GPU budget one chunk of logits may take: at 24 GiB (21.3 GiB of budget) that is 2^27 logits,
 #: 0.75 GiB in bf16, 4096 vocabulary columns a chunk for 32 x 1024 tokens
 LOSS_HEAD_SHARE = 1 / 16
-#: share of the GPU budget the single pass's weight-gradient accumulator may take (on top of the chunk's):
-#: qwen2.5-7b's (2.0 GiB) at 48 GiB and more, qwen2.5-3b's (1.2 GiB) from 24 GiB
-SINGLE_PASS_SHARE = 1 / 16
-#: fewest rows a single-pass chunk takes (or one sample's, if fewer): 256 rows of a 152k vocabulary is the
+#: fewest rows a single-pass chunk takes (or a micro-batch's, if fewer): 256 rows of a 152k vocabulary is the
 #: recompute's fewest columns' matmul turned around
 SINGLE_PASS_MIN_ROWS = 256
-#: ``compile_model(loss_head=...)``: the rule, or either way forced
+#: ``compile_model(loss_head=...)``: ``faster_head``'s choice, or either way forced
 LOSS_HEAD_MODES = ("auto", "single_pass", "recompute")
 
 
@@ -52,45 +57,76 @@ def accumulator_bytes(head: dict) -> int | None:
     return head["vocab"] * head["hidden"] * max(4, size)
 
 
-def single_pass(head: dict, chunk: int, gpu_bytes: int) -> bool:
-    """Whether the head runs in a single pass under ``gpu_bytes`` with ``chunk`` logits a chunk (module
-    docstring's rule)."""
-    acc = accumulator_bytes(head)
-    rows = chunk // head["vocab"]
-    return acc is not None and acc <= SINGLE_PASS_SHARE * gpu_bytes \
-        and rows >= min(SINGLE_PASS_MIN_ROWS, head["seq_len"])
+def single_pass_rows(head: dict, gpu_bytes: int, rows: int) -> list[int]:
+    """Rows a single-pass chunk may take for a micro-batch of ``rows`` tokens, largest first: powers of two whose
+    chunk of the whole vocabulary stays within ``LOSS_HEAD_SHARE`` of ``gpu_bytes``, from the micro-batch's
+    (rounded up) down to ``SINGLE_PASS_MIN_ROWS`` (or the micro-batch's, if fewer); empty for figures from before
+    the single pass."""
+    if accumulator_bytes(head) is None:
+        return []
+    room = int(gpu_bytes * LOSS_HEAD_SHARE) // (head["vocab"] * head["bytes_per_logit"])
+    top = min(room, 1 << max(0, rows - 1).bit_length())
+    low = min(SINGLE_PASS_MIN_ROWS, rows)
+    out = []
+    r = 1 << (top.bit_length() - 1) if top >= 1 else 0
+    while r >= low and r >= 1:
+        out.append(r)
+        r //= 2
+    return out
 
 
-def with_loss_chunk(graph: ModelGraph, gpu_bytes: int | None, mode: str = "auto", gpu: bool = True) -> ModelGraph:
+def with_loss_chunk(graph: ModelGraph, gpu_bytes: int | None, single_rows: int | None = None) -> ModelGraph:
     """``graph`` with its loss head's chunk chosen for ``gpu_bytes`` (``chunk_logits``): the chunk in
-    ``meta["loss_head"]`` (the runtime builds the head with it) and its bytes as the head's fixed workspace;
-    where the single pass fits (``single_pass``), ``meta["loss_head"]["single_pass"]``, the recompute's FLOPs
-    taken out of the head's backward, the gradient matmuls moved into its forward and the accumulator added to its
-    workspace.  ``mode`` (``LOSS_HEAD_MODES``): ``"auto"`` that rule where the profile has a ``gpu`` (on the CPU the
-    recompute: it applies the loss's seed before the gradient matmuls, as eager does, where the single pass scales
-    their products, ulps apart, and CPU runs are the references the tests hold to eager's gradients),
-    ``"single_pass"`` / ``"recompute"`` the one asked for (a single pass still needs a chunk of at least one row).
-    A graph without a fused loss head, or without a GPU budget, is returned as it is."""
+    ``meta["loss_head"]`` (the runtime builds the head with it) and its bytes as the head's fixed workspace.  With
+    ``single_rows``, the single pass in chunks of that many rows: ``meta["loss_head"]["single_pass"]``, the
+    recompute's FLOPs taken out of the head's backward, its two gradient matmuls moved into its forward, and the
+    chunk and the accumulator as its fixed workspace.  A graph chosen for before (a plan's) is chosen again from
+    its traced head.  A graph without a fused loss head, or without a GPU budget, is returned as it is."""
     head = graph.meta.get("loss_head")
     if not isinstance(head, dict) or not gpu_bytes:
         return graph
-    chunk = chunk_logits(head, gpu_bytes)
     j = head["block"]
     b = graph.blocks[j]
     matmul = 2 * head["seq_len"] * head["vocab"] * head["hidden"]     # one head matmul, per sample
-    if head.get("single_pass") is True:     # a graph chosen for before (a plan's): back to the traced head first
+    if head.get("single_pass") is True:     # back to the traced head first
         b = dataclasses.replace(b, fwd_flops=b.fwd_flops - 2 * matmul, bwd_flops=b.bwd_flops + 3 * matmul)
-    if mode == "auto":
-        one = gpu and single_pass(head, chunk, gpu_bytes)
-    else:
-        one = mode == "single_pass" and accumulator_bytes(head) is not None and chunk >= head["vocab"]
-    fixed = chunk * head["bytes_per_logit"]
+    one = single_rows is not None and accumulator_bytes(head) is not None
     if one:
+        chunk = max(1, single_rows) * head["vocab"]
         b = dataclasses.replace(b, fwd_flops=b.fwd_flops + 2 * matmul, bwd_flops=b.bwd_flops - 3 * matmul,
-                                workspace_fixed_bytes=fixed + accumulator_bytes(head))
+                                workspace_fixed_bytes=chunk * head["bytes_per_logit"] + accumulator_bytes(head))
     else:
-        b = dataclasses.replace(b, workspace_fixed_bytes=fixed)
+        chunk = chunk_logits(head, gpu_bytes)
+        b = dataclasses.replace(b, workspace_fixed_bytes=chunk * head["bytes_per_logit"])
     blocks = list(graph.blocks)
     blocks[j] = b
     meta = {**graph.meta, "loss_head": {**head, "chunk_logits": chunk, "single_pass": one}}
     return dataclasses.replace(graph, blocks=tuple(blocks), meta=meta)
+
+
+def faster_head(comp, plan):
+    """``plan`` (built by the compiler ``comp``), or its decisions with the single-pass head where they fit every
+    budget and the simulated step is shorter (the largest row chunk that does); the check in ``plan.history``."""
+    head = comp.graph.meta.get("loss_head")
+    gpu_bytes = comp.budgets.get("gpu_bytes")
+    if not isinstance(head, dict) or head.get("single_pass") or not gpu_bytes:
+        return plan
+    t0 = time.perf_counter()
+    best, tried = plan, []
+    for rows in single_pass_rows(head, gpu_bytes, plan.micro_batch * head["seq_len"]):
+        other = copy.copy(comp)
+        other.graph, other._costs = with_loss_chunk(comp.graph, gpu_bytes, rows), {}
+        try:
+            cand = other.build(plan.decisions, plan.batch_size)
+        except PlanError:
+            tried.append([rows, None])
+            continue
+        tried.append([rows, round(cand.predicted["step_time_s"], 4)])
+        if cand.predicted["step_time_s"] < best.predicted["step_time_s"]:
+            cand.solver = plan.solver
+            best = cand
+        break       # a smaller chunk only fits where this one did not, and is no faster
+    entry = {"pass": "loss_head", "seconds": round(time.perf_counter() - t0, 4), "single_pass": best is not plan,
+             "tried_rows_step_s": tried}
+    best.history = [*plan.history, entry]
+    return best
