@@ -118,7 +118,7 @@ def timing_plan(model: nn.Module, *, micro_batch: int, **shape):
     for k, (n_micro, policy) in enumerate(tries):
         try:
             return compile_model(model, policy=policy, batch_size=micro_batch * n_micro, micro_batch=micro_batch,
-                                 **shape)
+                                 loss_head="recompute", **shape)     # the head the search plans with
         except BudgetError:
             if k == len(tries) - 1:
                 raise

@@ -329,3 +329,22 @@ def test_a_single_pass_plan_trains_like_eager(model_type):
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     trainer.close()
+
+
+def test_auto_compares_heads_priced_alike():
+    """Where a calibration timed the recompute head (the one the search plans with) and not the single pass, ``auto``
+    does not weigh a measured head against a modelled one: it keeps the recompute, where, modelled both, it took
+    the single pass."""
+    from lazytrain import compile
+    from lazytrain.compiler.block_timing import BlockTiming
+    from lazytrain.compiler.hardware import get_profile
+
+    kw = dict(batch_size=16, seq_len=512, gpu_memory="2GiB", reserve=0, param_dtype="float32", policy="keep-all")
+    assert compile("tiny", hardware="h200", **kw).graph.meta["loss_head"]["single_pass"] is True
+    base = compile("tiny", hardware="h200", loss_head="recompute", **kw)
+    timings = [BlockTiming(signature=base.graph.block_signature(j), block=b.name, micro_batch=mb, seq_len=512,
+                           forward_s=1e-4 * mb, backward_s=2e-4 * mb, recompute_s=1e-4 * mb, samples=3)
+               for j, b in enumerate(base.graph.blocks) for mb in (1, 2, 4, 8, 16)]
+    plan = compile("tiny", hardware=get_profile("h200").with_timings(timings), **kw)
+    step = next(h for h in plan.history if h["pass"] == "loss_head")
+    assert plan.graph.meta["loss_head"]["single_pass"] is False and step["tried_rows_step_s"] == []

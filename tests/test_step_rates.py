@@ -18,7 +18,9 @@ from lazytrain.ir.summary import measured_blocks
 from lazytrain.runtime.profiling import StepProfile
 from lazytrain.step_rates import MIN_OPS, measure
 
-SHAPE = dict(batch_size=8, seq_len=64, policy="megatrain", resident="none", gpu_update="none", gpu_memory="8GiB")
+#: the recompute head throughout (``auto`` may take a single-pass head where its memory allows: another signature)
+SHAPE = dict(batch_size=8, seq_len=64, policy="megatrain", resident="none", gpu_update="none", gpu_memory="8GiB",
+             loss_head="recompute")
 #: the rates the fake step below "ran" at
 LOAD_GBPS, GRAD_GBPS, UPDATE_GPARAMS = 20.0, 15.0, 2.5
 

@@ -17,9 +17,10 @@ chunk): the head alone 0.90x (qwen2.5-3b) and 0.92x (qwen2.5-7b) of the recomput
 qwen2.5-3b at 24 GiB, batch 32, forced to a single pass, gave its 1.2 GiB accumulator up from resident blocks and
 ran 5% slower.  So memory decides, and the compiler does not guess: ``faster_head`` takes the searched plan's
 decisions with the single-pass head (row chunks from the largest the share allows down to
-``SINGLE_PASS_MIN_ROWS``) where they still fit every budget and the simulated step is shorter.  Its FLOPs move
-into the head's forward, its chunk and accumulator into the head's fixed workspace: the simulation and the
-calibration (whose block signature includes the FLOPs) see the head that runs.
+``SINGLE_PASS_MIN_ROWS``) where they still fit every budget and the simulated step is shorter, both heads priced
+alike (both measured or both modelled: a calibration times the recompute's, the head the search plans with).  Its
+FLOPs move into the head's forward, its chunk and accumulator into the head's fixed workspace: the simulation and
+the calibration (whose block signature includes the FLOPs) see the head that runs.
 """
 
 from __future__ import annotations
@@ -113,9 +114,13 @@ def faster_head(comp, plan):
         return plan
     t0 = time.perf_counter()
     best, tried = plan, []
-    for rows in single_pass_rows(head, gpu_bytes, plan.micro_batch * head["seq_len"]):
+    j, mb = head["block"], plan.micro_batch
+    timed = comp.cost(mb).measured.get(j) is not None
+    for rows in single_pass_rows(head, gpu_bytes, mb * head["seq_len"]):
         other = copy.copy(comp)
         other.graph, other._costs = with_loss_chunk(comp.graph, gpu_bytes, rows), {}
+        if (other.cost(mb).measured.get(j) is not None) != timed:
+            break       # one head measured, the other modelled: no fair comparison (a calibration times one)
         try:
             cand = other.build(plan.decisions, plan.batch_size)
         except PlanError:
