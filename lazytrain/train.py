@@ -60,7 +60,8 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from . import runfiles
-from .compiler.hardware import PROFILES, _cpu_cores
+from .compiler.hardware import _cpu_cores
+from .compiler.profiles import PROFILES
 from .compiler.timeline import plot_loss, write_step
 from .frontend.presets import PRESETS, build_from_config, build_model, read_config
 from .frontend.validate import check_positions, check_sizes

@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from lazytrain.compiler.hardware import PROFILES, attention_flops, head_dim_factor
+from lazytrain.compiler.hardware import attention_flops, head_dim_factor
+from lazytrain.compiler.profiles import PROFILES
 
 pytest.importorskip("transformers")
 

@@ -11,7 +11,8 @@ import torch
 
 import lazytrain
 from lazytrain.compiler.block_timing import BlockTiming
-from lazytrain.compiler.hardware import PROFILES, HardwareProfile
+from lazytrain.compiler.hardware import HardwareProfile
+from lazytrain.compiler.profiles import PROFILES
 from lazytrain.ir import OpKind
 from lazytrain.ir.summary import measured_blocks
 

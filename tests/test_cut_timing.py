@@ -23,7 +23,8 @@ from lazytrain.calibrate import cut_plan, measure_blocks, missing
 from lazytrain.compiler.api import Compiler
 from lazytrain.compiler.block_timing import BlockTiming, CutTiming
 from lazytrain.compiler.cost import CostModel
-from lazytrain.compiler.hardware import PROFILES, HardwareProfile, get_profile
+from lazytrain.compiler.hardware import HardwareProfile, get_profile
+from lazytrain.compiler.profiles import PROFILES
 from lazytrain.compiler.solvers.coefficients import coefficients
 from lazytrain.compiler.synthetic import chain
 from lazytrain.ir import OpKind, Saved
