@@ -64,6 +64,11 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
     _add_resident_arg(p)
     p.add_argument("--gpu-update", type=_resident, default="auto", metavar="none|auto|N|i,j,..", help="streamed "
                    "blocks updated on the GPU (state over PCIe): auto (milp, on a GPU) chooses, N: the first N")
+    p.add_argument("--loss-head", default="auto", choices=["auto", "single_pass", "recompute"],
+                   help="how the fused LM head + cross-entropy forms its gradients: single_pass (in the forward, "
+                        "no logits recomputed, a vocab x hidden fp32 accumulator held), recompute (the backward "
+                        "recomputes the logits), auto (default: the searched plan with a single pass where it still "
+                        "fits and the predicted step is shorter, on a GPU profile)")
 
 
 def _add_resident_arg(p: argparse.ArgumentParser, default: str = "auto") -> None:
@@ -179,7 +184,7 @@ def cmd_compile(a) -> int:
                          nvme_memory=a.nvme_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,
                          solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype, resident=a.resident,
                          calibrate=a.calibrate, seq_tile=a.seq_tile, world_size=a.world_size, nodes=a.nodes,
-                         compile_blocks=a.compile_blocks, gpu_update=a.gpu_update)
+                         compile_blocks=a.compile_blocks, gpu_update=a.gpu_update, loss_head=a.loss_head)
     if not a.calibrate:
         from .compiler.cost import hint_uncalibrated
         hint_uncalibrated(plan, a.model)
