@@ -331,20 +331,24 @@ def test_a_single_pass_plan_trains_like_eager(model_type):
     trainer.close()
 
 
-def test_auto_compares_heads_priced_alike():
-    """Where a calibration timed the recompute head (the one the search plans with) and not the single pass, ``auto``
-    does not weigh a measured head against a modelled one: it keeps the recompute, where, modelled both, it took
-    the single pass."""
+def test_auto_re_solves_for_the_single_pass_where_the_plan_has_no_room_for_it():
+    """qwen2.5-3b at 24 GiB, batch 32 on the h200 profile: the searched plan uses its memory, no row chunk fits beside
+    its decisions, and the head alone is priced at more than ``RESOLVE_GAIN`` of the step: one MILP solve for the
+    single pass, kept only where predicted faster than the recompute's plan (here it is)."""
     from lazytrain import compile
-    from lazytrain.compiler.block_timing import BlockTiming
-    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.loss_chunk import RESOLVE_GAIN
 
-    kw = dict(batch_size=16, seq_len=512, gpu_memory="2GiB", reserve=0, param_dtype="float32", policy="keep-all")
-    assert compile("tiny", hardware="h200", **kw).graph.meta["loss_head"]["single_pass"] is True
-    base = compile("tiny", hardware="h200", loss_head="recompute", **kw)
-    timings = [BlockTiming(signature=base.graph.block_signature(j), block=b.name, micro_batch=mb, seq_len=512,
-                           forward_s=1e-4 * mb, backward_s=2e-4 * mb, recompute_s=1e-4 * mb, samples=3)
-               for j, b in enumerate(base.graph.blocks) for mb in (1, 2, 4, 8, 16)]
-    plan = compile("tiny", hardware=get_profile("h200").with_timings(timings), **kw)
-    step = next(h for h in plan.history if h["pass"] == "loss_head")
-    assert plan.graph.meta["loss_head"]["single_pass"] is False and step["tried_rows_step_s"] == []
+    kw = dict(batch_size=32, seq_len=1024, gpu_memory="24GiB", hardware="h200", gpu_update="none")
+    auto = compile("qwen2.5-3b", **kw)
+    base = compile("qwen2.5-3b", loss_head="recompute", **kw)
+    step = next(h for h in auto.history if h["pass"] == "loss_head")
+    *same, resolved = step["tried_rows_step_s"]
+    assert same and all(t[1] is None for t in same)
+    assert resolved[0] == "re-solved" and resolved[2] is not None
+    assert auto.graph.meta["loss_head"]["single_pass"] is (resolved[2] < base.predicted["step_time_s"])
+    assert auto.predicted["step_time_s"] == min(resolved[2], base.predicted["step_time_s"]) or \
+        abs(auto.predicted["step_time_s"] - min(resolved[2], base.predicted["step_time_s"])) < 1e-3
+    assert 0 < RESOLVE_GAIN < 0.05
+    # a heuristic policy keeps its own decisions: no MILP solve in its name
+    mega = compile("qwen2.5-3b", **{**kw, "policy": "megatrain"})
+    assert all(t[0] != "re-solved" for h in mega.history if h["pass"] == "loss_head" for t in h["tried_rows_step_s"])
