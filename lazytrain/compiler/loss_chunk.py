@@ -120,17 +120,17 @@ def faster_head(comp, plan):
     """``plan`` (built by the compiler ``comp``), or a plan with the single-pass head where one is predicted faster:
     first ``plan``'s decisions with it (the largest row chunk that fits every budget); where none fits and the head's
     priced gain is at least ``RESOLVE_GAIN`` of the step, one MILP solve for it at ``plan``'s micro-batch within
-    ``RESOLVE_S`` CPU seconds.  What was tried goes into ``plan.history``."""
+    ``RESOLVE_S`` CPU seconds.  What was tried goes into the returned plan's history."""
     head = comp.graph.meta.get("loss_head")
     gpu_bytes = comp.budgets.get("gpu_bytes")
     if not isinstance(head, dict) or head.get("single_pass") or not gpu_bytes:
         return plan
     t0 = time.perf_counter()
     best, tried = plan, []
-    mb = plan.micro_batch
-    options = single_pass_rows(head, gpu_bytes, mb * head["seq_len"])
-    for rows in options:
-        other = _with_head(comp, with_loss_chunk(comp.graph, gpu_bytes, rows))
+    # one compiler per row chunk, largest first: the first also prices the gain and hosts the re-solve
+    heads = [(rows, _with_head(comp, with_loss_chunk(comp.graph, gpu_bytes, rows)))
+             for rows in single_pass_rows(head, gpu_bytes, plan.micro_batch * head["seq_len"])]
+    for rows, other in heads:
         try:
             cand = other.build(plan.decisions, plan.batch_size)
         except PlanError:
@@ -141,16 +141,17 @@ def faster_head(comp, plan):
             cand.solver = plan.solver
             best = cand
         break       # a smaller chunk only fits where this one did not, and is no faster
-    if options and all(t[1] is None for t in tried) and plan.decisions.policy == "milp" \
-            and _gain(comp, options[0], plan) >= RESOLVE_GAIN:
-        cand = _re_solved(comp, options[0], plan)
-        tried.append(["re-solved", options[0], None if cand is None else round(cand.predicted["step_time_s"], 4)])
+    if heads and all(t[1] is None for t in tried) and plan.decisions.policy == "milp" \
+            and _gain(comp, heads[0][1], plan) >= RESOLVE_GAIN:
+        cand = _re_solved(heads[0][1], plan)
+        tried.append(["re-solved", heads[0][0], None if cand is None else round(cand.predicted["step_time_s"], 4)])
         if cand is not None and cand.predicted["step_time_s"] < best.predicted["step_time_s"]:
             best = cand
     entry = {"pass": "loss_head", "seconds": round(time.perf_counter() - t0, 4), "single_pass": best is not plan,
              "tried_rows_step_s": tried}
-    return dataclasses.replace(best, history=[*plan.history, *best.history[len(plan.history):], entry]
-                               if best is not plan else [*plan.history, entry])
+    # a candidate's own history (the re-solve's entry) after the searched plan's
+    own = best.history if best is not plan else []
+    return dataclasses.replace(best, history=[*plan.history, *own, entry])
 
 
 def _with_head(comp, graph: ModelGraph):
@@ -160,21 +161,19 @@ def _with_head(comp, graph: ModelGraph):
     return other
 
 
-def _gain(comp, rows: int, plan) -> float:
-    """Share of ``plan``'s step the single pass in ``rows`` row chunks saves on the head alone, as priced."""
+def _gain(comp, single, plan) -> float:
+    """Share of ``plan``'s step (built by ``comp``) the head alone saves as ``single`` (a compiler of the
+    single-pass head) prices it."""
     j, mb = comp.graph.meta["loss_head"]["block"], plan.micro_batch
-    one = _with_head(comp, with_loss_chunk(comp.graph, comp.budgets["gpu_bytes"], rows)).cost(mb)
-    now = comp.cost(mb)
+    now, one = comp.cost(mb), single.cost(mb)
     saved = (now.saving_fwd_s(j) + now.bwd_s(j)) - (one.saving_fwd_s(j) + one.bwd_s(j))
     return saved * plan.n_micro / plan.predicted["step_time_s"]
 
 
-def _re_solved(comp, rows: int, plan):
-    """The MILP's plan with the single-pass head at ``plan``'s micro-batch (``RESOLVE_S`` CPU seconds), or None."""
-    from .search import Search
-    other = _with_head(comp.with_gpu_budget(comp.budgets["gpu_bytes"], deadline=RESOLVE_S),
-                       with_loss_chunk(comp.graph, comp.budgets["gpu_bytes"], rows))
-    other.search = Search(other)
+def _re_solved(single, plan):
+    """The MILP's plan for ``single`` (a compiler of the single-pass head) at ``plan``'s micro-batch, within
+    ``RESOLVE_S`` CPU seconds of a search of its own; or None."""
+    other = single.with_gpu_budget(single.budgets["gpu_bytes"], deadline=RESOLVE_S)
     other.search.deadline.start()
     with warnings.catch_warnings():      # a heuristic standing in at this micro-batch is not the caller's concern
         warnings.simplefilter("ignore", UserWarning)

@@ -174,7 +174,7 @@ def _into_own_storage(acc: torch.Tensor, dtype: torch.dtype, rows: int = 4096) -
 
 
 def _single_pass(ctx, feats, weight, bias, labels, rows: int, softcap, scale: float, kernels) -> torch.Tensor:
-    """The loss, with the gradients formed on the way (kept on ``ctx`` for the backward to scale)."""
+    """The loss, with the gradients formed on the way (saved on ``ctx`` for the backward to scale)."""
     need_f, need_w, need_b = ctx.needs_input_grad[:3]
     wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
     gf = torch.empty_like(feats) if need_f else None
