@@ -132,6 +132,21 @@ def test_the_compiler_chunks_by_the_budget_and_the_trainer_uses_it():
     assert compile(model, **{**kw, "hardware": "cpu"}).graph.meta["loss_head"]["single_pass"] is False
 
 
+@pytest.mark.parametrize("vocab", [151936, 152064, 128256, 50257, 1000])
+def test_a_chunks_columns_are_aligned_and_never_more_than_its_logits(vocab):
+    from lazytrain.ir.graph import LOSS_COLUMN_ALIGN, LOSS_MIN_COLUMNS, loss_chunk_columns
+
+    # one sample's logits over a micro-batch of 32 samples: 4,748 columns of qwen2.5's vocabulary before, whose
+    # chunk's logits (row stride 4,748) ran the head at half speed on the H200
+    assert loss_chunk_columns(1024 * 151936, 32 * 1024, 151936) == 4736
+    for rows in (1, 7, 100, 1024, 8192, 32768, 65536):
+        for chunk in (1 << 20, 1 << 27, 1024 * vocab, 3 * 1024 * vocab + 5):
+            cols = loss_chunk_columns(chunk, rows, vocab)
+            assert 1 <= cols <= vocab
+            assert cols == vocab or cols % LOSS_COLUMN_ALIGN == 0
+            assert rows * cols <= chunk or cols in (LOSS_MIN_COLUMNS, vocab)    # within the chunk's price
+
+
 def test_the_single_pass_moves_the_recompute_out_of_the_heads_flops():
     """``with_loss_chunk`` with rows: the head's backward loses the recompute and its two gradient matmuls go to the
     forward, its chunk (whole-vocabulary rows) and accumulator are its fixed workspace; choosing again from a chosen
