@@ -367,3 +367,32 @@ def test_auto_re_solves_for_the_single_pass_where_the_plan_has_no_room_for_it():
     # a heuristic policy keeps its own decisions: no MILP solve in its name
     mega = compile("qwen2.5-3b", **{**kw, "policy": "megatrain"})
     assert all(t[0] != "re-solved" for h in mega.history if h["pass"] == "loss_head" for t in h["tried_rows_step_s"])
+
+
+def test_the_heads_pass_stays_within_the_compiles_deadline(monkeypatch):
+    """The single-pass attempt draws on what the compile's deadline has left: with nothing left it builds nothing
+    and keeps the searched plan; a search that ran out of its deadline is not followed by a re-solve."""
+    import dataclasses
+
+    import lazytrain.compiler.api as api
+    from lazytrain import compile
+    from lazytrain.compiler.deadline import Deadline
+
+    kw = dict(batch_size=32, seq_len=1024, gpu_memory="24GiB", hardware="h200", gpu_update="none")
+    base = compile("qwen2.5-3b", loss_head="recompute", **kw)
+    with monkeypatch.context() as m:
+        m.setattr(Deadline, "after_cpu_left", lambda self: 0.0)
+        spent = compile("qwen2.5-3b", **kw)
+    step = next(h for h in spent.history if h["pass"] == "loss_head")
+    assert step["tried_rows_step_s"] == [[1024, "deadline"]] and step["single_pass"] is False
+    assert spent.predicted["step_time_s"] == base.predicted["step_time_s"]
+
+    real = api.faster_head
+
+    def out_of_time(comp, plan):
+        return real(comp, dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, out_of_time=True)))
+
+    monkeypatch.setattr(api, "faster_head", out_of_time)
+    late = compile("qwen2.5-3b", **kw)
+    step = next(h for h in late.history if h["pass"] == "loss_head")
+    assert step["tried_rows_step_s"] and all(t[0] != "re-solved" for t in step["tried_rows_step_s"])

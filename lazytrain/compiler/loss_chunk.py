@@ -36,6 +36,7 @@ import warnings
 
 from ..ir import ModelGraph
 from ..ir.plan import PlanError
+from .search import MIN_SOLVE_S
 
 #: share of the GPU budget one chunk of logits may take: at 24 GiB (21.3 GiB of budget) that is 2^27 logits,
 #: 0.75 GiB in bf16, 4096 vocabulary columns a chunk for 32 x 1024 tokens
@@ -47,7 +48,12 @@ SINGLE_PASS_MIN_ROWS = 256
 #: (qwen2.5-7b at 80 GiB, batch 32, calibrated: the recompute head 584 ms a step; re-solved for the single pass,
 #: the MILP's plan predicted 2.606 s against 2.951 and measured 2.703 against 3.087)
 RESOLVE_GAIN = 0.01
-#: CPU seconds of that solve
+#: CPU seconds of that solve at most: it draws on what the compile's deadline has left after the search and the
+#: GPU-update rule (``search.DEADLINE_S``; the builds of this pass too), and is not tried at all with less than
+#: ``search.MIN_SOLVE_S`` left or where the search itself ran out of its deadline (a MILP that did not finish in
+#: the search's seconds does not in fewer).  Measured on the compile grid's presets up to 8B (2 cores): of 11
+#: re-solves 8 won (steps 1.0-3.3% shorter, 0.28-0.92 s each), 3 lost (batch 8 at 80 GiB, 0.84-2.1 s); one that
+#: took a compile of qwen2.5-7b (24 GiB, batch 32) to 6.2 s followed a search out of its deadline, and lost.
 RESOLVE_S = 2.0
 #: ``compile_model(loss_head=...)``: ``faster_head``'s choice, or either way forced
 LOSS_HEAD_MODES = ("auto", "single_pass", "recompute")
@@ -130,7 +136,11 @@ def faster_head(comp, plan):
     # one compiler per row chunk, largest first: the first also prices the gain and hosts the re-solve
     heads = [(rows, _with_head(comp, with_loss_chunk(comp.graph, gpu_bytes, rows)))
              for rows in single_pass_rows(head, gpu_bytes, plan.micro_batch * head["seq_len"])]
+    deadline = comp.search.deadline
     for rows, other in heads:
+        if deadline.after_cpu_left() < deadline.build_cpu:     # no time left for one more build
+            tried.append([rows, "deadline"])
+            break
         try:
             cand = other.build(plan.decisions, plan.batch_size)
         except PlanError:
@@ -141,9 +151,11 @@ def faster_head(comp, plan):
             cand.solver = plan.solver
             best = cand
         break       # a smaller chunk only fits where this one did not, and is no faster
+    seconds = min(RESOLVE_S, deadline.after_cpu_left() - deadline.build_cpu)
     if heads and all(t[1] is None for t in tried) and plan.decisions.policy == "milp" \
+            and not getattr(plan.solver, "out_of_time", False) and seconds >= MIN_SOLVE_S \
             and _gain(comp, heads[0][1], plan) >= RESOLVE_GAIN:
-        cand = _re_solved(heads[0][1], plan)
+        cand = _re_solved(heads[0][1], plan, seconds)
         tried.append(["re-solved", heads[0][0], None if cand is None else round(cand.predicted["step_time_s"], 4)])
         if cand is not None and cand.predicted["step_time_s"] < best.predicted["step_time_s"]:
             best = cand
@@ -170,10 +182,10 @@ def _gain(comp, single, plan) -> float:
     return saved * plan.n_micro / plan.predicted["step_time_s"]
 
 
-def _re_solved(single, plan):
+def _re_solved(single, plan, seconds: float):
     """The MILP's plan for ``single`` (a compiler of the single-pass head) at ``plan``'s micro-batch, within
-    ``RESOLVE_S`` CPU seconds of a search of its own; or None."""
-    other = single.with_gpu_budget(single.budgets["gpu_bytes"], deadline=RESOLVE_S)
+    ``seconds`` CPU seconds of a search of its own; or None."""
+    other = single.with_gpu_budget(single.budgets["gpu_bytes"], deadline=seconds)
     other.search.deadline.start()
     with warnings.catch_warnings():      # a heuristic standing in at this micro-batch is not the caller's concern
         warnings.simplefilter("ignore", UserWarning)

@@ -5,9 +5,10 @@ command line's help) imports no torch."""
 from __future__ import annotations
 
 
-def _qwen25(h, i, n, a, kv, tied, max_pos, eps):
+# the 7B and larger pad their vocabulary to 152,064 rows (their config.json), the smaller ones to 151,936
+def _qwen25(h, i, n, a, kv, tied, max_pos, eps, vocab=151936):
     return {"model_type": "qwen2", "hidden_size": h, "intermediate_size": i, "num_hidden_layers": n,
-            "num_attention_heads": a, "num_key_value_heads": kv, "vocab_size": 151936, "tie_word_embeddings": tied,
+            "num_attention_heads": a, "num_key_value_heads": kv, "vocab_size": vocab, "tie_word_embeddings": tied,
             "rope_theta": 1000000.0, "rms_norm_eps": eps, "max_position_embeddings": max_pos,
             "hidden_act": "silu", "use_sliding_window": False}
 
@@ -35,10 +36,10 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-0.5b": _qwen25(896, 4864, 24, 14, 2, True, 32768, 1e-6),
     "qwen2.5-1.5b": _qwen25(1536, 8960, 28, 12, 2, True, 131072, 1e-6),
     "qwen2.5-3b": _qwen25(2048, 11008, 36, 16, 2, True, 32768, 1e-6),
-    "qwen2.5-7b": _qwen25(3584, 18944, 28, 28, 4, False, 131072, 1e-6),
-    "qwen2.5-14b": _qwen25(5120, 13824, 48, 40, 8, False, 131072, 1e-5),
-    "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8, False, 131072, 1e-5),
-    "qwen2.5-72b": _qwen25(8192, 29568, 80, 64, 8, False, 131072, 1e-5),
+    "qwen2.5-7b": _qwen25(3584, 18944, 28, 28, 4, False, 131072, 1e-6, 152064),
+    "qwen2.5-14b": _qwen25(5120, 13824, 48, 40, 8, False, 131072, 1e-5, 152064),
+    "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8, False, 131072, 1e-5, 152064),
+    "qwen2.5-72b": _qwen25(8192, 29568, 80, 64, 8, False, 131072, 1e-5, 152064),
     # Llama 3 (LlamaConfig)
     "llama3-8b": _llama3(4096, 14336, 32, 32, 8),
     "llama3-70b": _llama3(8192, 28672, 80, 64, 8),
