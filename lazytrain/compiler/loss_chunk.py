@@ -23,8 +23,10 @@ as priced, it solves the MILP once more for the single pass at the plan's micro-
 predicted faster.  Measured on the H200 with a calibrated profile (which times the recompute head, the one the
 search plans with; the single pass is then priced from FLOPs): qwen2.5-7b at 80 GiB, batch 32, solved for the
 single pass: 2.703 s (553.9 model TFLOPS) against 3.087 s, predicted 2.606 against 2.951, the order right; the 3B
-plan above, predicted 1.272 against 1.236, right too.  Its FLOPs move into the head's forward, its chunk and
-accumulator into the head's fixed workspace.
+plan above, predicted 1.272 against 1.236, right too.  (That recompute head ran at half speed, its chunks'
+columns unaligned, ``ir.graph.LOSS_COLUMN_ALIGN``; aligned, the 7B plans ran 2.692 s with the single pass and
+2.750 with the recompute, predicted 2.588 and 2.592: the order still right, the margin 2%.)  Its FLOPs move into
+the head's forward, its chunk and accumulator into the head's fixed workspace.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ LOSS_HEAD_SHARE = 1 / 16
 #: recompute's fewest columns' matmul turned around
 SINGLE_PASS_MIN_ROWS = 256
 #: ``faster_head`` re-solves for the single pass where its head alone saves this share of the step as priced
-#: (qwen2.5-7b at 80 GiB, batch 32, calibrated: the recompute head 584 ms a step; re-solved for the single pass,
-#: the MILP's plan predicted 2.606 s against 2.951 and measured 2.703 against 3.087)
+#: (qwen2.5-7b at 80 GiB, batch 32, calibrated: the recompute head 584 ms a step, then unaligned; re-solved for the
+#: single pass, the MILP's plan predicted 2.606 s against 2.951 and measured 2.703 against 3.087)
 RESOLVE_GAIN = 0.01
 #: CPU seconds of that solve at most: it draws on what the compile's deadline has left after the search and the
 #: GPU-update rule (``search.DEADLINE_S``; the builds of this pass too), and is not tried at all with less than
