@@ -179,3 +179,38 @@ def test_the_timing_plan_falls_back_to_one_micro_batch_where_two_do_not_fit(monk
                                  host_memory="4GiB", resident="none", param_dtype="float32", optimizer="adamw")
     assert asked == [("recompute-all", 2), ("milp", 2), ("recompute-all", 1)]
     assert (plan.batch_size, plan.micro_batch, plan.decisions.policy) == (2, 2, "recompute-all")
+
+
+def test_a_block_timed_at_another_micro_batch_is_scaled_from_the_nearest_one():
+    """A block timed only at other micro-batches is priced from the nearest one (by ratio; the larger on a tie),
+    scaled by the FLOP model's ratio between the two micro-batches; one timed at this micro-batch as timed; one
+    never timed from its FLOPs."""
+    from lazytrain.compiler.cost import CostModel
+    from lazytrain.frontend.presets import build_from_config
+    from lazytrain.frontend.trace import trace
+
+    graph = trace(build_from_config(CONFIG, device="meta", dtype=torch.float32), seq_len=32, dtype="float32")
+    layer, head = 1, graph.n_blocks - 1
+    sig = graph.block_signature(layer)
+
+    def timing(mb, scale):
+        return BlockTiming(signature=sig, block="layer", micro_batch=mb, seq_len=32, forward_s=scale * 1e-3,
+                           backward_s=scale * 3e-3, recompute_s=scale * 1.2e-3, samples=3)
+
+    hw = PROFILES["h200"].with_timings([timing(2, 1.0), timing(8, 5.0)])
+    plain = CostModel(graph, PROFILES["h200"], 4)
+    at = {mb: CostModel(graph, hw, mb) for mb in (1, 2, 4, 16)}
+    assert at[2].fwd_s(layer) == pytest.approx(1e-3) and at[2].bwd_s(layer) == pytest.approx(3e-3)
+    for mb, base, scale in ((1, 2, 1.0), (4, 8, 5.0), (16, 8, 5.0)):     # 4 is as near 2 as 8: the larger
+        f0, b0 = plain._modelled(layer, base)
+        f1, b1 = plain._modelled(layer, mb)
+        assert at[mb].fwd_s(layer) == pytest.approx(scale * 1e-3 * f1 / f0)
+        assert at[mb].recompute_s(layer) == pytest.approx(scale * 1.2e-3 * f1 / f0)
+        assert at[mb].bwd_s(layer) == pytest.approx(scale * 3e-3 * b1 / b0)
+    assert at[4].fwd_s(head) == plain.fwd_s(head) and at[4].bwd_s(head) == plain.bwd_s(head)   # never timed
+    plan = lazytrain.compile(graph, hardware=hw, **{**OPTIONS, "batch_size": 8, "micro_batch": 4})
+    from lazytrain.ir.summary import scaled_blocks
+    assert layer in scaled_blocks(plan) and head not in scaled_blocks(plan) and measured_blocks(plan) == []
+    text = plan.summary().replace("\n", " ")
+    assert "scaled from their timing at another micro-batch" in " ".join(text.split())
+    assert "the rest modelled from FLOPs" in " ".join(text.split())

@@ -81,13 +81,26 @@ def measured_cuts(plan) -> list[int]:
     return out
 
 
+def scaled_blocks(plan) -> list[int]:
+    """Blocks timed by the calibration at other micro-batches only, whose compute the plan took from the nearest
+    of those timings scaled by the FLOP model (``CostModel._from_other_micro_batch``)."""
+    sigs = {sig for sig, _ in _timings(plan)}
+    exact = set(measured_blocks(plan))
+    return [j for j in range(plan.graph.n_blocks) if j not in exact and plan.graph.block_signature(j) in sigs]
+
+
 def _compute_source_text(plan) -> str:
-    measured, n = measured_blocks(plan), plan.graph.n_blocks
+    measured, scaled, n = measured_blocks(plan), scaled_blocks(plan), plan.graph.n_blocks
     gpu = plan.hardware.get("gpu_name", "?") if isinstance(plan.hardware, dict) else "?"
-    if not measured:
+    if not measured and not scaled:
         return f"modelled from FLOPs (no block of this model timed at micro-batch {plan.micro_batch} on {gpu})"
-    text = f"measured on {gpu} for {len(measured)} of {n} blocks (forward, backward, recompute)"
-    return text + ("" if len(measured) == n else "; the rest modelled from FLOPs")
+    parts = [f"measured on {gpu} for {len(measured)} of {n} blocks (forward, backward, recompute)"] if measured \
+        else [f"no block timed at micro-batch {plan.micro_batch} on {gpu}"]
+    if scaled:
+        parts.append(f"{len(scaled)} scaled from their timing at another micro-batch by the FLOP model")
+    if len(measured) + len(scaled) < n:
+        parts.append("the rest modelled from FLOPs")
+    return "; ".join(parts)
 
 
 #: decisions the compiler explains in the plan's notes, shown with the summary
