@@ -477,35 +477,3 @@ def test_gpu_updated_blocks_bf16_on_cuda():
         losses[mode] = [tr.step(b).loss for b in _batches("llama", 5)]
         tr.close()
     torch.testing.assert_close(losses[3], losses["none"], rtol=2e-2, atol=1e-3)
-
-
-def test_the_rule_runs_on_the_searchs_near_ties_and_keeps_the_fastest(monkeypatch):
-    """Where the search chose its micro-batch by less than ``NEAR_TIE_SHARE``, the rule also runs on the runner-up
-    and the plan fastest after it is kept; with the micro-batch given by the caller, only that one; ``Search.near``
-    keeps the plans within the share at the same batch and other micro-batches, fastest first."""
-    from lazytrain.compiler import api
-    from lazytrain.compiler import gpu_update as rule
-    from lazytrain.compiler.search import Search
-
-    kw = dict(batch_size=8, seq_len=128, gpu_memory="8GiB", hardware="h200", loss_head="recompute")
-    other = api.compile_model("tiny", micro_batch=2, gpu_update="none", **kw)
-    searched = api.compile_model("tiny", gpu_update="none", **kw)
-    assert searched.micro_batch != 2
-
-    def faster_at_two(comp, plan):       # the rule's gain, as if it were far larger at micro-batch 2
-        factor = 0.01 if plan.micro_batch == 2 else 1.0
-        return dataclasses.replace(plan, predicted={**plan.predicted,
-                                                    "step_time_s": plan.predicted["step_time_s"] * factor})
-
-    monkeypatch.setattr(rule, "choose", faster_at_two)
-    monkeypatch.setattr(Search, "near", lambda self, plan, share: [other] if plan.micro_batch != 2 else [])
-    assert api.compile_model("tiny", **kw).micro_batch == 2
-    assert api.compile_model("tiny", micro_batch=searched.micro_batch, **kw).micro_batch == searched.micro_batch
-
-    def plan_at(mb, step, batch=8):
-        return types.SimpleNamespace(batch_size=batch, micro_batch=mb, predicted={"step_time_s": step})
-    best = plan_at(4, 1.0)
-    stand_in = types.SimpleNamespace(solved={(8, 4): best, (8, 2): plan_at(2, 1.015), (8, 1): plan_at(1, 1.03),
-                                             (8, 8): plan_at(8, 1.001), (16, 2): plan_at(2, 1.0)})
-    near = monkeypatch.undo() or Search.near(stand_in, best, rule.NEAR_TIE_SHARE)
-    assert [p.micro_batch for p in near] == [8, 2]

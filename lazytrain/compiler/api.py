@@ -410,18 +410,7 @@ def _gpu_updated(comp: Compiler, plan: Plan, policy: str, req, micro_batch: int 
     """The searched plan with the GPU-updated streamed blocks asked for, or (``"auto"``, the MILP policy on a
     GPU in a world of one) those the rule of ``compiler/gpu_update.py`` chooses."""
     if req == "auto":           # (``rule_follows``: the MILP policy, a GPU, a world of one)
-        if not comp.rule_follows:
-            return plan
-        best = gpu_update_rule.choose(comp, plan)
-        # the search's runners-up by a hair, where the caller left the micro-batch to it: the rule's gain differs by
-        # micro-batch (``gpu_update.NEAR_TIE_SHARE``); each within what the deadline has left
-        for other in comp.search.near(plan, gpu_update_rule.NEAR_TIE_SHARE) if micro_batch is None else ():
-            if comp.search.deadline.after_cpu_left() <= 0:
-                break
-            cand = gpu_update_rule.choose(comp, other)
-            if cand.predicted["step_time_s"] < best.predicted["step_time_s"]:
-                best = cand
-        return best
+        return gpu_update_rule.choose(comp, plan) if comp.rule_follows else plan
     if req == "none":
         return plan
     return gpu_update_rule.fixed(comp, plan, req, policy, micro_batch)     # (a world of one: ``_compiler``)

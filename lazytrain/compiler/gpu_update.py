@@ -58,10 +58,6 @@ MIN_GAIN_S = 1e-6
 #: Per scan, with the re-solve on the search's own deadline, the rule took up to 19 s of a qwen2.5-14b compile
 #: (33 s in all, over the 20 s a compile may take)
 RULE_BUDGET_S = 6.0
-#: the rule also runs on the search's plans at other micro-batches within this share of the searched plan's step
-#: (``Search.near``), and the fastest after it is kept: qwen2.5-14b at 80 GiB, batch 32 solved to 8.307 s at
-#: micro-batch 32 and 8.316 at 16, which the rule took to 8.208 and 7.875
-NEAR_TIE_SHARE = 0.02
 #: a re-solve is only run where the blocks it would make room for shorten the scan's best step by this share on
 #: the solved plan's other decisions: the memory it takes from the rest costs the re-solved plan about as much
 #: (qwen2.5-7b at 80 GiB, batch 8: 0.47% to gain, the re-solve with 1.05 GiB less memory 0.8% slower)

@@ -128,8 +128,6 @@ class Search:
         self._heuristic: dict[tuple[str, int, int], Plan | None] = {}
         #: solver failures met in this search (the caller warns once)
         self.failures: list[str] = []
-        #: (batch, micro-batch) -> the MILP search's plan there (``near``)
-        self.solved: dict[tuple[int, int], Plan] = {}
         short = milp_size(comp.graph) <= SHORT_BUDGET_BLOCKS
         #: CPU seconds this search and the GPU-update rule after it may take (``_deadline``), counted per question
         #: of the caller's
@@ -286,8 +284,6 @@ class Search:
                 # (a hard model could otherwise end with no plan where one exists: llama3-70b, 48 GiB, batch 32)
                 warm = self.frugal_plan(batch_size, mb)
             plan = self.milp_at(batch_size, mb, warm)
-            if plan is not None:
-                self.solved[(batch_size, mb)] = plan
             if plan is None:
                 if grown:
                     larger = []          # feasibility is monotone in the micro-batch: stop growing
@@ -297,15 +293,6 @@ class Search:
             if best is None or _step(plan) < _step(best):
                 best = plan
         return best
-
-    def near(self, plan: Plan, share: float) -> list[Plan]:
-        """The MILP search's plans at ``plan``'s batch and other micro-batches whose simulated step is within
-        ``share`` of ``plan``'s, fastest first: where the search chose by that little, what follows it (the
-        GPU-update rule, ``compiler/gpu_update.py``) may order them otherwise."""
-        step = _step(plan)
-        return sorted((p for (b, mb), p in self.solved.items()
-                       if b == plan.batch_size and mb != plan.micro_batch and _step(p) <= step * (1 + share)),
-                      key=_step)
 
     def milp_at(self, batch_size: int, mb: int, warm: Plan | None) -> Plan | None:
         """The MILP's plan at one micro-batch, checked in time order, or ``warm`` where that is
