@@ -5,8 +5,10 @@ and per block where it is per block (parameter load, gradient offload, host upda
 
 A block's compute is measured where the hardware profile has a timing of its program at this
 micro-batch (``HardwareProfile.calibration``, from ``lazytrain profile --model``: forward, backward and
-recompute as LazyTrain's runtime ran them), else modelled from its FLOPs (``block_seconds``: matmuls
-and attention at their rates; recompute costs the same as forward).
+recompute as LazyTrain's runtime ran them); where its program was timed only at other micro-batches, the
+nearest of those timings scaled by the FLOP model's ratio between the two (``_from_other_micro_batch``); else
+modelled from its FLOPs (``block_seconds``: matmuls and attention at their rates; recompute costs the same as
+forward).
 
 A compiled block's cut (``Decisions.cut``, ``frontend/cuts.py``) other than the min-cut changes its forward and
 backward.  Where the calibration timed the cut (``block_timing.CutTiming``: ``lazytrain profile --model`` of a
