@@ -2,6 +2,7 @@
 80 GiB (h200 profile, seq 1024, host 1 TiB so the GPU budget binds), with the plan it returns.
 
     python benchmarks/compile_times.py [-o benchmarks/results/compile_times] [--models a,b]
+    python benchmarks/compile_times.py --rows qwen3-32b:80:8,llama3-8b:48:8 --repeat 3 [-o NAME]
 
 Each compile runs in a fresh process (``lazytrain compile``'s path: the preset is traced, then the
 search, the resident choice and the megatrain baseline), so the wall time is what a user waits, trace
@@ -75,25 +76,50 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def run(models: list[str], cache: str) -> list[dict]:
-    """Every compile of the grid, one process each, with the trace cache in ``cache``."""
+def grid(models: list[str]) -> list[tuple[str, int, int]]:
+    """(model, GPU GiB, batch) of every compile of the grid."""
+    return [(model, gb, batch) for model in models for gb in (24, 48, 80) for batch in (8, 32, 72)]
+
+
+def run(cases: list[tuple[str, int, int]], cache: str, repeat: int = 1) -> list[dict]:
+    """Every compile of ``cases``, one process each, with the trace cache in ``cache``; ``repeat`` rounds over
+    all of them (a row's later rounds read its trace from the cache)."""
     env = {**os.environ, "LAZYTRAIN_TRACE_CACHE": cache}
     rows = []
-    for model in models:
-        for gb in (24, 48, 80):
-            for batch in (8, 32, 72):
-                t, cpu = time.perf_counter(), _children_cpu()
-                r = subprocess.run([sys.executable, "-c", ONE, model, str(batch), f"{gb}GiB"], capture_output=True,
-                                   text=True, env=env)
-                wall, cpu = time.perf_counter() - t, _children_cpu() - cpu
-                try:
-                    row = json.loads(r.stdout.strip().splitlines()[-1])
-                except (ValueError, IndexError):
-                    row = {"error": (r.stderr.strip().splitlines() or ["no output"])[-1][:100]}
-                row.update(model=model, gpu_gb=gb, batch=batch, wall_s=wall, cpu_s=cpu, load=os.getloadavg()[0])
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    for round_ in range(repeat):
+        for model, gb, batch in cases:
+            t, cpu = time.perf_counter(), _children_cpu()
+            r = subprocess.run([sys.executable, "-c", ONE, model, str(batch), f"{gb}GiB"], capture_output=True,
+                               text=True, env=env)
+            wall, cpu = time.perf_counter() - t, _children_cpu() - cpu
+            try:
+                row = json.loads(r.stdout.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                row = {"error": (r.stderr.strip().splitlines() or ["no output"])[-1][:100]}
+            row.update(model=model, gpu_gb=gb, batch=batch, wall_s=wall, cpu_s=cpu, load=os.getloadavg()[0])
+            if repeat > 1:
+                row["round"] = round_
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
+
+
+def spread(rows: list[dict]) -> str:
+    """Lines on how far the predicted step of the same compile moved between rounds (``--repeat``)."""
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("step_s"):
+            by.setdefault((r["model"], r["gpu_gb"], r["batch"]), []).append(r)
+    lines = []
+    for (model, gb, batch), rs in by.items():
+        if len(rs) < 2:
+            continue
+        steps = [r["step_s"] for r in rs]
+        lines.append(f"- {model} {gb} GiB b{batch}: step {', '.join(f'{s:.3f}' for s in steps)} s over {len(rs)} "
+                     f"rounds ({100 * (max(steps) / min(steps) - 1):.1f}% apart), micro-batch "
+                     f"{', '.join(str(r['micro_batch']) for r in rs)}, out of time "
+                     f"{sum(bool(r.get('out_of_time')) for r in rs)} of {len(rs)}")
+    return "\n".join(lines)
 
 
 def _over(rows: list[dict], key: str) -> str:
@@ -146,6 +172,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-o", "--output", default=None, help="path stem for NAME.json and NAME.md")
     ap.add_argument("--models", default=",".join(PRESETS))
+    ap.add_argument("--rows", default=None, help="MODEL:GIB:BATCH,... instead of the models' grid")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds over the rows: how far the same compile's plan "
+                    "moves from run to run")
     ap.add_argument("--trace-cache", default=None, help="trace cache folder (default: a fresh one, so each model's "
                     "first compile traces and the others read the cache)")
     ap.add_argument("--from-json", default=None, help="report a saved run (its NAME.json) instead of compiling")
@@ -156,20 +185,27 @@ def main() -> None:
             saved = json.load(f)
         rows, date, machine = saved["rows"], saved["date"], saved["machine"]
     else:
-        rows = run(a.models.split(","), a.trace_cache or tempfile.mkdtemp(prefix="lazytrain-traces-"))
+        cases = ([(m, int(gb), int(b)) for m, gb, b in (c.split(":") for c in a.rows.split(","))] if a.rows
+                 else grid(a.models.split(",")))
+        rows = run(cases, a.trace_cache or tempfile.mkdtemp(prefix="lazytrain-traces-"), a.repeat)
         date, machine = str(datetime.date.today()), f"{platform.machine()}, {os.cpu_count()} cores"
     base = None
     if a.compare:
         with open(a.compare) as f:
             base = json.load(f)["rows"]
     text, table = report(rows, base)
+    if any("round" in r for r in rows):
+        text += "\n" + spread(rows)
     print(text)
     if a.output:
-        cmd = f"python benchmarks/compile_times.py -o {a.output}"
+        cmd = "python benchmarks/compile_times.py" + "".join(
+            f" {flag} {v}" for flag, v in (("--rows", a.rows), ("--repeat", a.repeat if a.repeat > 1 else None))
+            if v) + f" -o {a.output}"
         with open(a.output + ".json", "w") as f:
             json.dump({"command": cmd, "date": date, "machine": machine, "rows": rows}, f, indent=1)
         with open(a.output + ".md", "w") as f:
-            f.write(f"# Compile time of every preset\n\n`{cmd}` on {date}, {machine}; h200 profile, seq 1024, "
+            title = "The same compiles, repeated" if a.rows else "Compile time of every preset"
+            f.write(f"# {title}\n\n`{cmd}` on {date}, {machine}; h200 profile, seq 1024, "
                     f"host 1 TiB; one process per compile.\n\n{text}\n\n{table}\n")
 
 
