@@ -174,10 +174,12 @@ def _add_data_args(p) -> None:
 
 
 def cmd_compile(a) -> int:
+    from .atomic import output_path
     from .compiler.api import compile_model
     from .frontend.validate import declared_positions
     if a.nvme_memory and not a.nvme_dir:
         raise PlanError("--nvme-memory needs --nvme-dir (the folder to spill to)")
+    output_path(a.output, "plan")          # a bad -o now, not after the compile
     seq = a.seq or min(1024, declared_positions(a.model) or 1024)
     plan = compile_model(a.model, batch_size=a.batch, seq_len=seq, micro_batch=a.micro_batch,
                          gpu_memory=a.gpu_memory, host_memory=a.host_memory, nvme_dir=a.nvme_dir,

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict
 from pathlib import Path
 
+from .atomic import write_atomic
 from .ir.limits import MAX_BATCH, MAX_SEQ_LEN
 from .jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape
 from .runtime import checkpoint
@@ -59,12 +59,7 @@ SHAPE = {
 
 def write_json(path: Path, data: dict) -> None:
     """``path`` replaced atomically (temporary file, fsync, rename): never half-written."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1), what=path.name)
 
 
 def commit(trainer, out: Path, metrics: dict, *, main: bool = True) -> Path:

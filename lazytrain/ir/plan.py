@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,15 +118,10 @@ class Plan:
                 "history": self.history, "options": self.options, "world_size": self.world_size}
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write atomically (temporary file + rename) so a crash never leaves half a plan."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        """Write atomically (``atomic.write_atomic``: temporary file + rename) so a crash never leaves half a plan;
+        ``ValueError`` for a path that is a folder or a special file."""
+        from ..atomic import write_atomic
+        write_atomic(path, json.dumps(self.to_json(), indent=1), what="plan")
 
     @staticmethod
     def from_json(d: dict) -> Plan:

@@ -1,0 +1,72 @@
+"""Writing a file the user named, atomically: a temporary file beside it, fsync, rename.
+
+A rename replaces whatever the name points at, so the path is checked first: a symbolic link is followed (the
+file it names is replaced, the link stays, as ``cp`` does), and anything that is not a regular file -- a
+folder, ``/dev/null``, a FIFO -- is refused with a ``ValueError`` naming it (run as root, renaming over
+``/dev/null`` replaced the device).  The new file gets the mode the umask gives a new file (``mkstemp``'s is
+0600), or the replaced file's; on any failure the temporary file is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from pathlib import Path
+
+
+def output_path(path: str | os.PathLike, what: str = "output") -> Path:
+    """The regular file ``path`` names (links followed), which may not exist yet; ``ValueError`` when it names a
+    folder, a device or another special file, or nothing at all."""
+    if not str(path):
+        raise ValueError(f"the {what} path is empty: name a file")
+    target = Path(os.path.realpath(path))
+    try:
+        st = target.stat()
+    except FileNotFoundError:
+        return target
+    except OSError as e:
+        raise ValueError(f"cannot write the {what} to {path}: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"the {what} path {path} is a folder: name a file in it")
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"refusing to replace {path}: not a regular file (the {what} is written by renaming a new "
+                         f"file over the path)")
+    return target
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes, what: str = "output") -> Path:
+    """Write ``data`` to ``path`` (checked by ``output_path``) so a crash leaves the old file or the new one,
+    never half of one.  Returns the file written."""
+    target = output_path(path, what)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        mode = None             # a new file: the umask's mode, as ``open`` gives it
+    tmp, fd = _new_file(target)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return target
+
+
+def _new_file(target: Path) -> tuple[str, int]:
+    """A new, empty file beside ``target`` (mode 0666 less the umask) and its descriptor."""
+    while True:
+        tmp = str(target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp"))
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
