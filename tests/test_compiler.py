@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 from functools import cache
 
 import pytest
@@ -72,6 +73,21 @@ def test_batch_max_is_the_largest_feasible(policy):
     if policy == "milp":   # even the most frugal plan of the MILP's space does not fit b + 2
         mega = compile_model(g, batch_size="max", micro_batch=2, gpu_memory="24GiB", policy="megatrain")
         assert b > mega.batch_size
+
+
+def test_batch_max_without_a_micro_batch_is_what_one_micro_batch_holds():
+    """Without a micro-batch, gradient accumulation would fit any batch whose boundaries the host holds (tens of
+    thousands of samples here, each probe a plan of as many micro-batches: the search ran for minutes); the
+    answer is the largest batch one micro-batch holds, and the plan at it may still accumulate."""
+    g = graph("qwen2.5-0.5b")
+    t0 = time.perf_counter()
+    plan = compile_model(g, batch_size="max", gpu_memory="24GiB", policy="megatrain")
+    assert time.perf_counter() - t0 < 60
+    b = plan.batch_size
+    assert "in one micro-batch" in plan.decisions.notes["batch_search"]
+    assert b > 8 and plan.n_micro * plan.micro_batch == b
+    with pytest.raises(BudgetError):
+        compile_model(g, batch_size=b + 1, micro_batch=b + 1, gpu_memory="24GiB", policy="megatrain")
 
 
 def test_nvme_tier_is_used_when_host_memory_is_short(tmp_path):

@@ -388,15 +388,21 @@ class Search:
 
     def max_batch(self, policy: str, micro_batch: int | None, limit: int) -> tuple[Plan | None, int]:
         """(plan, batch) for the largest batch (at most ``limit``) with a feasible plan: doubling, then
-        bisection (feasibility is monotone in the batch for a fixed micro-batch).  For the MILP, a
-        batch is feasible when its most frugal plan fits: that plan lies in the MILP's space."""
+        bisection (feasibility is monotone in the batch for a fixed micro-batch, and in the micro-batch).  For
+        the MILP, a batch is feasible when its most frugal plan fits: that plan lies in the MILP's space.
+
+        With ``micro_batch``, the largest multiple of it; without, the largest batch one micro-batch holds:
+        with gradient accumulation any batch whose boundaries the host holds fits (qwen2.5-0.5b at 24 GiB:
+        tens of thousands of samples, each candidate an op list of as many micro-batches -- the search did not
+        end in two minutes), at a step as long as the batch."""
         step = micro_batch or 1
         limit = max(step, limit // step * step)
 
         def feasible(b: int) -> bool:
+            mb = step if micro_batch else b
             if policy == "milp":
-                return self.frugal_plan(b, step) is not None
-            return self.best(policy, b, step) is not None
+                return self.frugal_plan(b, mb) is not None
+            return self.best(policy, b, mb) is not None
 
         lo, hi = 0, step
         while feasible(hi):
@@ -414,7 +420,8 @@ class Search:
         plan = self.best(policy, lo, micro_batch)
         if plan is None:
             return None, lo
-        note = (f"largest feasible batch {lo} (next {lo + step} does not fit)" if lo < limit
+        within = f" of micro-batches of {micro_batch}" if micro_batch else " in one micro-batch"
+        note = (f"largest feasible batch{within} {lo} (next {lo + step} does not fit)" if lo < limit
                 else f"batch {lo}: the search's limit; larger may fit")
         dec = dataclasses.replace(plan.decisions, notes={**plan.decisions.notes, "batch_search": note})
         return dataclasses.replace(plan, decisions=dec, history=list(plan.history)), lo
