@@ -45,6 +45,15 @@ def test_budget_below_smallest_plan_says_how_much_is_needed():
         compile_model(graph("qwen2.5-7b"), batch_size=32, gpu_memory="3GiB", policy="megatrain")
 
 
+def test_a_policy_that_does_not_fit_where_the_milp_would_says_so():
+    """keep-all at 24 GiB: the MILP's leanest plan fits every budget, the policy's own plan does not."""
+    with pytest.raises(BudgetError) as e:
+        compile_model(graph("qwen2.5-3b"), batch_size=8, gpu_memory="24GiB", policy="keep-all")
+    msg = str(e.value)
+    assert msg.startswith("policy keep-all has no plan within the budgets for batch 8") and "None" not in msg
+    assert "GPU memory" in msg and "use --policy milp" in msg
+
+
 def test_host_memory_too_small_is_reported():
     with pytest.raises(BudgetError, match="GiB of host memory"):
         compile_model(graph("qwen2.5-72b"), batch_size=8, gpu_memory="80GiB", policy="megatrain")
@@ -219,3 +228,17 @@ def test_verify_rejects_a_resident_plan_that_moves_or_splits_a_tie_group():
     moved = Plan.from_json({**streamed.to_json(), "decisions": plan.decisions.to_json()})
     with pytest.raises(PlanError, match="resident"):
         verify(moved)
+
+
+def test_a_plan_without_resident_blocks_is_searched_where_the_resident_choice_finds_none(tmp_path):
+    """A 4-layer Mixtral-8x7B at 24 GiB, batch 8: with the embedding resident every plan the MILP gave peaked over
+    the budget in time order (17 solves), and the compile said no plan fits; streamed, one does (20.56 GiB)."""
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+           "intermediate_size": 14336, "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
+           "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    plan = compile_model(str(path), batch_size=8, seq_len=1024, gpu_memory="24GiB")
+    verify(plan)
+    assert plan.decisions.policy == "milp" and plan.predicted["peak_gpu_bytes"] <= plan.budgets["gpu_bytes"]

@@ -446,11 +446,19 @@ def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, poli
     leanest = comp.leanest(batch_size, mb)
     need = leanest.predicted["peak_gpu_bytes"]
     res = comp.budgets["gpu_reserve_bytes"]
+    why = binding(leanest, comp.budgets)
+    if why is None and policy in HEURISTICS:      # the MILP's leanest plan fits: this policy's own does not
+        own = comp.build(HEURISTICS[policy](comp.graph, mb, batch_size // mb), batch_size, check_budget=False)
+        return BudgetError(
+            f"policy {policy} has no plan within the budgets for batch {batch_size}, seq {comp.graph.seq_len}: "
+            f"{binding(own, comp.budgets) or 'its plan does not fit'}; the milp policy's leanest plan fits them: "
+            f"use --policy milp, or lower the batch or the sequence")
     if need <= comp.budgets["gpu_bytes"]:     # the GPU is not what binds: the host or NVMe budget is
         return BudgetError(
             f"no plan fits every budget for batch {batch_size}, seq {comp.graph.seq_len}: the plan leanest on GPU "
             f"memory needs {(need + res) / GiB:.2f} of the {comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB, but "
-            f"{binding(leanest, comp.budgets)}: raise --host-memory, give --nvme-dir for activations, or lower the "
+            f"{why or 'the search found no plan within the budgets'}: raise --host-memory, give --nvme-dir for "
+            f"activations, or lower the "
             f"batch or the sequence")
     if policy in HEURISTICS:       # what this policy itself needs at its leanest micro-batch
         own = comp.build(HEURISTICS[policy](comp.graph, mb, batch_size // mb), batch_size, check_budget=False)

@@ -284,6 +284,11 @@ class Search:
                 # (a hard model could otherwise end with no plan where one exists: llama3-70b, 48 GiB, batch 32)
                 warm = self.frugal_plan(batch_size, mb)
             plan = self.milp_at(batch_size, mb, warm)
+            if plan is None and self.comp.choose_resident and self.can_solve():
+                # resident blocks hold their memory all step: without them is the leaner space, which the
+                # rows' misjudged peaks may leave as the only one with a plan in budget (a 4-layer Mixtral at 24
+                # GiB, batch 8: 17 plans with the embedding resident peaked 0.5-2.8 GiB over; streamed, one fit)
+                plan = self.milp_at(batch_size, mb, warm, choose_resident=False)
             if plan is None:
                 if grown:
                     larger = []          # feasibility is monotone in the micro-batch: stop growing
@@ -294,16 +299,18 @@ class Search:
                 best = plan
         return best
 
-    def milp_at(self, batch_size: int, mb: int, warm: Plan | None) -> Plan | None:
+    def milp_at(self, batch_size: int, mb: int, warm: Plan | None, choose_resident: bool | None = None) -> Plan | None:
         """The MILP's plan at one micro-batch, checked in time order, or ``warm`` where that is
-        faster or the MILP has none."""
+        faster or the MILP has none; ``choose_resident``: whether the solver chooses resident blocks (default:
+        the compiler's choice)."""
         comp = self.comp
         t = time.perf_counter()
         n_micro = batch_size // mb
         drain = False        # the rows for an offloaded block's backward under the next block's drain
         def opts() -> MilpOptions:
             return MilpOptions(clip=comp.clip, order=comp.solver_order, time_limit=self.time_limit(),
-                               resident=comp.resident, choose_resident=comp.choose_resident,
+                               resident=comp.resident,
+                               choose_resident=comp.choose_resident if choose_resident is None else choose_resident,
                                drain_under_reloads=drain)
         plan, stats, why = None, None, "the heuristic warm start simulated faster"
         excluded: list[Decisions] = []
