@@ -6,7 +6,10 @@ recomputation must equal the forward), two micro-batches, and 3 steps with clipp
 parameters must match eager training to rounding.  Dropout is zeroed here (masks are per micro-batch
 in a plan; tests/test_random_replay.py covers dropout).  The MoE models check the routing path (a
 ``histc`` whose dtype the model picks by device) and in-place writes into fresh buffers (DeepSeek-V3's
-attention builds its keys with ``new_empty`` + slice copies).
+attention builds its keys with ``new_empty`` + slice copies).  DeepSeek-V3 runs twice: with one head dimension
+for Q, K and V, and with Q and K wider than V, as the real model has them (192 and 128): the trace's attention
+then runs another fused kernel on ``meta`` (``trace_export.sdpa``), whose output and V gradient take V's width.
+An entry may name its ``model_type`` (several configs of one architecture); else its key is the model type.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ ARCHS = {
                     "first_k_dense_replace": 1, "kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 4,
                     "qk_nope_head_dim": 4, "v_head_dim": 8, "n_group": 1, "topk_group": 1},
 }
+# DeepSeek-V3's multi-head latent attention as the real model shapes it: Q and K heads wider than V's (12 vs 8),
+# as many key-value heads as query heads (Hugging Face's SDPA path repeats K and V by the head ratio when their
+# widths differ, which a config with fewer key-value heads than its keys have would break in eager too)
+ARCHS["deepseek_v3-qk12-v8"] = {**ARCHS["deepseek_v3"], "model_type": "deepseek_v3", "qk_nope_head_dim": 8,
+                                "num_key_value_heads": 4}
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -68,10 +68,22 @@ class AttentionCount:
         self.bwd_flops += n
         return n
 
+    def _efficient_forward(self, query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+                           *args, out_shape=None, **kwargs) -> int:
+        return self._forward(query, key, value, dropout_p, is_causal, attn_mask=attn_bias)
+
+    def _efficient_backward(self, grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
+                            dropout_p=0.0, grad_input_mask=None, is_causal=False, *args, out_shape=None,
+                            **kwargs) -> int:
+        return self._backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=attn_bias)
+
     def mapping(self) -> dict:
-        """``custom_mapping`` for ``FlopCounterMode``: the fused attention ops the trace runs on ``meta``."""
+        """``custom_mapping`` for ``FlopCounterMode``: the fused attention ops the trace runs on ``meta`` (the
+        memory-efficient kernel where V's head dimension differs from Q's, ``trace_export.sdpa``)."""
         return {aten._scaled_dot_product_flash_attention_for_cpu: self._forward,
-                aten._scaled_dot_product_flash_attention_for_cpu_backward: self._backward}
+                aten._scaled_dot_product_flash_attention_for_cpu_backward: self._backward,
+                aten._scaled_dot_product_efficient_attention: self._efficient_forward,
+                aten._scaled_dot_product_efficient_attention_backward: self._efficient_backward}
 
 
 def is_attention(target) -> bool:
