@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 from .cli_types import _batch, _minutes, _non_negative, _positive, _positive_float, _resident, _seed, _seq_tile, _size
 from .ir import GiB, Plan, PlanError, Sizes, verify
@@ -419,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     a = build_parser(args[0] if args and not args[0].startswith("-") else None).parse_args(args)
     a.argv = args     # what --gpus N starts on every rank
+    shown = warnings.showwarning
+    warnings.showwarning = _warning_printer(a.command, shown)
     try:
         return a.fn(a)
     except (PlanError, ValueError, OSError, RuntimeError) as e:
@@ -431,6 +434,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"lazytrain {a.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = shown
+
+
+def _warning_printer(command: str, default):
+    """``warnings.showwarning`` for the CLI: LazyTrain's own warnings as one line each, as its errors are
+    (``lazytrain compile: warning: ...``, not a source path and line); other packages' as Python shows them."""
+    package = os.path.dirname(os.path.abspath(__file__))
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if os.path.abspath(filename).startswith(package + os.sep):
+            print(f"lazytrain {command}: warning: {message}", file=file or sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+    return show
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from ..frontend.trace_cache import TraceCache
 from ..frontend.validate import check_compile_args, micro_batch_candidates
 from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
+from ..units import format_size
 from . import gpu_update as gpu_update_rule
 from .budgets import BudgetError, binding, held_host_bytes, make_budgets
 from .cost import CostModel
@@ -293,6 +294,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     logits recomputed, a weight-gradient accumulator held; the search plans for it) or ``"recompute"`` (the
     backward recomputes the logits chunk by chunk).
     """
+    param_dtype = _param_dtype(param_dtype)
     held = held_host_bytes(model) if host_memory is None else 0
     if held:    # resolved here, once: the searches and the calibration below compile a traced graph (it holds none)
         host_memory = make_budgets(get_profile(hardware), held_bytes=held)["host_bytes"]
@@ -309,7 +311,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         from ..calibrate import compile_calibrated
         return compile_calibrated(compile_model, model, {k: v for k, v in options.items() if k != "calibrate"})
     _check_options(policy=policy, optimizer=optimizer, seq_len=seq_len, micro_batch=micro_batch, seq_tile=seq_tile,
-                   deadline=deadline, compile_blocks=compile_blocks, loss_head=loss_head)
+                   deadline=deadline, compile_blocks=compile_blocks, loss_head=loss_head, time_limit=time_limit)
     check_compile_args(model, batch_size=batch_size, seq_len=seq_len, micro_batch=micro_batch, nvme_dir=nvme_dir)
     history: list[dict] = []
     t0 = time.perf_counter()
@@ -319,6 +321,8 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     plan = _gpu_updated(comp, plan, policy, gpu_req, micro_batch)
     if loss_head == "auto" and comp.hw.has_gpu:
         plan = faster_head(comp, plan)      # the single-pass loss head, where the plan has the memory for it
+    if plan.decisions.notes.get("milp_failed"):
+        warnings.warn(f"micro-batch {plan.micro_batch}: {plan.decisions.notes['milp_fallback']}", stacklevel=2)
     if comp.search.failures:
         warnings.warn("the MILP solvers failed (" + "; ".join(comp.search.failures) + "); the plan comes from "
                       f"the {plan.decisions.policy} policy where they did (plan.solver.failures)", stacklevel=2)
@@ -334,7 +338,7 @@ def _compiler(model, o: dict, history: list[dict]) -> tuple[Compiler, object]:
     policy, world_size = o["policy"], o["world_size"]
     if policy == "milp":
         isolated.prestart(o["solver"])       # its start-up overlaps the trace
-    hw = get_profile(o["hardware"]) if isinstance(o["hardware"], str) else o["hardware"]
+    hw = get_profile(o["hardware"])
     graph = _as_graph(model, o["seq_len"], o["param_dtype"], history, o["packed"], o["seq_tile"], o["compile_blocks"])
     budgets = make_budgets(hw, o["gpu_memory"], o["host_memory"], o["nvme_dir"], o["nvme_memory"], o["reserve"])
     graph = with_loss_chunk(graph, budgets["gpu_bytes"], _forced_single_rows(graph, budgets, o["loss_head"]))
@@ -364,9 +368,25 @@ def _forced_single_rows(graph: ModelGraph, budgets: dict, mode: str) -> int | No
     return (single_pass_rows(head, budgets["gpu_bytes"], head["seq_len"]) or [1])[0]
 
 
+#: the dtypes a plan keeps its parameters in on the GPU (bf16 on a GPU; fp32 for CPU runs, eager's references)
+PARAM_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _param_dtype(d) -> str:
+    """``d`` (a name or a ``torch.dtype``) as the name a plan records, or ``ValueError``."""
+    import torch
+    name = str(d).removeprefix("torch.") if isinstance(d, (str, torch.dtype)) else None
+    if name not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype must be one of {', '.join(PARAM_DTYPES)} (or the torch dtype), got {d!r}")
+    return name
+
+
 def _check_options(*, policy: str, optimizer: str, seq_len, micro_batch, seq_tile, deadline=None,
-                   compile_blocks: bool = False, loss_head: str = "auto") -> None:
+                   compile_blocks: bool = False, loss_head: str = "auto", time_limit=None) -> None:
     """The options ``compile_model`` checks itself, before the sizes (``frontend/validate.py``)."""
+    if time_limit is not None and (not isinstance(time_limit, (int, float)) or isinstance(time_limit, bool)
+                                   or not time_limit > 0):
+        raise ValueError(f"time_limit must be a positive number of seconds per solve or None, got {time_limit!r}")
     if loss_head not in LOSS_HEAD_MODES:
         raise ValueError(f"loss_head must be one of {', '.join(map(repr, LOSS_HEAD_MODES))}, got {loss_head!r}")
     if not isinstance(compile_blocks, bool):
@@ -435,13 +455,18 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def _gib(n: int) -> str:
+    """Bytes in GiB to two places, as the budget errors state them; a size under 0.01 GiB in its own unit."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 100 else format_size(n)
+
+
 def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:
     host_need = int(comp.graph.total_params * comp.options["host_bytes_per_param"]) // comp.world_size
     if host_need > comp.budgets["host_bytes"]:    # the host store alone does not fit: say that first
         return BudgetError(
-            f"needs at least {host_need / GiB:.2f} GiB of host memory for the parameters and optimizer state of "
+            f"needs at least {_gib(host_need)} of host memory for the parameters and optimizer state of "
             f"{_count(comp.graph.total_params)} parameters ({comp.options['host_bytes_per_param']} bytes "
-            f"each); the budget is {comp.budgets['host_bytes'] / GiB:.2f} GiB")
+            f"each); the budget is {_gib(comp.budgets['host_bytes'])}")
     mb = micro_batch or 1
     leanest = comp.leanest(batch_size, mb)
     need = leanest.predicted["peak_gpu_bytes"]

@@ -3,10 +3,12 @@ defaults, and how to say which one a plan exceeds."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..ir import GiB, Plan, PlanError
-from ..units import parse_size
+from ..units import format_size, parse_size
 
 
 class BudgetError(PlanError):
@@ -58,13 +60,26 @@ def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memo
     the profile's host memory less ``host_reserve`` and less ``held_bytes`` (the model the caller holds:
     a 7B model's bf16 weights are 14 GiB beside the store); a given ``host_memory`` is taken as is."""
 
-    def size(v, default):
-        return default if v is None else (parse_size(v) if isinstance(v, str) else int(v))
-    gpu = size(gpu_memory, hw.gpu_memory_bytes)
-    res = size(reserve, int(1.5 * GiB + 0.05 * gpu))
+    def size(v, default, name):
+        if v is None:
+            return default
+        try:
+            return parse_size(v)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    gpu = size(gpu_memory, hw.gpu_memory_bytes, "gpu_memory")
+    if gpu_memory is not None and hw.has_gpu and gpu > hw.gpu_memory_bytes:
+        warnings.warn(f"GPU memory {format_size(gpu)} is more than the {format_size(hw.gpu_memory_bytes)} of the "
+                      f"{hw.name} profile's {hw.gpu_name}: the plan will not run on that GPU (name the GPU's own "
+                      f"profile with --hardware)", stacklevel=3)
+    res = int(1.5 * GiB + 0.05 * gpu) if reserve is None else (0 if reserve == 0 else size(reserve, 0, "reserve"))
     budgets = {"gpu_bytes": gpu - res, "gpu_total_bytes": gpu, "gpu_reserve_bytes": res,
-               "host_bytes": size(host_memory, hw.host_memory_bytes - host_reserve(hw.host_memory_bytes) - held_bytes),
-               "nvme_bytes": size(nvme_memory, 0) if nvme_dir else 0, "nvme_dir": nvme_dir}
+               "host_bytes": size(host_memory, hw.host_memory_bytes - host_reserve(hw.host_memory_bytes) - held_bytes,
+                                  "host_memory"),
+               "nvme_bytes": size(nvme_memory, 0, "nvme_memory") if nvme_dir else 0, "nvme_dir": nvme_dir}
     if budgets["gpu_bytes"] <= 0:
-        raise BudgetError(f"GPU memory {gpu / GiB:.2f} GiB is below the reserve of {res / GiB:.2f} GiB")
+        bare = isinstance(gpu_memory, str) and gpu_memory.strip().replace("_", "").isdigit()
+        raise BudgetError(f"GPU memory {format_size(gpu)} is below the reserve of {format_size(res)}"
+                          + (f" ({gpu_memory!r} has no unit, so it is bytes: write e.g. {gpu_memory.strip()}GiB)"
+                             if bare else ""))
     return budgets

@@ -320,6 +320,9 @@ def get_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwarePr
     """A built-in by name (case-insensitive) or a JSON file written by ``lazytrain profile``."""
     if isinstance(name_or_path, HardwareProfile):
         return name_or_path
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ValueError(f"hardware must be a profile's name, a JSON file written by `lazytrain profile` or a "
+                         f"HardwareProfile, got {name_or_path!r}")
     from .profiles import PROFILES  # the built-ins are HardwareProfiles: their module imports this one
     key = str(name_or_path).strip().lower()
     if key in PROFILES:

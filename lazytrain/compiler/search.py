@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 
 from ..ir import Decisions, OpKind, Place, Plan, PlanError, Saved, SolverStats
 from .deadline import Deadline, compile_cpu_seconds
@@ -95,9 +94,11 @@ def _out_of_time(plan: Plan, stats: SolverStats) -> Plan:
     return dataclasses.replace(plan, solver=stats, history=list(plan.history))
 
 
-def _with_note(plan: Plan, note: str, stats: SolverStats | None) -> Plan:
-    """A copy of ``plan`` (a memoized heuristic plan) standing in for the MILP, saying why."""
-    dec = dataclasses.replace(plan.decisions, notes={**plan.decisions.notes, "milp_fallback": note})
+def _with_note(plan: Plan, note: str, stats: SolverStats | None, failed: bool = False) -> Plan:
+    """A copy of ``plan`` (a memoized heuristic plan) standing in for the MILP, saying why; ``failed``: the MILP gave
+    no plan there (note ``milp_failed``), rather than one the heuristic beat."""
+    notes = {**plan.decisions.notes, "milp_fallback": note, **({"milp_failed": True} if failed else {})}
+    dec = dataclasses.replace(plan.decisions, notes=notes)
     return dataclasses.replace(plan, decisions=dec, solver=stats, history=list(plan.history))
 
 
@@ -367,10 +368,10 @@ class Search:
         if self.ran_out:
             stats = self._stats_out_of_time(stats)
         if warm is not None and (plan is None or _step(warm) < _step(plan)):
-            if plan is None and stats is not None and stats.status != "solver failed":
-                warnings.warn(f"micro-batch {mb}: {why}; using the {warm.decisions.policy} plan instead",
-                              stacklevel=3)
-            return _with_note(warm, f"{why}: {warm.decisions.policy} plan used", stats)
+            # the caller warns where the plan it returns is this one (``api.compile_model``), not for every
+            # micro-batch the search tried and left
+            failed = plan is None and stats is not None and stats.status != "solver failed"
+            return _with_note(warm, f"{why}: {warm.decisions.policy} plan used", stats, failed)
         if plan is None:
             return None
         plan.solver = stats

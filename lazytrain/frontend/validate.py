@@ -40,6 +40,15 @@ def check_sizes(batch_size: int, seq_len: int) -> None:
                          f"larger than LazyTrain plans for (at most {MAX_TOKENS:,})")
 
 
+def _custom_loss(model) -> bool:
+    """Is ``model`` trained with a loss of the caller's (an ``nn.Sequential`` with its ``loss_fn``, or a graph traced
+    from one), not the next-token loss of a language model?"""
+    from torch import nn
+    if isinstance(model, ModelGraph):
+        return "loss_head" not in model.meta and not model.meta.get("config")
+    return isinstance(model, nn.Sequential)
+
+
 def _config_of(model) -> dict | None:
     """What the model declares, as a dict, when that is cheap to know without building it."""
     if isinstance(model, str):
@@ -136,8 +145,30 @@ def check_micro_batches(batch_size: int, n_blocks: int, micro_batch: int | None)
                      f"(at most {most:,} for this model), or a larger --micro-batch")
 
 
+def check_model(model) -> None:
+    """``model`` is something ``compile_model`` takes: a module instance, a traced ``ModelGraph``, or a string (a
+    preset, a config path, ``package.module:factory``); ``ValueError`` naming what was given otherwise."""
+    import os
+
+    from torch import nn
+    if isinstance(model, (nn.Module, ModelGraph, str, os.PathLike)):
+        return
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise ValueError(f"model is the class {model.__name__}, not a model: pass an instance (e.g. "
+                         f"{model.__name__}(config)), a preset name or the path of a config.json")
+    if hasattr(model, "to_dict") and hasattr(model, "model_type"):
+        raise ValueError(f"model is a {type(model).__name__}, a configuration: build the model from it (e.g. "
+                         f"transformers.AutoModelForCausalLM.from_config(config)), or pass the path of its config.json")
+    raise ValueError(f"model must be a torch.nn.Module, a traced ModelGraph, a preset name, a config.json path or "
+                     f"'package.module:factory', got {type(model).__name__} {model!r:.60}")
+
+
 def check_compile_args(model, *, batch_size, seq_len: int, micro_batch: int | None, nvme_dir) -> None:
     """Everything ``compile_model`` can check before tracing (see the module docstring)."""
+    check_model(model)
+    if seq_len == 1 and not _custom_loss(model):
+        raise ValueError("seq_len must be at least 2 for a language model: its loss predicts each token from the "
+                         "ones before it, and one token has none to predict")
     if batch_size == "max":
         _whole(seq_len, "seq_len", MAX_SEQ_LEN)
     else:
