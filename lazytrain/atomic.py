@@ -19,7 +19,7 @@ def output_path(path: str | os.PathLike, what: str = "output") -> Path:
     """The regular file ``path`` names (links followed), which may not exist yet; ``ValueError`` when it names a
     folder, a device or another special file, or nothing at all."""
     if not str(path):
-        raise ValueError(f"the {what} path is empty: name a file")
+        raise ValueError(f"output path is empty: name a file for the {what}")
     target = Path(os.path.realpath(path))
     try:
         st = target.stat()
@@ -28,7 +28,7 @@ def output_path(path: str | os.PathLike, what: str = "output") -> Path:
     except OSError as e:
         raise ValueError(f"cannot write the {what} to {path}: {e.strerror}") from None
     if stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"the {what} path {path} is a folder: name a file in it")
+        raise ValueError(f"output path {path} is a folder: name a file in it for the {what}")
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"refusing to replace {path}: not a regular file (the {what} is written by renaming a new "
                          f"file over the path)")

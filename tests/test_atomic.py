@@ -30,7 +30,7 @@ def test_a_new_file_gets_the_umasks_mode_and_its_folders(tmp_path):
 
 
 @pytest.mark.parametrize("kind, message", [("folder", "is a folder"), ("fifo", "not a regular file"),
-                                           ("empty", "path is empty")])
+                                           ("empty", "output path is empty")])
 def test_what_a_rename_would_destroy_is_refused(tmp_path, kind, message):
     path = {"folder": tmp_path, "fifo": tmp_path / "fifo", "empty": ""}[kind]
     if kind == "fifo":
