@@ -46,16 +46,19 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="sequence length, or 'max': the longest that fits the batch (default 1024, or the "
                         "positions the model handles when it has fewer)")
     p.add_argument("--micro-batch", type=_positive, default=None, help="micro-batch size (default: chosen)")
-    p.add_argument("--gpu-memory", type=_size, default=None, help="GPU budget, e.g. 24GiB (default: the GPU's)")
-    p.add_argument("--host-memory", type=_size, default=None, help="host budget (default: the host's)")
+    p.add_argument("--gpu-memory", type=_size, default=None,
+                   help="GPU budget, e.g. 24GiB (default: the hardware profile's GPU memory)")
+    p.add_argument("--host-memory", type=_size, default=None,
+                   help="host budget (default: the hardware profile's host memory less a reserve)")
     p.add_argument("--nvme-dir", default=None, help="folder for the NVMe tier")
     p.add_argument("--nvme-memory", type=_size, default=None, help="NVMe budget, e.g. 200GiB")
     p.add_argument("--hardware", default="h200", help="built-in profile name or a file from `lazytrain profile`")
     p.add_argument("--policy", default="milp", choices=["milp", "megatrain", "recompute-all", "keep-all"])
     p.add_argument("--optimizer", default="hybrid8bit", choices=["hybrid8bit", "adamw"])
     p.add_argument("--solver", default="highs", choices=["highs", "cbc"],
-                   help="MILP solver tried first (default highs); the other is the fallback. Solves run in a "
-                        "child process: a solver crash costs that solve, never the compile")
+                   help="MILP solver tried first (default highs); the other is the fallback where it crashes, hangs or "
+                        "answers garbage (not where it finds no plan in its time). Solves run in a child process: a "
+                        "solver crash costs that solve, never the compile")
     p.add_argument("--time-limit", type=_positive_float, default=None,
                    help="MILP time limit per solve, seconds (default: the compile's solver budget, a few seconds)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype")

@@ -67,3 +67,23 @@ def test_a_gpu_budget_beyond_the_profiles_gpu_is_one_warning_line(tmp_path, caps
     assert ("lazytrain compile: warning: GPU memory 1.0 TiB is more than the 139.0 GiB of the h200 profile's NVIDIA "
             "H200") in err
     assert ".py:" not in err            # not Python's form: no source file and line
+
+
+@pytest.mark.parametrize("model_type, extra, message", [("bert", {"is_decoder": False}, "with is_decoder false"),
+                                                        ("bart", {}, "is an encoder-decoder")])
+def test_encoders_are_refused_not_trained_as_leaky_decoders(tmp_path, model_type, extra, message):
+    """BERT's causal-LM class is causal only with ``is_decoder``: it is built so, with one warning, and refused
+    where the config turns it off (its next-token loss would see the token it predicts).  BART's causal-LM
+    class is its decoder alone: refused."""
+    pytest.importorskip("transformers")
+    import json
+    cfg = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "vocab_size": 1000, "max_position_embeddings": 512, "d_model": 64,
+           "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **extra}))
+    with pytest.raises(ValueError, match=message):
+        compile(str(tmp_path), **{**KW, "policy": "megatrain"})
+    if model_type == "bert":
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        with pytest.warns(UserWarning, match="built as a causal decoder"):
+            assert compile(str(tmp_path), **{**KW, "policy": "megatrain"}).graph.n_blocks >= 3

@@ -11,6 +11,7 @@ import difflib
 import importlib
 import json
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -64,6 +65,7 @@ def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source:
                          f"supported: Hugging Face decoder-only transformer causal LMs (tested: "
                          f"{', '.join(TESTED_HF)}) and lazytrain-gpt")
     tf = _transformers()
+    _refuse_encoders(tf, model_type, cfg, source)
     # the shape must be written in the file (a config class's defaults are some other model's), under
     # its own name or the one the class maps it to (GPT-2's n_embd, n_layer, n_head)
     cls = tf.CONFIG_MAPPING[model_type]
@@ -121,6 +123,27 @@ def _hf_decoder_transformer(model_type) -> bool:
     except (ValueError, KeyError):
         return False
     return type(default) in tf.MODEL_FOR_CAUSAL_LM_MAPPING and hasattr(default, "num_attention_heads")
+
+
+def _refuse_encoders(tf, model_type: str, cfg: dict, source: str) -> None:
+    """An encoder family (BERT, RoBERTa: bidirectional attention, pretrained as a masked LM) has a causal-LM class
+    in transformers that is causal only with ``is_decoder``: it is built so (``build_from_config``), and says so
+    in one warning; a config that sets ``is_decoder: false`` is refused (its next-token loss would be learnt by
+    attending to the very token it predicts).  An encoder-decoder's (BART's) causal-LM class is its decoder
+    alone: refused."""
+    default = tf.CONFIG_MAPPING[model_type]()
+    if cfg.get("is_encoder_decoder") or getattr(default, "is_encoder_decoder", False):
+        raise ValueError(f"{source}: unsupported architecture (model_type={model_type!r} is an encoder-decoder); "
+                         f"supported: decoder-only transformer causal LMs")
+    if type(default) not in tf.MODEL_FOR_MASKED_LM_MAPPING:
+        return
+    if cfg.get("is_decoder") is False:
+        raise ValueError(f"{source}: unsupported architecture (model_type={model_type!r} with is_decoder false: "
+                         f"bidirectional attention, under which a next-token loss sees the token it predicts); "
+                         f"supported: decoder-only transformer causal LMs (leave is_decoder out, or set it true)")
+    if "is_decoder" not in cfg:
+        warnings.warn(f"{source}: {model_type} is an encoder family (pretrained with bidirectional attention): "
+                      f"built as a causal decoder (is_decoder), as the next-token loss needs", stacklevel=4)
 
 
 #: the largest shape a config may declare, per field: 16x or more the largest preset's (Qwen2.5-72B: 80

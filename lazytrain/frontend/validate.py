@@ -173,6 +173,8 @@ def check_compile_args(model, *, batch_size, seq_len: int, micro_batch: int | No
         _whole(seq_len, "seq_len", MAX_SEQ_LEN)
     else:
         check_sizes(batch_size, seq_len)
+        if micro_batch is not None and isinstance(micro_batch, int) and micro_batch > 0 and batch_size % micro_batch:
+            raise ValueError(f"micro_batch {micro_batch} does not divide batch_size {batch_size}")
         blocks = min_blocks(model)
         if blocks <= MAX_MICRO_BATCH_BLOCKS:      # more is an absurd config, which building it reports
             check_micro_batches(batch_size, blocks, micro_batch)
