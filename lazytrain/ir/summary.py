@@ -211,6 +211,18 @@ def model_tflops_text(pred: dict) -> str:
     return text
 
 
+def _budget_rows(budgets: dict) -> list[list[str]]:
+    """The budgets the peaks above are held to: the GPU's after its reserve (and the memory it was given)."""
+    if not isinstance(budgets, dict) or not isinstance(budgets.get("gpu_bytes"), (int, float)):
+        return []
+    nvme = budgets.get("nvme_bytes") or 0
+    total, res = budgets.get("gpu_total_bytes"), budgets.get("gpu_reserve_bytes")
+    given = (f" (GPU: {total / GiB:.2f} less a {res / GiB:.2f} reserve)"
+             if isinstance(total, (int, float)) and isinstance(res, (int, float)) else "")
+    return [["budget GPU / host / NVMe", f"{budgets['gpu_bytes'] / GiB:.2f} / "
+                                         f"{(budgets.get('host_bytes') or 0) / GiB:.2f} / {nvme / GiB:.2f} GiB{given}"]]
+
+
 def summary_rows(plan) -> list[list]:
     d = plan.decisions
     pred = plan.predicted
@@ -237,6 +249,7 @@ def summary_rows(plan) -> list[list]:
             ["peak GPU / host / NVMe", f"{pred.get('peak_gpu_bytes', 0) / GiB:.2f} / "
                                        f"{pred.get('peak_host_bytes', 0) / GiB:.2f} / "
                                        f"{pred.get('peak_nvme_bytes', 0) / GiB:.2f} GiB"],
+            *_budget_rows(plan.budgets),
             ["busy s (gpu h2d d2h cpu nvme)", " ".join(f"{pred.get('busy_s', {}).get(r, 0):.3f}"
                                                        for r in ("gpu", "h2d", "d2h", "cpu", "nvme"))],
             ["exposed transfer s", f"{pred.get('exposed_transfer_s', 0):.4f}"],
@@ -252,7 +265,9 @@ def summary_rows(plan) -> list[list]:
         objective = f"{st.objective:.4f}" if isinstance(st.objective, (int, float)) else st.objective
         gap = f"{st.gap:.2%}" if isinstance(st.gap, (int, float)) else st.gap
         name = f"{st.solver} " if st.solver else ""
-        rows.append(["solver", f"{name}{st.status}, objective {objective}, gap {gap}, {st.n_vars} vars, "
+        # the objective is the MILP's model of the step it solved (before the GPU-update rule and the loss head's
+        # pass): the predicted step above is the simulation of the plan returned
+        rows.append(["solver", f"{name}{st.status}, model objective {objective}, gap {gap}, {st.n_vars} vars, "
                                f"{st.n_constraints} constraints, {st.seconds:.2f} s"
                                f"{'; the search deadline ran out' if st.out_of_time else ''}"
                                f"{CLOCKS.get(st.deadline_clock, '') if st.out_of_time else ''}"])
