@@ -15,6 +15,11 @@ program-order walk is the memory the runtime sees.  The schedule, in named steps
   boundary (if it is recomputed) and run backward through it; then ``grad_offload`` and
   ``free params`` per block; without clipping, each update right after its last gradient.
 
+A block without parameters (an activation or a dropout of an ``nn.Sequential``) keeps its zero-byte ``load``
+and ``free`` of its parameter set (the runtime's forward reads one), but its gradient is empty: the accumulator
+its backward makes is freed on the GPU, with no ``reduce_scatter``, ``grad_offload`` or ``update`` (no update
+would read it); it cannot be GPU-updated.
+
 A GPU-updated block (``Decisions.gpu_update``) has no ``grad_offload`` (its accumulator stays on the GPU
 into the next step) and no host update or forward load: its ``state_load`` (H2D) brings its parameters and
 optimizer state in, its ``update`` runs on the GPU stream just before its forward, and its ``state_store``
@@ -87,6 +92,12 @@ class _Lowering:
         self.hazards = HazardWalk()
         self.window = 0
         self.owns = [g.blocks[j].owned_numel > 0 for j in range(self.L)]
+        #: blocks that read parameters (their own or tied ones): a block without any (an activation, a
+        #: reshape) has an empty gradient, which is dropped on the GPU, never offloaded nor updated
+        self.has_params = [g.blocks[j].param_numel > 0 for j in range(self.L)]
+        empty = sorted(j for j in self.gpu_updated if not self.owns[j])
+        if empty:
+            raise ValueError(f"blocks {empty} own no parameters: they cannot be GPU-updated (decisions.gpu_update)")
         self.updated: set[int] = set()
         self.gathered: set[int] = set()     # resident blocks gathered this step (several ranks)
         self.param_frees: list[int] = []
@@ -290,6 +301,10 @@ class _Lowering:
                         self.emit(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G)
                     continue
                 if j in self.gpu_updated:    # the accumulator stays for the next step's update on the GPU
+                    self.param_frees.append(self.emit(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G))
+                    continue
+                if not self.has_params[j]:   # an empty gradient: no update reads it, nothing to reduce or offload
+                    self.emit(OpKind.FREE, j, tensor=_tid(TensorKind.GRADS, j), src=G)
                     self.param_frees.append(self.emit(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G))
                     continue
                 if c.sharded:    # the ranks' gradients summed, this rank's shard kept

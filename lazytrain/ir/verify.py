@@ -118,6 +118,14 @@ def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
         raise PlanError(f"blocks {sorted(tie_closure(plan.graph, resident) - resident)} share tied parameters with "
                         f"resident blocks but are not resident (a tie group is resident as a whole)")
     grad_off = {op.block: op.id for op in ops if op.kind is grad_offload}
+    blocks = plan.graph.blocks
+    for j in grad_off:          # (an empty gradient would be left on the host, read by no update)
+        if not blocks[j].params:
+            raise _fail(ops[grad_off[j]], f"block {j} has no parameters: its empty gradient is freed on the GPU, "
+                                          "not offloaded")
+    empty = sorted(j for j in sizes.gpu_updated if not blocks[j].owned_numel)
+    if empty:
+        raise PlanError(f"blocks {empty} are GPU-updated (decisions.gpu_update) but own no parameters to update")
     first_load: dict[int, Op] = {}              # owner -> the first load of a block reading its parameters
     for op in ops:
         if op.kind is load:
