@@ -250,7 +250,9 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
     (``frontend/packing.py``)."""
     if isinstance(clone, nn.Sequential):
         if example_inputs is None or loss_fn is None:
-            raise TraceError("an nn.Sequential needs example_inputs=(x, target) and loss_fn(output, target)")
+            raise TraceError("an nn.Sequential needs example_inputs=(x, target) and loss_fn(output, target): trace "
+                             "it first, lazytrain.frontend.trace.trace(model, seq_len=..., example_inputs=(x, target), "
+                             "loss_fn=...), and compile the graph that returns")
         root = _SequentialWithLoss(clone, loss_fn)
         x, target = (_to_meta_batch(t, micro_batch) for t in example_inputs)
         if x.is_floating_point():
