@@ -44,6 +44,8 @@ def _locate(src: Path) -> tuple[Path, Path | None]:
         return src, src.parent if (src.parent / "metrics.json").is_file() else None
     if (src / "checkpoint").is_dir():
         return src / "checkpoint", src
+    if not src.exists():
+        raise ExportError(f"{src} does not exist: name a run folder (OUTPUT of lazytrain train) or its checkpoint/")
     raise ExportError(f"{src}: neither a checkpoint folder (checkpoint.json) nor a run folder (checkpoint/)")
 
 
