@@ -9,15 +9,16 @@ import dataclasses
 import time
 import warnings
 
+import torch
+
 from ..frontend.presets import build_model
 from ..frontend.trace import trace
 from ..frontend.trace_cache import TraceCache
 from ..frontend.validate import check_compile_args, micro_batch_candidates
 from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
-from ..units import format_size
 from . import gpu_update as gpu_update_rule
-from .budgets import BudgetError, binding, held_host_bytes, make_budgets
+from .budgets import BudgetError, budget_error, held_host_bytes, make_budgets  # noqa: F401 - BudgetError: what compile_model raises
 from .cost import CostModel
 from .hardware import get_profile
 from .loss_chunk import LOSS_HEAD_MODES, faster_head, single_pass_rows, with_loss_chunk
@@ -28,7 +29,6 @@ from .resident import resident_request
 from .search import Search
 from .simulate import SimResult, simulate
 from .solvers import isolated
-from .solvers.heuristics import HEURISTICS
 from .solvers.isolated import DEFAULT_ORDER, SOLVERS
 from .world import check_world, per_rank_budgets
 
@@ -374,7 +374,6 @@ PARAM_DTYPES = ("bfloat16", "float16", "float32")
 
 def _param_dtype(d) -> str:
     """``d`` (a name or a ``torch.dtype``) as the name a plan records, or ``ValueError``."""
-    import torch
     name = str(d).removeprefix("torch.") if isinstance(d, (str, torch.dtype)) else None
     if name not in PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {', '.join(PARAM_DTYPES)} (or the torch dtype), got {d!r}")
@@ -414,15 +413,13 @@ def _search(comp: Compiler, policy: str, batch_size, micro_batch: int | None, ma
             raise ValueError(f"max_batch_limit must be a positive integer, got {max_batch_limit!r}")
         plan, tried = comp.search.max_batch(policy, micro_batch, max_batch_limit)
         if plan is None:
-            raise _budget_error(comp, tried, micro_batch)
+            raise budget_error(comp, tried, micro_batch)
         return plan
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer or 'max', got {batch_size!r}")
-    if micro_batch and batch_size % micro_batch:
-        raise ValueError(f"micro_batch {micro_batch} does not divide batch_size {batch_size}")
     plan = comp.best(policy, batch_size, micro_batch)
     if plan is None:
-        raise _budget_error(comp, batch_size, micro_batch, policy)
+        raise budget_error(comp, batch_size, micro_batch, policy)
     return plan
 
 
@@ -445,61 +442,3 @@ def _returned(comp: Compiler, plan: Plan, policy: str) -> Plan:
         if base is not None:
             plan.predicted["megatrain_step_time_s"] = base.predicted["step_time_s"]
     return plan
-
-
-def _count(n: int) -> str:
-    """12_345_678 -> '12.3 M' (a parameter count readable at every model size)."""
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return str(n)
-
-
-def _gib(n: int) -> str:
-    """Bytes in GiB to two places, as the budget errors state them; a size under 0.01 GiB in its own unit."""
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 100 else format_size(n)
-
-
-def _budget_error(comp: Compiler, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:
-    host_need = int(comp.graph.total_params * comp.options["host_bytes_per_param"]) // comp.world_size
-    if host_need > comp.budgets["host_bytes"]:    # the host store alone does not fit: say that first
-        return BudgetError(
-            f"needs at least {_gib(host_need)} of host memory for the parameters and optimizer state of "
-            f"{_count(comp.graph.total_params)} parameters ({comp.options['host_bytes_per_param']} bytes "
-            f"each); the budget is {_gib(comp.budgets['host_bytes'])}")
-    mb = micro_batch or 1
-    leanest = comp.leanest(batch_size, mb)
-    need = leanest.predicted["peak_gpu_bytes"]
-    res = comp.budgets["gpu_reserve_bytes"]
-    why = binding(leanest, comp.budgets)
-    if why is None and policy in HEURISTICS:      # the MILP's leanest plan fits: this policy's own does not
-        own = comp.build(HEURISTICS[policy](comp.graph, mb, batch_size // mb), batch_size, check_budget=False)
-        return BudgetError(
-            f"policy {policy} has no plan within the budgets for batch {batch_size}, seq {comp.graph.seq_len}: "
-            f"{binding(own, comp.budgets) or 'its plan does not fit'}; the milp policy's leanest plan fits them: "
-            f"use --policy milp, or lower the batch or the sequence")
-    if need <= comp.budgets["gpu_bytes"]:     # the GPU is not what binds: the host or NVMe budget is
-        return BudgetError(
-            f"no plan fits every budget for batch {batch_size}, seq {comp.graph.seq_len}: the plan leanest on GPU "
-            f"memory needs {(need + res) / GiB:.2f} of the {comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB, but "
-            f"{why or 'the search found no plan within the budgets'}: raise --host-memory, give --nvme-dir for "
-            f"activations, or lower the "
-            f"batch or the sequence")
-    if policy in HEURISTICS:       # what this policy itself needs at its leanest micro-batch
-        own = comp.build(HEURISTICS[policy](comp.graph, mb, batch_size // mb), batch_size, check_budget=False)
-        own_need = own.predicted["peak_gpu_bytes"]
-        if own_need > need:
-            budget = comp.budgets["gpu_total_bytes"] / GiB
-            return BudgetError(
-                f"policy {policy} needs at least {(own_need + res) / GiB:.2f} GiB of GPU memory for batch "
-                f"{batch_size}, seq {comp.graph.seq_len} (micro-batch {mb}); the budget is {budget:.2f} GiB. "
-                f"The milp policy needs only {(need + res) / GiB:.2f} GiB: use --policy milp, or lower the batch")
-    held = ""
-    if comp.resident:
-        rb = comp.cost(1).sizes.resident_bytes()
-        held = f", of it {rb / GiB:.2f} GiB for the {len(comp.resident)} resident blocks asked for"
-    msg = (f"needs at least {(need + res) / GiB:.2f} GiB of GPU memory for batch {batch_size}, seq "
-           f"{comp.graph.seq_len} (plan peak {need / GiB:.2f} GiB{held} + {res / GiB:.2f} GiB reserve); the budget "
-           f"is {comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB: lower the batch or the sequence"
-           f"{', keep fewer blocks resident' if held else ''}, or raise --gpu-memory")
-    return BudgetError(msg)

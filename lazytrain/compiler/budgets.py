@@ -1,5 +1,6 @@
 """The memory budgets a plan must meet, in bytes, from the sizes a caller gives and the hardware profile's
-defaults, and how to say which one a plan exceeds."""
+defaults, how to say which one a plan exceeds, and what to tell a caller whose search found no plan within
+them (``budget_error``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from ..ir import GiB, Plan, PlanError
 from ..units import format_size, parse_size
+from .solvers.heuristics import HEURISTICS
 
 
 class BudgetError(PlanError):
@@ -72,7 +74,10 @@ def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memo
         warnings.warn(f"GPU memory {format_size(gpu)} is more than the {format_size(hw.gpu_memory_bytes)} of the "
                       f"{hw.name} profile's {hw.gpu_name}: the plan will not run on that GPU (name the GPU's own "
                       f"profile with --hardware)", stacklevel=3)
-    res = int(1.5 * GiB + 0.05 * gpu) if reserve is None else (0 if reserve == 0 else size(reserve, 0, "reserve"))
+    if reserve is None:
+        res = int(1.5 * GiB + 0.05 * gpu)
+    else:           # no reserve is a choice (a size of 0 is not: ``parse_size`` refuses it)
+        res = 0 if reserve == 0 else size(reserve, 0, "reserve")
     budgets = {"gpu_bytes": gpu - res, "gpu_total_bytes": gpu, "gpu_reserve_bytes": res,
                "host_bytes": size(host_memory, hw.host_memory_bytes - host_reserve(hw.host_memory_bytes) - held_bytes,
                                   "host_memory"),
@@ -83,3 +88,66 @@ def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memo
                           + (f" ({gpu_memory!r} has no unit, so it is bytes: write e.g. {gpu_memory.strip()}GiB)"
                              if bare else ""))
     return budgets
+
+
+def _count(n: int) -> str:
+    """12_345_678 -> '12.3 M' (a parameter count readable at every model size)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return str(n)
+
+
+def _gib(n: int) -> str:
+    """Bytes in GiB to two places, as the budget errors state them; a size under 0.01 GiB in its own unit."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 100 else format_size(n)
+
+
+def budget_error(comp, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:
+    """Why no plan of ``policy`` fits ``comp``'s budgets at this batch (``comp``: the ``api.Compiler`` whose search
+    found none), with the memory that would make one fit where that can be said."""
+    host_need = int(comp.graph.total_params * comp.options["host_bytes_per_param"]) // comp.world_size
+    if host_need > comp.budgets["host_bytes"]:    # the host store alone does not fit: say that first
+        return BudgetError(
+            f"needs at least {_gib(host_need)} of host memory for the parameters and optimizer state of "
+            f"{_count(comp.graph.total_params)} parameters ({comp.options['host_bytes_per_param']} bytes "
+            f"each); the budget is {_gib(comp.budgets['host_bytes'])}")
+    mb = micro_batch or 1
+    leanest = comp.leanest(batch_size, mb)
+    need = leanest.predicted["peak_gpu_bytes"]
+    res = comp.budgets["gpu_reserve_bytes"]
+    why = binding(leanest, comp.budgets)
+
+    def own_plan() -> Plan:
+        """A heuristic policy's own plan at its leanest micro-batch: what that policy itself needs."""
+        return comp.build(HEURISTICS[policy](comp.graph, mb, batch_size // mb), batch_size, check_budget=False)
+    if why is None and policy in HEURISTICS:      # the MILP's leanest plan fits: this policy's own does not
+        own = own_plan()
+        return BudgetError(
+            f"policy {policy} has no plan within the budgets for batch {batch_size}, seq {comp.graph.seq_len}: "
+            f"{binding(own, comp.budgets) or 'its plan does not fit'}; the milp policy's leanest plan fits them: "
+            f"use --policy milp, or lower the batch or the sequence")
+    if need <= comp.budgets["gpu_bytes"]:     # the GPU is not what binds: the host or NVMe budget is
+        return BudgetError(
+            f"no plan fits every budget for batch {batch_size}, seq {comp.graph.seq_len}: the plan leanest on GPU "
+            f"memory needs {(need + res) / GiB:.2f} of the {comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB, but "
+            f"{why or 'the search found no plan within the budgets'}: raise --host-memory, give --nvme-dir for "
+            f"activations, or lower the "
+            f"batch or the sequence")
+    if policy in HEURISTICS:
+        own_need = own_plan().predicted["peak_gpu_bytes"]
+        if own_need > need:
+            budget = comp.budgets["gpu_total_bytes"] / GiB
+            return BudgetError(
+                f"policy {policy} needs at least {(own_need + res) / GiB:.2f} GiB of GPU memory for batch "
+                f"{batch_size}, seq {comp.graph.seq_len} (micro-batch {mb}); the budget is {budget:.2f} GiB. "
+                f"The milp policy needs only {(need + res) / GiB:.2f} GiB: use --policy milp, or lower the batch")
+    held = ""
+    if comp.resident:
+        rb = comp.cost(1).sizes.resident_bytes()
+        held = f", of it {rb / GiB:.2f} GiB for the {len(comp.resident)} resident blocks asked for"
+    msg = (f"needs at least {(need + res) / GiB:.2f} GiB of GPU memory for batch {batch_size}, seq "
+           f"{comp.graph.seq_len} (plan peak {need / GiB:.2f} GiB{held} + {res / GiB:.2f} GiB reserve); the budget "
+           f"is {comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB: lower the batch or the sequence"
+           f"{', keep fewer blocks resident' if held else ''}, or raise --gpu-memory")
+    return BudgetError(msg)

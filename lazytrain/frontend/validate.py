@@ -9,7 +9,10 @@ preset, a config.json, a module's ``config``); a ``package.module:factory`` is n
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+from torch import nn
 
 from ..ir.graph import ModelGraph
 from ..ir.limits import MAX_BATCH, MAX_MICRO_BATCH_BLOCKS, MAX_SEQ_LEN, MAX_TOKENS, SEARCH_MICRO_BATCH
@@ -43,7 +46,6 @@ def check_sizes(batch_size: int, seq_len: int) -> None:
 def _custom_loss(model) -> bool:
     """Is ``model`` trained with a loss of the caller's (an ``nn.Sequential`` with its ``loss_fn``, or a graph traced
     from one), not the next-token loss of a language model?"""
-    from torch import nn
     if isinstance(model, ModelGraph):
         return "loss_head" not in model.meta and not model.meta.get("config")
     return isinstance(model, nn.Sequential)
@@ -148,9 +150,6 @@ def check_micro_batches(batch_size: int, n_blocks: int, micro_batch: int | None)
 def check_model(model) -> None:
     """``model`` is something ``compile_model`` takes: a module instance, a traced ``ModelGraph``, or a string (a
     preset, a config path, ``package.module:factory``); ``ValueError`` naming what was given otherwise."""
-    import os
-
-    from torch import nn
     if isinstance(model, (nn.Module, ModelGraph, str, os.PathLike)):
         return
     if isinstance(model, type) and issubclass(model, nn.Module):
