@@ -37,6 +37,7 @@ import time
 import warnings
 
 from ..ir import ModelGraph
+from ..ir.graph import padded_row
 from ..ir.plan import PlanError
 from .search import MIN_SOLVE_S
 
@@ -84,7 +85,7 @@ def single_pass_rows(head: dict, gpu_bytes: int, rows: int) -> list[int]:
     the single pass."""
     if accumulator_bytes(head) is None:
         return []
-    room = int(gpu_bytes * LOSS_HEAD_SHARE) // (head["vocab"] * head["bytes_per_logit"])
+    room = int(gpu_bytes * LOSS_HEAD_SHARE) // (padded_row(head["vocab"]) * head["bytes_per_logit"])
     top = min(room, 1 << max(0, rows - 1).bit_length())
     low = min(SINGLE_PASS_MIN_ROWS, rows)
     out = []
@@ -112,7 +113,7 @@ def with_loss_chunk(graph: ModelGraph, gpu_bytes: int | None, single_rows: int |
         b = dataclasses.replace(b, fwd_flops=b.fwd_flops - 2 * matmul, bwd_flops=b.bwd_flops + 3 * matmul)
     one = single_rows is not None and accumulator_bytes(head) is not None
     if one:
-        chunk = max(1, single_rows) * head["vocab"]
+        chunk = max(1, single_rows) * padded_row(head["vocab"])     # rows of the aligned stride the runtime allocates
         b = dataclasses.replace(b, fwd_flops=b.fwd_flops + 2 * matmul, bwd_flops=b.bwd_flops - 3 * matmul,
                                 workspace_fixed_bytes=chunk * head["bytes_per_logit"] + accumulator_bytes(head))
     else:

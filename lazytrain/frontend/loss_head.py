@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ir.graph import loss_chunk_columns
+from ..ir.graph import loss_chunk_columns, padded_row
 from .loss_kernels import LossKernels, usable
 
 #: the label of a position without loss (torch's cross_entropy ``ignore_index``), the one definition the
@@ -73,9 +73,19 @@ def row_bytes(dtype: torch.dtype, hidden: int) -> int:
     return hidden * (4 + size) + ROW_STATS * 4
 
 
+def _aligned(rows: int, cols: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised ``rows x cols`` matrix whose rows start ``padded_row(cols)`` elements apart (``like``'s
+    device, its dtype unless given): the GEMMs that write or read a chunk's logits keep their fast kernels for
+    any vocabulary (``ir.graph.LOGIT_ROW_ALIGN``)."""
+    wide = padded_row(cols)
+    buf = torch.empty(rows, wide, dtype=dtype or like.dtype, device=like.device)
+    return buf if wide == cols else buf[:, :cols]
+
+
 def _product(f, w, b) -> torch.Tensor:
-    """One chunk's ``features @ weight.T (+ bias)`` in the model dtype."""
-    return f @ w.t() if b is None else torch.addmm(b, f, w.t())
+    """One chunk's ``features @ weight.T (+ bias)`` in the model dtype, in rows aligned as ``_aligned`` says."""
+    out = _aligned(f.shape[0], w.shape[0], f)
+    return torch.mm(f, w.t(), out=out) if b is None else torch.addmm(b, f, w.t(), out=out)
 
 
 def _logits(f, w, b, scale: float, softcap: float | None) -> torch.Tensor:
@@ -111,7 +121,9 @@ def _finish_dz(p, inside, col, row_grad, deriv, scale: float, dtype: torch.dtype
         p.mul_(deriv)
     if scale != 1.0:
         p.mul_(scale)
-    return p.to(dtype)
+    if p.dtype == dtype:
+        return p
+    return _aligned(*p.shape, p, dtype).copy_(p)
 
 
 def _chunk_dz(f, w, b, labels, lo: int, hi: int, lse, row_grad, scale: float, softcap: float | None):
@@ -136,7 +148,7 @@ def _rows_loss_dz(f, w, b, labels, scale: float, softcap: float | None, kernels)
                                 torch.zeros(rows, dtype=stat, device=zb.device),
                                 torch.zeros(rows, dtype=stat, device=zb.device), scale, softcap)
         lse = m + s.log()
-        dz = kernels.grad(zb, labels, lse, counted.to(stat), scale, softcap)
+        dz = kernels.grad(zb, labels, lse, counted.to(stat), scale, softcap, out=zb)
         return torch.where(counted, lse - t, 0.0), dz
     z = _logits(f, w, b, scale, softcap)
     deriv = _softcap_derivative(z, softcap)
@@ -212,8 +224,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         rows, vocab = feats.shape[0], weight.shape[0]
         ctx.single_pass = False
         if single_pass and not feats.is_meta:
-            return _single_pass(ctx, feats, weight, bias, labels, max(1, chunk_logits // vocab), softcap, scale,
-                                usable(kernels))
+            return _single_pass(ctx, feats, weight, bias, labels, max(1, chunk_logits // padded_row(vocab)), softcap,
+                                scale, usable(kernels))
         # shapes only (the cost measurement): FLOPs are linear in the columns, so one chunk counts the same
         cols = vocab if feats.is_meta else loss_chunk_columns(chunk_logits, rows, vocab)
         stat = torch.float64 if feats.dtype == torch.float64 else torch.float32
@@ -256,8 +268,9 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         for lo in range(0, vocab, cols):
             hi = min(vocab, lo + cols)
             if kernels is not None:
-                dz = kernels.grad(_product(feats, weight[lo:hi], None if bias is None else bias[lo:hi]),
-                                      labels - lo, lse, row_grad, scale, softcap)
+                zb = _product(feats, weight[lo:hi], None if bias is None else bias[lo:hi])
+                dz = kernels.grad(zb, labels - lo, lse, row_grad, scale, softcap, out=zb)
+                del zb
             else:
                 dz = _chunk_dz(feats, weight[lo:hi], None if bias is None else bias[lo:hi], labels, lo, hi, lse,
                                row_grad, scale, softcap)

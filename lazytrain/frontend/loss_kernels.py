@@ -51,9 +51,10 @@ def chunk_stats(zb, rel, run_max, run_sum, target, scale: float, softcap: float 
     return new_max, run_sum, target
 
 
-def chunk_grad(zb, rel, lse, row_grad, scale: float, softcap: float | None):
+def chunk_grad(zb, rel, lse, row_grad, scale: float, softcap: float | None, out=None):
     """``d loss / d (features @ weight.T)`` of one chunk in the model dtype: row_grad * (softmax - onehot), through
-    the softcap's and the scale's derivatives."""
+    the softcap's and the scale's derivatives; written into ``out`` where given (the head passes ``zb`` itself,
+    which it no longer needs: no second chunk, and the gradient keeps the product's aligned rows)."""
     z, t = _logits(zb, scale, softcap)
     cols = z.shape[1]
     hit = torch.arange(cols, device=z.device)[None, :] == rel[:, None]
@@ -63,7 +64,8 @@ def chunk_grad(zb, rel, lse, row_grad, scale: float, softcap: float | None):
         p = p * (1.0 - t * t)
     if scale != 1.0:
         p = p * scale
-    return p.to(zb.dtype)
+    p = p.to(zb.dtype)
+    return p if out is None else out.copy_(p)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import textwrap
 from collections import Counter
 
 from .decisions import Place, Saved
-from .graph import loss_chunk_columns
+from .graph import loss_chunk_columns, padded_row
 from .ops import GiB, OpKind
 from .semantics import Sizes
 
@@ -177,7 +177,7 @@ def _loss_head_text(plan, head: dict) -> str:
     gib = head["chunk_logits"] * head["bytes_per_logit"] / GiB
     whole = rows * head["vocab"] * 4 / GiB
     if head.get("single_pass") is True:
-        per = max(1, head["chunk_logits"] // head["vocab"])
+        per = max(1, head["chunk_logits"] // padded_row(head["vocab"]))
         chunks = -(-rows // per)
         acc = plan.graph.blocks[head["block"]].workspace_fixed_bytes / GiB - gib
         text = (f"lm_head + cross-entropy fused in {chunks} chunk{'s' if chunks > 1 else ''} of {per} rows over the "
