@@ -93,10 +93,20 @@ def parser() -> argparse.ArgumentParser:
                     help="after each run, read the host update, parameter load and gradient offload rates its "
                          "profiled step reached (lazytrain.step_rates) into the hardware profile, compile again "
                          "and run that plan too: its prediction is priced at the measured in-step rates")
+    ap.add_argument("--save-profile", default=None, metavar="PATH",
+                    help="after each run, write the hardware profile the runs priced with (with --calibrate or "
+                         "--refit, its measurements) to PATH, to start a later invocation from it")
     ap.add_argument("--gpu-update", default="auto", type=lambda t: t if t in ("none", "auto") else int(t),
                     help="none, auto (default: the compiler's choice) or a number of the first streamed blocks "
                          "updated on the GPU (compile(..., gpu_update=...)); none for the A/B without")
     return ap
+
+
+def save_profile(a) -> None:
+    """The profile the runs priced with, written to ``--save-profile``."""
+    if a.save_profile:
+        from lazytrain.compiler.hardware import get_profile
+        get_profile(a.hardware).save(a.save_profile)
 
 
 def main(argv=None) -> dict:
@@ -147,11 +157,13 @@ def main(argv=None) -> dict:
                 traceback.print_exc()
                 results.append({"batch": a.batch, "seq": a.seq, "policy": pol, "error": f"{type(e).__name__}: {e}"})
             torch.cuda.empty_cache()
+            save_profile(a)
             if a.out:
                 with open(a.out, "w") as f:
                     json.dump(results, f, indent=1)
         return results
     out = run_refit(a, model, build_s) if a.refit else run_one(a, model, build_s)
+    save_profile(a)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

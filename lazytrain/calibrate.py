@@ -8,9 +8,10 @@ layers, another attention kernel or another sequence length runs at other rates 
    layer when all layers are alike (``trace_export.reducible``; their programs are the same code, so
    the middle layer's time is every middle layer's), on the CPU, buffers rebuilt from the config (or
    copied from the model where they are real);
-2. a recompute-all plan for it at the plan's micro-batch and sequence length, ``N_MICRO`` micro-batches
-   a step, every block streamed (so forward, recompute and backward each run for every block); near the
-   longest sequence that fits, the MILP's plan and one micro-batch instead (``timing_plan``);
+2. a recompute-all plan for it at the plan's micro-batch and sequence length, every block streamed (so
+   forward, recompute and backward each run for every block), ``N_MICRO`` micro-batches a step, on a GPU as
+   many as its forwards need to run ``SUSTAIN_S`` (``timing_plan``: the clocks a step runs at); near the
+   longest sequence that fits, the MILP's plan and one micro-batch instead;
 3. ``WARMUP`` + ``repeats`` steps with ``Trainer(profile=True)``: each op is timed on its stream as a plan
    runs it (CUDA events after its waits, so a transfer it waits for is not counted; in CPU mode,
    wall time);
@@ -37,6 +38,7 @@ each (a 7B model cut to three layers: 1.8 B parameters, 29 GB).
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -44,6 +46,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import step_rates
 from .compiler.api import Compiler, compile_model
 from .compiler.block_timing import BlockTiming, CutTiming
 from .compiler.budgets import BudgetError
@@ -51,17 +54,25 @@ from .compiler.hardware import HardwareProfile, get_profile
 from .frontend.presets import build_model
 from .frontend.trace import trace
 from .frontend.trace_export import find_layers, kept_layers, meta_clone, reducible
-from .ir import OpKind, PlanError, Resource, Saved
+from .ir import OpKind, PlanError, Saved
 from .ir.graph import ModelGraph
 from .ir.semantics import Sizes
 from .runtime.memtrack import compare, track
 from .runtime.optim.hybrid8bit import Hybrid8bitAdamW
 from .runtime.optim.torch_adamw import TorchAdamW
 from .runtime.trainer import Trainer
-from .step_rates import rate_field, with_host_rate
+from .step_rates import StepRates
 
-#: micro-batches a step of the timing plan: each block's forward, recompute and backward run this often a step
+#: micro-batches a step of the timing plan at least: each block's forward, recompute and backward run this often
 N_MICRO = 2
+#: on a GPU, modelled seconds of forwards a timing step runs at least (so up to ``MAX_MICRO`` micro-batches).  A GPU
+#: under a step's load runs below its boost clocks (the H200 at its 700 W limit: a 3B layer's forward 7.4 ms after
+#: an idle second, 8.4-8.9 ms after 0.3 s of matmuls), and a training step keeps it loaded for seconds, but a timing
+#: step of two micro-batches starts each from idle: it timed qwen2.5-3b's layer forward at 7.4-7.5 ms, which the
+#: plans' steps then ran at 1.11-1.19x (batch 32) and 1.28x (batch 8), while the recomputes and backwards, which
+#: follow the forwards, were within 1-5%.  Six micro-batches timed the same forward at 8.43 ms.
+SUSTAIN_S = 0.5
+MAX_MICRO = 32
 #: steps run before timing (allocator warm-up, cuDNN autotuning, lazy initialisation)
 WARMUP = 1
 
@@ -111,26 +122,61 @@ def _vocab(model: nn.Module) -> int:
 
 def timing_plan(model: nn.Module, *, micro_batch: int, **shape):
     """The plan the blocks are timed in: recompute-all (every block's forward, recompute and backward run) at
-    ``N_MICRO`` micro-batches; where that does not fit (a length near ``--seq max``, whose boundaries must
-    leave the GPU), the MILP's plan, and then one micro-batch (the shape the user's own plan has, so it fits
-    wherever that plan did; a block the MILP keeps is timed without recompute: its forward stands in)."""
+    ``N_MICRO`` micro-batches, on a GPU at as many more as its forwards need to last ``SUSTAIN_S`` (``sustained``);
+    where that does not fit (a length near ``--seq max``, whose boundaries must leave the GPU), the MILP's plan,
+    and then one micro-batch (the shape the user's own plan has, so it fits wherever that plan did; a block the
+    MILP keeps is timed without recompute: its forward stands in)."""
     tries = [(n, policy) for n in (N_MICRO, 1) for policy in ("recompute-all", "milp")]
     for k, (n_micro, policy) in enumerate(tries):
         try:
-            return compile_model(model, policy=policy, batch_size=micro_batch * n_micro, micro_batch=micro_batch,
+            plan = compile_model(model, policy=policy, batch_size=micro_batch * n_micro, micro_batch=micro_batch,
                                  loss_head="recompute", **shape)     # the head the search plans with
         except BudgetError:
             if k == len(tries) - 1:
                 raise
+            continue
+        more = sustained(plan, shape["hardware"])
+        if more > n_micro:
+            try:
+                return compile_model(model, policy=policy, batch_size=micro_batch * more, micro_batch=micro_batch,
+                                     loss_head="recompute", **shape)
+            except BudgetError:
+                pass
+        return plan
+
+
+def sustained(plan, hw: HardwareProfile) -> int:
+    """Micro-batches a timing step of ``plan``'s shape takes on ``hw`` for its forwards to last ``SUSTAIN_S`` as
+    modelled (at least the plan's own, at most ``MAX_MICRO``); a CPU's: its own (no clocks to load)."""
+    n_micro = plan.batch_size // plan.micro_batch
+    if not hw.has_gpu:
+        return n_micro
+    forward = sum(op.seconds for op in plan.ops if op.kind is OpKind.COMPUTE) / n_micro
+    want = math.ceil(SUSTAIN_S / forward) if forward > 0 else MAX_MICRO
+    return max(n_micro, min(MAX_MICRO, want))
 
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-    """What the timing steps measured: the blocks' programs, and the host optimizer's rate in G params/s as it ran
-    in those steps (None where no host update was timed)."""
+    """What the timing steps measured: the blocks' programs, and the rates the host optimizer's updates and the
+    parameter loads and gradient offloads reached in those steps (``step_rates.StepRates``; None where none ran)."""
 
     timings: list[BlockTiming]
-    host_update_gparams: float | None = None
+    rates: StepRates | None = None
+
+    @property
+    def host_update_gparams(self) -> float | None:
+        return None if self.rates is None else self.rates.host_update_gparams
+
+    def priced(self, hw: HardwareProfile, copies: bool) -> HardwareProfile:
+        """``hw`` with the block timings and the host update rate, and with ``copies`` (a GPU's timing steps) the
+        loads' and offloads' rates too: a CPU's "copies" are memcpys, not the PCIe the profile prices."""
+        hw = hw.with_timings(self.timings)
+        if self.rates is None:
+            return hw
+        rates = self.rates if copies else dataclasses.replace(self.rates, param_load_gbps=None,
+                                                              grad_offload_gbps=None)
+        return rates.apply(hw, where="a calibration step")
 
 
 def measure_blocks(model: nn.Module, hw: HardwareProfile, **kw) -> list[BlockTiming]:
@@ -148,7 +194,9 @@ def measure(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch:
 
     The steps run ``optimizer`` (at learning rate 0) on the host, so its updates are timed as a step runs them:
     beside the PCIe copies and the GPU's work, which share the host's memory bandwidth with it.  Measured on the
-    H200 host: 8-bit AdamW at 4.1 G params/s in a qwen2.5-3b step against 5.0-6.0 alone (``host_rate``)."""
+    H200 host: 8-bit AdamW at 4.1 G params/s in a qwen2.5-3b step against 5.0-6.0 alone.  The parameter loads and
+    gradient offloads are read from the same steps (``step_rates.measure``): beside the host's updates they ran at
+    43-47 and ~29 GB/s in the plans' steps, where the copy benchmark alone gives 55."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, param_dtype)
     tm = timing_model(model, dtype)
@@ -162,10 +210,9 @@ def measure(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch:
     batches = _Batches(plan, _vocab(tm))
     opt = Hybrid8bitAdamW(lr=0.0) if optimizer == "hybrid8bit" else TorchAdamW(lr=0.0)
     trainer = Trainer(tm, plan, optimizer=opt, device=device, profile=True, verbose=False)
+    profiles: list = []
     try:
-        samples = _samples(trainer, plan, batches, repeats,
-                           lambda op: HOST_UPDATE if op.kind is OpKind.UPDATE and op.resource is Resource.CPU
-                           else kinds.get(op.kind))
+        samples = _samples(trainer, plan, batches, repeats, lambda op: kinds.get(op.kind), profiles)
         workspace = measured_transients(trainer, plan, batches.next())
     finally:
         trainer.close()
@@ -187,24 +234,10 @@ def measure(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch:
                       f"{workspace.get((sig, 'forward'), 0) / 2**20:.1f} MiB (traced {sizes.workspace(j) / 2**20:.1f}),"
                       f" backward {workspace.get((sig, 'backward'), 0) / 2**20:.1f} MiB (traced "
                       f"{sizes.backward_workspace(j) / 2**20:.1f})")
-    rate = host_rate(plan.graph, samples)
-    if rate is not None:
-        _log(verbose, f"  host {optimizer} update: {rate:.2f} G params/s in the timing steps (profile "
-                      f"{getattr(hw, rate_field(optimizer)):.2f})")
-    return Measured(out, rate)
-
-
-#: the figure name of a host update's seconds in ``_samples``
-HOST_UPDATE = "host_update_s"
-
-
-def host_rate(graph: ModelGraph, samples: dict[tuple[str, str], list[float]]) -> float | None:
-    """G params/s of the host updates timed in ``samples``: every timed update's parameters over their seconds
-    (each distinct block's owned parameters times its samples), or None if none was timed."""
-    numel = {graph.block_signature(j): b.owned_numel for j, b in enumerate(graph.blocks)}
-    timed = [(numel[sig], s) for (sig, name), secs in samples.items() if name == HOST_UPDATE for s in secs]
-    params, seconds = sum(n for n, _ in timed), sum(s for _, s in timed)
-    return params / seconds / 1e9 if params and seconds > 0 else None
+    # the blocks' own scales are what this calibration sets, not a rate of these steps
+    rates = dataclasses.replace(step_rates.measure(plan, profiles), forward_ratio=None, backward_ratio=None)
+    _log(verbose, f"  in the timing steps: {rates.describe(hw)}")
+    return Measured(out, rates)
 
 
 class _Batches:
@@ -219,15 +252,18 @@ class _Batches:
         return ids, ids
 
 
-def _samples(trainer: Trainer, plan, batches: _Batches, repeats: int, figure) -> dict[tuple[str, str], list[float]]:
+def _samples(trainer: Trainer, plan, batches: _Batches, repeats: int, figure,
+             profiles: list | None = None) -> dict[tuple[str, str], list[float]]:
     """Seconds of every op that ``figure(op)`` names a figure of (None: not timed), by (block signature, figure),
-    over ``repeats`` steps after ``WARMUP``."""
+    over ``repeats`` steps after ``WARMUP``; each timed step's ``StepProfile`` appended to ``profiles``."""
     by_id = {op.id: op for op in plan.ops}
     samples: dict[tuple[str, str], list[float]] = {}
     for step in range(WARMUP + repeats):
         trainer.step(batches.next())
         if step < WARMUP:
             continue
+        if profiles is not None:
+            profiles.append(trainer.last_profile)
         for i, _res, t0, t1 in trainer.last_profile.trace:
             op = by_id[i]
             name = figure(op)
@@ -347,9 +383,7 @@ def compile_calibrated(compile_fn, model, options: dict, *, verbose: bool = True
                     device=device, gpu_memory=options.get("gpu_memory"), seq_tile=tile,
                     host_memory=options.get("host_memory"), verbose=verbose,
                     compile_blocks=bool(options.get("compile_blocks")), optimizer=optimizer)
-        hw = hw.with_timings(m.timings)
-        if m.host_update_gparams is not None:
-            hw = with_host_rate(hw, m.host_update_gparams, optimizer)
+        hw = m.priced(hw, copies=device.type == "cuda")
         plan = compile_fn(graph, **{**options, "hardware": hw, "micro_batch": mb})
     if isinstance(hardware, (str, Path)) and Path(hardware).is_file():
         hw.save(hardware)

@@ -58,15 +58,15 @@ class StepRates:
     forward_ratio: float | None = None
     backward_ratio: float | None = None
 
-    def apply(self, hw: HardwareProfile) -> HardwareProfile:
-        """``hw`` with every rate this step measured, its source saying where they come from."""
+    def apply(self, hw: HardwareProfile, where: str = "a plan's step") -> HardwareProfile:
+        """``hw`` with every rate this step measured, its source saying where (``where``) they come from."""
         out = hw
         if self.host_update_gparams is not None:
-            out = with_host_rate(out, self.host_update_gparams, self.optimizer, "a plan's step")
+            out = with_host_rate(out, self.host_update_gparams, self.optimizer, where)
         copies = {k: v for k, v in (("param_load_gbps", self.param_load_gbps),
                                     ("grad_offload_gbps", self.grad_offload_gbps)) if v is not None}
         if copies:
-            note = "parameter loads and gradient offloads at rates measured in a plan's step"
+            note = f"parameter loads and gradient offloads at rates measured in {where}"
             source = out.source if note in out.source else f"{out.source}; {note}"
             out = dataclasses.replace(out, **copies, source=source)
         scales = {k: getattr(out, k) * r for k, r in (("step_forward_scale", self.forward_ratio),

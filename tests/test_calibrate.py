@@ -69,16 +69,41 @@ def test_the_host_update_rate_is_measured_in_the_timing_steps_and_priced(calibra
                         for op in host)
 
 
-def test_host_rate_counts_every_timed_update_at_its_blocks_parameters():
-    from lazytrain.calibrate import HOST_UPDATE, host_rate
+def test_the_timing_steps_copy_rates_are_priced_on_a_gpu_only():
+    """The calibration reads the loads' and offloads' rates from its timing steps (``step_rates``) and prices them
+    where those steps ran on a GPU; a CPU's copies are memcpys, so there only the host update's rate is taken."""
+    from lazytrain.calibrate import Measured
+    from lazytrain.step_rates import StepRates
+
+    rates = StepRates(host_update_gparams=0.7, param_load_gbps=41.0, grad_offload_gbps=27.5, optimizer="adamw",
+                      ops={"update": 8, "load": 8, "grad_offload": 8, "forwards": 0, "backwards": 0})
+    hw = PROFILES["h200"]
+    gpu, cpu = Measured([], rates).priced(hw, copies=True), Measured([], rates).priced(hw, copies=False)
+    assert (gpu.param_load_gbps, gpu.grad_offload_gbps, gpu.cpu_adam_gparams) == (41.0, 27.5, 0.7)
+    assert "rates measured in a calibration step" in gpu.source
+    assert (cpu.param_load_gbps, cpu.grad_offload_gbps, cpu.cpu_adam_gparams) == (hw.param_load_gbps,
+                                                                                   hw.grad_offload_gbps, 0.7)
+    assert Measured([]).priced(hw, copies=True) == hw.with_timings([])
+
+
+def test_a_gpu_timing_step_runs_its_forwards_long_enough_to_load_the_clocks(monkeypatch):
+    """On a GPU the timing plan takes as many micro-batches as its forwards need to run ``SUSTAIN_S`` as modelled
+    (the clocks a training step runs at), within ``MAX_MICRO``; on the CPU two."""
+    from lazytrain import calibrate
     from lazytrain.frontend.presets import build_from_config
-    from lazytrain.frontend.trace import trace
-    graph = trace(build_from_config(CONFIG, device="meta"), seq_len=32)
-    sig = [graph.block_signature(j) for j in range(graph.n_blocks)]
-    n = [b.owned_numel for b in graph.blocks]
-    samples = {(sig[1], HOST_UPDATE): [0.5, 1.5], (sig[0], HOST_UPDATE): [1.0], (sig[1], "forward_s"): [9.0]}
-    assert host_rate(graph, samples) == pytest.approx((2 * n[1] + n[0]) / 3.0 / 1e9)
-    assert host_rate(graph, {(sig[1], "forward_s"): [1.0]}) is None
+
+    model = build_from_config(CONFIG, device="cpu", dtype=torch.float32)
+    shape = dict(micro_batch=2, seq_len=32, gpu_memory="2GiB", host_memory="4GiB", resident="none",
+                 param_dtype="float32", optimizer="adamw")
+    cpu = calibrate.timing_plan(model, hardware=PROFILES["cpu"], **shape)
+    assert cpu.batch_size // cpu.micro_batch == calibrate.N_MICRO
+    gpu = calibrate.timing_plan(model, hardware=PROFILES["h200"], **shape)
+    assert gpu.batch_size // gpu.micro_batch == calibrate.MAX_MICRO      # a tiny model's forwards: microseconds
+    forward = sum(op.seconds for op in gpu.ops if op.kind is OpKind.COMPUTE) / calibrate.MAX_MICRO
+    monkeypatch.setattr(calibrate, "SUSTAIN_S", 5.5 * forward)
+    assert calibrate.sustained(gpu, PROFILES["h200"]) == calibrate.MAX_MICRO    # never fewer than the plan's own
+    six = calibrate.timing_plan(model, hardware=PROFILES["h200"], **shape)
+    assert six.batch_size // six.micro_batch == 6 and six.decisions.policy == "recompute-all"
 
 
 def test_a_measured_transient_above_the_traced_one_raises_the_plan_memory(calibrated):

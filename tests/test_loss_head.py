@@ -280,8 +280,8 @@ def test_inductor_chunk_kernels_match_eager_on_gpu():
         pytest.skip("needs CUDA")
     g = torch.Generator().manual_seed(0)
     feats = torch.randn(4, 512, 256, generator=g).to("cuda", torch.bfloat16)
-    weight = (torch.randn(50000, 256, generator=g) * 0.05).to("cuda", torch.bfloat16)
-    labels = torch.randint(0, 50000, (4, 512), generator=g).cuda()
+    weight = (torch.randn(50001, 256, generator=g) * 0.05).to("cuda", torch.bfloat16)     # the last chunk padded
+    labels = torch.randint(0, 50001, (4, 512), generator=g).cuda()
     labels[0, :100] = -100
     kernels = compiled_loss_kernels()
     out, peak = [], []
@@ -310,12 +310,12 @@ def test_the_single_pass_matches_the_recompute_on_gpu_within_its_bytes():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     g = torch.Generator().manual_seed(0)
-    rows, vocab, hidden = 2048, 50000, 256
+    rows, vocab, hidden = 2048, 50257, 256        # gpt2's vocabulary: every chunk's rows padded to 50,264
     feats = torch.randn(4, rows // 4, hidden, generator=g).to("cuda", torch.bfloat16)
     weight = (torch.randn(vocab, hidden, generator=g) * 0.05).to("cuda", torch.bfloat16)
     labels = torch.randint(0, vocab, (4, rows // 4), generator=g).cuda()
     labels[0, :100] = -100
-    chunk = 300 * vocab            # 300 rows a chunk: 7 chunks, the last narrower
+    chunk = 300 * vocab            # 299 rows of 50,264 a chunk: 7 chunks, the last narrower
     kernels = compiled_loss_kernels()
     for k in (None, kernels):
         out, peak = [], []
