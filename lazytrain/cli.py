@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import warnings
@@ -208,7 +209,30 @@ def cmd_show(a) -> int:
         print(_blocks_table(plan))
     else:
         print(plan.summary())
+        stale = stale_predictions(plan)
+        if stale:
+            print(f"lazytrain show: {stale}", file=sys.stderr)
     return 0
+
+
+def stale_predictions(plan) -> str | None:
+    """What the plan file's stored predictions say that its ops do not simulate to (a file edited after it was
+    compiled), or None: ``show`` prints the stored figures, so it says when they are not the ops' own."""
+    from .compiler.simulate import simulate
+    pred = plan.predicted
+    if not pred.get("step_time_s"):
+        return None
+    sim = simulate(plan)
+    wrong = []
+    if not math.isclose(sim.step_time_s, pred["step_time_s"], rel_tol=1e-6):
+        wrong.append(f"step {pred['step_time_s']:.4f} s (its ops: {sim.step_time_s:.4f} s)")
+    stored = pred.get("peak_gpu_bytes")
+    if stored is not None and stored != sim.peak_gpu_bytes:
+        wrong.append(f"peak GPU {stored / GiB:.2f} GiB (its ops: {sim.peak_gpu_bytes / GiB:.2f} GiB)")
+    if not wrong:
+        return None
+    return (f"the file's predicted {'; '.join(wrong)}: the plan was changed after it was compiled (`lazytrain "
+            "simulate` prints what its ops give)")
 
 
 def _blocks_table(plan) -> str:

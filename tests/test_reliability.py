@@ -103,6 +103,21 @@ def test_show_limit_and_trace_output_errors(plan_file, capsys, tmp_path):
     assert "error" in _cli(["trace", str(plan_file), "-o", str(blocker / "t.json")], capsys)
 
 
+def test_show_says_when_the_files_predictions_are_not_its_ops(plan_file, capsys, tmp_path):
+    """``show`` prints the predictions stored in the file; where they are not what its ops simulate to (a file edited
+    after it was compiled) it says so beside them, and says nothing for a plan as compiled."""
+    assert main(["show", str(plan_file)]) == 0
+    assert "changed after it was compiled" not in capsys.readouterr().err
+    d = json.loads(plan_file.read_text())
+    busiest = max(d["ops"], key=lambda o: o.get("seconds", 0))
+    busiest["seconds"] *= 3
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(d))
+    assert main(["show", str(edited)]) == 0
+    out = capsys.readouterr()
+    assert "predicted step" in out.out and "changed after it was compiled" in out.err and "its ops:" in out.err
+
+
 @pytest.mark.parametrize("change, message", [
     ({"hidden_size": None}, "config is missing hidden_size"),
     ({"hidden_size": "big"}, "hidden_size must be a positive whole number"),
