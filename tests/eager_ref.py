@@ -28,11 +28,11 @@ def step_beside_eager(trainer, ref: torch.nn.Module, batches, eager_loss, *, lr:
         assert stats.tokens == int((labels[:, 1:] != -100).sum()) and not stats.skipped
 
 
-def assert_same_parameters(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+def assert_same_parameters(model: torch.nn.Module, ref: torch.nn.Module, atol: float = 1e-6) -> None:
     got, want = dict(model.named_parameters()), dict(ref.named_parameters())
     assert got.keys() == want.keys()
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def random_batches(vocab: int, batch: int, seq: int, steps: int, seed: int = 1):

@@ -74,11 +74,13 @@ def row_bytes(dtype: torch.dtype, hidden: int) -> int:
 
 
 def _aligned(rows: int, cols: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An uninitialised ``rows x cols`` matrix whose rows start ``padded_row(cols)`` elements apart (``like``'s
-    device, its dtype unless given): the GEMMs that write or read a chunk's logits keep their fast kernels for
-    any vocabulary (``ir.graph.LOGIT_ROW_ALIGN``)."""
-    wide = padded_row(cols)
-    buf = torch.empty(rows, wide, dtype=dtype or like.dtype, device=like.device)
+    """An uninitialised ``rows x cols`` matrix (``like``'s device, its dtype unless given) whose rows start
+    ``padded_row(cols)`` elements apart in a half-precision dtype: the tensor-core GEMMs that write or read a
+    chunk's logits keep their fast kernels for any vocabulary (``ir.graph.LOGIT_ROW_ALIGN``).  fp32 and fp64 stay
+    packed (no tensor cores; and a BLAS's blocking follows the stride, so the CPU tests' sums stay as they were)."""
+    dtype = dtype or like.dtype
+    wide = padded_row(cols) if dtype.itemsize < 4 else cols
+    buf = torch.empty(rows, wide, dtype=dtype, device=like.device)
     return buf if wide == cols else buf[:, :cols]
 
 

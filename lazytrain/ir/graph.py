@@ -34,9 +34,10 @@ LOSS_MIN_COLUMNS = 256
 LOSS_COLUMN_ALIGN = 128
 
 
-#: a row of a chunk's logits (and of their gradient) starts every this many elements: the matrix is allocated
-#: ``rows x padded_row(columns)`` and used through its first ``columns``, so a vocabulary that is no multiple of 8
-#: (gpt2's 50,257, a Llama with one added token) still gives the GEMMs 16-byte aligned rows.  Measured on the H200
+#: a row of a chunk's logits (and of their gradient) starts every this many elements: in a half-precision model the
+#: matrix is allocated ``rows x padded_row(columns)`` and used through its first ``columns``, so a vocabulary that
+#: is no multiple of 8 (gpt2's 50,257, a Llama with one added token) still gives the GEMMs 16-byte aligned rows (a
+#: single-pass chunk's rows are counted at the padded width whatever the dtype).  Measured on the H200
 #: (32,768 rows, ``benchmarks/loss_head_bench.py``, single pass with the fused kernels, rows packed at the vocabulary's
 #: own width): 73.1 ms at 768 x 50,257 against 20.5 at 50,304; 916.8 ms at 4096 x 128,257 against 216.7 at 128,256
 LOGIT_ROW_ALIGN = 8
