@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ir.graph import loss_chunk_columns, padded_row
+from ..ir.graph import LOGIT_ROW_ALIGN, loss_chunk_columns, padded_row
 from .loss_kernels import LossKernels, usable
 
 #: the label of a position without loss (torch's cross_entropy ``ignore_index``), the one definition the
@@ -84,10 +84,44 @@ def _aligned(rows: int, cols: int, like: torch.Tensor, dtype: torch.dtype | None
     return buf if wide == cols else buf[:, :cols]
 
 
+def _vocab_parts(n: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """A GEMM over ``n`` vocabulary rows or columns as column ranges: in half precision the multiple of
+    ``LOGIT_ROW_ALIGN`` first and the few left apart, since cuBLAS's fast kernels want that dimension aligned too,
+    not only the rows' stride (H200, 2,670 rows x 768 features: the product over 50,257 columns 2.19 ms against
+    0.29 over 50,304, padded rows or not; the feature gradient over them 1.53 against 0.27)."""
+    cut = n - n % LOGIT_ROW_ALIGN
+    if dtype.itemsize >= 4 or cut in (0, n):
+        return [(0, n)]
+    return [(0, cut), (cut, n)]
+
+
 def _product(f, w, b) -> torch.Tensor:
     """One chunk's ``features @ weight.T (+ bias)`` in the model dtype, in rows aligned as ``_aligned`` says."""
     out = _aligned(f.shape[0], w.shape[0], f)
-    return torch.mm(f, w.t(), out=out) if b is None else torch.addmm(b, f, w.t(), out=out)
+    for lo, hi in _vocab_parts(w.shape[0], f.dtype):
+        if b is None:
+            torch.mm(f, w[lo:hi].t(), out=out[:, lo:hi])
+        else:
+            torch.addmm(b[lo:hi], f, w[lo:hi].t(), out=out[:, lo:hi])
+    return out
+
+
+def _features_grad(dz, w, out=None) -> torch.Tensor:
+    """``dz @ w`` (the features' share of a chunk's gradient), summed over the vocabulary in ``_vocab_parts``."""
+    (lo, hi), *rest = _vocab_parts(dz.shape[1], dz.dtype)
+    out = torch.mm(dz[:, lo:hi], w[lo:hi], out=out)
+    for lo, hi in rest:
+        out.addmm_(dz[:, lo:hi], w[lo:hi])
+    return out
+
+
+def _weight_grad(dz, f, out, add: bool = False) -> None:
+    """``dz.T @ f`` (the chunk's rows of the weight's gradient) into ``out``, or added into it, by ``_vocab_parts``."""
+    for lo, hi in _vocab_parts(dz.shape[1], dz.dtype):
+        if add:
+            _add_product(out[lo:hi], dz[:, lo:hi].t(), f)
+        else:
+            torch.mm(dz[:, lo:hi].t(), f, out=out[lo:hi])
 
 
 def _logits(f, w, b, scale: float, softcap: float | None) -> torch.Tensor:
@@ -200,9 +234,9 @@ def _single_pass(ctx, feats, weight, bias, labels, rows: int, softcap, scale: fl
         loss, dz = _rows_loss_dz(f, weight, bias, labels[lo:lo + rows], scale, softcap, kernels)
         total += loss.sum()
         if need_f:
-            torch.mm(dz, weight, out=gf[lo:lo + rows])
+            _features_grad(dz, weight, out=gf[lo:lo + rows])
         if need_w:
-            _add_product(gw, dz.t(), f)
+            _weight_grad(dz, f, gw, add=True)
         if need_b:
             gb += dz.sum(dim=0, dtype=wide)
         del dz
@@ -277,14 +311,14 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 dz = _chunk_dz(feats, weight[lo:hi], None if bias is None else bias[lo:hi], labels, lo, hi, lse,
                                row_grad, scale, softcap)
             if need_f:
-                part = dz @ weight[lo:hi]
+                part = _features_grad(dz, weight[lo:hi])
                 if gf is None:
                     gf = part if cols >= vocab else part.to(lse.dtype)
                 else:
                     gf.add_(part)
                 del part
             if need_w:
-                torch.mm(dz.t(), feats, out=gw[lo:hi])
+                _weight_grad(dz, feats, gw[lo:hi])
             if need_b:
                 gb[lo:hi] = dz.sum(dim=0)
             del dz             # before the next chunk's logits exist
