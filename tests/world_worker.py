@@ -186,6 +186,7 @@ def world4_rank(rank: int, world: int, port: int, folder: str) -> None:
     tr.close()
     if rank == 0:
         (Path(folder) / "out4.json").write_text(json.dumps(res))
+    leave()
 
 
 def resume4_rank(rank: int, world: int, port: int, folder: str) -> None:
@@ -194,6 +195,17 @@ def resume4_rank(rank: int, world: int, port: int, folder: str) -> None:
     res = resume(Path(folder) / "ck4", str(Path(folder) / f"{CASES[-1][0]}_{world}.json"))
     if rank == 0:
         (Path(folder) / f"resumed4_{world}.json").write_text(json.dumps(res))
+    leave()
+
+
+def leave() -> None:
+    """Every rank done before any tears the process group down: the first case's trainer made it and is never closed
+    (the later ones joined it), and a rank 0 that exited with it alive while the others still spoke to the store it
+    hosts aborted once under a full suite's load ("terminate called without an active exception", exit -6)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 
