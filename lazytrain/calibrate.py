@@ -164,10 +164,6 @@ class Measured:
     timings: list[BlockTiming]
     rates: StepRates | None = None
 
-    @property
-    def host_update_gparams(self) -> float | None:
-        return None if self.rates is None else self.rates.host_update_gparams
-
     def priced(self, hw: HardwareProfile, copies: bool) -> HardwareProfile:
         """``hw`` with the block timings and the host update rate, and with ``copies`` (a GPU's timing steps) the
         loads' and offloads' rates too: a CPU's "copies" are memcpys, not the PCIe the profile prices."""
