@@ -219,11 +219,16 @@ class Compiler:
         return self.search.best(policy, batch_size, micro_batch, tries)
 
     def leanest(self, batch_size: int, micro_batch: int | None) -> Plan:
-        """The most frugal plan we can build, without budgets: recompute everything, boundaries on the
-        host, the smallest micro-batch (with the blocks asked to be resident: they hold their memory
-        whatever else the plan does).  It lies in the MILP's space, so no MILP plan needs less GPU memory."""
+        """The leaner on GPU memory of the frugal plans, built without budgets (``Search.frugal_plans``: every block
+        recomputed, or every block's saved tensors on the host; boundaries on the host), at the smallest
+        micro-batch, with the blocks asked to be resident (they hold their memory whatever else the plan does).
+        Both lie in the MILP's space; a plan mixing the two per block may need less still, so "needs at least" is
+        a bound of these two, not of every plan."""
         mb = micro_batch or 1
-        return self.build(self.search.frugal(batch_size, mb), batch_size, check_budget=False)
+        plans = self.search.frugal_plans(batch_size, mb, check_budget=False)
+        if not plans:      # neither builds: the recompute's own error says why
+            return self.build(self.search.frugal(batch_size, mb), batch_size, check_budget=False)
+        return min(plans, key=lambda p: p.predicted["peak_gpu_bytes"])
 
 
 def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micro_batch: int | None = None,

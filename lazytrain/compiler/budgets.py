@@ -4,6 +4,7 @@ them (``budget_error``)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -53,6 +54,25 @@ def binding(plan: Plan, budgets: dict) -> str | None:
     return None
 
 
+def default_reserve(gpu_bytes: int) -> int:
+    """The GPU memory a budget keeps back unless told (``make_budgets``): 1.5 GiB + 5%."""
+    return int(1.5 * GiB + 0.05 * gpu_bytes)
+
+
+def gpu_memory_for(peak: int, budgets: dict) -> float:
+    """GiB of GPU memory (``--gpu-memory``) whose budget holds a plan peaking at ``peak`` bytes, under ``budgets``'
+    reserve: the default reserve grows with the memory (5%), so the memory that holds ``peak`` is more than ``peak``
+    plus the reserve of a smaller budget.  Rounded up to 0.01 GiB: that figure itself compiles."""
+    total, res = budgets["gpu_total_bytes"], budgets["gpu_reserve_bytes"]
+    if res == default_reserve(total):
+        need = (peak + 1.5 * GiB) / 0.95
+        while need - default_reserve(int(need)) < peak:     # int() rounding in the reserve
+            need += 1
+    else:
+        need = peak + res
+    return math.ceil(need / GiB * 100) / 100
+
+
 def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memory=None, reserve=None,
                  held_bytes: int = 0) -> dict:
     """Budgets in bytes from sizes (``"24GiB"``) or byte counts; defaults from the hardware profile.
@@ -75,7 +95,7 @@ def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memo
                       f"{hw.name} profile's {hw.gpu_name}: the plan will not run on that GPU (name the GPU's own "
                       f"profile with --hardware)", stacklevel=3)
     if reserve is None:
-        res = int(1.5 * GiB + 0.05 * gpu)
+        res = default_reserve(gpu)
     else:           # no reserve is a choice (a size of 0 is not: ``parse_size`` refuses it)
         res = 0 if reserve == 0 else size(reserve, 0, "reserve")
     budgets = {"gpu_bytes": gpu - res, "gpu_total_bytes": gpu, "gpu_reserve_bytes": res,
@@ -115,7 +135,6 @@ def budget_error(comp, batch_size: int, micro_batch: int | None, policy: str = "
     mb = micro_batch or 1
     leanest = comp.leanest(batch_size, mb)
     need = leanest.predicted["peak_gpu_bytes"]
-    res = comp.budgets["gpu_reserve_bytes"]
     why = binding(leanest, comp.budgets)
 
     def own_plan() -> Plan:
@@ -130,7 +149,8 @@ def budget_error(comp, batch_size: int, micro_batch: int | None, policy: str = "
     if need <= comp.budgets["gpu_bytes"]:     # the GPU is not what binds: the host or NVMe budget is
         return BudgetError(
             f"no plan fits every budget for batch {batch_size}, seq {comp.graph.seq_len}: the plan leanest on GPU "
-            f"memory needs {(need + res) / GiB:.2f} of the {comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB, but "
+            f"memory needs {gpu_memory_for(need, comp.budgets):.2f} of the "
+            f"{comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB, but "
             f"{why or 'the search found no plan within the budgets'}: raise --host-memory, give --nvme-dir for "
             f"activations, or lower the "
             f"batch or the sequence")
@@ -139,15 +159,17 @@ def budget_error(comp, batch_size: int, micro_batch: int | None, policy: str = "
         if own_need > need:
             budget = comp.budgets["gpu_total_bytes"] / GiB
             return BudgetError(
-                f"policy {policy} needs at least {(own_need + res) / GiB:.2f} GiB of GPU memory for batch "
-                f"{batch_size}, seq {comp.graph.seq_len} (micro-batch {mb}); the budget is {budget:.2f} GiB. "
-                f"The milp policy needs only {(need + res) / GiB:.2f} GiB: use --policy milp, or lower the batch")
+                f"policy {policy} needs at least {gpu_memory_for(own_need, comp.budgets):.2f} GiB of GPU memory for "
+                f"batch {batch_size}, seq {comp.graph.seq_len} (micro-batch {mb}); the budget is {budget:.2f} GiB. "
+                f"The milp policy needs only {gpu_memory_for(need, comp.budgets):.2f} GiB: use --policy milp, or "
+                "lower the batch")
     held = ""
     if comp.resident:
         rb = comp.cost(1).sizes.resident_bytes()
         held = f", of it {rb / GiB:.2f} GiB for the {len(comp.resident)} resident blocks asked for"
-    msg = (f"needs at least {(need + res) / GiB:.2f} GiB of GPU memory for batch {batch_size}, seq "
-           f"{comp.graph.seq_len} (plan peak {need / GiB:.2f} GiB{held} + {res / GiB:.2f} GiB reserve); the budget "
+    total = gpu_memory_for(need, comp.budgets)
+    msg = (f"needs at least {total:.2f} GiB of GPU memory for batch {batch_size}, seq {comp.graph.seq_len} (plan "
+           f"peak {need / GiB:.2f} GiB{held} + {total - need / GiB:.2f} GiB reserve); the budget "
            f"is {comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB: lower the batch or the sequence"
            f"{', keep fewer blocks resident' if held else ''}, or raise --gpu-memory")
     return BudgetError(msg)
