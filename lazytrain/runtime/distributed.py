@@ -17,6 +17,7 @@ heartbeat still renewed, but its training stopped) is named by the step it last 
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
@@ -70,6 +71,8 @@ class World:
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     #: this trainer joined the process group (and leaves it on ``close``), rather than the caller
     owns_group: bool = False
+    #: a collective failed: the group may not answer any more (the exit does not tear it down)
+    broken: bool = False
 
     # ---- set up -----------------------------------------------------------------------------------
     @staticmethod
@@ -96,6 +99,11 @@ class World:
                       device=torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"),
                       owns_group=owns)
         world._register()
+        if owns:
+            # a trainer never closed must still leave the group before the interpreter tears its threads down:
+            # rank 0, which hosts the store, aborted at exit under load otherwise (exit -6, "terminate called
+            # without an active exception"), after training had finished
+            atexit.register(world._close_at_exit)
         return world
 
     def _register(self) -> None:
@@ -123,6 +131,14 @@ class World:
         """This rank has entered step ``step`` (``culprits`` names a rank that stays behind)."""
         if self._store is not None:
             self._store.set(f"{_KEY}{self.rank}/step", str(step))
+
+    def _close_at_exit(self) -> None:
+        """``close`` at the interpreter's exit, unless a collective failed (a group with a rank gone may block its
+        teardown: the exit must not wait on it)."""
+        if self.broken:
+            self._stop.set()
+        else:
+            self.close()
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -164,6 +180,7 @@ class World:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - gloo / NCCL raise RuntimeError or DistBackendError
+            self.broken = True
             raise RankFailure(f"{what} failed on rank {self.rank} of {self.size}: {self.culprits()} "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the others stop too: "
                               "resume from the last checkpoint") from None
