@@ -257,6 +257,31 @@ class GemmShapes(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("single_pass", [False, True])
+def test_a_bf16_head_over_an_unaligned_vocabulary_gives_eagers_loss_and_gradients(single_pass):
+    """In bf16 at gpt2's 50,257 tokens (padded rows, each GEMM split at 50,256): the loss and the gradients of plain
+    cross-entropy over the bf16 product's fp32 logits, to bf16 rounding, with ignored rows and a narrower last chunk."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 50257
+    feats = torch.randn(1, 96, 32, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(vocab, 32, generator=g) * 0.2).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (1, 96), generator=g)
+    labels[0, vocab % 96:vocab % 96 + 9] = -100
+    labels[0, 5] = vocab - 1          # a target among the columns past the multiple of 8
+    out = []
+    for fused in (False, True):
+        f, w = feats.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        if fused:
+            loss, _ = fused_next_token_loss(f, w, None, labels, 40 * padded_row(vocab), single_pass=single_pass)
+        else:
+            logits = (f[0] @ w.t()).float()
+            loss = torch.nn.functional.cross_entropy(logits[:-1], labels[0, 1:], reduction="sum")
+        loss.backward()
+        out.append((loss.detach().float(), f.grad.float(), w.grad.float()))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("single_pass", [False, True])
 def test_the_heads_gemms_see_aligned_rows_whatever_the_vocabulary(single_pass):
     """A vocabulary of 50,257 (gpt2) or 97: every matmul of the head reads and writes rows a multiple of 8 elements
     apart, and spans a multiple of 8 vocabulary columns or the few left (the H200 ran the single pass 3-4x slower
