@@ -232,7 +232,8 @@ def measure(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch:
                       f"{sizes.backward_workspace(j) / 2**20:.1f})")
     # the blocks' own scales are what this calibration sets, not a rate of these steps
     rates = dataclasses.replace(step_rates.measure(plan, profiles), forward_ratio=None, backward_ratio=None)
-    _log(verbose, f"  in the timing steps: {rates.describe(hw)}")
+    cpu_note = "" if device.type == "cuda" else " (on the CPU only the host update's is priced: its copies are memcpys)"
+    _log(verbose, f"  in the timing steps: {rates.describe(hw)}{cpu_note}")
     return Measured(out, rates)
 
 
