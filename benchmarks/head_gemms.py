@@ -13,24 +13,21 @@ itself must be a multiple of 8 -- hence ``loss_head._vocab_parts``.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 from lazytrain.frontend.loss_kernels import compiled_loss_kernels
 from lazytrain.ir.graph import padded_row
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sdpa_kernels import timed  # noqa: E402 - a sibling script's timer
 
-def mean_ms(fn, runs: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(runs):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / runs
+
+def mean_ms(fn) -> float:
+    """Milliseconds of ``fn``, the mean over 20 runs after 3 (``sdpa_kernels.timed``)."""
+    return timed(fn, iters=20) * 1e3
 
 
 def probe(hidden: int, vocab: int, kernels) -> dict[str, float]:

@@ -230,19 +230,24 @@ def test_verify_rejects_a_resident_plan_that_moves_or_splits_a_tie_group():
         verify(moved)
 
 
-def test_a_plan_without_resident_blocks_is_searched_where_the_resident_choice_finds_none(tmp_path):
-    """A 4-layer Mixtral-8x7B at 24 GiB, batch 8: with the embedding resident every plan the MILP gave peaked over
-    the budget in time order (17 solves), and the compile said no plan fits; streamed, one does (20.56 GiB)."""
+def _mixtral_4_layers(folder) -> str:
+    """A config.json of Mixtral-8x7B cut to 4 layers, written into ``folder``: its path."""
     cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
            "intermediate_size": 14336, "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 8,
            "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
            "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "tie_word_embeddings": False}
-    path = tmp_path / "config.json"
+    path = folder / "config.json"
     path.write_text(json.dumps(cfg))
-    plan = compile_model(str(path), batch_size=8, seq_len=1024, gpu_memory="24GiB")
+    return str(path)
+
+
+def test_a_plan_without_resident_blocks_is_searched_where_the_resident_choice_finds_none(tmp_path):
+    """A 4-layer Mixtral-8x7B at 24 GiB, batch 8: with the embedding resident every plan the MILP gave peaked over
+    the budget in time order (17 solves), and the compile said no plan fits; streamed, one does (20.56 GiB)."""
+    path = _mixtral_4_layers(tmp_path)
+    plan = compile_model(path, batch_size=8, seq_len=1024, gpu_memory="24GiB")
     verify(plan)
     assert plan.decisions.policy == "milp" and plan.predicted["peak_gpu_bytes"] <= plan.budgets["gpu_bytes"]
-
 
 
 def test_needs_at_least_is_a_budget_that_compiles_where_offloading_beats_recompute(tmp_path):
@@ -252,16 +257,11 @@ def test_needs_at_least_is_a_budget_that_compiles_where_offloading_beats_recompu
     import re
 
     from lazytrain.compiler.budgets import BudgetError
-    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
-           "intermediate_size": 14336, "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
-           "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "tie_word_embeddings": False}
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
+    path = _mixtral_4_layers(tmp_path)
     with pytest.raises(BudgetError, match="needs at least") as e:
-        compile_model(str(path), batch_size=8, seq_len=1024, gpu_memory="20GiB")
+        compile_model(path, batch_size=8, seq_len=1024, gpu_memory="20GiB")
     need = float(re.search(r"needs at least ([0-9.]+) GiB", str(e.value)).group(1))
     assert need < 23.0
-    plan = compile_model(str(path), batch_size=8, seq_len=1024, gpu_memory=f"{need:.2f}GiB")   # the figure itself
+    plan = compile_model(path, batch_size=8, seq_len=1024, gpu_memory=f"{need:.2f}GiB")   # the figure itself
     verify(plan)
     assert plan.predicted["peak_gpu_bytes"] <= plan.budgets["gpu_bytes"]

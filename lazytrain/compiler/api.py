@@ -225,7 +225,7 @@ class Compiler:
         Both lie in the MILP's space; a plan mixing the two per block may need less still, so "needs at least" is
         a bound of these two, not of every plan."""
         mb = micro_batch or 1
-        plans = self.search.frugal_plans(batch_size, mb, check_budget=False)
+        plans = list(self.search.frugal_plans(batch_size, mb, check_budget=False))
         if not plans:      # neither builds: the recompute's own error says why
             return self.build(self.search.frugal(batch_size, mb), batch_size, check_budget=False)
         return min(plans, key=lambda p: p.predicted["peak_gpu_bytes"])

@@ -54,9 +54,14 @@ def binding(plan: Plan, budgets: dict) -> str | None:
     return None
 
 
+#: the GPU memory a budget keeps back unless told: this much, plus ``RESERVE_SHARE`` of the memory
+RESERVE_BASE = 1.5 * GiB
+RESERVE_SHARE = 0.05
+
+
 def default_reserve(gpu_bytes: int) -> int:
     """The GPU memory a budget keeps back unless told (``make_budgets``): 1.5 GiB + 5%."""
-    return int(1.5 * GiB + 0.05 * gpu_bytes)
+    return int(RESERVE_BASE + RESERVE_SHARE * gpu_bytes)
 
 
 def gpu_memory_for(peak: int, budgets: dict) -> float:
@@ -65,7 +70,7 @@ def gpu_memory_for(peak: int, budgets: dict) -> float:
     plus the reserve of a smaller budget.  Rounded up to 0.01 GiB: that figure itself compiles."""
     total, res = budgets["gpu_total_bytes"], budgets["gpu_reserve_bytes"]
     if res == default_reserve(total):
-        need = (peak + 1.5 * GiB) / 0.95
+        need = (peak + RESERVE_BASE) / (1 - RESERVE_SHARE)
         while need - default_reserve(int(need)) < peak:     # int() rounding in the reserve
             need += 1
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 
 from ..ir import Decisions, OpKind, Place, Plan, PlanError, Saved, SolverStats
 from .deadline import Deadline, compile_cpu_seconds
@@ -395,23 +396,21 @@ class Search:
                                                  n_micro=batch_size // micro_batch,
                                                  boundary=(Place.HOST,) * L, saved=(saved,) * L))
 
-    def frugal_plans(self, batch_size: int, micro_batch: int, check_budget: bool = True) -> list[Plan]:
-        """The frugal plans that build (and, with ``check_budget``, fit): every block recomputed, and every block's
-        saved tensors on the host.  Which needs less GPU memory depends on the blocks: a recompute holds its
-        block's forward and backward transients at once, a reload does not (a 4-layer Mixtral-8x7B at micro-batch
-        1: 22.97 GiB recomputed, 19.97 offloaded)."""
-        plans = []
+    def frugal_plans(self, batch_size: int, micro_batch: int, check_budget: bool = True) -> Iterator[Plan]:
+        """The frugal plans that build (and, with ``check_budget``, fit), each built as it is asked for: every block
+        recomputed, then every block's saved tensors on the host.  Which needs less GPU memory depends on the
+        blocks: a recompute holds its block's forward and backward transients at once, a reload does not (a 4-layer
+        Mixtral-8x7B at micro-batch 1: 22.97 GiB recomputed, 19.97 offloaded)."""
         for saved in (Saved.RECOMPUTE, Saved.HOST):
             try:
-                plans.append(self.build(self.frugal(batch_size, micro_batch, saved), batch_size,
-                                        check_budget=check_budget))
+                yield self.build(self.frugal(batch_size, micro_batch, saved), batch_size, check_budget=check_budget)
             except PlanError:
                 continue
-        return plans
 
     def frugal_plan(self, batch_size: int, micro_batch: int) -> Plan | None:
-        """The first frugal plan that fits the budgets (``frugal_plans``), or None where neither does."""
-        return next(iter(self.frugal_plans(batch_size, micro_batch)), None)
+        """The first frugal plan that fits the budgets (``frugal_plans``; the second is not built where the first
+        fits: the max-batch bisection asks this at every batch it tries), or None where neither does."""
+        return next(self.frugal_plans(batch_size, micro_batch), None)
 
     def max_batch(self, policy: str, micro_batch: int | None, limit: int) -> tuple[Plan | None, int]:
         """(plan, batch) for the largest batch (at most ``limit``) with a feasible plan: doubling, then
