@@ -257,9 +257,17 @@ class GemmShapes(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("single_pass", [False, True])
-def test_a_bf16_head_over_an_unaligned_vocabulary_gives_eagers_loss_and_gradients(single_pass):
+def test_a_bf16_head_over_an_unaligned_vocabulary_gives_eagers_loss_and_gradients(single_pass, monkeypatch):
     """In bf16 at gpt2's 50,257 tokens (padded rows, each GEMM split at 50,256): the loss and the gradients of plain
-    cross-entropy over the bf16 product's fp32 logits, to bf16 rounding, with ignored rows and a narrower last chunk."""
+    cross-entropy over the bf16 product's fp32 logits, to bf16 rounding, with ignored rows and a narrower last chunk.
+    Fresh memory is filled with NaN, as an allocator may hand it out: the CPU's bf16 GEMM reads the row padding
+    (times zero), so the head must not leave it uninitialised (a clean clone's run met that NaN)."""
+    empty = torch.empty
+
+    def garbage(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", garbage)
     g = torch.Generator().manual_seed(0)
     vocab = 50257
     feats = torch.randn(1, 96, 32, generator=g).to(torch.bfloat16)

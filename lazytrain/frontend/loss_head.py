@@ -77,11 +77,16 @@ def _aligned(rows: int, cols: int, like: torch.Tensor, dtype: torch.dtype | None
     """An uninitialised ``rows x cols`` matrix (``like``'s device, its dtype unless given) whose rows start
     ``padded_row(cols)`` elements apart in a half-precision dtype: the tensor-core GEMMs that write or read a
     chunk's logits keep their fast kernels for any vocabulary (``ir.graph.LOGIT_ROW_ALIGN``).  fp32 and fp64 stay
-    packed (no tensor cores; and a BLAS's blocking follows the stride, so the CPU tests' sums stay as they were)."""
+    packed (no tensor cores; and a BLAS's blocking follows the stride, so the CPU tests' sums stay as they were).
+    The padding is zeroed: a GEMM may read a row past its last column and multiply it by zero (the CPU's bf16
+    kernel does), which garbage there (a NaN) would not survive."""
     dtype = dtype or like.dtype
     wide = padded_row(cols) if dtype.itemsize < 4 else cols
     buf = torch.empty(rows, wide, dtype=dtype, device=like.device)
-    return buf if wide == cols else buf[:, :cols]
+    if wide == cols:
+        return buf
+    buf[:, cols:].zero_()
+    return buf[:, :cols]
 
 
 def _vocab_parts(n: int, dtype: torch.dtype) -> list[tuple[int, int]]:
