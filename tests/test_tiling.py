@@ -68,7 +68,7 @@ def test_blocks_are_tiled_only_when_no_plan_fits_without(monkeypatch):
     """The rule: ``seq_tile="auto"`` compiles untiled, and tiles only when that raises BudgetError."""
     from lazytrain.compiler.api import BudgetError
     from lazytrain.compiler.auto_tile import compile_auto_tiled
-    from lazytrain.frontend import tiling
+    from lazytrain.ir.graph import TILE_TOKENS
     calls = []
 
     def compile_fn(model, **options):
@@ -82,7 +82,7 @@ def test_blocks_are_tiled_only_when_no_plan_fits_without(monkeypatch):
     short = compile_auto_tiled(compile_fn, model, {"seq_len": 8192, "seq_tile": "auto"})
     assert calls == [None] and "seq_tile" not in short.graph.meta
     long_ = compile_auto_tiled(compile_fn, model, {"seq_len": 65536, "seq_tile": "auto"})
-    assert calls == [None, None, tiling.TILE_TOKENS] and long_.graph.meta["seq_tile"]["tokens"] == TILE
+    assert calls == [None, None, TILE_TOKENS] and long_.graph.meta["seq_tile"]["tokens"] == TILE
     assert "without tiling no plan fits: needs at least 30 GiB" in " ".join(long_.summary().split())
 
 

@@ -48,7 +48,7 @@ def test_a_hit_is_the_uncached_trace_and_builds_nothing(cache, monkeypatch, tmp_
 
     def no_build(*a, **k):
         raise AssertionError("a cache hit must not build the model")
-    monkeypatch.setattr(api, "build_model", no_build)
+    monkeypatch.setattr("lazytrain.frontend.presets.build_model", no_build)     # ``api`` imports it to trace
     hot = _graph(spec, again)
     assert again[0]["cached"] is True
     assert _same(hot, cold)

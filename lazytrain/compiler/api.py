@@ -9,14 +9,11 @@ import dataclasses
 import time
 import warnings
 
-import torch
-
-from ..frontend.presets import build_model
-from ..frontend.trace import trace
 from ..frontend.trace_cache import TraceCache
 from ..frontend.validate import check_compile_args, micro_batch_candidates
 from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
+from ..torch_free import is_dtype
 from . import gpu_update as gpu_update_rule
 from .budgets import BudgetError, budget_error, held_host_bytes, make_budgets  # noqa: F401 - BudgetError: what compile_model raises
 from .cost import CostModel
@@ -57,6 +54,8 @@ def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool
     graph = None if cache is None else cache.load()
     hit = graph is not None
     if not hit:
+        from ..frontend.presets import build_model  # torch, transformers and the tracer: only to trace
+        from ..frontend.trace import trace
         if isinstance(model, str):
             model = build_model(model)
         graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile,
@@ -379,7 +378,7 @@ PARAM_DTYPES = ("bfloat16", "float16", "float32")
 
 def _param_dtype(d) -> str:
     """``d`` (a name or a ``torch.dtype``) as the name a plan records, or ``ValueError``."""
-    name = str(d).removeprefix("torch.") if isinstance(d, (str, torch.dtype)) else None
+    name = str(d).removeprefix("torch.") if isinstance(d, str) or is_dtype(d) else None
     if name not in PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {', '.join(PARAM_DTYPES)} (or the torch dtype), got {d!r}")
     return name

@@ -3,8 +3,7 @@ makes a plan possible."""
 
 from __future__ import annotations
 
-from ..frontend.tiling import TILE_TOKENS
-from ..ir.graph import ModelGraph
+from ..ir.graph import TILE_TOKENS, ModelGraph
 from .budgets import BudgetError
 
 

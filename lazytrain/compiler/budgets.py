@@ -7,9 +7,8 @@ from __future__ import annotations
 import math
 import warnings
 
-import torch
-
 from ..ir import GiB, Plan, PlanError
+from ..torch_free import is_module
 from ..units import format_size, parse_size
 from .solvers.heuristics import HEURISTICS
 
@@ -27,7 +26,7 @@ def host_reserve(host_bytes: int) -> int:
 def held_host_bytes(model) -> int:
     """Bytes of ``model``'s parameters and buffers in host memory: the caller holds them while the
     runtime's store holds its own copy (a meta model, a preset name or a config holds none)."""
-    if not isinstance(model, torch.nn.Module):
+    if not is_module(model):
         return 0
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:

@@ -24,11 +24,10 @@ import sys
 from dataclasses import dataclass
 from functools import cached_property
 
-import torch
-
 from ..ir import ModelGraph, TensorId, TensorKind
 from ..ir.semantics import DEVICE_STATE_BYTES, GRAD_WIRE_BYTES, Sizes
 from ..ir.summary import measured_blocks
+from ..torch_free import cuda_available
 from .hardware import HardwareProfile
 
 
@@ -302,8 +301,7 @@ def hint_uncalibrated(plan, model=None):
     blocks' times is measured: how to measure them.  Returns ``plan``."""
 
 
-    if not torch.cuda.is_available() or plan.hardware.get("gpu_name") == HardwareProfile.NO_GPU \
-            or measured_blocks(plan):
+    if plan.hardware.get("gpu_name") == HardwareProfile.NO_GPU or measured_blocks(plan) or not cuda_available():
         return plan
     name = model if isinstance(model, str) else "MODEL"
     print(f"lazytrain: block times are modelled, not measured: `lazytrain profile --model {name} --seq "

@@ -18,11 +18,10 @@ result.
 from __future__ import annotations
 
 from ..frontend.presets import build_model
-from ..frontend.tiling import TILE_TOKENS
 from ..frontend.trace import trace
 from ..frontend.validate import declared_positions, scaled_rope
 from ..ir import PlanError
-from ..ir.graph import ModelGraph
+from ..ir.graph import TILE_TOKENS, ModelGraph
 from .api import POLICIES, Compiler
 from .budgets import BudgetError, binding, make_budgets
 from .hardware import get_profile

@@ -13,13 +13,13 @@ import json
 import math
 import warnings
 from pathlib import Path
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from ..ir.limits import MAX_SEQ_LEN
-from ..models.gpt import GPT, GPTConfig
 from .preset_configs import PRESETS
+
+if TYPE_CHECKING:
+    from torch import nn
 
 HF_ARCHS = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 #: Hugging Face model types whose training through a plan is tested against eager PyTorch
@@ -44,14 +44,18 @@ def _unknown_preset(spec: str) -> ValueError:
                       f"{hint} Known presets: {', '.join(PRESETS)}")
 
 
-def build_from_config(cfg: dict, *, device="meta", dtype=torch.bfloat16, source: str = "config") -> nn.Module:
-    """Build a model from a config dict (a preset's or a Hugging Face ``config.json``'s)."""
+def build_from_config(cfg: dict, *, device="meta", dtype=None, source: str = "config") -> nn.Module:
+    """Build a model from a config dict (a preset's or a Hugging Face ``config.json``'s), in ``dtype`` (bf16 by
+    default)."""
+    import torch  # here, not at the top: a compile whose trace is cached builds nothing (``torch_free``)
+    dtype = torch.bfloat16 if dtype is None else dtype
     if not isinstance(cfg, dict):
         raise ValueError(f"{source}: a model config must be a JSON object, got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str):
         raise ValueError(f"{source}: model_type must be a string (e.g. \"qwen2\"), got {model_type!r}")
     if model_type == "lazytrain-gpt":
+        from ..models.gpt import GPT, GPTConfig
         try:
             gcfg = GPTConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
         except TypeError as e:
@@ -232,7 +236,7 @@ def read_config(path: Path) -> dict:
     return cfg
 
 
-def build_model(spec: str, device="meta", dtype=torch.bfloat16) -> nn.Module:
+def build_model(spec: str, device="meta", dtype=None) -> nn.Module:
     """A model from a preset name, a HF ``config.json`` (or a folder holding one), or ``pkg.module:factory``.
 
     On ``device="meta"`` (the default) nothing is allocated, so any size builds on a laptop.  The
@@ -248,13 +252,14 @@ def build_model(spec: str, device="meta", dtype=torch.bfloat16) -> nn.Module:
         return build_from_config(read_config(path), device=device, dtype=dtype, source=str(path))
     if ":" in spec and not path.exists():
         mod_name, _, fn_name = spec.partition(":")
+        import torch
         try:
             fn = getattr(importlib.import_module(mod_name), fn_name)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"cannot load factory {spec!r}: {e}") from e
         with torch.device(device):
             model = fn()
-        if not isinstance(model, nn.Module):
+        if not isinstance(model, torch.nn.Module):
             raise ValueError(f"factory {spec!r} returned {type(model).__name__}, not an nn.Module")
-        return model.to(dtype)
+        return model.to(torch.bfloat16 if dtype is None else dtype)
     raise _unknown_preset(spec)

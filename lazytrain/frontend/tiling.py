@@ -4,7 +4,7 @@ At long sequences one layer's own transients no longer fit: a 7B layer at 65,536
 for its backward, 9 GiB of it the MLP's intermediates (four tensors of 65,536 x 18,944), whatever the
 plan does between layers.  Every token goes through the part of a layer after attention -- output
 projection, residual add, norm, MLP, residual add -- independently of the others, so that part can run
-``TILE_TOKENS`` positions at a time: the forward keeps only the tail's inputs (the attention output and
+``ir.graph.TILE_TOKENS`` positions at a time: the forward keeps only the tail's inputs (the attention output and
 the residual), and the backward recomputes one chunk's intermediates at a time, differentiates them, and
 frees them (``_ChunkedTail``; the chunked loss of ``program.py`` does the same for the head's logits).
 Mathematically the same function: each output row is computed from the same input row by the same ops.
@@ -34,9 +34,6 @@ from .trace_export import _draws_random
 
 aten = torch.ops.aten
 
-#: tokens a chunk: a 7B MLP chunk's intermediates (4096 x 18,944, four of them, bf16) are 0.6 GB, and each
-#: chunk's matmuls (4096 x 3584 x 18,944) are still large enough to run at full GEMM efficiency
-TILE_TOKENS = 4096
 
 #: ops that act on each position alone (dimension arguments are checked in ``_dims_ok``)
 POSITIONWISE = {

@@ -32,11 +32,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from torch import nn
-
 from ..ir import ModelGraph
-from .presets import PRESETS, read_config
+from ..torch_free import is_module, torch_version
+from .preset_configs import PRESETS
+from .presets import read_config
 
 CACHE_FORMAT = "lazytrain.trace/1"
 #: packages whose model classes the key may name: their code is pinned by the versions in the key
@@ -64,7 +63,7 @@ def code_version() -> dict:
         tf = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
         tf = None
-    return {"python": list(sys.version_info[:2]), "torch": torch.__version__, "transformers": tf,
+    return {"python": list(sys.version_info[:2]), "torch": torch_version(), "transformers": tf,
             "lazytrain": h.hexdigest()[:16]}
 
 
@@ -89,7 +88,7 @@ def describe(model) -> dict | None:
             return {"config": read_config(path)}
         except ValueError:
             return None                 # build_model says what is wrong with it
-    if not isinstance(model, nn.Module) or isinstance(model, nn.Sequential):
+    if not is_module(model) or is_module(model, "Sequential"):
         return None
     cls = type(model)
     if cls.__module__.partition(".")[0] not in VERSIONED_PACKAGES:

@@ -12,13 +12,11 @@ import json
 import os
 from pathlib import Path
 
-from torch import nn
-
 from ..ir.graph import ModelGraph
 from ..ir.limits import MAX_BATCH, MAX_MICRO_BATCH_BLOCKS, MAX_SEQ_LEN, MAX_TOKENS, SEARCH_MICRO_BATCH
 from ..ir.schema import check_nvme_dir
-from .presets import PRESETS
-from .trace_export import find_layers
+from ..torch_free import is_module, is_module_class
+from .preset_configs import PRESETS
 
 #: config fields that declare how many positions a model handles (GPT-2 writes n_positions)
 POSITION_FIELDS = ("max_seq", "max_position_embeddings", "n_positions")
@@ -48,7 +46,7 @@ def _custom_loss(model) -> bool:
     from one), not the next-token loss of a language model?"""
     if isinstance(model, ModelGraph):
         return "loss_head" not in model.meta and not model.meta.get("config")
-    return isinstance(model, nn.Sequential)
+    return is_module(model, "Sequential")
 
 
 def _config_of(model) -> dict | None:
@@ -117,8 +115,9 @@ def min_blocks(model) -> int:
         v = (cfg or {}).get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v + 1
-    if not isinstance(model, str):
-        found = find_layers(model) if hasattr(model, "named_modules") else None
+    if is_module(model):
+        from .trace_export import find_layers  # imports torch.fx: only for a module, which imported torch
+        found = find_layers(model)
         if found is not None:
             return len(found[1]) + 1
     return 1
@@ -150,9 +149,9 @@ def check_micro_batches(batch_size: int, n_blocks: int, micro_batch: int | None)
 def check_model(model) -> None:
     """``model`` is something ``compile_model`` takes: a module instance, a traced ``ModelGraph``, or a string (a
     preset, a config path, ``package.module:factory``); ``ValueError`` naming what was given otherwise."""
-    if isinstance(model, (nn.Module, ModelGraph, str, os.PathLike)):
+    if is_module(model) or isinstance(model, (ModelGraph, str, os.PathLike)):
         return
-    if isinstance(model, type) and issubclass(model, nn.Module):
+    if is_module_class(model):
         raise ValueError(f"model is the class {model.__name__}, not a model: pass an instance (e.g. "
                          f"{model.__name__}(config)), a preset name or the path of a config.json")
     if hasattr(model, "to_dict") and hasattr(model, "model_type"):

@@ -41,6 +41,10 @@ LOSS_COLUMN_ALIGN = 128
 #: (32,768 rows, ``benchmarks/loss_head_bench.py``, single pass with the fused kernels, rows packed at the vocabulary's
 #: own width): 73.1 ms at 768 x 50,257 against 20.5 at 50,304; 916.8 ms at 4096 x 128,257 against 216.7 at 128,256
 LOGIT_ROW_ALIGN = 8
+#: tokens a tiled tail's chunk (``frontend/tiling.py``; here for the compiler, which decides where to tile without
+#: importing torch): a 7B MLP chunk's intermediates (4096 x 18,944, four of them, bf16) are 0.6 GB, and each
+#: chunk's matmuls (4096 x 3584 x 18,944) are still large enough to run at full GEMM efficiency
+TILE_TOKENS = 4096
 
 
 def padded_row(columns: int) -> int:
