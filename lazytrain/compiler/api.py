@@ -280,7 +280,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
 
     ``seq_tile``: run the layers' position-wise tails (output projection, norm, MLP) in chunks of that
     many tokens, recomputed in backward (``tiling.py``); ``"auto"`` (default) does so, in chunks of
-    ``tiling.TILE_TOKENS``, only when no plan fits without; ``None``: never.
+    ``ir.graph.TILE_TOKENS``, only when no plan fits without; ``None``: never.
 
     ``gpu_update``: streamed blocks whose update runs on the GPU (``Decisions.gpu_update``: the gradient stays
     on the GPU into the next step, parameters and optimizer state cross PCIe for the update): ``"auto"``
