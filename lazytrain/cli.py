@@ -5,6 +5,7 @@ Each command imports what it runs in its handler; ``build_parser(cmd)`` adds tra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -178,6 +179,15 @@ def _add_data_args(p) -> None:
                    help="dtype of the exported weights (default: that of the weights the model came with)")
 
 
+def _compile_progress(mode: str):
+    """The compile's progress lines (the ``lazytrain.compile`` logger, ``compiler/progress.py``) on stderr while
+    it runs: ``on``, or ``auto`` where stderr is a terminal (a log file gets the summary only)."""
+    if mode == "on" or (mode == "auto" and sys.stderr.isatty()):
+        from .compiler.progress import shown_on
+        return shown_on(sys.stderr, "lazytrain compile: ")
+    return contextlib.nullcontext()
+
+
 def cmd_compile(a) -> int:
     from .atomic import output_path
     from .compiler.api import compile_model
@@ -186,12 +196,13 @@ def cmd_compile(a) -> int:
         raise PlanError("--nvme-memory needs --nvme-dir (the folder to spill to)")
     output_path(a.output, "plan")          # a bad -o now, not after the compile
     seq = a.seq or min(1024, declared_positions(a.model) or 1024)
-    plan = compile_model(a.model, batch_size=a.batch, seq_len=seq, micro_batch=a.micro_batch,
-                         gpu_memory=a.gpu_memory, host_memory=a.host_memory, nvme_dir=a.nvme_dir,
-                         nvme_memory=a.nvme_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,
-                         solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype, resident=a.resident,
-                         calibrate=a.calibrate, seq_tile=a.seq_tile, world_size=a.world_size, nodes=a.nodes,
-                         compile_blocks=a.compile_blocks, gpu_update=a.gpu_update, loss_head=a.loss_head)
+    with _compile_progress(a.progress):
+        plan = compile_model(a.model, batch_size=a.batch, seq_len=seq, micro_batch=a.micro_batch,
+                             gpu_memory=a.gpu_memory, host_memory=a.host_memory, nvme_dir=a.nvme_dir,
+                             nvme_memory=a.nvme_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,
+                             solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype, resident=a.resident,
+                             calibrate=a.calibrate, seq_tile=a.seq_tile, world_size=a.world_size, nodes=a.nodes,
+                             compile_blocks=a.compile_blocks, gpu_update=a.gpu_update, loss_head=a.loss_head)
     if not a.calibrate:
         from .compiler.cost import hint_uncalibrated
         hint_uncalibrated(plan, a.model)
@@ -375,6 +386,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="the runtime compiles each distinct block program with Inductor (forward and backward; the "
                         "plan still keeps, offloads and recomputes what backward saves); off by default until "
                         "measured on a GPU")
+    p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                   help="say on stderr what the compile is doing (tracing, each micro-batch's solve, the GPU-update "
+                        "rule): auto (default) where stderr is a terminal")
     p.set_defaults(fn=cmd_compile)
     p = sub.add_parser("show", help="print a plan as tables")
     p.add_argument("plan")

@@ -137,6 +137,20 @@ def test_cli_compile_show_simulate_trace(tmp_path, capsys):
     assert png.stat().st_size > 1000
 
 
+def test_cli_compile_says_what_it_does_on_stderr_when_asked(tmp_path, capsys):
+    """A compile takes seconds: ``--progress on`` (auto: where stderr is a terminal, not here) says each stage on
+    stderr -- each micro-batch's solve, the GPU-update rule -- and nothing once it is over."""
+    args = ["compile", "qwen2.5-0.5b", "--batch", "16", "--gpu-memory", "8GiB", "-o", str(tmp_path / "p.json")]
+    assert main(args) == 0
+    assert "lazytrain compile:" not in capsys.readouterr().err
+    assert main([*args, "--progress", "on"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("lazytrain compile: batch 16: best heuristic plan") and "solving the MILP" in err[0]
+    assert any(line.startswith("lazytrain compile: micro-batch ") and " s a step" in line for line in err[1:])
+    compile_model(graph("qwen2.5-0.5b"), batch_size=16, gpu_memory="8GiB")
+    assert capsys.readouterr().err == ""
+
+
 def test_cli_summary_reports_gain_over_megatrain(tmp_path, capsys):
     p = tmp_path / "p.json"
     assert main(["compile", "qwen2.5-3b", "--batch", "32", "--gpu-memory", "80GiB", "-o", str(p)]) == 0

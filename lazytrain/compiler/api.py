@@ -22,6 +22,7 @@ from .loss_chunk import LOSS_HEAD_MODES, faster_head, single_pass_rows, with_los
 from .lower import lower_with_effects
 from .measured_workspace import with_measured_workspace
 from .paused_gc import paused_gc
+from .progress import log
 from .resident import resident_request
 from .search import Search
 from .simulate import SimResult, simulate
@@ -54,6 +55,8 @@ def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool
     graph = None if cache is None else cache.load()
     hit = graph is not None
     if not hit:
+        log.info("tracing %s at %s tokens%s", model if isinstance(model, str) else type(model).__name__,
+                 f"{seq_len:,}", "" if cache is None else " (not in the trace cache yet: later compiles read it)")
         from ..frontend.presets import build_model  # torch, transformers and the tracer: only to trace
         from ..frontend.trace import trace
         if isinstance(model, str):
@@ -62,6 +65,7 @@ def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool
                       compile_blocks=compile_blocks)
         if cache is not None:
             cache.store(graph)
+        log.info("traced: %d blocks in %.1f s", graph.n_blocks, time.perf_counter() - t)
     history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4),
                     **({"cached": True} if hit else {})})
     return graph
@@ -101,6 +105,8 @@ class Compiler:
         if compile_blocks:      # the runtime compiles the block programs (``frontend/compiled.py``)
             self.options["compile_blocks"] = True
         self._costs: dict[tuple, CostModel] = {}         # ``cost``'s, by its arguments
+        #: the search says its micro-batches' results (``compiler/progress.py``); not a re-solve's own search
+        self.progress = True
         self.search = Search(self)
 
     def with_gpu_budget(self, gpu_bytes: int, deadline: float | None = None) -> Compiler:
@@ -111,6 +117,7 @@ class Compiler:
         if deadline is not None:
             other.deadline = deadline
         other.rule_follows = False          # its search is the rule's own
+        other.progress = False
         other.search = Search(other)
         return other
 

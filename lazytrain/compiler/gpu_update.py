@@ -40,6 +40,7 @@ import warnings
 from ..ir import Decisions, Plan, PlanError
 from ..ir.semantics import tie_closure
 from .deadline import compile_cpu_seconds
+from .progress import log
 
 #: three more GPU-updated blocks that do not shorten the simulated step end the scan over k (a block's state
 #: load can make the next one wait before the host's saving shows), two more resident blocks given back the scan
@@ -221,6 +222,8 @@ def choose(comp, plan: Plan) -> Plan:
             "tried": tried, "blocks": sorted(best.decisions.gpu_updated_blocks),
             "resident": len(best.decisions.resident_blocks), "baseline_step_s": round(plan.predicted["step_time_s"], 5),
             "seconds": round(time.perf_counter() - t0, 3)}
+    log.info("GPU-update rule: %d streamed blocks updated on the GPU, %d resident: %.3f s a step (searched %.3f)",
+             len(note["blocks"]), note["resident"], best.predicted["step_time_s"], plan.predicted["step_time_s"])
     dec_noted = dataclasses.replace(best.decisions, notes={**best.decisions.notes, "gpu_update": note})
     return dataclasses.replace(best, decisions=dec_noted, solver=best.solver or plan.solver, history=[*best.history, {
         "pass": "gpu_update", "seconds": note["seconds"]}])     # a copy: the search's memo stays as it was

@@ -39,6 +39,7 @@ import warnings
 from ..ir import ModelGraph
 from ..ir.graph import padded_row
 from ..ir.plan import PlanError
+from .progress import log
 from .search import MIN_SOLVE_S
 
 #: share of the GPU budget one chunk of logits may take: at 24 GiB (21.3 GiB of budget) that is 2^27 logits,
@@ -162,6 +163,8 @@ def faster_head(comp, plan):
         tried.append(["re-solved", heads[0][0], None if cand is None else round(cand.predicted["step_time_s"], 4)])
         if cand is not None and cand.predicted["step_time_s"] < best.predicted["step_time_s"]:
             best = cand
+    if best is not plan:
+        log.info("loss head: a single pass, %.3f s a step", best.predicted["step_time_s"])
     entry = {"pass": "loss_head", "seconds": round(time.perf_counter() - t0, 4), "single_pass": best is not plan,
              "tried_rows_step_s": tried}
     # a candidate's own history (the re-solve's entry) after the searched plan's

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from ..ir import Decisions, OpKind, Place, Plan, PlanError, Saved, SolverStats
 from .deadline import Deadline, compile_cpu_seconds
+from .progress import log
 from .solvers import isolated
 from .solvers.heuristics import HEURISTICS
 from .solvers.milp import MilpOptions, coefficients, solve
@@ -100,6 +101,18 @@ def _no_milp_plan(plan: Plan | None) -> bool:
     (Not where a heuristic stands in: one more solve there spent the deadline of a search that ran out of it --
     llama3-8b at 48 GiB, batch 8, predicted 1.412 s against 1.384.)"""
     return plan is None or (plan.decisions.policy == "frugal" and bool(plan.decisions.notes.get("milp_failed")))
+
+
+def _said(plan: Plan | None) -> str:
+    """One micro-batch's result, as the compile's progress says it."""
+    if plan is None:
+        return "no plan in budget"
+    st = plan.solver
+    if plan.decisions.policy == "milp":
+        gap = f", gap {st.gap:.1%}" if st and st.gap is not None else ""
+        return f"{_step(plan):.3f} s a step ({st.solver if st else 'MILP'} {st.status if st else ''}{gap})"
+    why = plan.decisions.notes.get("milp_fallback", "")
+    return f"{_step(plan):.3f} s a step, the {plan.decisions.policy} plan" + (f" ({why})" if why else "")
 
 
 def _with_note(plan: Plan, note: str, stats: SolverStats | None, failed: bool = False) -> Plan:
@@ -278,10 +291,18 @@ class Search:
             tries += [(mb, (self.heuristics(batch_size, mb) or [None])[0]) for mb in smaller]
         top_mb = max(by_mb) if by_mb else 0
         larger = sorted(mb for mb in cands if mb > top_mb)
+        if self.comp.progress:
+            h = next(iter(by_mb.values()), None)
+            mbs = [str(mb) for mb, _ in tries] + (["one larger" if tries else str(larger[0])] if larger else [])
+            log.info("batch %d: %s; solving the MILP at micro-batch %s", batch_size,
+                     f"best heuristic plan {_step(h):.3f} s a step ({h.decisions.policy}, micro-batch "
+                     f"{h.micro_batch})" if h else "no heuristic plan fits", ", then ".join(mbs))
         best: Plan | None = None
         extra = 0
         while tries or (larger and extra < 1):
             if best is not None and not self.can_solve():
+                if self.comp.progress:
+                    log.info("the search's deadline ran out: the best plan so far")
                 return _out_of_time(best, self._stats_out_of_time(best.solver))      # the best plan so far
             if not tries and best is not None and self.out_of_time():
                 break            # the budget is spent: no larger micro-batch
@@ -298,6 +319,8 @@ class Search:
                 # rows' misjudged peaks may leave as the only one with a plan in budget (a 4-layer Mixtral at 24
                 # GiB, batch 8: 17 plans with the embedding resident peaked 0.5-2.8 GiB over; streamed, one fit)
                 plan = self.milp_at(batch_size, mb, warm, choose_resident=False)
+            if self.comp.progress:
+                log.info("micro-batch %d: %s", mb, _said(plan))
             if plan is None:
                 if grown:
                     larger = []          # feasibility is monotone in the micro-batch: stop growing

@@ -1,0 +1,35 @@
+"""What a compile is doing, said as it goes: a compile takes seconds (a 70B model's up to ~15 on 2 cores, a model's
+first compile ~4 s more to trace it), which a command that prints nothing until it ends makes look hung.
+
+The compiler says each stage on the ``lazytrain.compile`` logger at INFO: the trace (where it is not cached), the
+heuristics' best plan and the micro-batches the MILP is solved at, each one's result, the GPU-update rule's choice.
+A library caller sees nothing unless they configure logging; ``lazytrain compile`` shows the lines on stderr where
+stderr is a terminal (``--progress``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import TextIO
+
+log = logging.getLogger("lazytrain.compile")
+
+
+@contextlib.contextmanager
+def shown_on(stream: TextIO, prefix: str = "") -> Iterator[None]:
+    """The compile's progress lines on ``stream``, each after ``prefix``, for the block (the logger as it was after
+    it: a later compile in the same process does not write to a stream its caller may have closed)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    level, propagate = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
