@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from . import hub_kernels
 from .frontend.presets import _transformers, build_from_config
 from .frontend.presets import read_config as checked
 
@@ -58,7 +59,8 @@ def from_pretrained(folder: Path, *, check: bool = True) -> torch.nn.Module:
     verbosity = tf.logging.get_verbosity()
     tf.logging.set_verbosity_error()        # its load report would be a table of every key; ours is one line
     try:
-        kw = dict(dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True)
+        kw = dict(dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True,
+                  **hub_kernels.load_kwargs(tf))
         try:
             model, info = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", **kw)
         except ValueError as e:     # an architecture without SDPA support (e.g. softcapped attention)
@@ -121,7 +123,7 @@ def load_gguf(path: str | Path) -> torch.nn.Module:
     tf.logging.set_verbosity_error()
     try:
         return tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                       attn_implementation="sdpa")
+                                                       attn_implementation="sdpa", **hub_kernels.load_kwargs(tf))
     except Exception as e:  # noqa: BLE001 - transformers and gguf raise many kinds
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ValueError(f"{path}: cannot load the GGUF model: {type(e).__name__}: {first}") from None

@@ -36,6 +36,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from .. import hub_kernels
 from .hf_export import TensorsFromData, export_hf, node_arg
 
 aten = torch.ops.aten
@@ -160,7 +161,9 @@ def meta_clone(model: nn.Module, dtype: torch.dtype, keep: int | None = None) ->
             memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dt, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    clone = copy.deepcopy(model, memo).train()
+    clone = copy.deepcopy(model, memo)
+    hub_kernels.strip(clone)           # the model's own torch code, which ``train()`` would kernelize again
+    clone.train()
     if kept is not None:
         copied = clone.get_submodule(prefix)
         _set_layers(clone, prefix, [copied[i] for i in kept])
