@@ -2,7 +2,7 @@
 
 Since 5.25 transformers kernelizes every model ``from_pretrained`` loads (``use_kernels`` on by default, with the
 ``kernels`` package it now requires): modules decorated for it may run a kernel downloaded from the Hugging Face
-Hub instead of their own forward, and every change of mode (``train()``, ``eval()``) kernelizes the model again.
+Hub instead of their own forward, and every change between training and evaluation mode kernelizes the model again.
 LazyTrain runs the model's own torch code (``torch.export`` of its blocks), and its trace works on a copy on the
 ``meta`` device, which kernelizing refuses ("Unsupported device type 'meta'"): the models it loads are loaded without
 kernels, and the copy it traces is stripped of them.
