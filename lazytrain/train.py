@@ -47,10 +47,12 @@ Choices, written down so the next person sees them:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -62,6 +64,7 @@ from tqdm import tqdm
 from . import runfiles
 from .compiler.hardware import _cpu_cores
 from .compiler.profiles import PROFILES
+from .compiler.progress import shown_on
 from .compiler.timeline import plot_loss, write_step
 from .frontend.presets import PRESETS, build_from_config, build_model, read_config
 from .frontend.validate import check_positions, check_sizes
@@ -322,9 +325,13 @@ def run(cfg: TrainConfig) -> dict:
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
     hardware = _hardware(dev)
-    trainer, opt, compile_s = start_trainer(cfg, model, dev, resumed=prev is not None, seq_len=seq, hardware=hardware,
-                                            param_dtype=param_dtype, ranks=ranks,
-                                            weights=weights)
+    # the compile's stages on a terminal while it runs (seconds for a 7B model), as ``lazytrain compile`` shows them
+    said = shown_on(sys.stderr, "lazytrain train: compile: ") if cfg.progress and ranks.main and sys.stderr.isatty() \
+        else contextlib.nullcontext()
+    with said:
+        trainer, opt, compile_s = start_trainer(cfg, model, dev, resumed=prev is not None, seq_len=seq,
+                                                hardware=hardware, param_dtype=param_dtype, ranks=ranks,
+                                                weights=weights)
     plan, start = trainer.plan, trainer.steps if prev is not None else 0
     param_dtype = plan.param_dtype if prev is not None else param_dtype
     where = f"cpu, {torch.get_num_threads()} threads" if dev.type == "cpu" else dev.type
