@@ -109,8 +109,8 @@ def _said(plan: Plan | None) -> str:
         return "no plan in budget"
     st = plan.solver
     if plan.decisions.policy == "milp":
-        gap = f", gap {st.gap:.1%}" if st and st.gap is not None else ""
-        return f"{_step(plan):.3f} s a step ({st.solver if st else 'MILP'} {st.status if st else ''}{gap})"
+        how = f"{st.solver} {st.status}" + (f", gap {st.gap:.1%}" if st.gap is not None else "") if st else "MILP"
+        return f"{_step(plan):.3f} s a step ({how})"
     why = plan.decisions.notes.get("milp_fallback", "")
     return f"{_step(plan):.3f} s a step, the {plan.decisions.policy} plan" + (f" ({why})" if why else "")
 
