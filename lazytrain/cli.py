@@ -5,7 +5,6 @@ Each command imports what it runs in its handler; ``build_parser(cmd)`` adds tra
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -179,24 +178,16 @@ def _add_data_args(p) -> None:
                    help="dtype of the exported weights (default: that of the weights the model came with)")
 
 
-def _compile_progress(mode: str):
-    """The compile's progress lines (the ``lazytrain.compile`` logger, ``compiler/progress.py``) on stderr while
-    it runs: ``on``, or ``auto`` where stderr is a terminal (a log file gets the summary only)."""
-    if mode == "on" or (mode == "auto" and sys.stderr.isatty()):
-        from .compiler.progress import shown_on
-        return shown_on(sys.stderr, "lazytrain compile: ")
-    return contextlib.nullcontext()
-
-
 def cmd_compile(a) -> int:
     from .atomic import output_path
     from .compiler.api import compile_model
+    from .compiler.progress import on_stderr
     from .frontend.validate import declared_positions
     if a.nvme_memory and not a.nvme_dir:
         raise PlanError("--nvme-memory needs --nvme-dir (the folder to spill to)")
     output_path(a.output, "plan")          # a bad -o now, not after the compile
     seq = a.seq or min(1024, declared_positions(a.model) or 1024)
-    with _compile_progress(a.progress):
+    with on_stderr("lazytrain compile: ", a.progress):
         plan = compile_model(a.model, batch_size=a.batch, seq_len=seq, micro_batch=a.micro_batch,
                              gpu_memory=a.gpu_memory, host_memory=a.host_memory, nvme_dir=a.nvme_dir,
                              nvme_memory=a.nvme_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,

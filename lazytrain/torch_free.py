@@ -9,6 +9,7 @@ imported, so where it is not, the answer is no without importing it.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import sys
 
 
@@ -48,7 +49,6 @@ def cuda_device_present() -> bool:
     """Does this machine show an NVIDIA GPU to its kernel?  Looked up before asking torch (which costs its
     import) whether CUDA is usable."""
     try:
-        import os
         return bool(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
         return False

@@ -47,12 +47,10 @@ Choices, written down so the next person sees them:
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -64,7 +62,7 @@ from tqdm import tqdm
 from . import runfiles
 from .compiler.hardware import _cpu_cores
 from .compiler.profiles import PROFILES
-from .compiler.progress import shown_on
+from .compiler.progress import on_stderr
 from .compiler.timeline import plot_loss, write_step
 from .frontend.presets import PRESETS, build_from_config, build_model, read_config
 from .frontend.validate import check_positions, check_sizes
@@ -326,9 +324,7 @@ def run(cfg: TrainConfig) -> dict:
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
     hardware = _hardware(dev)
     # the compile's stages on a terminal while it runs (seconds for a 7B model), as ``lazytrain compile`` shows them
-    said = shown_on(sys.stderr, "lazytrain train: compile: ") if cfg.progress and ranks.main and sys.stderr.isatty() \
-        else contextlib.nullcontext()
-    with said:
+    with on_stderr("lazytrain train: compile: ", "auto" if cfg.progress and ranks.main else "off"):
         trainer, opt, compile_s = start_trainer(cfg, model, dev, resumed=prev is not None, seq_len=seq,
                                                 hardware=hardware, param_dtype=param_dtype, ranks=ranks,
                                                 weights=weights)

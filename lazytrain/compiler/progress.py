@@ -3,14 +3,15 @@ first compile ~4 s more to trace it), which a command that prints nothing until 
 
 The compiler says each stage on the ``lazytrain.compile`` logger at INFO: the trace (where it is not cached), the
 heuristics' best plan and the micro-batches the MILP is solved at, each one's result, the GPU-update rule's choice.
-A library caller sees nothing unless they configure logging; ``lazytrain compile`` shows the lines on stderr where
-stderr is a terminal (``--progress``).
+A library caller sees nothing unless they configure logging; ``lazytrain compile`` and ``lazytrain train`` show the
+lines on stderr where stderr is a terminal (``on_stderr``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator
 from typing import TextIO
 
@@ -33,3 +34,11 @@ def shown_on(stream: TextIO, prefix: str = "") -> Iterator[None]:
         log.removeHandler(handler)
         log.setLevel(level)
         log.propagate = propagate
+
+
+def on_stderr(prefix: str, mode: str = "auto") -> contextlib.AbstractContextManager:
+    """``shown_on`` stderr for ``mode`` "on", or "auto" where stderr is a terminal (a log file gets the command's
+    summary only); nothing for "off"."""
+    if mode == "on" or (mode == "auto" and sys.stderr.isatty()):
+        return shown_on(sys.stderr, prefix)
+    return contextlib.nullcontext()

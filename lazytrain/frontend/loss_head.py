@@ -73,6 +73,12 @@ def row_bytes(dtype: torch.dtype, hidden: int) -> int:
     return hidden * (4 + size) + ROW_STATS * 4
 
 
+def _tensor_cores(dtype: torch.dtype) -> bool:
+    """Do the head's GEMMs in ``dtype`` run on tensor cores (half precision), whose fast kernels want the
+    vocabulary dimension and the logits' rows aligned (``_aligned``, ``_vocab_parts``)?"""
+    return dtype.itemsize < 4
+
+
 def _aligned(rows: int, cols: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An uninitialised ``rows x cols`` matrix (``like``'s device, its dtype unless given) whose rows start
     ``padded_row(cols)`` elements apart in a half-precision dtype: the tensor-core GEMMs that write or read a
@@ -81,7 +87,7 @@ def _aligned(rows: int, cols: int, like: torch.Tensor, dtype: torch.dtype | None
     The padding is zeroed: a GEMM may read a row past its last column and multiply it by zero (the CPU's bf16
     kernel does), which garbage there (a NaN) would not survive."""
     dtype = dtype or like.dtype
-    wide = padded_row(cols) if dtype.itemsize < 4 else cols
+    wide = padded_row(cols) if _tensor_cores(dtype) else cols
     buf = torch.empty(rows, wide, dtype=dtype, device=like.device)
     if wide == cols:
         return buf
@@ -95,7 +101,7 @@ def _vocab_parts(n: int, dtype: torch.dtype) -> list[tuple[int, int]]:
     not only the rows' stride (H200, 2,670 rows x 768 features: the product over 50,257 columns 2.19 ms against
     0.29 over 50,304, padded rows or not; the feature gradient over them 1.53 against 0.27)."""
     cut = n - n % LOGIT_ROW_ALIGN
-    if dtype.itemsize >= 4 or cut in (0, n):
+    if not _tensor_cores(dtype) or cut in (0, n):
         return [(0, n)]
     return [(0, cut), (cut, n)]
 

@@ -44,11 +44,17 @@ def _unknown_preset(spec: str) -> ValueError:
                       f"{hint} Known presets: {', '.join(PRESETS)}")
 
 
+def _model_dtype(dtype):
+    """The dtype a built model is in: ``dtype``, bf16 when None."""
+    import torch
+    return torch.bfloat16 if dtype is None else dtype
+
+
 def build_from_config(cfg: dict, *, device="meta", dtype=None, source: str = "config") -> nn.Module:
     """Build a model from a config dict (a preset's or a Hugging Face ``config.json``'s), in ``dtype`` (bf16 by
     default)."""
     import torch  # here, not at the top: a compile whose trace is cached builds nothing (``torch_free``)
-    dtype = torch.bfloat16 if dtype is None else dtype
+    dtype = _model_dtype(dtype)
     if not isinstance(cfg, dict):
         raise ValueError(f"{source}: a model config must be a JSON object, got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
@@ -261,5 +267,5 @@ def build_model(spec: str, device="meta", dtype=None) -> nn.Module:
             model = fn()
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"factory {spec!r} returned {type(model).__name__}, not an nn.Module")
-        return model.to(torch.bfloat16 if dtype is None else dtype)
+        return model.to(_model_dtype(dtype))
     raise _unknown_preset(spec)
