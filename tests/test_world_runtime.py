@@ -122,6 +122,11 @@ def test_four_ranks_train_like_one_process_and_their_checkpoint_resumes_at_two_a
     _close(json.loads((plans / "resumed4_2.json").read_text()), want, "saved by 4, resumed by 2", True)
 
 
+def test_ranks_whose_heartbeats_are_never_stopped_still_exit_cleanly(tmp_path):
+    procs = _spawn(W.hot_heartbeat_rank, 2, tmp_path)
+    assert join_all(procs, 60) == [0, 0]
+
+
 def test_a_plan_for_another_world_size_is_refused(plans):
     with pytest.raises(PlanError, match="compiled for world size 2 but the runtime has 1 process"):
         W.trainer(str(plans / "adamw_2.json"), "adamw")

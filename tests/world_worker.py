@@ -198,10 +198,23 @@ def resume4_rank(rank: int, world: int, port: int, folder: str) -> None:
     leave()
 
 
+def hot_heartbeat_rank(rank: int, world: int, port: int, folder: str) -> None:
+    """A world that owns the group and four that join it, never closed, their heartbeat renewed without pause (a
+    thread nearly always inside a store write): the process must still exit 0 (it aborted with -6 when a daemon
+    heartbeat was still writing as the interpreter finalized)."""
+    from lazytrain.runtime import distributed as D
+    join(rank, world, port)
+    D.HEARTBEAT_S = 0.0
+    worlds = [D.World.start("cpu") for _ in range(5)]
+    assert all(w is not None for w in worlds)
+    import torch.distributed as dist
+    dist.barrier()
+
+
 def leave() -> None:
     """Every rank done before any tears the process group down: the first case's trainer made it and is never closed
-    (the later ones joined it), and a rank 0 that exited with it alive while the others still spoke to the store it
-    hosts aborted once under a full suite's load ("terminate called without an active exception", exit -6)."""
+    (the later ones joined it); a rank that leaves while others still write to the store rank 0 hosts makes them
+    print the store's connection errors."""
     import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier()

@@ -36,7 +36,18 @@ COLLECTIVE_TIMEOUT_S = 600.0
 #: heartbeat period; a rank whose heartbeat is older than ``STALE_BEATS`` periods is reported as gone
 HEARTBEAT_S = 0.5
 STALE_BEATS = 4
+#: how long stopping a heartbeat waits for a store write in flight
+HEARTBEAT_JOIN_S = 5.0
 _KEY = "lazytrain/rank/"
+#: the worlds whose heartbeat runs: every one is stopped at the interpreter's exit (``World.stop_heartbeat``),
+#: also those of trainers that joined a group another trainer owns and were never closed
+_HEARTBEATS: set = set()
+
+
+@atexit.register
+def _stop_heartbeats() -> None:
+    for world in list(_HEARTBEATS):
+        world.stop_heartbeat()
 
 
 class RankFailure(RuntimeError):
@@ -69,6 +80,7 @@ class World:
     device: torch.device              # where the collectives' tensors live (CUDA for NCCL, else the CPU)
     _store: object = field(default=None, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _beats_thread: threading.Thread | None = field(default=None, repr=False)
     #: this trainer joined the process group (and leaves it on ``close``), rather than the caller
     owns_group: bool = False
     #: a collective failed: the group may not answer any more (the exit does not tear it down)
@@ -115,7 +127,9 @@ class World:
             return
         self._store.set(f"{_KEY}{self.rank}", f"{socket.gethostname()}:{os.getpid()}")
         self._beat()
-        threading.Thread(target=self._beats, name="lazytrain-heartbeat", daemon=True).start()
+        self._beats_thread = threading.Thread(target=self._beats, name="lazytrain-heartbeat", daemon=True)
+        self._beats_thread.start()
+        _HEARTBEATS.add(self)
 
     def _beat(self) -> None:
         self._store.set(f"{_KEY}{self.rank}/beat", repr(time.time()))
@@ -136,13 +150,24 @@ class World:
         """``close`` at the interpreter's exit, unless a collective failed (a group with a rank gone may block its
         teardown: the exit must not wait on it)."""
         if self.broken:
-            self._stop.set()
+            self.stop_heartbeat()
         else:
             self.close()
 
+    def stop_heartbeat(self) -> None:
+        """End the heartbeat thread and wait for it (a bounded wait: a store write in flight times out).  A daemon
+        thread still inside a store write when the interpreter finalizes is killed inside C++ code that may not
+        unwind: the process aborts ("terminate called without an active exception", exit -6) after its work
+        is done; a rank of four did so under a loaded suite, from a second trainer's heartbeat never stopped."""
+        self._stop.set()
+        t = self._beats_thread
+        if t is not None and t is not threading.current_thread():
+            t.join(HEARTBEAT_JOIN_S)
+        _HEARTBEATS.discard(self)
+
     def close(self) -> None:
         import torch.distributed as dist
-        self._stop.set()
+        self.stop_heartbeat()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False
