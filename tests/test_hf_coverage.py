@@ -49,6 +49,17 @@ ARCHS = {
     "deepseek_v3": {**_BASE, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                     "first_k_dense_replace": 1, "kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 4,
                     "qk_nope_head_dim": 4, "v_head_dim": 8, "n_group": 1, "topk_group": 1},
+    # GPT-Neo: alternating global and local (windowed) attention; its config derives the MLP width when none is given
+    "gpt_neo": {"hidden_size": 32, "num_layers": 3, "num_heads": 4, "vocab_size": VOCAB, "max_position_embeddings": 64,
+                "attention_types": [[["global", "local"], 1], [["global"], 1]], "window_size": 8},
+    # hybrids: Qwen3-Next's gated delta-net layers and a full-attention layer (every 4th), one layer class;
+    # Jamba's Mamba and attention layers, a class each, in one ModuleList
+    "qwen3_next": {**_BASE, "num_hidden_layers": 4, "head_dim": 8, "linear_num_value_heads": 4,
+                   "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 4,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
+    "jamba": {**_BASE, "num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
+              "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4, "mamba_d_state": 4,
+              "mamba_dt_rank": 4},
 }
 # DeepSeek-V3's multi-head latent attention as the real model shapes it: Q and K heads wider than V's (12 vs 8),
 # as many key-value heads as query heads (Hugging Face's SDPA path repeats K and V by the head ratio when their

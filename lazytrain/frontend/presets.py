@@ -81,8 +81,9 @@ def build_from_config(cfg: dict, *, device="meta", dtype=None, source: str = "co
     cls = tf.CONFIG_MAPPING[model_type]
     alias = getattr(cls, "attribute_map", {}) or {}
     shape = {k: cfg.get(k, cfg.get(alias.get(k, k))) for k in (*HF_REQUIRED, "num_key_value_heads", "head_dim")}
-    # a feed-forward width only where the architecture has one (GPT-2 and BLOOM derive it from the hidden size)
-    required = [k for k in HF_REQUIRED if k != "intermediate_size" or hasattr(cls(), "intermediate_size")]
+    # a feed-forward width only where the architecture's default has one (GPT-2, GPT-Neo and BLOOM derive it from
+    # the hidden size where the file gives none)
+    required = [k for k in HF_REQUIRED if k != "intermediate_size" or getattr(cls(), k, None) is not None]
     missing = [k for k in required if shape[k] is None]
     if missing:
         raise ValueError(f"{source}: {model_type} config is missing {', '.join(missing)}")

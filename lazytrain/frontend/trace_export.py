@@ -171,10 +171,12 @@ def meta_clone(model: nn.Module, dtype: torch.dtype, keep: int | None = None) ->
 
 
 def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The repeated layers: the ModuleList of same-typed children holding the most parameters."""
+    """The repeated layers: the ModuleList holding the most parameters.  Its children may be of several classes (Jamba
+    alternates attention and Mamba layers, each its own class): each is a block all the same, and ``reducible``
+    keeps such a model whole."""
     best, best_n = None, 0
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1:
+        if isinstance(m, nn.ModuleList) and len(m):
             n = sum(p.numel() for p in m.parameters())
             if n > best_n:
                 best, best_n = (name, m), n

@@ -10,6 +10,7 @@ import torch
 from ..ir import Op, Resource, TensorKind
 from .context import G, Step, _tid
 from .optim import ckernel
+from .optim.clipping import squared_norm
 from .store import HostStore
 
 
@@ -27,7 +28,7 @@ def grad_offload(ctx: Step, op: Op) -> None:
     with run.streams.on(Resource.D2H):
         run.streams.keep_alive(acc, Resource.D2H)
         plain = acc[:lay.plain_numel]
-        ctx.grad_sq[j] = torch.linalg.vector_norm(plain).square() if lay.plain_numel else None
+        ctx.grad_sq[j] = squared_norm(plain) if lay.plain_numel else None
         host.copy_(acc if host.dtype == acc.dtype else acc.to(host.dtype), non_blocking=True)
     ctx.end(op, Resource.D2H)
 
@@ -86,7 +87,7 @@ class TiedGrads:
                 continue
             for r, off in readers:
                 g[lo:hi] += store.grad[r][off:off + seg.numel]
-            sq.append(float(torch.linalg.vector_norm(g[lo:hi]).square()))
+            sq.append(float(squared_norm(g[lo:hi])))
         return g, sq
 
     def _sum2_sq(self, lib, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:

@@ -36,7 +36,7 @@ from ..ir.order import UpdateOrder
 from .context import G, Step, _tid
 from .gradients import TiedGrads
 from .optim.base import HostOptimizer
-from .optim.clipping import GradNormTracker
+from .optim.clipping import GradNormTracker, squared_norm
 from .store import HostStore
 from .streams import Streams
 
@@ -145,13 +145,13 @@ class Updates:
         # norm of 6.68); the gradient offloads' norms, on the D2H stream, are complete (waited above)
         with self.streams.on(Resource.GPU if self.world is None else Resource.NET):
             for o, acc in self.resident_grad.items():
-                step.grad_sq[o] = torch.linalg.vector_norm(acc).square()
+                step.grad_sq[o] = squared_norm(acc)
             for o in self.gpu_updated:            # as ``grad_offload`` takes it (no tied parameters here)
                 acc = step.copies.get((_tid(TensorKind.GRADS, o), G))
                 if acc is not None:
-                    step.grad_sq[o] = torch.linalg.vector_norm(acc).square()
+                    step.grad_sq[o] = squared_norm(acc)
             on_device = [j for j in range(len(self.store.layouts)) if step.grad_sq.get(j) is not None]
-            sqs = dict(zip(on_device, torch.stack([step.grad_sq[j] for j in on_device]).tolist())) \
+            sqs = dict(zip(on_device, torch.stack([step.grad_sq[j].double() for j in on_device]).tolist())) \
                 if on_device else {}
         totals = {}
         for j, lay in enumerate(self.store.layouts):      # one device->host read for every block's norm
