@@ -60,6 +60,9 @@ ARCHS = {
     "jamba": {**_BASE, "num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
               "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4, "mamba_d_state": 4,
               "mamba_dt_rank": 4},
+    # Doge adds a learned bias to the causal mask it builds: its attention must keep the mask (no is_causal flag),
+    # and the trace's fused kernel must take a mask that needs a gradient
+    "doge": _BASE,
 }
 # DeepSeek-V3's multi-head latent attention as the real model shapes it: Q and K heads wider than V's (12 vs 8),
 # as many key-value heads as query heads (Hugging Face's SDPA path repeats K and V by the head ratio when their

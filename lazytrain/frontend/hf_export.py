@@ -40,12 +40,14 @@ class _CausalName(str):
     """``CAUSAL_ATTENTION`` as a config's attention implementation, noting whether model code compares it
     with ``"sdpa"`` (``== "sdpa"``, ``in ("eager", "sdpa")``, ``"sdpa" in name``): such a model picks its
     SDPA code by that name, not through ``AttentionInterface``, and the new name sends it down another
-    path (Falcon: the eager one, which adds the mask that is now ``None``).  Copies are the same object,
+    path (Falcon: the eager one, which adds the mask that is now ``None``).  Also whether the attention
+    function got a mask all the same (``mask_given``, ``_causal_attention``).  Copies are the same object,
     so a copied config notes into the same place."""
 
     def __new__(cls, value: str):
         self = super().__new__(cls, value)
         self.sdpa_compared = False
+        self.mask_given = False
         return self
 
     def _note(self, other) -> None:
@@ -98,7 +100,16 @@ def use_causal_flag(clone: nn.Module, seq_len: int) -> bool:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
     except ImportError:   # an older transformers: keep the mask
         return False
-    AttentionInterface.register(CAUSAL_ATTENTION, sdpa_attention_forward)
+    def causal_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        """SDPA, ``is_causal`` where no mask comes.  A mask that comes anyway was built by the model on the causal
+        mask it was told it does not need (Doge adds a learned bias to it): without the causal part it attends to
+        later tokens, so the flag is noted unsound for this model."""
+        name = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if attention_mask is not None and isinstance(name, _CausalName):
+            name.mask_given = True
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    AttentionInterface.register(CAUSAL_ATTENTION, causal_attention)
     cfg._attn_implementation = _CausalName(CAUSAL_ATTENTION)
     return True
 
@@ -110,9 +121,10 @@ def export_hf(clone: nn.Module, seq_len: int, run):
     The flag renames the attention implementation, which changes nothing for a model that looks its
     attention function up in ``AttentionInterface``, but a model that compares the name with ``"sdpa"``
     itself takes another path under the new name (Falcon: its eager attention, adding a ``None`` mask;
-    with ALiBi the bias would be lost).  Such a model, or one whose export fails with the flag, is
-    exported again with its own mask (``"sdpa"``).  Rotary tables that depend on the sequence length
-    are fixed at ``seq_len`` first (``rope.fix_rope_length``)."""
+    with ALiBi the bias would be lost), and one that passes its attention a mask of its own making (Doge:
+    a learned bias, which it would have added to the causal mask).  Such a model, or one whose export
+    fails with the flag, is exported again with its own mask (``"sdpa"``).  Rotary tables that depend on the
+    sequence length are fixed at ``seq_len`` first (``rope.fix_rope_length``)."""
     fix_rope_length(clone, seq_len)
     cfg = clone.config
     original = cfg._attn_implementation
@@ -123,7 +135,7 @@ def export_hf(clone: nn.Module, seq_len: int, run):
         ep = run()
     except Exception:  # noqa: BLE001 - exported again without the flag; that export's error is the one raised
         ep = None
-    if ep is not None and not name.sdpa_compared:
+    if ep is not None and not name.sdpa_compared and not name.mask_given:
         return ep
     cfg._attn_implementation = original
     return run()

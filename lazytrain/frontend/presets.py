@@ -25,7 +25,8 @@ HF_ARCHS = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "
 #: Hugging Face model types whose training through a plan is tested against eager PyTorch
 #: (tests/test_runtime.py, tests/test_hf_coverage.py); other decoder-only causal LMs are accepted
 TESTED_HF = ("qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo2",
-             "granite", "cohere", "gpt2", "gpt_neox", "opt", "bloom", "mixtral", "qwen3_moe", "deepseek_v3")
+             "granite", "cohere", "gpt2", "gpt_neox", "gpt_neo", "opt", "bloom", "mixtral", "qwen3_moe", "deepseek_v3",
+             "qwen3_next", "jamba", "doge")
 HF_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 

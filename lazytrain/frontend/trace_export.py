@@ -94,14 +94,15 @@ def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, en
     The flash kernels take one head dimension for Q, K and V (their output takes Q's).  Where V's differs
     (DeepSeek-V3's MLA: Q and K 192, V 128) the GPU runs a kernel that takes both, the output at V's
     (memory-efficient or cuDNN attention), and so does the trace: the memory-efficient kernel's meta
-    function, which saves the same (Q, K, V, the output, the log-sum-exp) and gives V's gradient V's shape."""
+    function, which saves the same (Q, K, V, the output, the log-sum-exp) and gives V's gradient V's shape.
+    So does a mask that is learned (Doge's dynamic mask needs its gradient; the flash kernel takes none)."""
     if q.device.type == "meta" and dropout_p == 0.0:
         if enable_gqa and k.shape[-3] != q.shape[-3]:
             rep = q.shape[-3] // k.shape[-3]
             k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
-        if v.shape[-1] != q.shape[-1]:
+        if v.shape[-1] != q.shape[-1] or (attn_mask is not None and attn_mask.requires_grad):
             return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, 0.0, is_causal,
                                                                 scale=scale)[0]
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=attn_mask,
