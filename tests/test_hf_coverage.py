@@ -63,6 +63,9 @@ ARCHS = {
     # Doge adds a learned bias to the causal mask it builds: its attention must keep the mask (no is_causal flag),
     # and the trace's fused kernel must take a mask that needs a gradient
     "doge": _BASE,
+    # twelve layers of two kinds (five windowed to one global): exported as five, each layer running its kind's code
+    "gemma3_text-12": {**_BASE, "model_type": "gemma3_text", "num_hidden_layers": 12, "head_dim": 8,
+                       "sliding_window": 8},
 }
 # DeepSeek-V3's multi-head latent attention as the real model shapes it: Q and K heads wider than V's (12 vs 8),
 # as many key-value heads as query heads (Hugging Face's SDPA path repeats K and V by the head ratio when their

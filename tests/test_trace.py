@@ -176,6 +176,40 @@ class _FirstDoubles(Block):
         return y * 2 if self.first else y
 
 
+_GEMMA3 = {"model_type": "gemma3_text", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 12,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 97, "sliding_window": 8,
+           "max_position_embeddings": 64}
+_GPT_NEO = {"model_type": "gpt_neo", "hidden_size": 32, "num_layers": 12, "num_heads": 4, "vocab_size": 97,
+            "max_position_embeddings": 64, "attention_types": [[["global", "local"], 6]], "window_size": 8}
+
+
+def test_layers_of_several_kinds_are_exported_a_few_of_each_and_trace_what_the_whole_model_does(monkeypatch):
+    """Gemma-3's layers: five windowed to one global (``layer_types``), the same parameters.  The export keeps the
+    first and last layers and two of each kind (0, 1, 2, 5 and 11), each layer runs its kind's code, and the graph
+    is the one the export of every layer gives (trace_seconds apart)."""
+    pytest.importorskip("transformers")
+    model = build_from_config(_GEMMA3)
+    sp = build_split(model, micro_batch=2, seq_len=32, device="meta", dtype=torch.bfloat16)
+    assert sp.meta["replicated_from"] == 5 and len(sp.blocks) == 14
+    layers = sp.blocks[1:-1]
+    assert [layers[j].gm is layers[5].gm for j in range(12)] == [j in (5,) for j in range(12)]
+    assert all(layers[j].gm is layers[1].gm for j in (1, 2, 3, 4, 6, 7, 8, 9, 10))
+    assert layers[7].param_names[0].startswith("model.layers.7.") and layers[7].input_names[0] == "model.layers.6.out0"
+    reduced = trace(model, seq_len=32)
+    monkeypatch.setattr(program, "_reduced", lambda m, exported: None)
+    whole = trace(model, seq_len=32)
+    assert _graph_json(reduced) == _graph_json(whole)
+    assert reduced.meta["replicated_layers"] and not whole.meta["replicated_layers"]
+
+
+def test_layers_of_a_kind_that_differ_make_the_trace_export_every_layer():
+    """GPT-Neo's global and local layers keep a constant mask each (a buffer the program reads as a constant): two
+    layers of one kind are not the same program, so no layer's code may stand for another's."""
+    pytest.importorskip("transformers")
+    sp = build_split(build_from_config(_GPT_NEO), micro_batch=2, seq_len=32, device="meta", dtype=torch.bfloat16)
+    assert "replicated_from" not in sp.meta and len(sp.blocks) == 14
+
+
 @pytest.mark.parametrize("first_differs", [False, True])
 def test_layers_exported_as_two_trace_what_the_whole_model_does(first_differs, monkeypatch):
     """Identical layers are exported as two, the second's program serving every later layer; where the first

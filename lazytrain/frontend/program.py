@@ -28,7 +28,7 @@ from .loss_head import DEFAULT_CHUNK_LOGITS, fused_next_token_loss
 from .loss_kernels import LossKernels, compiled_loss_kernels
 from .split import split as split_graph
 from .tiling import tile_split
-from .trace_export import BlockCode, Split, TraceError, export, find_layers, meta_clone, reducible
+from .trace_export import BlockCode, Split, TraceError, export, kinds_kept, layer_kinds, meta_clone, reducible
 
 
 @dataclass
@@ -127,22 +127,19 @@ def build_program(model: nn.Module, *, micro_batch: int, seq_len: int, device: s
 
 def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dtype, example_inputs=None,
                 loss_fn=None, packed: bool = False, seq_tile: int | None = None) -> Split:
-    """Export (two layers when the layers are identical, three when their programs differ: ``same_code``),
-    split, expand to the full depth, and tile the
-    layers' position-wise tails when ``seq_tile`` is given; ``packed``: with ``position_ids`` and the
-    per-example mask (``packing.py``)."""
+    """Export (two layers when the layers are identical, three when their programs differ: ``same_code``; a few
+    of each kind where there are several kinds: ``kinds_kept``; the whole model where a reduced export's code
+    cannot stand for every layer), split, expand to the full depth, and tile the layers' position-wise tails
+    when ``seq_tile`` is given; ``packed``: with ``position_ids`` and the per-example mask (``packing.py``)."""
     sequential = isinstance(model, nn.Sequential)
     buffers = real_buffers(model, device)
-    n_layers = len(find_layers(model)[1]) if reducible(model) else None
-    for keep in ((2, 3) if n_layers else (None,)):
+
+    def exported(keep):
         clone = meta_clone(model, dtype, keep=keep)
         ep, root = export(clone, micro_batch, seq_len, example_inputs, loss_fn, packed=packed)
-        sp = split_graph(ep, root, device=device, buffers=buffers, sequential=sequential)
-        if keep == 2 and not same_code(sp):
-            continue        # the first layer's program differs from the second's: three layers tell which serves
-        if keep:
-            sp = expand(sp, n_layers)
-        break
+        return split_graph(ep, root, device=device, buffers=buffers, sequential=sequential)
+
+    sp = _reduced(model, exported) or exported(None)
     names = {n for b in sp.blocks for n in b.param_names}
     missing = [n for n, _ in model.named_parameters() if n not in names]
     sp.meta["unused_params"] = missing
@@ -152,6 +149,35 @@ def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dty
         if tiled:
             sp.meta["seq_tile"] = {"tokens": seq_tile, "blocks": tiled}
     return sp
+
+
+def _reduced(model: nn.Module, exported) -> Split | None:
+    """The split of a reduced export expanded to every layer, or None where there is none to make or its code
+    cannot stand for every layer (``expand`` says why; the caller exports the whole model)."""
+    kinds = layer_kinds(model)
+    if kinds is None:
+        return None
+    n = len(kinds)
+    try:
+        if reducible(model):
+            sp = exported(2)
+            if same_code(sp):
+                return expand(sp, n)
+            return expand(exported(3), n)         # layer 0's program differs: layer 1's serves the middle
+        kept = kinds_kept(kinds)
+        if kept is None:
+            return None
+        sp = exported(kept)
+        pos = {i: r for r, i in enumerate(kept)}
+        first: dict = {}
+        for i in kept[1:-1]:
+            if kinds[i] in first and not same_code(sp, pos[first[kinds[i]]], pos[i]):
+                return None                       # two layers of a kind run different code
+            first.setdefault(kinds[i], i)
+        templates = [0] + [pos[first[kinds[j]]] for j in range(1, n - 1)] + [len(kept) - 1]
+        return expand(sp, n, templates)
+    except TraceError:
+        return None
 
 
 def real_buffers(model: nn.Module, device) -> dict[str, torch.Tensor]:
@@ -177,18 +203,18 @@ def real_buffers(model: nn.Module, device) -> dict[str, torch.Tensor]:
     return buffers
 
 
-def same_code(sp: Split) -> bool:
-    """In a two-layer export, is layer 1's program layer 0's, up to the names of its parameters and inputs?
-    Then layer 1's code serves every layer after the first: it computes what layer 0 computes, reads
-    layer 0's outputs where layer 0 reads the embedding's, and outputs what the next layer (or the head) reads,
-    since layer 0's outputs are what layer 1 reads; no node between two layers (which would join layer 0's
-    block and not the last layer's) can hide."""
-    _, l0, l1, _ = sp.blocks
+def same_code(sp: Split, a: int = 0, b: int = 1) -> bool:
+    """Is exported layer ``b``'s program layer ``a``'s, up to the names of its parameters and inputs?  In a
+    two-layer export (0 and 1), layer 1's code then serves every layer after the first: it computes what layer 0
+    computes, reads layer 0's outputs where layer 0 reads the embedding's, and outputs what the next layer (or
+    the head) reads, since layer 0's outputs are what layer 1 reads; no node between two layers (which would
+    join layer 0's block and not the last layer's) can hide."""
+    la, lb = sp.blocks[1 + a], sp.blocks[1 + b]
     pre = sp.layers_prefix
-    if [n.replace(f"{pre}.0.", f"{pre}.1.", 1) for n in l0.param_names] != l1.param_names or \
-            [sp.values[n] for n in l0.input_names] != [sp.values[n] for n in l1.input_names]:
+    if [n.replace(f"{pre}.{a}.", f"{pre}.{b}.", 1) for n in la.param_names] != lb.param_names or \
+            [sp.values[n] for n in la.input_names] != [sp.values[n] for n in lb.input_names]:
         return False
-    return _op_sequence(l0.gm) == _op_sequence(l1.gm)
+    return _op_sequence(la.gm) == _op_sequence(lb.gm)
 
 
 def _op_sequence(gm) -> list[tuple]:
@@ -201,18 +227,23 @@ def _op_sequence(gm) -> list[tuple]:
              fx.node.map_arg(n.kwargs, ref)) for n in gm.graph.nodes]
 
 
-def expand(sp: Split, n_layers: int) -> Split:
-    """Blocks of a 3-layer export -> blocks of the n-layer model (layer 1's code serves layers 1..n-2, layer
-    2's the last); of a 2-layer export whose layers are the same code (``same_code``): layer 1's code serves
-    layers 1..n-1."""
+def expand(sp: Split, n_layers: int, templates: list[int] | None = None) -> Split:
+    """Blocks of a reduced export -> blocks of the n-layer model: layer ``j`` runs exported layer ``templates[j]``'s
+    code with its names renamed (its parameters and outputs to layer ``j``'s, what it reads of the layer before
+    to layer ``j - 1``'s).  Default: of a 3-layer export, layer 1's code serves layers 1..n-2 and layer 2's the
+    last; of a 2-layer export whose layers are the same code (``same_code``), layer 1's serves layers 1..n-1.
+    ``TraceError`` where a layer reads more than the layer before it gives, or the head more than the last."""
     pre = sp.layers_prefix
     emb, *kept, head = sp.blocks
-    last = len(kept) - 1               # the exported last layer: 2 of a 3-layer export, 1 of a 2-layer one
-    for r in sorted({1, last}):
-        allowed = set(sp.user_inputs) | set(emb.output_names) | set(kept[r - 1].output_names)
-        if not set(kept[r].input_names) <= allowed or kept[r].gm.graph.find_nodes(op="get_attr"):
+    last = len(kept) - 1               # the exported last layer
+    if templates is None:
+        templates = [0] + [1] * (n_layers - 2) + [last]
+    outside = set(sp.user_inputs) | set(emb.output_names)
+    for r in sorted(set(templates[1:])):
+        if not set(kept[r].input_names) <= outside | set(kept[r - 1].output_names) or \
+                kept[r].gm.graph.find_nodes(op="get_attr"):
             raise TraceError(f"{pre}.{r} reads values other than the previous layer's; cannot replicate layers")
-    if not set(head.input_names) <= set(sp.user_inputs) | set(emb.output_names) | set(kept[last].output_names):
+    if not set(head.input_names) <= outside | set(kept[last].output_names):
         raise TraceError("the head reads values from layers before the last; cannot replicate layers")
 
     def rename(name: str, r: int, j: int) -> str:
@@ -221,6 +252,15 @@ def expand(sp: Split, n_layers: int) -> Split:
                 return f"{pre}.{jj}." + name[len(f"{pre}.{rr}."):]
         return name
 
+    for j in range(1, n_layers):       # what layer j reads of layer j - 1 is what layer j - 1's code gives
+        r, before = templates[j], templates[j - 1]
+        for n in kept[r].input_names:
+            if n.startswith(f"{pre}.{r - 1}."):
+                given = rename(n, r - 1, before)
+                if given not in kept[before].output_names or sp.values[given] != sp.values[n]:
+                    raise TraceError(f"layer {j} reads {n} of the layer before, which layer {j - 1}'s code "
+                                     "does not give; cannot replicate layers")
+
     def relabel(bc: BlockCode, r: int, j: int, name: str | None = None) -> BlockCode:
         return BlockCode(name=name or rename(bc.name + ".", r, j)[:-1], kind=bc.kind, gm=bc.gm,
                          param_names=[rename(n, r, j) for n in bc.param_names],
@@ -228,15 +268,12 @@ def expand(sp: Split, n_layers: int) -> Split:
                          output_names=[rename(n, r, j) for n in bc.output_names], loss=bc.loss,
                          user_loss=bc.user_loss)
 
-    def template(j: int) -> int:
-        return 1 if j < n_layers - 1 else last
-
-    layers = [kept[0]] + [relabel(kept[template(j)], template(j), j) for j in range(1, n_layers)]
+    layers = [kept[0]] + [relabel(kept[templates[j]], templates[j], j) for j in range(1, n_layers)]
     head2 = relabel(head, last + 1, n_layers, name=head.name)
     values = {k: v for k, v in sp.values.items() if not k.startswith(f"{pre}.")}
     values.update({k: sp.values[k] for k in kept[0].output_names})
     for j in range(1, n_layers):
-        for k in kept[template(j)].output_names:
-            values[rename(k, template(j), j)] = sp.values[k]
+        for k in kept[templates[j]].output_names:
+            values[rename(k, templates[j], j)] = sp.values[k]
     return Split(blocks=[emb, *layers, head2], values=values, user_inputs=sp.user_inputs, layers_prefix=pre,
                  meta={**sp.meta, "replicated_from": len(kept)})
