@@ -261,7 +261,7 @@ def cmd_simulate(a) -> int:
     plan = Plan.load(a.plan)
     rep = verify(plan)
     sim = simulate(plan)
-    flops = 6 * plan.graph.total_params * plan.batch_size * plan.seq_len
+    flops = 6 * plan.graph.active_params * plan.batch_size * plan.seq_len
     attn = plan.graph.attention_model_flops * plan.batch_size
     rows = [["step time", f"{sim.step_time_s:.4f} s"],
             ["model TFLOPS", model_tflops_text({"model_tflops": flops / sim.step_time_s / 1e12,

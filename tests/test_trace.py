@@ -183,6 +183,29 @@ _GPT_NEO = {"model_type": "gpt_neo", "hidden_size": 32, "num_layers": 12, "num_h
             "max_position_embeddings": 64, "attention_types": [[["global", "local"], 6]], "window_size": 8}
 
 
+def _moe(top_k: int) -> dict:
+    return {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 97, "num_experts": 8,
+            "num_experts_per_tok": top_k, "moe_intermediate_size": 32, "max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_mixture_of_experts_layer_counts_the_flops_of_the_experts_each_token_runs(dtype):
+    """Hugging Face runs the experts as grouped matmuls (``aten._grouped_mm`` in bf16, its own op in fp32), which
+    torch's FLOP counter does not know: one more expert per token adds its three matmuls' FLOPs, forward and twice
+    that backward.  The model FLOPs count the parameters a token uses (``active_params``)."""
+    pytest.importorskip("transformers")
+    seq, h, i = 64, 64, 32
+    one, two = (trace(build_from_config(_moe(k)), seq_len=seq, dtype=dtype) for k in (1, 2))
+    expert = 2 * seq * 3 * h * i
+    assert two.blocks[1].fwd_flops - one.blocks[1].fwd_flops == expert
+    assert two.blocks[1].bwd_flops - one.blocks[1].bwd_flops == 2 * expert
+    idle = 2 * (8 - 2) * 3 * h * i          # two layers' experts a token does not run
+    assert abs(two.active_params - (two.total_params - idle)) <= 2 * (2 * h + 2 * 16)   # norms' weights: no matmul
+    dense = trace(build_from_config({**_moe(2), "model_type": "qwen3"}), seq_len=seq, dtype=dtype)
+    assert dense.active_params == dense.total_params
+
+
 def test_layers_of_several_kinds_are_exported_a_few_of_each_and_trace_what_the_whole_model_does(monkeypatch):
     """Gemma-3's layers: five windowed to one global (``layer_types``), the same parameters.  The export keeps the
     first and last layers and two of each kind (0, 1, 2, 5 and 11), each layer runs its kind's code, and the graph

@@ -174,7 +174,7 @@ class Compiler:
     def _predicted(self, plan: Plan, rep, sim) -> dict:
         """The plan's predicted figures: the simulated step, verify's memory peaks and the rates they imply."""
         ops = plan.ops
-        flops = 6 * self.graph.total_params * plan.batch_size * self.graph.seq_len
+        flops = 6 * self.graph.active_params * plan.batch_size * self.graph.seq_len
         blocks, dec = self.graph.blocks, plan.decisions
         forward, work = {OpKind.COMPUTE, OpKind.RECOMPUTE}, {OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD}
         hw_flops = sum(blocks[op.block].fwd_flops if op.kind in forward

@@ -46,6 +46,34 @@ TRACE_MICRO_BATCH = 2
 __all__ = ["TraceError", "trace"]
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of a grouped matmul, with which Hugging Face's mixture-of-experts layers run their experts
+    (``aten._grouped_mm`` in bf16, transformers' own fallback op otherwise; torch's ``FlopCounterMode`` knows
+    neither: a MoE layer's experts counted no FLOPs, 40% of a Qwen3-MoE layer's): 2 per output element per element
+    of the dimension it contracts; a 2-D x 2-D call (a weight gradient, whose contracted rows are split among the
+    groups) contracts each group's share of them."""
+    groups = out_shape[0] if len(a_shape) == 2 and len(b_shape) == 2 else 1
+    return 2 * math.prod(out_shape) * a_shape[-1] // groups
+
+
+def _grouped_mm_backward_flops(input_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    """transformers' fallback grouped matmul's backward: the input's and the weights' gradients, each as many FLOPs
+    as the forward, ``input (S, K) @ weight[e] (K, N)``."""
+    return 4 * input_shape[0] * input_shape[1] * weight_shape[-1]
+
+
+def _flop_formulas(attn: AttentionCount) -> dict:
+    """``custom_mapping`` for ``FlopCounterMode``: the fused attention ops and the grouped matmuls there are (an
+    op namespace is looked into only once a library made it: asking ``torch.ops`` for another makes one)."""
+    mapping = attn.mapping()
+    for space, name, formula in (("aten", "_grouped_mm", _grouped_mm_flops),
+                                 ("transformers", "grouped_mm_fallback", _grouped_mm_flops),
+                                 ("transformers", "grouped_mm_fallback_backward", _grouped_mm_backward_flops)):
+        if space in dir(torch.ops) and hasattr(getattr(torch.ops, space), name):
+            mapping[getattr(getattr(torch.ops, space), name)] = formula
+    return mapping
+
+
 def _dtype(d) -> torch.dtype:
     if isinstance(d, torch.dtype):
         return d
@@ -356,7 +384,7 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
     interp = _Liveness(b.gm, saved, pkeys | in_keys, dtype)
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
     attn = AttentionCount()
-    with hooks, FlopCounterMode(display=False, custom_mapping=attn.mapping()) as fc:
+    with hooks, FlopCounterMode(display=False, custom_mapping=_flop_formulas(attn)) as fc:
         outs = interp.run(*args)
         if b.loss is not None:
             lh = b.loss
@@ -381,7 +409,7 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
         fixed = DEFAULT_CHUNK_LOGITS * head["bytes_per_logit"]
         ws = max(ws, mb * seq_len * (head["row_bytes"] + LOSS_MIN_COLUMNS * head["bytes_per_logit"]))
     grad_outs = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
-    with FlopCounterMode(display=False, custom_mapping=attn.mapping()) as fc2:
+    with FlopCounterMode(display=False, custom_mapping=_flop_formulas(attn)) as fc2:
         if grad_outs:
             torch.autograd.backward(grad_outs, [torch.ones_like(t) for t in grad_outs])
     return sum(saved.values()), ws, fixed, fwd, fc2.get_total_flops(), attn, max(ws, interp.backward_op_peak)

@@ -45,6 +45,9 @@ LOGIT_ROW_ALIGN = 8
 #: importing torch): a 7B MLP chunk's intermediates (4096 x 18,944, four of them, bf16) are 0.6 GB, and each
 #: chunk's matmuls (4096 x 3584 x 18,944) are still large enough to run at full GEMM efficiency
 TILE_TOKENS = 4096
+#: a layer doing fewer FLOPs per token than this share of 2 per parameter uses only some of its parameters per
+#: token (``ModelGraph.active_params``); a dense layer does about 1 (its norms' weights do no matmul)
+SPARSE_SHARE = 0.75
 
 
 def padded_row(columns: int) -> int:
@@ -179,6 +182,21 @@ class ModelGraph:
     def total_params(self) -> int:
         """Distinct parameters (tied ones counted once)."""
         return sum(b.owned_numel for b in self.blocks)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters a token's forward uses, what the model FLOPs (``6 * active_params * tokens``) count:
+        ``total_params`` for a dense model.  A layer whose forward, attention apart, does fewer than
+        ``SPARSE_SHARE`` x 2 FLOPs per token per parameter uses some of them per token (a mixture of experts, each
+        token routed to a few): it counts the parameters those FLOPs use (2 a token each), so a MoE's model FLOPs
+        are those of the experts that run, not of all of them (Qwen3-Next-80B, 3B active: 718 "model TFLOPS"
+        on one H200 otherwise)."""
+        total = 0
+        for b in self.blocks:
+            used = (b.fwd_flops - b.attn_fwd_flops) / max(self.seq_len, 1) / 2
+            sparse = b.kind == "layer" and b.param_numel and used < SPARSE_SHARE * b.param_numel
+            total += round(b.owned_numel * used / b.param_numel) if sparse else b.owned_numel
+        return total
 
     def readers(self, owner: int) -> tuple[int, ...]:
         """The blocks that read block ``owner``'s parameters, in block order: ``owner`` itself and every

@@ -202,7 +202,8 @@ def _hardware_text(hw) -> str:
 
 
 def model_tflops_text(pred: dict) -> str:
-    """Model TFLOPS as ``6 * params * tokens / step``, and, where the model has attention, with its FLOPs
+    """Model TFLOPS as ``6 * params * tokens / step`` (the parameters a token uses: a mixture of experts' idle experts
+    not counted, ``ModelGraph.active_params``), and, where the model has attention, with its FLOPs
     added (forward plus a backward of twice it, causal as half the square): at long sequences the two differ
     by the attention's quadratic share."""
     text = f"{pred.get('model_tflops', 0):.1f} (6·N·tokens)"

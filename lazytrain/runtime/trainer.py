@@ -65,7 +65,7 @@ class StepStats:
     loss: float
     tokens: int            # tokens counted in the loss (labels not -100)
     step_s: float
-    model_tflops: float    # 6 * total_params * batch * seq / step_s / 1e12
+    model_tflops: float    # 6 * active_params * batch * seq / step_s / 1e12 (all parameters but idle experts)
     grad_norm: float
     skipped: bool          # the step's update was skipped (non-finite gradient norm)
     tokens_per_s: float = 0.0
@@ -255,7 +255,7 @@ class Trainer:
             self.last_profile = step.profiler.finish(step_s)
         norm = run.tracker.last_norm
         return StepStats(loss=loss_sum / max(n_tok, 1), tokens=n_tok, step_s=step_s,
-                         model_tflops=6 * self.plan.graph.total_params * B * S / step_s / 1e12,
+                         model_tflops=6 * self.plan.graph.active_params * B * S / step_s / 1e12,
                          grad_norm=float("nan") if norm is None else norm, skipped=skipped,
                          tokens_per_s=B * S / step_s)
 
