@@ -241,7 +241,8 @@ def reducible(model: nn.Module) -> bool:
 
 def kinds_kept(kinds: list) -> list[int] | None:
     """The layers a reduced clone of a model with several kinds of layer keeps: the first and the last, and the
-    first two of every kind after the first layer (one where a kind has one); None where that saves little."""
+    first two of every kind after the first layer (one where a kind has one); None where that is every layer.  A
+    layer replicates only code that a second layer of its kind was checked to share (``program._reduced``)."""
     n = len(kinds)
     if n <= 4 or len(set(kinds)) == 1:
         return None
@@ -250,7 +251,7 @@ def kinds_kept(kinds: list) -> list[int] | None:
         if seen.setdefault(kinds[i], 0) < 2:
             seen[kinds[i]] += 1
             kept.add(i)
-    return sorted(kept) if 2 * len(kept) <= n else None
+    return sorted(kept) if len(kept) < n else None
 
 
 def kept_layers(n_layers: int, keep: int | list[int] = 3) -> list[int]:
