@@ -172,8 +172,10 @@ def _add_data_args(p) -> None:
     p.add_argument("--max-new-tokens", type=_positive, default=None, metavar="N",
                    help="longest reply generated in evaluation (default: 1.5x the longest reference + 8)")
     p.add_argument("--epochs", type=_positive_float, default=None, help="epochs when --steps is not given (default 1)")
-    p.add_argument("--no-eval", action="store_true", help="no evaluation before and after (throughput runs)")
-    p.add_argument("--no-export", action="store_true", help="do not write OUTPUT/model/ (the Hugging Face folder)")
+    p.add_argument("--no-eval", action="store_true", help="no exact-match evaluation, during or after the run "
+                                                          "(throughput runs)")
+    p.add_argument("--no-export", action="store_true", help="do not write OUTPUT/model/, the Hugging Face folder a "
+                                                            "--data run writes")
     p.add_argument("--export-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="dtype of the exported weights (default: that of the weights the model came with)")
 
@@ -333,7 +335,7 @@ def cmd_train(a) -> int:
         from .finetune import FinetuneConfig as cls
         extra = dict(data=a.data, eval_data=a.eval_data, tokenizer=a.tokenizer, loss_on=a.loss_on, truncate=a.truncate,
                      pack=a.pack, answer_regex=a.answer_regex, max_new_tokens=a.max_new_tokens,
-                     epochs=a.epochs or 1.0, evaluate=not a.no_eval, export=not a.no_export,
+                     epochs=a.epochs or 1.0, export=not a.no_export,
                      export_dtype=a.export_dtype)
     d = cls()
     cfg = cls(model=a.model, difficulty=a.difficulty, batch=a.batch, seq=a.seq,
@@ -343,7 +345,7 @@ def cmd_train(a) -> int:
               eval_every=a.eval_every, eval_size=a.eval_size or d.eval_size, seed=a.seed,
               time_limit_min=a.time_limit_min, output=a.output, resume=a.resume,
               loss_on_prompt=not a.answer_only_loss, device=a.device, threads=a.threads, profile=a.profile,
-              progress=not a.no_progress, allow_factory=a.allow_factory, **extra)
+              progress=not a.no_progress, allow_factory=a.allow_factory, evaluate=not a.no_eval, **extra)
     run(cfg)
     return 0
 

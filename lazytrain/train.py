@@ -102,6 +102,7 @@ class TrainConfig:
     resident: str | int | list = "auto"   # blocks kept on the GPU (compile_model's ``resident``)
     eval_every: int = 0              # 0: only at the end
     eval_size: int = 500
+    evaluate: bool = True            # False (--no-eval): no exact match at all, during or after (throughput runs)
     seed: int = 0
     time_limit_min: float | None = 9.0
     output: str = "runs/train"
@@ -360,7 +361,7 @@ def run(cfg: TrainConfig) -> dict:
                 bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
                                 tflops=f"{stats.model_tflops:.3f}", lr=f"{opt.lr:.1e}", refresh=False)
                 bar.update(1)
-            if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps:
+            if cfg.evaluate and cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps:
                 em = evaluate(trainer, evals[:min(len(evals), 200)], dev, ranks=ranks)
                 em_curve.append({"step": run.step, "exact_match": em, "n": min(len(evals), 200)})
                 _note(bar, f"step {run.step}: exact match {em:.1%} on {min(len(evals), 200)} eval problems")
@@ -369,12 +370,13 @@ def run(cfg: TrainConfig) -> dict:
         metrics = _metrics(cfg, seq, run, desc=desc, n_params=n_params, dev=dev, tuner=tuner, hardware=hardware,
                            param_dtype=param_dtype, plan=plan, compile_s=compile_s, evals=evals, em_curve=em_curve,
                            prev=prev, t_start=t_start, out=out)
-        ckpt = _commit(trainer, out, metrics, run, evals, em_curve, dev, flag, t_start, ranks)
+        ckpt = _commit(trainer, out, metrics, run, evals if cfg.evaluate else None, em_curve, dev, flag, t_start,
+                       ranks)
         if ranks.main:
             _plot_loss(out / "loss.png", run.history, metrics["eval_curve"], cfg)
     trainer.close()
     print(f"wrote {out / 'metrics.json'} and {ckpt}" + (" (interrupted: no final eval)"
-                                                         if metrics["exact_match"] is None else ""))
+                                                         if metrics["final_eval"] == "skipped (interrupted)" else ""))
     ranks.close()
     return metrics
 
@@ -404,13 +406,17 @@ def _metrics(cfg: TrainConfig, seq: int, run: Progress, *, desc, n_params: int, 
     }
 
 
-def _commit(trainer, out: Path, metrics: dict, run: Progress, evals: list, em_curve: list, dev: torch.device,
+def _commit(trainer, out: Path, metrics: dict, run: Progress, evals: list | None, em_curve: list, dev: torch.device,
             flag: _StopFlag, t_start: float, ranks: Ranks) -> Path:
     """Commit 1 (checkpoint + metrics) before the final eval, so an eval that fails (out of memory) or is
     killed loses no training; then the eval and commit 2 (the metrics with it).  Every rank saves its
-    shards; the metrics are rank 0's."""
+    shards; the metrics are rank 0's.  ``evals`` None: no eval (``--no-eval``)."""
     ckpt = runfiles.commit(trainer, out, metrics, main=ranks.main)
-    if not run.interrupted:         # (a Ctrl-C during commit 1 skips the eval too)
+    if evals is None:
+        metrics.update(final_eval="skipped (--no-eval)")
+        if ranks.main:
+            runfiles.update_metrics(out, metrics)
+    elif not run.interrupted:         # (a Ctrl-C during commit 1 skips the eval too)
         em = None if flag.set else _final_eval(trainer, evals, dev, flag, ranks)
         if em is None:
             metrics.update(final_eval="skipped (interrupted)", interrupted=True)

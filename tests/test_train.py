@@ -38,6 +38,13 @@ def test_train_writes_metrics_and_checkpoint(first_run):
     assert not list(out.glob("*.tmp*"))
 
 
+def test_no_eval_skips_the_exact_match_of_the_task(tmp_path, capsys):
+    """``--no-eval`` on the built-in task (not only with ``--data``): no eval during or after the run."""
+    m = _train(tmp_path, "--steps", "2", "--eval-every", "1", "--no-eval")
+    assert m["final_eval"] == "skipped (--no-eval)" and m["exact_match"] is None and m["steps_done"] == 2
+    assert "exact match" not in capsys.readouterr().out
+
+
 def test_profile_prints_overlap_and_writes_the_measured_step(tmp_path, capsys):
     from lazytrain.runtime.profiling import StepProfile
     _train(tmp_path, "--steps", "3", "--profile", "2")

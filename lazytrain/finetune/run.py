@@ -75,7 +75,6 @@ class FinetuneConfig(TrainConfig):
     answer_regex: str | None = None
     max_new_tokens: int | None = None      # default: 1.5x the longest reference reply + 8
     epochs: float = 1.0                    # when --steps is not given
-    evaluate: bool = True                  # False: no evaluation (throughput runs)
     export: bool = True
     export_dtype: str | None = None        # default: the dtype of the weights the model came with
     steps: int | None = None
