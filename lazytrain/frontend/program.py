@@ -158,15 +158,18 @@ def _reduced(model: nn.Module, exported) -> Split | None:
     if kinds is None:
         return None
     n = len(kinds)
-    try:
-        if reducible(model):
+    if reducible(model, kinds):
+        try:
             sp = exported(2)
             if same_code(sp):
                 return expand(sp, n)
             return expand(exported(3), n)         # layer 0's program differs: layer 1's serves the middle
-        kept = kinds_kept(kinds)
-        if kept is None:
+        except TraceError:
             return None
+    kept = kinds_kept(kinds)
+    if kept is None:
+        return None
+    try:
         sp = exported(kept)
         pos = {i: r for r, i in enumerate(kept)}
         first: dict = {}
@@ -176,7 +179,7 @@ def _reduced(model: nn.Module, exported) -> Split | None:
             first.setdefault(kinds[i], i)
         templates = [0] + [pos[first[kinds[j]]] for j in range(1, n - 1)] + [len(kept) - 1]
         return expand(sp, n, templates)
-    except TraceError:
+    except Exception:  # noqa: BLE001 - a clone of some layers that fails to export: the whole model's export decides
         return None
 
 

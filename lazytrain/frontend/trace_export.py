@@ -233,9 +233,10 @@ def layer_kinds(model: nn.Module) -> list | None:
     return [(_layer_signature(m), tuple(getattr(cfg, f)[i] for f in fields)) for i, m in enumerate(layers)]
 
 
-def reducible(model: nn.Module) -> bool:
-    """Are all layers structurally identical, so three of them stand for all?"""
-    kinds = layer_kinds(model)
+def reducible(model: nn.Module, kinds: list | None = None) -> bool:
+    """Are all layers structurally identical, so three of them stand for all?  ``kinds``: ``layer_kinds(model)``
+    where the caller has them."""
+    kinds = layer_kinds(model) if kinds is None else kinds
     return kinds is not None and len(kinds) > 4 and len(set(kinds)) == 1
 
 
