@@ -411,12 +411,10 @@ def _commit(trainer, out: Path, metrics: dict, run: Progress, evals: list | None
     """Commit 1 (checkpoint + metrics) before the final eval, so an eval that fails (out of memory) or is
     killed loses no training; then the eval and commit 2 (the metrics with it).  Every rank saves its
     shards; the metrics are rank 0's.  ``evals`` None: no eval (``--no-eval``)."""
-    ckpt = runfiles.commit(trainer, out, metrics, main=ranks.main)
     if evals is None:
         metrics.update(final_eval="skipped (--no-eval)")
-        if ranks.main:
-            runfiles.update_metrics(out, metrics)
-    elif not run.interrupted:         # (a Ctrl-C during commit 1 skips the eval too)
+    ckpt = runfiles.commit(trainer, out, metrics, main=ranks.main)
+    if evals is not None and not run.interrupted:         # (a Ctrl-C during commit 1 skips the eval too)
         em = None if flag.set else _final_eval(trainer, evals, dev, flag, ranks)
         if em is None:
             metrics.update(final_eval="skipped (interrupted)", interrupted=True)

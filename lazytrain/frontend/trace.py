@@ -384,7 +384,8 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
     interp = _Liveness(b.gm, saved, pkeys | in_keys, dtype)
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
     attn = AttentionCount()
-    with hooks, FlopCounterMode(display=False, custom_mapping=_flop_formulas(attn)) as fc:
+    formulas = _flop_formulas(attn)
+    with hooks, FlopCounterMode(display=False, custom_mapping=formulas) as fc:
         outs = interp.run(*args)
         if b.loss is not None:
             lh = b.loss
@@ -409,7 +410,7 @@ def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: i
         fixed = DEFAULT_CHUNK_LOGITS * head["bytes_per_logit"]
         ws = max(ws, mb * seq_len * (head["row_bytes"] + LOSS_MIN_COLUMNS * head["bytes_per_logit"]))
     grad_outs = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
-    with FlopCounterMode(display=False, custom_mapping=_flop_formulas(attn)) as fc2:
+    with FlopCounterMode(display=False, custom_mapping=formulas) as fc2:
         if grad_outs:
             torch.autograd.backward(grad_outs, [torch.ones_like(t) for t in grad_outs])
     return sum(saved.values()), ws, fixed, fwd, fc2.get_total_flops(), attn, max(ws, interp.backward_op_peak)

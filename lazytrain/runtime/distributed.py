@@ -148,10 +148,8 @@ class World:
 
     def _close_at_exit(self) -> None:
         """``close`` at the interpreter's exit, unless a collective failed (a group with a rank gone may block its
-        teardown: the exit must not wait on it)."""
-        if self.broken:
-            self.stop_heartbeat()
-        else:
+        teardown: the exit must not wait on it; its heartbeat is stopped after, with every world's)."""
+        if not self.broken:
             self.close()
 
     def stop_heartbeat(self) -> None:
