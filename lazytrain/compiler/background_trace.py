@@ -1,0 +1,164 @@
+"""A preset's first compile: the search runs on the preset's seed while its real trace runs on another core.
+
+A compile must trace its model before it can search, and on a fresh machine the trace of a preset costs
+~3.5 s on 2 cores, nearly all of it importing torch, ``torch.export`` and transformers: a 7-8B model's first
+compile took 7-8 s where its cached ones take 3.  The seed (``frontend/seed_traces.py``) predicts the
+preset's graph without torch, so the compile searches on that prediction while ``frontend/trace_worker.py``
+traces the model in a child process (and stores the trace in the cache).  The plan is returned only once
+the child's graph is found equal to the prediction; where it is not (another torch or transformers than the
+seed's), the compile runs again on the traced graph; where the child fails, the compile traces in its own
+process, as it would have without a seed.  Either way the plan is the one the traced graph gives.
+
+Only where the trace would cost its imports: a process that has torch already (a training script, a test
+suite) traces in under a second itself, and a machine of one core would run the two one after the other.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..frontend import seed_traces
+from ..frontend.preset_configs import PRESETS
+from ..frontend.trace_cache import TraceCache
+from ..ir.graph import ModelGraph
+from .progress import log
+
+#: CPUs the process may run on for the seed to be worth a second process
+MIN_CPUS = 2
+#: set while a compile whose background trace failed traces in its own process (no second child)
+_tracing_here = contextvars.ContextVar("tracing_here", default=False)
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:          # not on Linux
+        return os.cpu_count() or 1
+
+
+def worker_command() -> list[str]:
+    """The command that runs the trace (a test may point it at a program that fails)."""
+    return [sys.executable, "-m", "lazytrain.frontend.trace_worker"]
+
+
+def imports_pending() -> bool:
+    """Would tracing in this process import torch first (what the seed saves)?"""
+    return "torch" not in sys.modules
+
+
+class BackgroundTrace:
+    """The trace of one request running in a child process; ``predicted``: the seed's graph meanwhile."""
+
+    def __init__(self, request: dict, predicted: ModelGraph):
+        self.request, self.predicted = request, predicted
+        self.t0 = time.perf_counter()
+        self.seconds = 0.0
+        self.why_failed = ""
+        root = str(Path(__file__).resolve().parent.parent.parent)      # the folder lazytrain is imported from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, env=env)
+        self.proc.stdin.write(json.dumps(request).encode())
+        self.proc.stdin.close()
+
+    def result(self) -> ModelGraph | None:
+        """The traced graph, once the child is done; None where it failed (``why_failed`` says how)."""
+        out = self.proc.stdout.read()
+        self.proc.wait()
+        self.seconds = time.perf_counter() - self.t0
+        try:
+            answer = json.loads(out)
+            if "graph" in answer:
+                return ModelGraph.from_json(answer["graph"])
+            self.why_failed = str(answer.get("error", "no graph"))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            self.why_failed = f"exit status {self.proc.returncode}{self._stderr_tail()}"
+        return None
+
+    def _stderr_tail(self) -> str:
+        self.stderr.seek(0)
+        lines = [s for s in self.stderr.read().decode(errors="replace").splitlines() if s.strip()]
+        return f": {lines[-1].strip()[:160]}" if lines else ""
+
+    def close(self) -> None:
+        """Stop the child if it still runs (the compile was interrupted or failed)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self.stderr.close()
+
+
+def start(model, *, seq_len, dtype: str, packed: bool, seq_tile, compile_blocks: bool) -> BackgroundTrace | None:
+    """The background trace of ``model`` with the seed's graph, or None where the compile should trace as
+    before: not a preset, no seed for these arguments, a trace in the cache, torch already imported, one CPU,
+    or no transformers to build a Hugging Face preset with (the compile's own trace says so)."""
+    if (not isinstance(model, str) or model not in PRESETS or packed or seq_tile is not None or compile_blocks
+            or not isinstance(seq_len, int) or _tracing_here.get() or not imports_pending() or _cpus() < MIN_CPUS):
+        return None
+    if PRESETS[model]["model_type"] != "lazytrain-gpt" and importlib.util.find_spec("transformers") is None:
+        return None
+    cache = TraceCache.of(model, seq_len=seq_len, dtype=dtype, packed=False, seq_tile=None)
+    if cache is not None and cache.load() is not None:
+        return None
+    predicted = seed_traces.predict(model, seq_len, dtype)
+    if predicted is None:
+        return None
+    log.info("tracing %s at %s tokens in another process; searching meanwhile on its built-in trace", model,
+             f"{seq_len:,}")
+    return BackgroundTrace({"model": model, "seq_len": seq_len, "dtype": dtype, "packed": False,
+                            "seq_tile": None}, predicted)
+
+
+def compile_seeded(compile_fn, model: str, bg: BackgroundTrace, options: dict):
+    """``compile_fn(model, **options)`` searched on ``bg``'s seed: its plan where the traced graph equals the
+    seed's, else the traced graph's (module docstring).  An error the seed's search raised (no plan fits) is
+    raised only once the traced graph confirms it."""
+    t0 = time.perf_counter()
+    try:
+        try:
+            plan, error = compile_fn(bg.predicted, **options), None
+        except Exception as e:  # noqa: BLE001 - authoritative only once the trace confirms the graph it came from
+            plan, error = None, e
+        real = bg.result()
+        if real is None:
+            log.info("the background trace failed (%s): tracing here", bg.why_failed)
+            token = _tracing_here.set(True)
+            try:
+                plan = compile_fn(model, **options)
+            finally:
+                _tracing_here.reset(token)
+            return _noted(plan, {"seed": "trace failed", "why": bg.why_failed})
+        if not seed_traces.same_graph(real, bg.predicted):
+            log.info("the built-in trace of %s differs from this installation's: searching again on the traced "
+                     "graph", model)
+            return _noted(compile_fn(real, **options), {"seed": "differed", "seconds": round(bg.seconds, 4)}, t0)
+        if error is not None:
+            raise error
+        graph = dataclasses.replace(plan.graph, meta={**plan.graph.meta, "trace_seconds": real.meta.get(
+            "trace_seconds")})
+        return _noted(dataclasses.replace(plan, graph=graph), {"seed": "matched", "seconds": round(bg.seconds, 4)},
+                      t0)
+    finally:
+        bg.close()
+
+
+def _noted(plan, trace_pass: dict, t0: float | None = None):
+    """``plan`` with the background trace in its history (first, where a trace pass goes), and its total
+    counted from ``t0`` (the wait for the child included)."""
+    history = [{"pass": "trace", "background": True, **trace_pass}, *plan.history]
+    if t0 is not None:
+        history = [{**h, "seconds": round(time.perf_counter() - t0, 4)} if h.get("pass") == "total" else h
+                   for h in history]
+    plan.history = history
+    return plan

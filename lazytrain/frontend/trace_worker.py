@@ -1,0 +1,42 @@
+"""A trace in a process of its own: ``python -m lazytrain.frontend.trace_worker`` reads one request
+(``{"model": spec, "seq_len": ..., "dtype": ..., "packed": ..., "seq_tile": ...}``) as JSON on stdin,
+builds and traces the model exactly as ``compile_model`` would, stores the graph in the trace cache and
+writes ``{"graph": ModelGraph.to_json()}`` on stdout; on any error, ``{"error": "..."}`` and exit status 1.
+
+``compiler/background_trace.py`` runs it beside a compile that searches on a preset's seed
+(``seed_traces.py``): the imports that make a trace slow then run on another core.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def trace_request(request: dict) -> dict:
+    """The traced graph of ``request`` as JSON, stored in the trace cache on the way."""
+    from .presets import build_model
+    from .trace import trace
+    from .trace_cache import TraceCache
+    model, seq_len, dtype = request["model"], request["seq_len"], request["dtype"]
+    packed, seq_tile = bool(request.get("packed")), request.get("seq_tile")
+    graph = trace(build_model(model), seq_len=seq_len, dtype=dtype, packed=packed, seq_tile=seq_tile)
+    cache = TraceCache.of(model, seq_len=seq_len, dtype=dtype, packed=packed, seq_tile=seq_tile)
+    if cache is not None:
+        cache.store(graph)
+    return graph.to_json()
+
+
+def main() -> int:
+    try:
+        out = {"graph": trace_request(json.loads(sys.stdin.read()))}
+        code = 0
+    except Exception as e:  # noqa: BLE001 - whatever failed, the compile traces in its own process and says why
+        out, code = {"error": f"{type(e).__name__}: {e}"}, 1
+    sys.stdout.write(json.dumps(out))
+    sys.stdout.flush()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
