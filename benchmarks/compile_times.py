@@ -3,6 +3,7 @@
 
     python benchmarks/compile_times.py [-o benchmarks/results/compile_times] [--models a,b]
     python benchmarks/compile_times.py --rows qwen3-32b:80:8,llama3-8b:48:8 --repeat 3 [-o NAME]
+    python benchmarks/compile_times.py --cold [--models a,b] [-o NAME]     (every compile a model's first)
 
 Each compile runs in a fresh process (``lazytrain compile``'s path: the preset is traced, then the
 search, the resident choice and the megatrain baseline), so the wall time is what a user waits, trace
@@ -49,7 +50,8 @@ with warnings.catch_warnings(record=True) as caught:
         out = {"step_s": p.predicted["step_time_s"], "micro_batch": p.micro_batch,
                "resident": len(p.decisions.resident_blocks), "policy": p.decisions.policy,
                "params_b": p.graph.total_params / 1e9, "trace_s": hist.get("trace", {}).get("seconds", 0.0),
-               "trace_cached": hist.get("trace", {}).get("cached", False), "compile_s": hist["total"]["seconds"],
+               "trace_cached": hist.get("trace", {}).get("cached", False),
+               "seed": hist.get("trace", {}).get("seed", ""), "compile_s": hist["total"]["seconds"],
                "megatrain_s": p.predicted.get("megatrain_step_time_s"),
                "solver": p.solver.solver if p.solver else None, "gap": p.solver.gap if p.solver else None,
                "out_of_time": bool(getattr(p.solver, "out_of_time", False)),
@@ -81,13 +83,14 @@ def grid(models: list[str]) -> list[tuple[str, int, int]]:
     return [(model, gb, batch) for model in models for gb in (24, 48, 80) for batch in (8, 32, 72)]
 
 
-def run(cases: list[tuple[str, int, int]], cache: str, repeat: int = 1) -> list[dict]:
-    """Every compile of ``cases``, one process each, with the trace cache in ``cache``; ``repeat`` rounds over
-    all of them (a row's later rounds read its trace from the cache)."""
-    env = {**os.environ, "LAZYTRAIN_TRACE_CACHE": cache}
+def run(cases: list[tuple[str, int, int]], cache: str | None, repeat: int = 1) -> list[dict]:
+    """Every compile of ``cases``, one process each, with the trace cache in ``cache`` (None: an empty one for
+    each compile, every one a model's first); ``repeat`` rounds over all of them (a row's later rounds read its
+    trace from the cache)."""
     rows = []
     for round_ in range(repeat):
         for model, gb, batch in cases:
+            env = {**os.environ, "LAZYTRAIN_TRACE_CACHE": cache or tempfile.mkdtemp(prefix="lazytrain-traces-")}
             t, cpu = time.perf_counter(), _children_cpu()
             r = subprocess.run([sys.executable, "-c", ONE, model, str(batch), f"{gb}GiB"], capture_output=True,
                                text=True, env=env)
@@ -133,9 +136,9 @@ def _over(rows: list[dict], key: str) -> str:
 def report(rows: list[dict], base: list[dict] | None) -> tuple[str, str]:
     """(summary lines, table); with ``base`` (an earlier run's rows) its step and CPU time beside each row."""
     from tabulate import tabulate
-    cols = ["model", "gpu_gb", "batch", "wall_s", "cpu_s", "trace_s", "trace_cached", "compile_s", "compile_cpu_s",
-            "load", "step_s", "megatrain_s", "micro_batch", "resident", "policy", "solver", "gap", "out_of_time",
-            "deadline_clock", "error"]
+    cols = ["model", "gpu_gb", "batch", "wall_s", "cpu_s", "trace_s", "trace_cached", "seed", "compile_s",
+            "compile_cpu_s", "load", "step_s", "megatrain_s", "micro_batch", "resident", "policy", "solver", "gap",
+            "out_of_time", "deadline_clock", "error"]
     if base is not None:
         before = {(r["model"], r["gpu_gb"], r["batch"]): r for r in base}
         for r in rows:
@@ -177,6 +180,8 @@ def main() -> None:
                     "moves from run to run")
     ap.add_argument("--trace-cache", default=None, help="trace cache folder (default: a fresh one, so each model's "
                     "first compile traces and the others read the cache)")
+    ap.add_argument("--cold", action="store_true", help="an empty trace cache for every compile: each is its "
+                    "model's first, as on a fresh machine")
     ap.add_argument("--from-json", default=None, help="report a saved run (its NAME.json) instead of compiling")
     ap.add_argument("--compare", default=None, help="an earlier run's NAME.json: its step and CPU time beside each row")
     a = ap.parse_args()
@@ -187,7 +192,8 @@ def main() -> None:
     else:
         cases = ([(m, int(gb), int(b)) for m, gb, b in (c.split(":") for c in a.rows.split(","))] if a.rows
                  else grid(a.models.split(",")))
-        rows = run(cases, a.trace_cache or tempfile.mkdtemp(prefix="lazytrain-traces-"), a.repeat)
+        rows = run(cases, None if a.cold else a.trace_cache or tempfile.mkdtemp(prefix="lazytrain-traces-"),
+                   a.repeat)
         date, machine = str(datetime.date.today()), f"{platform.machine()}, {os.cpu_count()} cores"
     base = None
     if a.compare:
@@ -200,7 +206,7 @@ def main() -> None:
     if a.output:
         cmd = "python benchmarks/compile_times.py" + "".join(
             f" {flag} {v}" for flag, v in (("--rows", a.rows), ("--repeat", a.repeat if a.repeat > 1 else None))
-            if v) + f" -o {a.output}"
+            if v) + (" --cold" if a.cold else "") + f" -o {a.output}"
         with open(a.output + ".json", "w") as f:
             json.dump({"command": cmd, "date": date, "machine": machine, "rows": rows}, f, indent=1)
         with open(a.output + ".md", "w") as f:

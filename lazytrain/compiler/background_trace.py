@@ -34,6 +34,8 @@ from .progress import log
 
 #: CPUs the process may run on for the seed to be worth a second process
 MIN_CPUS = 2
+#: seconds a child that answered may take to exit before it is killed
+EXIT_WAIT_S = 5.0
 #: set while a compile whose background trace failed traces in its own process (no second child)
 _tracing_here = contextvars.ContextVar("tracing_here", default=False)
 
@@ -63,6 +65,7 @@ class BackgroundTrace:
         self.t0 = time.perf_counter()
         self.seconds = 0.0
         self.why_failed = ""
+        self.answered = False
         root = str(Path(__file__).resolve().parent.parent.parent)      # the folder lazytrain is imported from
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
         self.stderr = tempfile.TemporaryFile()
@@ -73,16 +76,17 @@ class BackgroundTrace:
 
     def result(self) -> ModelGraph | None:
         """The traced graph, once the child is done; None where it failed (``why_failed`` says how)."""
-        out = self.proc.stdout.read()
-        self.proc.wait()
+        out = self.proc.stdout.readline()          # the answer is one line; the child exits right after it
+        self.answered = True
         self.seconds = time.perf_counter() - self.t0
         try:
             answer = json.loads(out)
             if "graph" in answer:
+                self.seconds = float(answer.get("seconds", self.seconds))     # the child's own, start-up aside
                 return ModelGraph.from_json(answer["graph"])
             self.why_failed = str(answer.get("error", "no graph"))
         except (ValueError, TypeError, KeyError, AttributeError):
-            self.why_failed = f"exit status {self.proc.returncode}{self._stderr_tail()}"
+            self.why_failed = f"exit status {self.proc.wait()}{self._stderr_tail()}"
         return None
 
     def _stderr_tail(self) -> str:
@@ -91,8 +95,11 @@ class BackgroundTrace:
         return f": {lines[-1].strip()[:160]}" if lines else ""
 
     def close(self) -> None:
-        """Stop the child if it still runs (the compile was interrupted or failed)."""
-        if self.proc.poll() is None:
+        """Reap the child once it answered (it exits right after); stop it if it did not (the compile was
+        interrupted, or failed before it asked)."""
+        try:
+            self.proc.wait(timeout=EXIT_WAIT_S if self.answered else 0)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
         self.proc.stdout.close()

@@ -10,7 +10,11 @@ writes ``{"graph": ModelGraph.to_json()}`` on stdout; on any error, ``{"error": 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+
+_T0 = time.perf_counter()
 
 
 def trace_request(request: dict) -> dict:
@@ -29,14 +33,16 @@ def trace_request(request: dict) -> dict:
 
 def main() -> int:
     try:
-        out = {"graph": trace_request(json.loads(sys.stdin.read()))}
+        out = {"graph": trace_request(json.loads(sys.stdin.read())), "seconds": round(time.perf_counter() - _T0, 4)}
         code = 0
     except Exception as e:  # noqa: BLE001 - whatever failed, the compile traces in its own process and says why
         out, code = {"error": f"{type(e).__name__}: {e}"}, 1
-    sys.stdout.write(json.dumps(out))
+    sys.stdout.write(json.dumps(out) + "\n")
     sys.stdout.flush()
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # at once: tearing down an interpreter that imported torch and transformers takes ~0.5 s, which the compile
+    # would wait for (the cache file is written and closed by now)
+    os._exit(main())
