@@ -40,7 +40,7 @@ from ..ir import ModelGraph
 from ..ir.graph import padded_row
 from ..ir.plan import PlanError
 from .progress import log
-from .search import MIN_SOLVE_S
+from .search import MIN_SOLVE_S, SHORT_BUDGET_BLOCKS, milp_size
 
 #: share of the GPU budget one chunk of logits may take: at 24 GiB (21.3 GiB of budget) that is 2^27 logits,
 #: 0.75 GiB in bf16, 4096 vocabulary columns a chunk for 32 x 1024 tokens
@@ -58,7 +58,10 @@ RESOLVE_GAIN = 0.01
 #: the search's seconds does not in fewer).  Measured on the compile grid's presets up to 8B (2 cores): of 11
 #: re-solves 8 won (steps 1.0-3.3% shorter, 0.28-0.92 s each), 3 lost (batch 8 at 80 GiB, 0.84-2.1 s); one that
 #: took a compile of qwen2.5-7b (24 GiB, batch 32) to 6.2 s followed a search out of its deadline, and lost.
-RESOLVE_S = 2.0
+#: Chains of up to ``search.SHORT_BUDGET_BLOCKS`` blocks get ``SHORT_RESOLVE_S``: every win above took under 1 s, and
+#: the losing 2 s put llama3-8b at 80 GiB, batch 8 over 5 s a compile; at 1.2 s the 54 compiles up to 8B gave the
+#: same plans as at 2 s (``benchmarks/results/compile_times_cold.md``).
+RESOLVE_S, SHORT_RESOLVE_S = 2.0, 1.2
 #: ``compile_model(loss_head=...)``: ``faster_head``'s choice, or either way forced
 LOSS_HEAD_MODES = ("auto", "single_pass", "recompute")
 
@@ -130,7 +133,8 @@ def faster_head(comp, plan):
     """``plan`` (built by the compiler ``comp``), or a plan with the single-pass head where one is predicted faster:
     first ``plan``'s decisions with it (the largest row chunk that fits every budget); where none fits and the head's
     priced gain is at least ``RESOLVE_GAIN`` of the step, one MILP solve for it at ``plan``'s micro-batch within
-    ``RESOLVE_S`` CPU seconds.  What was tried goes into the returned plan's history."""
+    ``RESOLVE_S`` CPU seconds (``SHORT_RESOLVE_S`` for a short chain).  What was tried goes into the returned plan's
+    history."""
     head = comp.graph.meta.get("loss_head")
     gpu_bytes = comp.budgets.get("gpu_bytes")
     if not isinstance(head, dict) or head.get("single_pass") or not gpu_bytes:
@@ -155,7 +159,8 @@ def faster_head(comp, plan):
             cand.solver = plan.solver
             best = cand
         break       # a smaller chunk only fits where this one did not, and is no faster
-    seconds = min(RESOLVE_S, deadline.after_cpu_left() - deadline.build_cpu)
+    limit = SHORT_RESOLVE_S if milp_size(comp.graph) <= SHORT_BUDGET_BLOCKS else RESOLVE_S
+    seconds = min(limit, deadline.after_cpu_left() - deadline.build_cpu)
     if heads and all(t[1] is None for t in tried) and plan.decisions.policy == "milp" \
             and not getattr(plan.solver, "out_of_time", False) and seconds >= MIN_SOLVE_S \
             and _gain(comp, heads[0][1], plan) >= RESOLVE_GAIN:
