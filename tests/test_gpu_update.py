@@ -423,6 +423,16 @@ def test_the_rule_re_solves_only_for_a_gain_that_can_pay_for_the_memory(free_gai
     assert (["no re-solve", room_gib] in plan.decisions.notes["gpu_update"]["tried"]) == (room_gib > 100 / 3)
 
 
+def test_the_room_for_a_re_solve_is_none_when_the_rules_time_runs_out_inside_it():
+    """The measure of the room builds the plan one count below the first that did not fit, which the search
+    before it may not have built: with the rule's time spent there it finds no room (it escaped as an internal
+    exception, failing llama3-70b and qwen2.5-72b at 24 GiB, batch 32, 2 of the 117 grid compiles)."""
+    from lazytrain.compiler import gpu_update as gu
+    comp = _TableCompiler(0, lambda d, k: 10.0 - 0.1 * k, lambda d, k: True)
+    over = len(gu.candidates(comp.graph, comp.plan.decisions)) + 1       # ``_lowest`` builds nothing from there
+    assert gu._room(comp, comp.plan, over, [0.0], best_step=9.0) == 0 and comp.built == 0
+
+
 # ---- on a real GPU (run on the lent machine; skipped without CUDA) --------------------------------
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

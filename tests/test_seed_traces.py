@@ -112,6 +112,15 @@ def test_a_failed_background_trace_is_traced_here(seeded, monkeypatch):
     assert _same_plan(plan, _traced_plan("tiny", 384, **TINY))
 
 
+def test_a_hung_background_trace_is_killed_and_traced_here(seeded, monkeypatch):
+    monkeypatch.setattr(background_trace, "worker_command", lambda: [sys.executable, "-c", "import time; "
+                                                                     "time.sleep(120)"])
+    monkeypatch.setattr(background_trace, "TRACE_TIMEOUT_S", 1.0)
+    plan = compile_model("tiny", seq_len=384, **TINY)
+    assert plan.history[0]["seed"] == "trace failed" and plan.history[0]["why"] == "no answer in 1 s (killed)"
+    assert _same_plan(plan, _traced_plan("tiny", 384, **TINY))
+
+
 def test_no_plan_on_the_seed_is_said_only_once_the_trace_confirms_it(seeded):
     with pytest.raises(BudgetError):
         compile_model("tiny", seq_len=384, batch_size=4, gpu_memory="1GiB", reserve="1020MiB")

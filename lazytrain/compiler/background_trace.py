@@ -20,10 +20,12 @@ import dataclasses
 import importlib.util
 import json
 import os
+import selectors
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from ..frontend import seed_traces
@@ -34,6 +36,9 @@ from .progress import log
 
 #: CPUs the process may run on for the seed to be worth a second process
 MIN_CPUS = 2
+#: seconds the child may take to answer before it counts as hung (killed; the compile traces in its own process):
+#: a 72B preset's trace takes ~3.5 s on 2 cores
+TRACE_TIMEOUT_S = 300.0
 #: seconds a child that answered may take to exit before it is killed
 EXIT_WAIT_S = 5.0
 #: set while a compile whose background trace failed traces in its own process (no second child)
@@ -76,9 +81,17 @@ class BackgroundTrace:
 
     def result(self) -> ModelGraph | None:
         """The traced graph, once the child is done; None where it failed (``why_failed`` says how)."""
+        left = TRACE_TIMEOUT_S - (time.perf_counter() - self.t0)
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            ready = left > 0 and sel.select(left)
+        self.seconds = time.perf_counter() - self.t0
+        if not ready:
+            self.why_failed = f"no answer in {TRACE_TIMEOUT_S:g} s (killed)"
+            self.proc.kill()
+            return None
         out = self.proc.stdout.readline()          # the answer is one line; the child exits right after it
         self.answered = True
-        self.seconds = time.perf_counter() - self.t0
         try:
             answer = json.loads(out)
             if "graph" in answer:
@@ -133,10 +146,13 @@ def compile_seeded(compile_fn, model: str, bg: BackgroundTrace, options: dict):
     raised only once the traced graph confirms it."""
     t0 = time.perf_counter()
     try:
-        try:
-            plan, error = compile_fn(bg.predicted, **options), None
-        except Exception as e:  # noqa: BLE001 - authoritative only once the trace confirms the graph it came from
-            plan, error = None, e
+        # its warnings too are the caller's only once the trace confirms the graph
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                plan, error = compile_fn(bg.predicted, **options), None
+            except Exception as e:  # noqa: BLE001 - authoritative only once the trace confirms the graph
+                plan, error = None, e
         real = bg.result()
         if real is None:
             log.info("the background trace failed (%s): tracing here", bg.why_failed)
@@ -150,6 +166,8 @@ def compile_seeded(compile_fn, model: str, bg: BackgroundTrace, options: dict):
             log.info("the built-in trace of %s differs from this installation's: searching again on the traced "
                      "graph", model)
             return _noted(compile_fn(real, **options), {"seed": "differed", "seconds": round(bg.seconds, 4)}, t0)
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if error is not None:
             raise error
         graph = dataclasses.replace(plan.graph, meta={**plan.graph.meta, "trace_seconds": real.meta.get(

@@ -239,14 +239,14 @@ def _room(comp, plan: Plan, over: int, budget: list[float], best_step: float) ->
     cands = candidates(g, dec)
     free = _Counts(lambda k: comp.build(with_blocks(dec, cands[:k], g.n_blocks), plan.batch_size,
                                         check_budget=False), budget, lambda k, p: None)
-    try:
+    try:      # every build here may find the budget spent (``over - 1``'s too, which ``_lowest`` may not build)
         k = _lowest(free, max(over - 1, 1), len(cands))
+        step_fit = plan.predicted["step_time_s"] if over <= 1 else free.step(over - 1)
+        if k < over or free.step(k) >= min(step_fit, best_step * (1 - RESOLVE_GAIN)) - MIN_GAIN_S:
+            return 0
+        return max(0, int(free.at(k).predicted["peak_gpu_bytes"] - plan.budgets["gpu_bytes"]))
     except _OutOfTime:
         return 0
-    step_fit = plan.predicted["step_time_s"] if over <= 1 else free.step(over - 1)
-    if k < over or free.step(k) >= min(step_fit, best_step * (1 - RESOLVE_GAIN)) - MIN_GAIN_S:
-        return 0
-    return max(0, int(free.at(k).predicted["peak_gpu_bytes"] - plan.budgets["gpu_bytes"]))
 
 
 class _OutOfTime(Exception):
