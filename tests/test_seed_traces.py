@@ -44,7 +44,8 @@ def test_every_preset_has_a_seed_for_its_usual_lengths():
 def test_a_seed_predicts_the_trace_at_a_length_it_was_not_fitted_at(name, seq):
     """Our GPT's seeds depend on torch (pinned) and the tracer: a change to the tracer that changes a graph fails
     here until ``python -m lazytrain.frontend.seed_traces`` is run again."""
-    assert _made_with()["torch"] == torch_version(), "the seeds were made with another torch: make them again"
+    release = _made_with()["torch"].split("+")[0]       # a CPU or CUDA build of one release traces alike
+    assert release == torch_version().split("+")[0], "the seeds were made with another torch: make them again"
     predicted = seed_traces.predict(name, seq)
     assert predicted is not None and seed_traces.same_graph(predicted, trace(build_model(name), seq_len=seq))
 
