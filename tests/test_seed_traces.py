@@ -128,7 +128,7 @@ def test_no_plan_on_the_seed_is_said_only_once_the_trace_confirms_it(seeded):
     assert TraceCache.of("tiny", seq_len=384, dtype="bfloat16", packed=False, seq_tile=None).load() is not None
 
 
-def test_a_process_with_torch_or_one_cpu_traces_itself(monkeypatch, tmp_path):
+def test_a_process_with_torch_or_one_cpu_or_no_child_traces_itself(monkeypatch, tmp_path):
     monkeypatch.setenv("LAZYTRAIN_TRACE_CACHE", str(tmp_path / "traces"))
     args = dict(seq_len=384, dtype="bfloat16", packed=False, seq_tile=None, compile_blocks=False)
     assert background_trace.start("tiny", **args) is None                     # this process has torch
@@ -140,6 +140,8 @@ def test_a_process_with_torch_or_one_cpu_traces_itself(monkeypatch, tmp_path):
     bg = background_trace.start("tiny", **args)
     assert bg is not None
     bg.close()
+    monkeypatch.setattr(background_trace, "worker_command", lambda: ["/nonexistent/python"])
+    assert background_trace.start("tiny", **args) is None                     # no child to be had
 
 
 @pytest.mark.skipif(background_trace._cpus() < 2, reason="the seed's path needs two CPUs")

@@ -134,10 +134,14 @@ def start(model, *, seq_len, dtype: str, packed: bool, seq_tile, compile_blocks:
     predicted = seed_traces.predict(model, seq_len, dtype)
     if predicted is None:
         return None
+    try:
+        bg = BackgroundTrace({"model": model, "seq_len": seq_len, "dtype": dtype, "packed": False, "seq_tile": None},
+                             predicted)
+    except OSError:             # no process to be had (no interpreter to start, a limit on processes)
+        return None
     log.info("tracing %s at %s tokens in another process; searching meanwhile on its built-in trace", model,
              f"{seq_len:,}")
-    return BackgroundTrace({"model": model, "seq_len": seq_len, "dtype": dtype, "packed": False,
-                            "seq_tile": None}, predicted)
+    return bg
 
 
 def compile_seeded(compile_fn, model: str, bg: BackgroundTrace, options: dict):
