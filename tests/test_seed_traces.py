@@ -80,7 +80,10 @@ def _traced_plan(name: str, seq: int, **kw) -> Plan:
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:
-    return (a.ops == b.ops and a.decisions == b.decisions and a.predicted["step_time_s"] == b.predicted["step_time_s"]
+    """The same schedule from the same graph (the decisions' notes aside: they carry the passes' timings)."""
+    def decided(p: Plan):
+        return dataclasses.replace(p.decisions, notes={})
+    return (a.ops == b.ops and decided(a) == decided(b) and a.predicted["step_time_s"] == b.predicted["step_time_s"]
             and seed_traces.same_graph(a.graph, b.graph))
 
 
@@ -120,6 +123,38 @@ def test_a_hung_background_trace_is_killed_and_traced_here(seeded, monkeypatch):
     plan = compile_model("tiny", seq_len=384, **TINY)
     assert plan.history[0]["seed"] == "trace failed" and plan.history[0]["why"] == "no answer in 1 s (killed)"
     assert _same_plan(plan, _traced_plan("tiny", 384, **TINY))
+
+
+#: fields the published Qwen2.5-0.5B config.json has beyond the preset's
+PUBLISHED_EXTRAS = {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+                    "eos_token_id": 151643, "initializer_range": 0.02, "max_window_layers": 24, "sliding_window": 32768,
+                    "use_cache": True, "use_mrope": False, "rope_scaling": None}
+
+
+def test_a_config_json_of_a_presets_model_takes_the_presets_seed(tmp_path):
+    folder = tmp_path / "qwen"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**seed_traces.PRESETS["qwen2.5-0.5b"], **PUBLISHED_EXTRAS}))
+    assert background_trace.seed_of("qwen2.5-0.5b") == "qwen2.5-0.5b"
+    assert background_trace.seed_of(str(folder)) == background_trace.seed_of(str(folder / "config.json")) \
+        == "qwen2.5-0.5b"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**seed_traces.PRESETS["qwen2.5-0.5b"], "num_hidden_layers": 12}))
+    assert background_trace.seed_of(str(other)) is None                        # another shape: no seed
+    assert background_trace.seed_of(str(tmp_path / "missing.json")) is None
+    assert background_trace.seed_of("pkg.module:factory") is None
+
+
+def test_a_first_compile_of_a_presets_config_json_searches_on_the_seed(seeded, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**seed_traces.PRESETS["qwen2.5-0.5b"], **PUBLISHED_EXTRAS}))
+    kw = dict(batch_size=8, gpu_memory="8GiB", host_memory="64GiB")
+    plan = compile_model(str(path), seq_len=512, **kw)
+    same_versions = _made_with()["transformers"] == importlib.metadata.version("transformers")
+    assert plan.history[0]["seed"] == "matched" if same_versions else plan.history[0]["seed"] in ("matched",
+                                                                                                  "differed")
+    traced = compile_model(trace(build_model(str(path)), seq_len=512), seq_len=512, seq_tile=None, **kw)
+    assert _same_plan(plan, traced)
 
 
 def test_no_plan_on_the_seed_is_said_only_once_the_trace_confirms_it(seeded):

@@ -1,4 +1,5 @@
-"""A preset's first compile: the search runs on the preset's seed while its real trace runs on another core.
+"""A preset's first compile (or a config.json's that is a preset's): the search runs on the preset's seed while
+the real trace runs on another core.
 
 A compile must trace its model before it can search, and on a fresh machine the trace of a preset costs
 ~3.5 s on 2 cores, nearly all of it importing torch, ``torch.export`` and transformers: a 7-8B model's first
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from ..frontend import seed_traces
 from ..frontend.preset_configs import PRESETS
+from ..frontend.presets import read_config
 from ..frontend.trace_cache import TraceCache
 from ..ir.graph import ModelGraph
 from .progress import log
@@ -119,19 +121,44 @@ class BackgroundTrace:
         self.stderr.close()
 
 
+def seed_of(model: str) -> str | None:
+    """The preset whose seed predicts ``model``'s graph: ``model`` itself, or for a ``config.json`` (or a folder
+    holding one) the preset whose every field it has with the same value (the published config of a model a
+    preset copies: the fields it adds, such as token ids or ``torch_dtype``, do not shape the graph, and where
+    one does, the trace says so); else None."""
+    if model in PRESETS:
+        return model
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    if path.suffix != ".json" or not path.is_file():
+        return None
+    try:
+        cfg = read_config(path)
+    except ValueError:
+        return None                 # the compile's own checks say what is wrong with it
+    return next((name for name, preset in PRESETS.items() if all(cfg.get(k, _MISSING) == v
+                                                                  for k, v in preset.items())), None)
+
+
+_MISSING = object()
+
+
 def start(model, *, seq_len, dtype: str, packed: bool, seq_tile, compile_blocks: bool) -> BackgroundTrace | None:
-    """The background trace of ``model`` with the seed's graph, or None where the compile should trace as
-    before: not a preset, no seed for these arguments, a trace in the cache, torch already imported, one CPU,
-    or no transformers to build a Hugging Face preset with (the compile's own trace says so)."""
-    if (not isinstance(model, str) or model not in PRESETS or packed or seq_tile is not None or compile_blocks
+    """The background trace of ``model`` with its seed's graph, or None where the compile should trace as
+    before: no seed for the model (``seed_of``) or these arguments, a trace in the cache, torch already imported,
+    one CPU, or no transformers to build a Hugging Face model with (the compile's own trace says so)."""
+    if (not isinstance(model, str) or packed or seq_tile is not None or compile_blocks
             or not isinstance(seq_len, int) or _tracing_here.get() or not imports_pending() or _cpus() < MIN_CPUS):
         return None
-    if PRESETS[model]["model_type"] != "lazytrain-gpt" and importlib.util.find_spec("transformers") is None:
+    name = seed_of(model)
+    if name is None:
+        return None
+    if PRESETS[name]["model_type"] != "lazytrain-gpt" and importlib.util.find_spec("transformers") is None:
         return None
     cache = TraceCache.of(model, seq_len=seq_len, dtype=dtype, packed=False, seq_tile=None)
     if cache is not None and cache.load() is not None:
         return None
-    predicted = seed_traces.predict(model, seq_len, dtype)
+    predicted = seed_traces.predict(name, seq_len, dtype)
     if predicted is None:
         return None
     try:
@@ -139,8 +166,8 @@ def start(model, *, seq_len, dtype: str, packed: bool, seq_tile, compile_blocks:
                              predicted)
     except OSError:             # no process to be had (no interpreter to start, a limit on processes)
         return None
-    log.info("tracing %s at %s tokens in another process; searching meanwhile on its built-in trace", model,
-             f"{seq_len:,}")
+    log.info("tracing %s at %s tokens in another process; searching meanwhile on %s", model, f"{seq_len:,}",
+             "its built-in trace" if name == model else f"the built-in trace of {name}")
     return bg
 
 
