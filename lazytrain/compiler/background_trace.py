@@ -35,6 +35,7 @@ from ..frontend.presets import read_config
 from ..frontend.trace_cache import TraceCache
 from ..ir.graph import ModelGraph
 from .progress import log
+from .solvers.isolated import stderr_tail
 
 #: CPUs the process may run on for the seed to be worth a second process
 MIN_CPUS = 2
@@ -68,7 +69,7 @@ class BackgroundTrace:
     """The trace of one request running in a child process; ``predicted``: the seed's graph meanwhile."""
 
     def __init__(self, request: dict, predicted: ModelGraph):
-        self.request, self.predicted = request, predicted
+        self.predicted = predicted
         self.t0 = time.perf_counter()
         self.seconds = 0.0
         self.why_failed = ""
@@ -101,13 +102,8 @@ class BackgroundTrace:
                 return ModelGraph.from_json(answer["graph"])
             self.why_failed = str(answer.get("error", "no graph"))
         except (ValueError, TypeError, KeyError, AttributeError):
-            self.why_failed = f"exit status {self.proc.wait()}{self._stderr_tail()}"
+            self.why_failed = f"exit status {self.proc.wait()}{stderr_tail(self.stderr)}"
         return None
-
-    def _stderr_tail(self) -> str:
-        self.stderr.seek(0)
-        lines = [s for s in self.stderr.read().decode(errors="replace").splitlines() if s.strip()]
-        return f": {lines[-1].strip()[:160]}" if lines else ""
 
     def close(self) -> None:
         """Reap the child once it answered (it exits right after); stop it if it did not (the compile was

@@ -132,15 +132,7 @@ class _Worker:
                 why = f"signal {-code}"
         else:
             why = f"exit status {code}"
-        return f"crashed ({why}{self._stderr_tail()})"
-
-    def _stderr_tail(self) -> str:
-        try:
-            self.stderr.seek(0)
-            lines = [s for s in self.stderr.read().decode(errors="replace").splitlines() if s.strip()]
-        except OSError:
-            return ""
-        return f": {lines[-1].strip()[:120]}" if lines else ""
+        return f"crashed ({why}{stderr_tail(self.stderr)})"
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -162,6 +154,16 @@ class _Worker:
 
 class _Failed(Exception):
     pass
+
+
+def stderr_tail(f) -> str:
+    """": LAST LINE" of a child's captured stderr (``f``, a binary temporary file), or "" where it wrote none."""
+    try:
+        f.seek(0)
+        lines = [s for s in f.read().decode(errors="replace").splitlines() if s.strip()]
+    except (OSError, ValueError):
+        return ""
+    return f": {lines[-1].strip()[:120]}" if lines else ""
 
 
 _lock = threading.Lock()
