@@ -157,6 +157,16 @@ def test_a_first_compile_of_a_presets_config_json_searches_on_the_seed(seeded, t
     assert _same_plan(plan, traced)
 
 
+def test_a_mistaken_profile_or_size_is_said_before_any_background_trace(seeded, monkeypatch):
+    def no_child(*a, **k):
+        raise AssertionError("a background trace was started")
+    monkeypatch.setattr(background_trace, "BackgroundTrace", no_child)
+    with pytest.raises(ValueError, match="unknown hardware 'a100'"):
+        compile_model("tiny", seq_len=384, **{**TINY, "hardware": "a100"})
+    with pytest.raises(ValueError, match="gpu_memory"):
+        compile_model("tiny", seq_len=384, **{**TINY, "gpu_memory": "lots"})
+
+
 def test_no_plan_on_the_seed_is_said_only_once_the_trace_confirms_it(seeded):
     with pytest.raises(BudgetError):
         compile_model("tiny", seq_len=384, batch_size=4, gpu_memory="1GiB", reserve="1020MiB")

@@ -325,10 +325,13 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     _check_options(policy=policy, optimizer=optimizer, seq_len=seq_len, micro_batch=micro_batch, seq_tile=seq_tile,
                    deadline=deadline, compile_blocks=compile_blocks, loss_head=loss_head, time_limit=time_limit)
     check_compile_args(model, batch_size=batch_size, seq_len=seq_len, micro_batch=micro_batch, nvme_dir=nvme_dir)
-    bg = background_trace.start(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile,
-                                compile_blocks=compile_blocks)
-    if bg is not None:          # a preset's first compile: searched on its seed while it is traced elsewhere
-        return background_trace.compile_seeded(compile_model, model, bg, options)
+    if background_trace.imports_pending() and isinstance(model, str):
+        # a mistaken profile or size is said at once, not after the background trace a seeded compile waits for
+        make_budgets(get_profile(hardware), gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
+        bg = background_trace.start(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile,
+                                    compile_blocks=compile_blocks)
+        if bg is not None:          # a preset's first compile: searched on its seed while it is traced elsewhere
+            return background_trace.compile_seeded(compile_model, model, bg, options)
     history: list[dict] = []
     t0 = time.perf_counter()
     comp, gpu_req = _compiler(model, options, history)
