@@ -91,3 +91,16 @@ def test_architecture_trains_like_eager(arch):
     trainer.sync_to_model()
     trainer.close()
     assert_same_parameters(model, ref)
+
+
+def test_a_model_routed_by_its_data_is_refused_with_what_that_means():
+    """DBRX runs only the experts a batch routes to (a loop over the data's expert ids): no one program serves every
+    batch, and the error says so rather than only torch.export's guard."""
+    from lazytrain.frontend.trace import trace
+    from lazytrain.frontend.trace_export import TraceError
+    model = build_from_config({"model_type": "dbrx", "d_model": 32, "n_heads": 4, "n_layers": 2, "vocab_size": VOCAB,
+                               "max_seq_len": 64, "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4,
+                                                                 "moe_top_k": 2},
+                               "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}})
+    with pytest.raises(TraceError, match="takes a branch or a shape from the values of its tensors"):
+        trace(model, seq_len=SEQ)

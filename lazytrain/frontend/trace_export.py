@@ -328,7 +328,7 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
     try:
         ep = export_hf(clone, seq_len, run) if is_hf(clone) and not packed else run()
     except Exception as e:  # noqa: BLE001 - re-raised with the failing module named
-        raise TraceError(f"torch.export failed on {type(clone).__name__}: {_short(e)}") from None
+        raise TraceError(f"torch.export failed on {type(clone).__name__}: {_short(e)}{_data_dependent(e)}") from None
     if packed:
         from .packing import check_document_mask  # (as above)
         check_document_mask(ep, type(clone).__name__)
@@ -354,6 +354,16 @@ def _no_stack_traces():
 def _to_meta_batch(t: torch.Tensor, micro_batch: int) -> torch.Tensor:
     t = torch.empty(t.shape, dtype=t.dtype, device="meta")
     return t[:1].expand(micro_batch, *t.shape[1:]).contiguous()
+
+
+def _data_dependent(e: Exception) -> str:
+    """What an export that failed on a value of the data means for the user ("" for other failures)."""
+    text = f"{type(e).__name__} {e}"
+    if "DataDependent" not in text and "data-dependent" not in text:
+        return ""
+    return (" -- the model's forward takes a branch or a shape from the values of its tensors (a mixture of "
+            "experts that runs only the experts a batch routes to, `.item()`), and a plan is one program for "
+            "every batch: this model cannot be compiled")
 
 
 def _short(e: Exception) -> str:
