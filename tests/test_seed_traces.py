@@ -27,9 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(batch_size=4, gpu_memory="8GiB", host_memory="64GiB")
 
 
-def _made_with() -> dict:
-    import gzip
-    return json.loads(gzip.decompress(seed_traces.SEED_FILE.read_bytes()))["made_with"]
+def _made_with(name: str = "qwen2.5-0.5b") -> dict:
+    return seed_traces.load_seed(name)["made_with"]
 
 
 def test_every_preset_has_a_seed_for_its_usual_lengths():
@@ -44,7 +43,7 @@ def test_every_preset_has_a_seed_for_its_usual_lengths():
 def test_a_seed_predicts_the_trace_at_a_length_it_was_not_fitted_at(name, seq):
     """Our GPT's seeds depend on torch (pinned) and the tracer: a change to the tracer that changes a graph fails
     here until ``python -m lazytrain.frontend.seed_traces`` is run again."""
-    release = _made_with()["torch"].split("+")[0]       # a CPU or CUDA build of one release traces alike
+    release = _made_with(name)["torch"].split("+")[0]       # a CPU or CUDA build of one release traces alike
     assert release == torch_version().split("+")[0], "the seeds were made with another torch: make them again"
     predicted = seed_traces.predict(name, seq)
     assert predicted is not None and seed_traces.same_graph(predicted, trace(build_model(name), seq_len=seq))
@@ -198,3 +197,15 @@ def test_the_command_line_compiles_a_preset_first_on_its_seed(tmp_path):
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert Plan.load(out).history[0]["seed"] == "matched"
+
+
+def test_the_seeds_are_package_data():
+    """An install from a wheel has them (not only a checkout): the package data's patterns match every seed."""
+    import fnmatch
+    tomllib = pytest.importorskip("tomllib")           # Python 3.11 on
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["lazytrain"]
+    seeds = sorted(seed_traces.SEED_DIR.glob("*.json.gz"))
+    assert len(seeds) == len(seed_traces.PRESETS)
+    for path in seeds:
+        rel = path.relative_to(ROOT / "lazytrain").as_posix()
+        assert any(fnmatch.fnmatch(rel, p) for p in patterns), rel

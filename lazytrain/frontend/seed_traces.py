@@ -4,7 +4,7 @@ A preset's first compile used to wait ~3.5 s for its trace on 2 cores, nearly al
 ``torch.export`` and transformers, before the search could start.  Every number of a traced graph is a
 polynomial of degree two or less in the sequence length (shapes and bytes grow linearly, attention FLOPs
 quadratically): over all 2,572 numbers of llama3-8b's graph, three traces predicted two more lengths
-exactly.  So three traces of each preset, made once and shipped (``seed_traces.json.gz``), give its graph
+exactly.  So three traces of each preset, made once and shipped (``seeds/NAME.json.gz``), give its graph
 at any length by Lagrange interpolation over the integers.
 
 The prediction is never trusted: the compile searches on it while the real trace runs in a child process
@@ -20,7 +20,6 @@ allows; the seed is used in the range of lengths where every check held (``valid
 
 from __future__ import annotations
 
-import functools
 import gzip
 import json
 import sys
@@ -30,8 +29,9 @@ from pathlib import Path
 from ..ir import ModelGraph
 from .preset_configs import PRESETS
 
-SEED_FORMAT = "lazytrain.seed_traces/1"
-SEED_FILE = Path(__file__).with_name("seed_traces.json.gz")
+SEED_FORMAT = "lazytrain.seed_trace/1"
+#: one file per preset (a compile reads only its own): ``seeds/NAME.json.gz``
+SEED_DIR = Path(__file__).with_name("seeds")
 #: the dtype the seeds are traced in (the compile's default; a float32 compile traces as before)
 SEED_DTYPE = "bfloat16"
 #: lengths a seed is fitted at: the largest three of these a preset's positions allow
@@ -42,21 +42,27 @@ CHECK_SEQS = (64, 100, 384, 768, 1000, 1536, 3000, 4096, 8192, 16384, 32768, 131
 UNCOMPARED_META = ("trace_seconds",)
 
 
-@functools.cache
-def _seeds() -> dict:
-    """The shipped seeds by preset name (empty when the file is missing or not ours)."""
+def seed_path(name: str) -> Path:
+    return SEED_DIR / f"{name}.json.gz"
+
+
+def load_seed(name: str) -> dict | None:
+    """Preset ``name``'s shipped seed (``{"format", "made_with", "config", "seqs", "valid", "graphs"}``), or None
+    when it has none (or the file is not ours)."""
+    if name not in PRESETS:
+        return None
     try:
-        d = json.loads(gzip.decompress(SEED_FILE.read_bytes()))
+        d = json.loads(gzip.decompress(seed_path(name).read_bytes()))
     except (OSError, ValueError, EOFError):
-        return {}
-    return d.get("presets", {}) if isinstance(d, dict) and d.get("format") == SEED_FORMAT else {}
+        return None
+    return d if isinstance(d, dict) and d.get("format") == SEED_FORMAT else None
 
 
 def predict(name: str, seq_len: int, dtype: str = SEED_DTYPE) -> ModelGraph | None:
     """Preset ``name``'s graph at ``seq_len`` as its seed predicts it, or None: no seed for it (another dtype, a
     preset changed since the seed was made), a length outside the checked range, or a seed that does not
     interpolate to whole numbers there."""
-    seed = _seeds().get(name)
+    seed = load_seed(name)
     if (seed is None or dtype != SEED_DTYPE or PRESETS.get(name) != seed.get("config")
             or not seed["valid"][0] <= seq_len <= seed["valid"][1]):
         return None
@@ -159,21 +165,20 @@ def make_seed(name: str, log=print) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write ``seed_traces.json.gz`` for every preset (or those named)."""
+    """Write ``seeds/NAME.json.gz`` for every preset (or those named)."""
     from .trace_cache import code_version
     names = (argv if argv is not None else sys.argv[1:]) or list(PRESETS)
     unknown = [n for n in names if n not in PRESETS]
     if unknown:
         print(f"unknown presets: {', '.join(unknown)}", file=sys.stderr)
         return 2
-    seeds = dict(_seeds()) if len(names) < len(PRESETS) else {}
-    for n in names:
-        seeds[n] = make_seed(n)
     made_with = {k: v for k, v in code_version().items() if k != "lazytrain"}
-    text = json.dumps({"format": SEED_FORMAT, "made_with": made_with, "presets": seeds}, sort_keys=True,
-                      separators=(",", ":"))
-    SEED_FILE.write_bytes(gzip.compress(text.encode(), compresslevel=9, mtime=0))
-    print(f"wrote {SEED_FILE.name}: {len(seeds)} presets, {SEED_FILE.stat().st_size:,} bytes")
+    SEED_DIR.mkdir(exist_ok=True)
+    for n in names:
+        text = json.dumps({"format": SEED_FORMAT, "made_with": made_with, **make_seed(n)}, sort_keys=True,
+                          separators=(",", ":"))
+        seed_path(n).write_bytes(gzip.compress(text.encode(), compresslevel=9, mtime=0))
+        print(f"wrote {seed_path(n).name}: {seed_path(n).stat().st_size:,} bytes")
     return 0
 
 
