@@ -56,6 +56,12 @@ def test_a_hugging_face_seed_predicts_the_trace_where_made_with_this_transformer
     assert seed_traces.same_graph(predicted, trace(build_model("qwen2.5-0.5b"), seq_len=1536))
 
 
+def test_a_damaged_seed_is_no_seed(monkeypatch):
+    monkeypatch.setattr(seed_traces, "load_seed", lambda name: {"format": seed_traces.SEED_FORMAT,
+                                                                "config": seed_traces.PRESETS[name]})
+    assert seed_traces.predict("tiny", 384) is None
+
+
 def test_interpolation_is_exact_or_refused():
     graphs = [{"a": [s, s * s // 2, "x"], "b": 7, "c": None} for s in (2, 4, 8)]
     assert seed_traces.interpolate(graphs, [2, 4, 8], 6) == {"a": [6, 18, "x"], "b": 7, "c": None}

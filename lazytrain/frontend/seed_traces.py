@@ -62,16 +62,15 @@ def predict(name: str, seq_len: int, dtype: str = SEED_DTYPE) -> ModelGraph | No
     """Preset ``name``'s graph at ``seq_len`` as its seed predicts it, or None: no seed for it (another dtype, a
     preset changed since the seed was made), a length outside the checked range, or a seed that does not
     interpolate to whole numbers there."""
+    if dtype != SEED_DTYPE:
+        return None
     seed = load_seed(name)
-    if (seed is None or dtype != SEED_DTYPE or PRESETS.get(name) != seed.get("config")
-            or not seed["valid"][0] <= seq_len <= seed["valid"][1]):
-        return None
-    d = interpolate(seed["graphs"], seed["seqs"], seq_len)
-    if d is None:
-        return None
-    try:
-        return ModelGraph.from_json(d)
-    except (TypeError, ValueError, KeyError):
+    try:        # a damaged file is no seed, never a failed compile
+        if seed is None or PRESETS.get(name) != seed["config"] or not seed["valid"][0] <= seq_len <= seed["valid"][1]:
+            return None
+        d = interpolate(seed["graphs"], seed["seqs"], seq_len)
+        return None if d is None else ModelGraph.from_json(d)
+    except (TypeError, ValueError, KeyError, IndexError):
         return None
 
 
