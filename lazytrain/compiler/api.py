@@ -9,7 +9,7 @@ import dataclasses
 import time
 import warnings
 
-from ..frontend.trace_cache import TraceCache
+from ..frontend.trace_cache import TraceCache, trace_and_store
 from ..frontend.validate import check_compile_args, micro_batch_candidates
 from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
@@ -58,14 +58,8 @@ def _as_graph(model, seq_len: int, param_dtype: str, history: list, packed: bool
     if not hit:
         log.info("tracing %s at %s tokens%s", model if isinstance(model, str) else type(model).__name__,
                  f"{seq_len:,}", "" if cache is None else " (not in the trace cache yet: later compiles read it)")
-        from ..frontend.presets import build_model  # torch, transformers and the tracer: only to trace
-        from ..frontend.trace import trace
-        if isinstance(model, str):
-            model = build_model(model)
-        graph = trace(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile,
-                      compile_blocks=compile_blocks)
-        if cache is not None:
-            cache.store(graph)
+        graph = trace_and_store(model, cache, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile,
+                                compile_blocks=compile_blocks)
         log.info("traced: %d blocks in %.1f s", graph.n_blocks, time.perf_counter() - t)
     history.append({"pass": "trace", "seconds": round(time.perf_counter() - t, 4),
                     **({"cached": True} if hit else {})})
@@ -325,13 +319,11 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     _check_options(policy=policy, optimizer=optimizer, seq_len=seq_len, micro_batch=micro_batch, seq_tile=seq_tile,
                    deadline=deadline, compile_blocks=compile_blocks, loss_head=loss_head, time_limit=time_limit)
     check_compile_args(model, batch_size=batch_size, seq_len=seq_len, micro_batch=micro_batch, nvme_dir=nvme_dir)
-    if background_trace.imports_pending() and isinstance(model, str):
-        # a mistaken profile or size is said at once, not after the background trace a seeded compile waits for
-        make_budgets(get_profile(hardware), gpu_memory, host_memory, nvme_dir, nvme_memory, reserve)
-        bg = background_trace.start(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile,
-                                    compile_blocks=compile_blocks)
-        if bg is not None:          # a preset's first compile: searched on its seed while it is traced elsewhere
-            return background_trace.compile_seeded(compile_model, model, bg, options)
+    bg = background_trace.start(model, seq_len=seq_len, dtype=param_dtype, packed=packed, seq_tile=seq_tile,
+                                compile_blocks=compile_blocks, check=lambda: make_budgets(
+                                    get_profile(hardware), gpu_memory, host_memory, nvme_dir, nvme_memory, reserve))
+    if bg is not None:          # a preset's first compile: searched on its seed while it is traced elsewhere
+        return background_trace.compile_seeded(compile_model, model, bg, options)
     history: list[dict] = []
     t0 = time.perf_counter()
     comp, gpu_req = _compiler(model, options, history)

@@ -34,6 +34,7 @@ from ..frontend.preset_configs import PRESETS
 from ..frontend.presets import read_config
 from ..frontend.trace_cache import TraceCache
 from ..ir.graph import ModelGraph
+from .hardware import _cpu_cores
 from .progress import log
 from .solvers.isolated import stderr_tail
 
@@ -46,13 +47,6 @@ TRACE_TIMEOUT_S = 300.0
 EXIT_WAIT_S = 5.0
 #: set while a compile whose background trace failed traces in its own process (no second child)
 _tracing_here = contextvars.ContextVar("tracing_here", default=False)
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:          # not on Linux
-        return os.cpu_count() or 1
 
 
 def worker_command() -> list[str]:
@@ -132,19 +126,19 @@ def seed_of(model: str) -> str | None:
         cfg = read_config(path)
     except ValueError:
         return None                 # the compile's own checks say what is wrong with it
-    return next((name for name, preset in PRESETS.items() if all(cfg.get(k, _MISSING) == v
+    return next((name for name, preset in PRESETS.items() if all(k in cfg and cfg[k] == v
                                                                   for k, v in preset.items())), None)
 
 
-_MISSING = object()
-
-
-def start(model, *, seq_len, dtype: str, packed: bool, seq_tile, compile_blocks: bool) -> BackgroundTrace | None:
+def start(model, *, seq_len, dtype: str, packed: bool, seq_tile, compile_blocks: bool,
+          check=lambda: None) -> BackgroundTrace | None:
     """The background trace of ``model`` with its seed's graph, or None where the compile should trace as
     before: no seed for the model (``seed_of``) or these arguments, a trace in the cache, torch already imported,
-    one CPU, or no transformers to build a Hugging Face model with (the compile's own trace says so)."""
+    one CPU, or no transformers to build a Hugging Face model with (the compile's own trace says so).  ``check``
+    runs before the child starts: what it raises (a mistaken profile or size) is said at once, not after the
+    trace a seeded compile waits for."""
     if (not isinstance(model, str) or packed or seq_tile is not None or compile_blocks
-            or not isinstance(seq_len, int) or _tracing_here.get() or not imports_pending() or _cpus() < MIN_CPUS):
+            or not isinstance(seq_len, int) or _tracing_here.get() or not imports_pending() or _cpu_cores() < MIN_CPUS):
         return None
     name = seed_of(model)
     if name is None:
@@ -157,6 +151,7 @@ def start(model, *, seq_len, dtype: str, packed: bool, seq_tile, compile_blocks:
     predicted = seed_traces.predict(name, seq_len, dtype)
     if predicted is None:
         return None
+    check()
     try:
         bg = BackgroundTrace({"model": model, "seq_len": seq_len, "dtype": dtype, "packed": False, "seq_tile": None},
                              predicted)

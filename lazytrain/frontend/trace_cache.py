@@ -149,3 +149,14 @@ class TraceCache:
                 raise
         except OSError:
             pass
+
+
+def trace_and_store(model, cache: TraceCache | None, **trace_args) -> ModelGraph:
+    """``model`` (a module, or a spec ``build_model`` builds) traced with ``trace_args`` and stored in ``cache``
+    (None: not cached).  Imports torch, transformers and the tracer: only here, where a trace is needed."""
+    from .presets import build_model
+    from .trace import trace
+    graph = trace(build_model(model) if isinstance(model, str) else model, **trace_args)
+    if cache is not None:
+        cache.store(graph)
+    return graph

@@ -19,16 +19,10 @@ _T0 = time.perf_counter()
 
 def trace_request(request: dict) -> dict:
     """The traced graph of ``request`` as JSON, stored in the trace cache on the way."""
-    from .presets import build_model
-    from .trace import trace
-    from .trace_cache import TraceCache
-    model, seq_len, dtype = request["model"], request["seq_len"], request["dtype"]
-    packed, seq_tile = bool(request.get("packed")), request.get("seq_tile")
-    graph = trace(build_model(model), seq_len=seq_len, dtype=dtype, packed=packed, seq_tile=seq_tile)
-    cache = TraceCache.of(model, seq_len=seq_len, dtype=dtype, packed=packed, seq_tile=seq_tile)
-    if cache is not None:
-        cache.store(graph)
-    return graph.to_json()
+    from .trace_cache import TraceCache, trace_and_store
+    args = {"seq_len": request["seq_len"], "dtype": request["dtype"], "packed": bool(request.get("packed")),
+            "seq_tile": request.get("seq_tile")}
+    return trace_and_store(request["model"], TraceCache.of(request["model"], **args), **args).to_json()
 
 
 def main() -> int:
