@@ -46,8 +46,8 @@ from conftest import SMALL_GPT, small_gpt  # noqa: E402
 from timeouts import within  # noqa: E402
 
 import lazytrain  # noqa: E402
-from lazytrain import runfiles  # noqa: E402
-from lazytrain.cli import main  # noqa: E402
+from lazytrain.app import runfiles  # noqa: E402
+from lazytrain.app.cli import main  # noqa: E402
 from lazytrain.frontend.presets import build_model  # noqa: E402
 from lazytrain.ir import PlanError  # noqa: E402
 from lazytrain.runtime.checkpoint import CheckpointError  # noqa: E402
@@ -193,7 +193,7 @@ def manifest(log: Log, tmp: Path, saved: Path) -> None:
 
 
 def metrics(log: Log, tmp: Path, run: Path) -> None:
-    from lazytrain.train import TrainConfig
+    from lazytrain.app.train import TrainConfig
     m0 = json.loads((run / "checkpoint" / "metrics.json").read_text())
     for path in _paths({k: m0[k] for k in ("format", "settings", "model", "steps_done", "tokens", "train_s",
                                            "loss_curve", "eval_curve")}):
@@ -296,7 +296,7 @@ def kills(log: Log, tmp: Path, plan, n_proc: int, rng: random.Random) -> None:
     # of that resume (compile, replay, steps, both commits); the folder keeps step 2 or step 4, complete
     base = tmp / "proc_base"
     _quiet(["train", *TRAIN, "--steps", "2", "--output", str(base)])
-    cmd = [sys.executable, "-m", "lazytrain.cli", "train", *TRAIN, "--steps", "4"]
+    cmd = [sys.executable, "-m", "lazytrain.app.cli", "train", *TRAIN, "--steps", "4"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     t = time.perf_counter()
     shutil.copytree(base, tmp / "proc_full")
@@ -327,8 +327,8 @@ def _quiet(args: list[str]) -> None:
 
 def _read(out: Path):
     """The committed state of a killed run: manifest, metrics (as --resume checks them), trainer."""
+    from lazytrain.app.train import TrainConfig, rebuild_model
     from lazytrain.runtime.checkpoint import read_meta
-    from lazytrain.train import TrainConfig, rebuild_model
     folder, meta = read_meta(out / "checkpoint")
     _, prev = runfiles.load_resume(TrainConfig(resume=str(out), steps=100))
     Trainer.load_checkpoint(out / "checkpoint", rebuild_model(prev["model"]), device="cpu").close()
@@ -346,7 +346,7 @@ def _patcher():
 
 
 def code(log: Log, tmp: Path, run: Path) -> None:
-    from lazytrain.train import TrainConfig
+    from lazytrain.app.train import TrainConfig
     marker = tmp / "ran"
     (tmp / "adv_factory.py").write_text(f"def build():\n    open({str(marker)!r}, 'w').close()\n")
     sys.path.insert(0, str(tmp))

@@ -2,7 +2,7 @@
 
     python benchmarks/bench.py [--model qwen2.5-3b --batch 8 --seq 1024 --gpu-memory 24GiB] [--find-max-batch]
 
-The same as ``lazytrain bench``; the driver is ``lazytrain/bench.py`` (see its docstring), the
+The same as ``lazytrain bench``; the driver is ``lazytrain/measure/bench.py`` (see its docstring), the
 systems are ``benchmarks/systems/*.py`` and the tables and chart ``benchmarks/report.py``.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lazytrain.bench import main  # noqa: E402 - after the path set-up
+from lazytrain.measure.bench import main  # noqa: E402 - after the path set-up
 
 if __name__ == "__main__":
     main(prog="python benchmarks/bench.py")

@@ -25,8 +25,8 @@ import time
 import torch
 
 import lazytrain
-from lazytrain.bench_worker import host_rss_bytes
 from lazytrain.frontend.presets import build_model
+from lazytrain.measure.bench_worker import host_rss_bytes
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 
 

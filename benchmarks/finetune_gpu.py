@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def lazytrain(*args: str) -> list[str]:
-    return [sys.executable, "-m", "lazytrain.cli", *args]
+    return [sys.executable, "-m", "lazytrain.app.cli", *args]
 
 
 def run(cmd: list[str], log: Path) -> None:
@@ -60,9 +60,9 @@ def seven_b(a, data: Path, out: Path) -> dict:
     (cfg_dir / "config.json").write_text(json.dumps(PRESETS["qwen2.5-7b"], indent=1))
     shape = ["--batch", "32", "--seq", "1024", "--gpu-memory", "24GiB"]
     # the same process cap as lazytrain bench's workers (bench_worker.py), then the train command
-    code = ("import sys, torch; from lazytrain.units import parse_size; "
+    code = ("import sys, torch; from lazytrain.util.units import parse_size; "
             "torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size('24GiB') / "
-            "torch.cuda.get_device_properties(0).total_memory)); from lazytrain.cli import main; "
+            "torch.cuda.get_device_properties(0).total_memory)); from lazytrain.app.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     cmd = [sys.executable, "-c", code, "train", "--model", str(cfg_dir), "--tokenizer", str(a.gguf), "--data",
            str(data / "train.jsonl"), "--no-eval", "--pack", *shape,

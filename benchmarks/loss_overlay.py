@@ -6,14 +6,14 @@
 Writes ``DIR/loss_overlay.json`` (``lazytrain.loss-overlay/1``) and ``DIR/loss_overlay.png`` and prints a
 short table.  What is held equal, and how:
 
-- *Model.* Built twice from the same seed with ``lazytrain.train.build_task_model`` (a preset, or
+- *Model.* Built twice from the same seed with ``lazytrain.app.train.build_task_model`` (a preset, or
   ``--model task``: the task GPT of ``lazytrain train``), in fp32 on the CPU; the two initial state dicts
   are compared before training.
 - *Data.* The arithmetic task's batches exactly as ``lazytrain train`` draws them (``train_batches``,
   seed 0, loss on the prompt too), drawn once and fed to both systems in the same order.
 - *Optimizer.* AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), global gradient norm clipped to 1.0:
   lazytrain's ``TorchAdamW`` on the host, ``torch.optim.AdamW`` + ``clip_grad_norm_`` for plain PyTorch.
-- *Schedule.* ``lazytrain.loop.lr_at``: linear warm-up over ``--warmup`` steps, then cosine to 0.1x,
+- *Schedule.* ``lazytrain.app.loop.lr_at``: linear warm-up over ``--warmup`` steps, then cosine to 0.1x,
   progress = step / ``--steps``, set as ``opt.lr`` before each ``trainer.step`` (as ``lazytrain train``
   does).  With clipping lazytrain's updates are lagged (step t's gradient is applied during step t + 1);
   the runtime applies it at the rate that was set when step t began, so the two schedules are the same.
@@ -43,11 +43,11 @@ from pathlib import Path
 import torch
 
 import lazytrain
-from lazytrain.loop import lr_at
+from lazytrain.app.loop import lr_at
+from lazytrain.app.train import TrainConfig, _hardware, build_task_model, cpu_threads, logits_fn
 from lazytrain.runtime.optim import TorchAdamW
 from lazytrain.tasks import CharTokenizer, get_difficulty, shifted_cross_entropy, train_batches
-from lazytrain.train import TrainConfig, _hardware, build_task_model, cpu_threads, logits_fn
-from lazytrain.units import parse_size
+from lazytrain.util.units import parse_size
 
 FORMAT = "lazytrain.loss-overlay/1"
 BETAS, EPS, MAX_GRAD_NORM = (0.9, 0.999), 1e-8, 1.0

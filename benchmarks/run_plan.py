@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 
 import lazytrain
-from lazytrain.bench_worker import host_rss_bytes
 from lazytrain.compiler.loss_chunk import LOSS_HEAD_MODES
 from lazytrain.frontend.random_init import random_model
 from lazytrain.ir import GiB
+from lazytrain.measure.bench_worker import host_rss_bytes
 from lazytrain.runtime.profiling import plan_digest
-from lazytrain.units import parse_size
+from lazytrain.util.units import parse_size
 
 
 def parser() -> argparse.ArgumentParser:
@@ -91,8 +91,8 @@ def parser() -> argparse.ArgumentParser:
                          "median over them)")
     ap.add_argument("--refit", action="store_true",
                     help="after each run, read the host update, parameter load and gradient offload rates its "
-                         "profiled step reached (lazytrain.step_rates) into the hardware profile, compile again "
-                         "and run that plan too: its prediction is priced at the measured in-step rates")
+                         "profiled step reached (lazytrain.measure.step_rates) into the hardware profile, "
+                         "compile again and run that plan too: its prediction is priced at the measured in-step rates")
     ap.add_argument("--save-profile", default=None, metavar="PATH",
                     help="after each run, write the hardware profile the runs priced with (with --calibrate or "
                          "--refit, its measurements) to PATH, to start a later invocation from it")
@@ -189,7 +189,7 @@ def run_refit(a, model, build_s: float) -> list[dict]:
     """``run_one``, then the in-step rates of its profiled step written into the hardware profile
     (``a.hardware``, a file), and ``run_one`` again on the plan compiled with them."""
     from lazytrain.compiler.hardware import HardwareProfile
-    from lazytrain.step_rates import measure
+    from lazytrain.measure.step_rates import measure
     measured: list = []
     first = run_one(a, model, build_s, measured=measured)
     if not measured:

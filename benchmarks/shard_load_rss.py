@@ -49,7 +49,7 @@ def _write_gguf(folder: Path) -> None:
     """The folder's weights as an F32 GGUF file beside it, laid out as llama.cpp lays them (the tests' writer)."""
     import torch
 
-    from lazytrain.model_loading import from_pretrained
+    from lazytrain.hf.model_loading import from_pretrained
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from ft_fixtures import write_gguf
     write_gguf(from_pretrained(folder).to(torch.float32), folder.parent / "model.gguf")
@@ -65,10 +65,10 @@ def _rank(rank: int, world: int, port: int, folder: str, mode: str, out: str) ->
     import transformers  # noqa: F401 - its import is part of the floor
 
     import lazytrain
-    from lazytrain.bench_worker import proc_status_bytes
     from lazytrain.frontend.presets import build_model
     from lazytrain.frontend.random_init import random_init, random_model
-    from lazytrain.model_loading import from_pretrained, load_gguf, shard_loadable
+    from lazytrain.hf.model_loading import from_pretrained, load_gguf, shard_loadable
+    from lazytrain.measure.bench_worker import proc_status_bytes
     from lazytrain.runtime.optim import Hybrid8bitAdamW
     from lazytrain.runtime.trainer import Trainer
     from lazytrain.runtime.weights import CheckpointFilled

@@ -38,9 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout's lazytrain, not an installed one
 
-from lazytrain.loop import lr_at
+from lazytrain.app.loop import lr_at
+from lazytrain.app.train import TASK_GPT, TrainConfig, build_task_model, logits_fn
 from lazytrain.tasks import CharTokenizer, arith, eval_examples, get_difficulty, predict, train_batches
-from lazytrain.train import TASK_GPT, TrainConfig, build_task_model, logits_fn
 
 SETTINGS = {
     "default": {},

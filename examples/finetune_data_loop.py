@@ -6,7 +6,7 @@ generation, and export to a Hugging Face folder.
     python examples/finetune_data_loop.py --small --steps 3                  # a tiny random Llama (tests)
 
 ``--small`` builds a 2-layer Llama and a character tokenizer with a ChatML template here, so it runs
-without a download; the default fetches ``smollm2-135m-instruct`` once (``lazytrain/models/named.py``).
+without a download; the default fetches ``smollm2-135m-instruct`` once (``lazytrain/hf/named.py``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 
 import lazytrain
 from lazytrain.data import Batches, Encoder, read_records
-from lazytrain.export import hf_config, trainer_weights, write_folder
-from lazytrain.generate import greedy_generate, same_answer
-from lazytrain.model_loading import from_pretrained, load_tokenizer
+from lazytrain.hf.export import hf_config, trainer_weights, write_folder
+from lazytrain.hf.generate import greedy_generate, same_answer
+from lazytrain.hf.model_loading import from_pretrained, load_tokenizer
 
 
 def small_folder(folder: Path) -> Path:
@@ -67,7 +67,7 @@ def main() -> None:
         folder = small_folder(tmp / "model")
         data = a.data or small_data(tmp / "train.jsonl")
     else:
-        from lazytrain.models.named import model_folder
+        from lazytrain.hf.named import model_folder
         folder, data = model_folder("smollm2-135m-instruct"), a.data
     model, tok = from_pretrained(folder), load_tokenizer(folder)
 

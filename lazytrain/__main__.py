@@ -3,6 +3,6 @@ starts it on every rank (``ranks.py``)."""
 
 import sys
 
-from .cli import main
+from .app.cli import main
 
 sys.exit(main())

@@ -5,8 +5,8 @@ import stat
 
 import pytest
 
-from lazytrain.atomic import output_path, write_atomic
-from lazytrain.cli import main
+from lazytrain.app.cli import main
+from lazytrain.util.atomic import output_path, write_atomic
 
 
 def test_a_link_is_followed_and_the_replaced_file_keeps_its_mode(tmp_path):

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from lazytrain import bench, bench_worker
-from lazytrain.cli import main as cli_main
+from lazytrain.app.cli import main as cli_main
+from lazytrain.measure import bench, bench_worker
 
 TINY = {"model_type": "lazytrain-gpt", "vocab": 128, "d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 64,
         "max_seq": 32, "tie_weights": True}

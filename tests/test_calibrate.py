@@ -72,8 +72,8 @@ def test_the_host_update_rate_is_measured_in_the_timing_steps_and_priced(calibra
 def test_the_timing_steps_copy_rates_are_priced_on_a_gpu_only():
     """The calibration reads the loads' and offloads' rates from its timing steps (``step_rates``) and prices them
     where those steps ran on a GPU; a CPU's copies are memcpys, so there only the host update's rate is taken."""
-    from lazytrain.calibrate import Measured
-    from lazytrain.step_rates import StepRates
+    from lazytrain.measure.calibrate import Measured
+    from lazytrain.measure.step_rates import StepRates
 
     rates = StepRates(host_update_gparams=0.7, param_load_gbps=41.0, grad_offload_gbps=27.5, optimizer="adamw",
                       ops={"update": 8, "load": 8, "grad_offload": 8, "forwards": 0, "backwards": 0})
@@ -89,8 +89,8 @@ def test_the_timing_steps_copy_rates_are_priced_on_a_gpu_only():
 def test_a_gpu_timing_step_runs_its_forwards_long_enough_to_load_the_clocks(monkeypatch):
     """On a GPU the timing plan takes as many micro-batches as its forwards need to run ``SUSTAIN_S`` as modelled
     (the clocks a training step runs at), within ``MAX_MICRO``; on the CPU two."""
-    from lazytrain import calibrate
     from lazytrain.frontend.presets import build_from_config
+    from lazytrain.measure import calibrate
 
     model = build_from_config(CONFIG, device="cpu", dtype=torch.float32)
     shape = dict(micro_batch=2, seq_len=32, gpu_memory="2GiB", host_memory="4GiB", resident="none",
@@ -136,7 +136,7 @@ def test_the_profile_file_keeps_the_times_for_the_next_compile(calibrated, capsy
     assert measured_blocks(again) == list(range(again.graph.n_blocks))
     assert again.predicted["step_time_s"] == pytest.approx(plan.predicted["step_time_s"])
     # `lazytrain profile --model` into an existing file finds the times there and measures nothing again
-    from lazytrain.cli import main
+    from lazytrain.app.cli import main
     cfg = path.parent / "config.json"
     cfg.write_text(json.dumps(CONFIG))
     assert main(["profile", "--model", str(cfg), "--seq", "32", "--batch", "4", "--micro-batch",
@@ -186,9 +186,9 @@ def test_block_timings_round_trip_and_bad_ones_are_refused():
 def test_the_timing_plan_falls_back_to_one_micro_batch_where_two_do_not_fit(monkeypatch):
     """At a ``--seq max`` length two micro-batches' boundaries overflow the budget the user's own plan
     (one micro-batch) fits: the timing plan steps down instead of failing the calibration (H200, 3B, 299k)."""
-    from lazytrain import calibrate
     from lazytrain.compiler.api import BudgetError
     from lazytrain.frontend.presets import build_from_config
+    from lazytrain.measure import calibrate
 
     real, asked = calibrate.compile_model, []
 

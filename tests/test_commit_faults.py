@@ -108,7 +108,7 @@ def _kill_at_every_call(monkeypatch, tmp_path: Path, before: Path, commit) -> li
 
 
 def test_a_kill_at_any_write_leaves_the_old_or_the_new_state(trainer, tmp_path, monkeypatch):
-    from lazytrain import runfiles
+    from lazytrain.app import runfiles
     before = tmp_path / "before"
     _step(trainer)
     runfiles.commit(trainer, before, _metrics(trainer.steps))                       # state A

@@ -8,7 +8,7 @@ from functools import cache
 
 import pytest
 
-from lazytrain.cli import main
+from lazytrain.app.cli import main
 from lazytrain.compiler.api import BudgetError, compile_model
 from lazytrain.frontend.presets import build_model
 from lazytrain.frontend.trace import trace
@@ -168,7 +168,7 @@ def test_cli_summary_reports_gain_over_megatrain(tmp_path, capsys):
     assert True not in json.loads(q.read_text())["decisions"]["resident"]
     import argparse
 
-    from lazytrain.cli import _resident
+    from lazytrain.app.cli import _resident
     assert _resident("auto") == "auto" and _resident("3") == 3 and _resident("0,2") == [0, 2]
     for bad in ("-1", "some"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -184,7 +184,7 @@ def test_cli_summary_reports_gain_over_megatrain(tmp_path, capsys):
     (["show", "/nonexistent/plan.json"], "cannot read plan"),
 ])
 def test_cli_bad_input_is_one_line_not_a_traceback(args, message, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "lazytrain.cli", *args], capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run([sys.executable, "-m", "lazytrain.app.cli", *args], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2
     assert message in r.stderr
     assert "Traceback" not in r.stderr

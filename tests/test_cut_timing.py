@@ -19,7 +19,6 @@ from test_cuts import _compile, _with_cut
 
 import lazytrain
 import lazytrain.frontend.compiled as compiled
-from lazytrain.calibrate import cut_plan, measure_blocks, missing
 from lazytrain.compiler.api import Compiler
 from lazytrain.compiler.block_timing import BlockTiming, CutTiming
 from lazytrain.compiler.cost import CostModel
@@ -29,6 +28,7 @@ from lazytrain.compiler.solvers.coefficients import coefficients
 from lazytrain.compiler.synthetic import chain
 from lazytrain.ir import OpKind, Saved
 from lazytrain.ir.summary import measured_cuts
+from lazytrain.measure.calibrate import cut_plan, measure_blocks, missing
 
 MB = 8
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import lazytrain
-from lazytrain.cli import main
-from lazytrain.export import ExportError, Weight, hf_config, trainer_weights, write_folder
+from lazytrain.app.cli import main
+from lazytrain.hf.export import ExportError, Weight, hf_config, trainer_weights, write_folder
 
 pytest.importorskip("transformers")
 from ft_fixtures import tiny_folder, tiny_tokenizer  # noqa: E402
@@ -100,8 +100,8 @@ def test_a_sharded_checkpoints_tensors_are_joined_from_their_pieces(tmp_path):
     a gap between pieces is refused in one line."""
     from safetensors.torch import save_file
 
-    from lazytrain.export import _sharded_weights
     from lazytrain.frontend.presets import build_from_config
+    from lazytrain.hf.export import _sharded_weights
     torch.manual_seed(0)
     model = build_from_config({"model_type": "lazytrain-gpt", "vocab": 61, "d_model": 32, "n_layer": 1, "n_head": 2,
                                "d_ff": 48, "max_seq": 16, "tie_weights": False}, device="cpu", dtype=torch.float32)

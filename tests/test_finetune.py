@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from lazytrain.cli import main
+from lazytrain.app.cli import main
 
 pytest.importorskip("transformers")
 from ft_fixtures import chat, tiny_folder, write_jsonl  # noqa: E402

@@ -8,7 +8,7 @@ import torch
 
 import lazytrain
 from lazytrain.data import Batches, Encoder, parse_record
-from lazytrain.generate import extract, greedy_generate, same_answer
+from lazytrain.hf.generate import extract, greedy_generate, same_answer
 
 pytest.importorskip("transformers")
 from ft_fixtures import chat, tiny_folder, tiny_tokenizer  # noqa: E402

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from lazytrain.cli import main
+from lazytrain.app.cli import main
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -19,7 +19,7 @@ from ft_fixtures import chat, tiny_folder, write_gguf, write_jsonl  # noqa: E402
 def test_a_gguf_loads_with_the_same_logits_and_fine_tunes_into_a_folder(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from lazytrain.model_loading import load_gguf
+    from lazytrain.hf.model_loading import load_gguf
     folder = tiny_folder(tmp_path / "hf")
     src = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     path = write_gguf(src, tmp_path / "tiny.gguf")

@@ -134,7 +134,7 @@ def test_get_profile_names_and_errors(tmp_path):
 
 
 def test_measure_quick_on_cpu(tmp_path):
-    from lazytrain.profile import measure
+    from lazytrain.measure.profile import measure
 
     start = time.perf_counter()
     profile = measure(device="cpu", quick=True, disk_dir=str(tmp_path), verbose=False)
@@ -164,7 +164,7 @@ def test_measure_quick_on_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from lazytrain.compiler.plausible import problems
-    from lazytrain.profile import measure
+    from lazytrain.measure.profile import measure
 
     profile = measure(quick=True, verbose=False)
     assert problems(dataclasses.asdict(profile)) == []

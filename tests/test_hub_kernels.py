@@ -5,7 +5,7 @@ models LazyTrain loads are loaded without them."""
 import torch
 from torch import nn
 
-from lazytrain import hub_kernels
+from lazytrain.frontend import hub_kernels
 
 
 class _Norm(nn.Module):

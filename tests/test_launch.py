@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from lazytrain.cli import main
+from lazytrain.app.cli import main
 
 pytest.importorskip("transformers")
 from ft_fixtures import tiny_folder  # noqa: E402
@@ -84,7 +84,7 @@ def test_the_launcher_names_the_rank_that_failed_first(tmp_path):
     error; a rank the launcher killed later (stopped, so its SIGTERM waited) after the error."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from lazytrain.launch import _first_failure
+    from lazytrain.app.launch import _first_failure
 
     def failure(rank: int, code: int, said: str | None = None, at: int = 100) -> ProcessFailure:
         path = tmp_path / f"err{rank}.{code}.json"
@@ -120,7 +120,7 @@ def _child_with(parent: int, env_entry: str, timeout: float = 30) -> int:
 
 
 def test_launch_mistakes_are_one_line_errors(capsys, monkeypatch):
-    from lazytrain.ranks import Ranks
+    from lazytrain.app.ranks import Ranks
     if not torch.cuda.is_available():
         assert main(["train", "--gpus", "2"]) == 2
         assert "--gpus 2: 0 CUDA GPU(s) are visible here; --nproc 2 starts" in capsys.readouterr().err

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lazytrain.app.train import TrainConfig
 from lazytrain.tasks import get_difficulty
-from lazytrain.train import TrainConfig
 
 pytest.importorskip("matplotlib")
 

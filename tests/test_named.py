@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from lazytrain.cli import main
-from lazytrain.models.named import NAMED, FetchError, cache_root, check, fetch_gguf
+from lazytrain.app.cli import main
+from lazytrain.hf.named import NAMED, FetchError, cache_root, check, fetch_gguf
 
 NAME = "smollm2-135m-instruct"
 

@@ -8,7 +8,7 @@ import pytest
 
 from lazytrain.compiler.hardware import get_profile
 from lazytrain.compiler.plausible import problems
-from lazytrain.profile_collectives import fit, measure_collectives
+from lazytrain.measure.profile_collectives import fit, measure_collectives
 
 
 @pytest.mark.parametrize("world", [2, 8])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lazytrain
-from lazytrain.cli import main
+from lazytrain.app.cli import main
 from lazytrain.frontend.presets import build_from_config, build_model
 from lazytrain.ir import PlanError
 from lazytrain.runtime.nvme import NvmeError, NvmeStore

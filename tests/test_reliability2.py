@@ -19,7 +19,7 @@ from conftest import SMALL_GPT, small_gpt
 from timeouts import within
 
 import lazytrain
-from lazytrain.cli import main
+from lazytrain.app.cli import main
 from lazytrain.frontend.presets import build_from_config, build_model
 from lazytrain.ir import PlanError
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
@@ -122,7 +122,7 @@ def test_a_long_sequence_is_traced_in_constant_time():
 
 
 def test_compile_without_seq_fits_the_model():
-    from lazytrain.cli import build_parser
+    from lazytrain.app.cli import build_parser
     a = build_parser().parse_args(["compile", "tiny"])
     assert a.seq is None      # cmd_compile takes min(1024, the model's positions): 512 for tiny
 
@@ -230,7 +230,7 @@ class Killed(BaseException):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A fresh run killed during its final eval (the training is committed; the eval is not)."""
-    import lazytrain.train as train
+    import lazytrain.app.train as train
 
     def killed(*a, **k):
         raise Killed
@@ -255,7 +255,7 @@ def test_ctrl_c_during_the_final_eval_stops_it_at_once(monkeypatch):
     import os
     import signal
 
-    import lazytrain.train as train
+    import lazytrain.app.train as train
 
     def slow_eval(*a, **k):
         os.kill(os.getpid(), signal.SIGINT)
@@ -305,7 +305,7 @@ def test_edited_metrics_are_one_line_errors(run_dir, tmp_path, capsys, edit, mes
 
 
 def test_the_factory_form_is_documented_as_running_code():
-    from lazytrain.cli import build_parser
+    from lazytrain.app.cli import build_parser
     readme, errors = (ROOT / "README.md").read_text(), (ROOT / "docs" / "errors.md").read_text()
     assert "--allow-factory" in readme and "--allow-factory" in errors
     assert "calls the factory: it runs code" in readme

@@ -21,7 +21,7 @@ from lazytrain.frontend.presets import build_model
 from lazytrain.frontend.trace import trace
 from lazytrain.frontend.trace_cache import TraceCache
 from lazytrain.ir import Plan
-from lazytrain.torch_free import torch_version
+from lazytrain.util.torch_free import torch_version
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(batch_size=4, gpu_memory="8GiB", host_memory="64GiB")

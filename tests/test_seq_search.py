@@ -89,7 +89,7 @@ def test_nothing_fits_and_bad_requests_are_one_line_errors(traced):
 
 
 def test_the_command_line_takes_seq_max():
-    from lazytrain.cli import build_parser
+    from lazytrain.app.cli import build_parser
     a = build_parser().parse_args(["compile", "tiny", "--seq", "max", "--batch", "4"])
     assert a.seq == "max" and a.batch == 4 and a.seq_tile == "auto"
     assert build_parser().parse_args(["compile", "tiny", "--seq-tile", "none"]).seq_tile is None
@@ -132,7 +132,8 @@ def test_with_calibration_a_length_whose_measured_transients_do_not_fit_steps_do
                              **{k: v for k, v in options.items() if k != "calibrate"})
     options = dict(model=_Model(rope_scaling=YARN), seq_len="max", gpu_memory="3GiB", calibrate=True, **OPTIONS)
     first = lazytrain.compile(**{**options, "calibrate": False}).seq_len
-    monkeypatch.setattr("lazytrain.calibrate.compile_calibrated", lambda fn, model, opts: calibrated(model, **opts))
+    monkeypatch.setattr("lazytrain.measure.calibrate.compile_calibrated",
+                        lambda fn, model, opts: calibrated(model, **opts))
     plan = lazytrain.compile(**options)
     assert asked[0] == first and plan.seq_len == asked[-1] < first, asked
     assert plan.seq_len % seq_search._step(plan.seq_len) == 0

@@ -272,7 +272,7 @@ def test_two_ranks_train_like_eager(tmp_path):
     import json
     import multiprocessing as mp
 
-    from lazytrain.local_processes import free_port, join_all
+    from lazytrain.util.local_processes import free_port, join_all
     plan = _compile("deep", batch_size=B // 2, micro_batch=1, hardware="h200", policy="milp", resident=[1],
                     world_size=2)
     assert plan.decisions.resident_blocks == {1}

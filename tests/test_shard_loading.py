@@ -9,7 +9,7 @@ import torch
 
 import lazytrain
 from lazytrain.frontend.presets import build_from_config
-from lazytrain.model_loading import from_pretrained, shard_loadable
+from lazytrain.hf.model_loading import from_pretrained, shard_loadable
 from lazytrain.runtime.shards import gathered_layouts, init_shards, shard_layouts
 from lazytrain.runtime.trainer import Trainer
 from lazytrain.runtime.weights import ModelWeights, SafetensorsWeights

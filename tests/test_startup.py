@@ -19,12 +19,12 @@ TINY_QWEN2 = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
               "max_position_embeddings": 64}
 #: modules a command that does not trace, train or benchmark never needs
 TRACING = ("torch", "transformers", "torch._dynamo", "torch.export._trace")
-OTHER_COMMANDS = ("lazytrain.train", "lazytrain.finetune", "lazytrain.bench", "lazytrain.tasks")
+OTHER_COMMANDS = ("lazytrain.app.train", "lazytrain.app.finetune", "lazytrain.measure.bench", "lazytrain.tasks")
 
 
 def _run(args: list[str], modules: tuple[str, ...]) -> list[str]:
     """``lazytrain ARGS`` in a fresh process (this checkout's package); the ``modules`` it has loaded when done."""
-    code = ("import json, sys\nfrom lazytrain.cli import main\nrc = main(sys.argv[2:])\n"
+    code = ("import json, sys\nfrom lazytrain.app.cli import main\nrc = main(sys.argv[2:])\n"
             "print(json.dumps([rc, [m for m in json.loads(sys.argv[1]) if m in sys.modules]]))")
     r = subprocess.run([sys.executable, "-c", code, json.dumps(modules), *args], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""In-step rates (``lazytrain.step_rates``): read from a profiled step of a plan, written into the hardware
+"""In-step rates (``lazytrain.measure.step_rates``): read from a profiled step of a plan, written into the hardware
 profile, and used by the next compile for the parameter loads, gradient offloads and host updates, and only for
 them (activation copies keep the copy benchmark's rates)."""
 
@@ -10,13 +10,13 @@ from functools import cache
 
 import pytest
 
-from lazytrain.cli import main
+from lazytrain.app.cli import main
 from lazytrain.compiler.api import compile_model
 from lazytrain.compiler.hardware import HardwareProfile, get_profile
 from lazytrain.ir import OpKind, Plan, Resource
 from lazytrain.ir.summary import measured_blocks
+from lazytrain.measure.step_rates import MIN_OPS, measure
 from lazytrain.runtime.profiling import StepProfile
-from lazytrain.step_rates import MIN_OPS, measure
 
 #: the recompute head throughout (``auto`` may take a single-pass head where its memory allows: another signature)
 SHAPE = dict(batch_size=8, seq_len=64, policy="megatrain", resident="none", gpu_update="none", gpu_memory="8GiB",

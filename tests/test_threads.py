@@ -1,6 +1,6 @@
 """The CPU thread tuner of ``lazytrain train``: it keeps the fastest count and follows a changing machine."""
 
-from lazytrain.threads import ThreadTuner
+from lazytrain.app.threads import ThreadTuner
 
 
 def _run(tuner: ThreadTuner, speed: dict[int, float], steps: int) -> None:

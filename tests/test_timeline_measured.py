@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lazytrain
-from lazytrain.cli import main
+from lazytrain.app.cli import main
 from lazytrain.compiler import timeline
 from lazytrain.frontend.presets import build_from_config
 from lazytrain.ir import verify

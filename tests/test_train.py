@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from lazytrain.cli import main
-from lazytrain.loop import lr_at
-from lazytrain.train import TrainConfig
+from lazytrain.app.cli import main
+from lazytrain.app.loop import lr_at
+from lazytrain.app.train import TrainConfig
 
 TINY = ["--batch", "4", "--eval-size", "8", "--policy", "keep-all", "--no-progress", "--device", "cpu"]
 
@@ -28,7 +28,7 @@ def first_run(tmp_path_factory):
 
 def test_train_writes_metrics_and_checkpoint(first_run):
     out, m = first_run
-    assert m["format"] == "lazytrain.train-metrics/1"
+    assert m["format"] == "lazytrain.app.train-metrics/1"
     assert m["steps_done"] == 3 and len(m["loss_curve"]) == 3 and m["stop_reason"] == "steps"
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in m["loss_curve"])
     assert 0.0 <= m["exact_match"] <= 1.0 and m["eval_size"] == 8
@@ -63,8 +63,8 @@ def test_profile_prints_overlap_and_writes_the_measured_step(tmp_path, capsys):
 
 
 def test_without_matplotlib_training_finishes_without_pictures(tmp_path, monkeypatch):
+    import lazytrain.app.train as train
     import lazytrain.compiler.timeline as timeline
-    import lazytrain.train as train
 
     def no_pyplot():       # what timeline._pyplot raises when matplotlib is not installed
         raise RuntimeError("plotting needs matplotlib: pip install 'lazytrain[plot]'")
@@ -104,7 +104,7 @@ def test_an_answer_format_trains_records_its_name_and_resumes(tmp_path):
 def test_resume_equals_an_uninterrupted_run(tmp_path):
     """3 steps + resume to 5 replays the data stream and restores the optimizer, so with a constant
     learning rate its losses are those of 5 steps in one go."""
-    from lazytrain.train import run
+    from lazytrain.app.train import run
     common = dict(batch=4, eval_size=4, policy="keep-all", progress=False, device="cpu", warmup=1, min_lr_ratio=1.0,
                   time_limit_min=None)
     straight = run(TrainConfig(steps=5, output=str(tmp_path / "straight"), **common))
@@ -139,7 +139,7 @@ def test_bad_flags_are_one_line_errors(args, message, capsys, tmp_path):
 
 
 def test_time_limit_zero_means_no_limit():
-    from lazytrain.cli import build_parser
+    from lazytrain.app.cli import build_parser
     assert build_parser().parse_args(["train", "--time-limit-min", "0"]).time_limit_min is None
     assert build_parser().parse_args(["train", "--time-limit-min", "2.5"]).time_limit_min == 2.5
 
@@ -216,7 +216,7 @@ def test_ctrl_c_stops_after_the_step_and_saves(tmp_path):
     import time
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    p = subprocess.Popen([sys.executable, "-m", "lazytrain.cli", "train", *TINY, "--steps", "100000",
+    p = subprocess.Popen([sys.executable, "-m", "lazytrain.app.cli", "train", *TINY, "--steps", "100000",
                           "--time-limit-min", "3", "--output", str(out)],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     seen = []

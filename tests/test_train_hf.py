@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lazytrain.cli import main
+from lazytrain.app.cli import main
 
 pytest.importorskip("transformers")
 
@@ -116,8 +116,8 @@ def test_broken_folders_are_one_line_errors(kind, message, tmp_path, capsys):
 def test_a_larger_vocabulary_never_decodes_outside_the_tokenizer():
     """A model whose vocabulary is larger than the tokenizer's: eval restricts its greedy choice to the
     tokenizer's ids, and ``exact_match`` counts an undecodable answer as a miss instead of raising."""
+    from lazytrain.app.train import logits_fn
     from lazytrain.tasks import eval_examples, exact_match
-    from lazytrain.train import logits_fn
 
     def prefers_150(ids):           # id 150 first, then eos: outside a 98-id tokenizer
         logits = torch.zeros(*ids.shape, 200)

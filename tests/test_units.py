@@ -1,6 +1,6 @@
 import pytest
 
-from lazytrain.units import format_size, parse_count, parse_size
+from lazytrain.util.units import format_size, parse_count, parse_size
 
 GiB = 2**30
 

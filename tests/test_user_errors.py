@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lazytrain import compile
-from lazytrain.cli import main
+from lazytrain.app.cli import main
 from lazytrain.compiler.budgets import BudgetError
 from lazytrain.frontend.presets import build_model
 

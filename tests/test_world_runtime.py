@@ -13,9 +13,9 @@ import pytest
 import torch
 import world_worker as W
 
-from lazytrain.export import checkpoint_weights
+from lazytrain.hf.export import checkpoint_weights
 from lazytrain.ir import PlanError
-from lazytrain.local_processes import free_port, join_all
+from lazytrain.util.local_processes import free_port, join_all
 
 
 @pytest.fixture(scope="module")
@@ -165,10 +165,10 @@ def test_the_others_wait_for_rank_0s_evaluation_as_at_a_barrier_with_a_timeout(m
     import torch
     import torch.distributed as dist
 
-    from lazytrain.ranks import Ranks
+    from lazytrain.app.ranks import Ranks
     from lazytrain.runtime import distributed as D
     from lazytrain.runtime.distributed import RankFailure
-    monkeypatch.setattr("lazytrain.ranks.WAIT_SLICE_S", 0.05)
+    monkeypatch.setattr("lazytrain.app.ranks.WAIT_SLICE_S", 0.05)
     monkeypatch.setenv("LAZYTRAIN_COLLECTIVE_TIMEOUT", "0.3")
     store = dist.HashStore()
     me = Ranks(rank=1, size=2, _store=store,

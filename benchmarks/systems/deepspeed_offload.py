@@ -18,7 +18,7 @@ import socket
 
 import torch
 
-from lazytrain import bench_worker as worker
+from lazytrain.measure import bench_worker as worker
 
 #: what the stage offloads, for the row
 OFFLOADS = {3: "parameters and optimizer on the CPU", 2: "optimizer on the CPU"}

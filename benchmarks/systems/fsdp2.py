@@ -13,7 +13,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from lazytrain import bench_worker as worker
+from lazytrain.measure import bench_worker as worker
 
 
 def run(cfg: dict, opts: dict) -> dict:

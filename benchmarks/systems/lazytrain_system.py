@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import lazytrain
-from lazytrain import bench_worker as worker
+from lazytrain.measure import bench_worker as worker
 
 
 def _hardware_flops(plan) -> float:

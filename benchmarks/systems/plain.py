@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lazytrain import bench_worker as worker
+from lazytrain.measure import bench_worker as worker
 
 
 def run(cfg: dict, opts: dict) -> dict:

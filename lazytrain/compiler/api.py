@@ -13,7 +13,7 @@ from ..frontend.trace_cache import TraceCache, trace_and_store
 from ..frontend.validate import check_compile_args, micro_batch_candidates
 from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
-from ..torch_free import is_dtype
+from ..util.torch_free import is_dtype
 from . import background_trace
 from . import gpu_update as gpu_update_rule
 from .budgets import BudgetError, budget_error, held_host_bytes, make_budgets  # noqa: F401 - BudgetError: what compile_model raises
@@ -268,7 +268,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
     clock ran out).
 
     ``calibrate=True`` times the model's own blocks on this machine at the plan's micro-batch and
-    sequence length and compiles with those times (``lazytrain.calibrate``; written into ``hardware``
+    sequence length and compiles with those times (``lazytrain.measure.calibrate``; written into ``hardware``
     when it is a file).
 
     ``packed``: batches carry ``position_ids`` and hold several examples a row, each attending only to
@@ -314,7 +314,7 @@ def compile_model(model, *, batch_size: int | str = 8, seq_len: int = 1024, micr
         from .auto_tile import compile_auto_tiled
         return compile_auto_tiled(compile_model, model, options)
     if calibrate:
-        from ..calibrate import compile_calibrated
+        from ..measure.calibrate import compile_calibrated
         return compile_calibrated(compile_model, model, {k: v for k, v in options.items() if k != "calibrate"})
     _check_options(policy=policy, optimizer=optimizer, seq_len=seq_len, micro_batch=micro_batch, seq_tile=seq_tile,
                    deadline=deadline, compile_blocks=compile_blocks, loss_head=loss_head, time_limit=time_limit)

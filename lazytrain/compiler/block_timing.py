@@ -1,6 +1,6 @@
 """Measured figures of one block program on this machine, the calibration a hardware profile carries.
 
-``lazytrain profile --model`` and ``compile(..., calibrate=True)`` (``lazytrain/calibrate.py``) time a model's
+``lazytrain profile --model`` and ``compile(..., calibrate=True)`` (``lazytrain/measure/calibrate.py``) time a model's
 own block programs in LazyTrain's runtime and record their transients; ``HardwareProfile.calibration`` holds
 them, and the cost model uses them instead of its modelled figures for every block they match.  A compiled
 block's timing also carries its cuts' (``CutTiming``): the forward and backward each cut the compiler may choose

@@ -8,8 +8,8 @@ import math
 import warnings
 
 from ..ir import GiB, Plan, PlanError
-from ..torch_free import is_module
-from ..units import format_size, parse_size
+from ..util.torch_free import is_module
+from ..util.units import format_size, parse_size
 from .solvers.heuristics import HEURISTICS
 
 

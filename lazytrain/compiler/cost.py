@@ -27,7 +27,7 @@ from functools import cached_property
 from ..ir import ModelGraph, TensorId, TensorKind
 from ..ir.semantics import DEVICE_STATE_BYTES, GRAD_WIRE_BYTES, Sizes
 from ..ir.summary import measured_blocks
-from ..torch_free import cuda_available
+from ..util.torch_free import cuda_available
 from .hardware import HardwareProfile
 
 

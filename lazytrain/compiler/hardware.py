@@ -2,9 +2,9 @@
 
 A ``HardwareProfile`` is a frozen record of one machine (one GPU and its share of the host).
 Built-ins live in ``profiles.PROFILES``; ``lazytrain profile -o hw.json`` measures the real machine
-(``lazytrain.profile.measure``) and ``get_profile`` reads either.  ``lazytrain profile --model M`` (or
+(``lazytrain.measure.profile.measure``) and ``get_profile`` reads either.  ``lazytrain profile --model M`` (or
 ``compile(..., calibrate=True)``) adds ``calibration``: measured times of that model's own block
-programs (``BlockTiming``, ``lazytrain/calibrate.py``), which the cost model uses instead of the
+programs (``BlockTiming``, ``lazytrain/measure/calibrate.py``), which the cost model uses instead of the
 figures below for every block they match.
 
 Units: bandwidths in GB/s with GB = 1e9 bytes (as ``nvidia-smi``, PCIe specs and disk vendors
@@ -92,7 +92,7 @@ class HardwareProfile:
     #: the model's own state over PCIe as a step runs it, GB/s (0: the pinned ``h2d_gbps`` / ``d2h_gbps``):
     #: parameter loads and GPU-updated blocks' state loads, gradient offloads and state stores.  In a host-paced
     #: step they share the host's memory with the optimizer's updates and run slower than the copy benchmark;
-    #: ``lazytrain.step_rates`` measures them in a plan's own step
+    #: ``lazytrain.measure.step_rates`` measures them in a plan's own step
     param_load_gbps: float = 0.0
     grad_offload_gbps: float = 0.0
     #: measured blocks' forwards, and backwards (with the recompute inside them), as a training step runs them over
@@ -100,7 +100,7 @@ class HardwareProfile:
     #: fall under the power limit from the boost clocks of an idle GPU, where the calibration's short steps
     #: start: on the H200 (700 W) a qwen2.5-3b layer-sized MLP forward ran 7.44 ms after idle and 8.4-8.9 ms after
     #: 0.3 s of matmuls (1545-1695 MHz against 1980); in a 3B step the layers' forwards ran 1.03x the calibration's
-    #: at the step's start and 1.10-1.19x after, the backwards 1.03-1.05x.  ``lazytrain.step_rates`` measures
+    #: at the step's start and 1.10-1.19x after, the backwards 1.03-1.05x.  ``lazytrain.measure.step_rates`` measures
     #: them in a plan's own step
     step_forward_scale: float = 1.0
     step_backward_scale: float = 1.0

@@ -57,7 +57,7 @@ def _cpu_profile() -> HardwareProfile:
 
     Cores and memory are read from this machine; the rates are nominal per-core figures (about
     50 GFLOP/s fp32 per core, memcpy ~10 GB/s, fused AdamW 0.2 G params/s per core), good enough to
-    compile a plan for CPU-mode tests. Run ``lazytrain.profile.measure()`` for real ones.
+    compile a plan for CPU-mode tests. Run ``lazytrain.measure.profile.measure()`` for real ones.
     """
     cores = _cpu_cores()
     memory = _host_memory_bytes()

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 from ..ir import ModelGraph
-from ..torch_free import is_module, torch_version
+from ..util.torch_free import is_module, torch_version
 from .preset_configs import PRESETS
 from .presets import read_config
 

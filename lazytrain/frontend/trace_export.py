@@ -37,7 +37,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from .. import hub_kernels
+from . import hub_kernels
 from .hf_export import TensorsFromData, export_hf, node_arg
 
 aten = torch.ops.aten

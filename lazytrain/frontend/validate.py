@@ -15,7 +15,7 @@ from pathlib import Path
 from ..ir.graph import ModelGraph
 from ..ir.limits import MAX_BATCH, MAX_MICRO_BATCH_BLOCKS, MAX_SEQ_LEN, MAX_TOKENS, SEARCH_MICRO_BATCH
 from ..ir.schema import check_nvme_dir
-from ..torch_free import is_module, is_module_class
+from ..util.torch_free import is_module, is_module_class
 from .preset_configs import PRESETS
 
 #: config fields that declare how many positions a model handles (GPT-2 writes n_positions)

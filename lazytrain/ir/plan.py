@@ -120,7 +120,7 @@ class Plan:
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically (``atomic.write_atomic``: temporary file + rename) so a crash never leaves half a plan;
         ``ValueError`` for a path that is a folder or a special file."""
-        from ..atomic import write_atomic
+        from ..util.atomic import write_atomic
         write_atomic(path, json.dumps(self.to_json(), indent=1), what="plan")
 
     @staticmethod

@@ -24,16 +24,16 @@ from pathlib import Path
 
 import torch
 
-from ..compiler.timeline import plot_loss
-from ..data.batches import Batches
-from ..data.encode import Encoder
-from ..export import _write_json as write_hf_json
-from ..export import hf_config, trainer_weights, write_folder
-from ..frontend.presets import build_model
-from ..frontend.random_init import random_init
+from ...compiler.timeline import plot_loss
+from ...data.batches import Batches
+from ...data.encode import Encoder
+from ...frontend.presets import build_model
+from ...frontend.random_init import random_init
+from ...hf.export import _write_json as write_hf_json
+from ...hf.export import hf_config, trainer_weights, write_folder
+from ...hf.model_loading import shard_loadable
+from ...hf.named import generation_config
 from ..loop import Progress, output_folder, start_trainer, steps, thread_tuner
-from ..model_loading import shard_loadable
-from ..models.named import generation_config
 from ..ranks import Ranks
 from ..runfiles import write_json as _write_json
 from ..train import (
@@ -59,7 +59,7 @@ from .prepare import (
     tokenizer_for,
 )
 
-FORMAT = "lazytrain.finetune-metrics/1"
+FORMAT = "lazytrain.app.finetune-metrics/1"
 
 
 @dataclass
@@ -311,7 +311,7 @@ def shard_weights(src: Source, seed: int, dtype: torch.dtype, *, resumed: bool):
       the rank keeps the model (``benchmarks/results/shard_load_rss.md`` measures what each rank holds).
     """
     if resumed:
-        from ..runtime.weights import CheckpointFilled
+        from ...runtime.weights import CheckpointFilled
         return build_model(str(src.path), device="meta", dtype=dtype), CheckpointFilled()
     if src.kind in ("named", "pretrained") and any(Path(src.path).glob("*.safetensors")):
         return shard_loadable(Path(src.path))

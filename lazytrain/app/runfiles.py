@@ -23,15 +23,15 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from .atomic import write_atomic
-from .ir.limits import MAX_BATCH, MAX_SEQ_LEN
-from .jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape
-from .runtime import checkpoint
-from .runtime.checkpoint import read_extra, read_meta, resolve
-from .runtime.manifest import CheckpointError
+from ..ir.limits import MAX_BATCH, MAX_SEQ_LEN
+from ..runtime import checkpoint
+from ..runtime.checkpoint import read_extra, read_meta, resolve
+from ..runtime.manifest import CheckpointError
+from ..util.atomic import write_atomic
+from ..util.jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape
 
 METRICS = "metrics.json"
-METRICS_FORMAT = "lazytrain.train-metrics/1"
+METRICS_FORMAT = "lazytrain.app.train-metrics/1"
 #: settings a resumed run takes from its checkpointed run (the plan comes with the checkpoint)
 RESUMED = ("model", "difficulty", "batch", "seq", "loss_on_prompt", "seed", "warmup", "min_lr_ratio",
            "weight_decay", "max_grad_norm", "policy", "gpu_memory", "host_memory", "resident")

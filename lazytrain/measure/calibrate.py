@@ -46,21 +46,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..compiler.api import Compiler, compile_model
+from ..compiler.block_timing import BlockTiming, CutTiming
+from ..compiler.budgets import BudgetError
+from ..compiler.hardware import HardwareProfile, get_profile
+from ..frontend.presets import build_model
+from ..frontend.trace import trace
+from ..frontend.trace_export import find_layers, kept_layers, meta_clone, reducible
+from ..ir import OpKind, PlanError, Saved
+from ..ir.graph import ModelGraph
+from ..ir.semantics import Sizes
+from ..runtime.memtrack import compare, track
+from ..runtime.optim.hybrid8bit import Hybrid8bitAdamW
+from ..runtime.optim.torch_adamw import TorchAdamW
+from ..runtime.trainer import Trainer
 from . import step_rates
-from .compiler.api import Compiler, compile_model
-from .compiler.block_timing import BlockTiming, CutTiming
-from .compiler.budgets import BudgetError
-from .compiler.hardware import HardwareProfile, get_profile
-from .frontend.presets import build_model
-from .frontend.trace import trace
-from .frontend.trace_export import find_layers, kept_layers, meta_clone, reducible
-from .ir import OpKind, PlanError, Saved
-from .ir.graph import ModelGraph
-from .ir.semantics import Sizes
-from .runtime.memtrack import compare, track
-from .runtime.optim.hybrid8bit import Hybrid8bitAdamW
-from .runtime.optim.torch_adamw import TorchAdamW
-from .runtime.trainer import Trainer
 from .step_rates import StepRates
 
 #: micro-batches a step of the timing plan at least: each block's forward, recompute and backward run this often

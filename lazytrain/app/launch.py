@@ -32,7 +32,7 @@ import logging
 import os
 import time
 
-from .runtime.distributed import env_world_size
+from ..runtime.distributed import env_world_size
 
 #: seconds torchrun waits after its SIGTERM before it kills a rank: a rank ends at once on SIGTERM (it has
 #: no handler), so one still there is stopped or stuck (a rank stopped with SIGSTOP kept the launcher
@@ -55,7 +55,7 @@ def launch(argv: list[str], n: int, *, gpus: bool) -> int:
         if have < n:
             raise ValueError(f"--gpus {n}: {have} CUDA GPU(s) are visible here; --nproc {n} starts {n} processes "
                              "on the CPU instead")
-    from .compiler.hardware import _cpu_cores
+    from ..compiler.hardware import _cpu_cores
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_cores() // n)))
     for name in list(logging.root.manager.loggerDict):      # the failure is our one line, not torchrun's report
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):

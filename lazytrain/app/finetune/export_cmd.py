@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from ..export import ExportError, check_weights, checkpoint_weights, hf_config, write_folder
-from ..finetune.prepare import Source, tokenizer_for
-from ..frontend.presets import build_from_config
-from ..frontend.trace_export import is_hf
-from ..model_loading import has_tokenizer, read_config
+from ...frontend.presets import build_from_config
+from ...frontend.trace_export import is_hf
+from ...hf.export import ExportError, check_weights, checkpoint_weights, hf_config, write_folder
+from ...hf.model_loading import has_tokenizer, read_config
+from .prepare import Source, tokenizer_for
 
 
 def export_checkpoint(source, output, *, config=None, tokenizer=None, dtype: str | None = None) -> Path:

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from ..data.batches import collate
-from ..data.encode import Example
-from ..generate import eval_loss, greedy_generate, placement, same_answer
+from ...data.batches import collate
+from ...data.encode import Example
+from ...hf.generate import eval_loss, greedy_generate, placement, same_answer
 from ..ranks import Ranks
 
 

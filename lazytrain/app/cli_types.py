@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from .units import parse_size
+from ..util.units import parse_size
 
 
 def _size(text: str) -> int:

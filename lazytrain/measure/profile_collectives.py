@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .local_processes import free_port, join_all
+from ..util.local_processes import free_port, join_all
 
 #: gathered buffer sizes (bytes) timed on GPUs, and on the CPU (gloo: the tests' small world)
 GPU_SIZES = (1 << 20, 16 << 20, 64 << 20, 256 << 20)

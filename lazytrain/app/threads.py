@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from .compiler.hardware import _cpu_cores
+from ..compiler.hardware import _cpu_cores
 
 
 class ThreadTuner:

@@ -1,7 +1,7 @@
-"""What runs inside one system's process of ``lazytrain bench`` (``python -m lazytrain.bench_worker
+"""What runs inside one system's process of ``lazytrain bench`` (``python -m lazytrain.measure.bench_worker
 SYSTEM CFG.json OUT.json``): the model every system starts from, the seeded batches, the GPU cap, the
 measuring loop, the accounting every row shares (``finish_row``) and the worker's entry point, which
-turns any failure of the system into a row.  The driver (``lazytrain/bench.py``) only schedules these
+turns any failure of the system into a row.  The driver (``lazytrain/measure/bench.py``) only schedules these
 processes and reports; the systems (``benchmarks/systems/*.py``) import their helpers from here.
 
 torch and LazyTrain's model code are imported inside the functions that use them: the driver imports
@@ -21,7 +21,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .units import parse_size
+from ..util.units import parse_size
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 #: system name -> (module in benchmarks/systems/, options passed to its ``run``)
@@ -58,7 +58,7 @@ def build(cfg: dict):
     Hugging Face's init of a 3B model took 164 s), on the CPU, bf16 (fp32 with --device cpu)."""
     import torch
 
-    from .frontend.random_init import random_model
+    from ..frontend.random_init import random_model
     torch.manual_seed(0)
     model = random_model(cfg["model"], dtype=torch.float32 if cfg["device"] == "cpu" else torch.bfloat16)
     cfg_obj = getattr(model, "config", None)
@@ -217,7 +217,7 @@ def finish_row(system: str, cfg: dict, raw: dict) -> dict:
 
 
 def worker_main(argv: list[str]) -> int:
-    """``python -m lazytrain.bench_worker SYSTEM CFG.json OUT.json``: run one system, write its row."""
+    """``python -m lazytrain.measure.bench_worker SYSTEM CFG.json OUT.json``: run one system, write its row."""
     system, cfg_path, out_path = argv
     cfg = json.loads(Path(cfg_path).read_text())
     module, opts = SYSTEMS[system]
@@ -249,5 +249,7 @@ def worker_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from lazytrain.bench_worker import worker_main as _worker  # the package's module, not a second __main__ copy
+    from lazytrain.measure.bench_worker import (
+        worker_main as _worker,  # the package's module, not a second __main__ copy
+    )
     sys.exit(_worker(sys.argv[1:]))

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..data.encode import Encoder
-from ..export import hf_config, module_weights, write_folder
-from ..model_loading import load_gguf, load_tokenizer
+from .export import hf_config, module_weights, write_folder
+from .model_loading import load_gguf, load_tokenizer
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ import os
 import sys
 import warnings
 
+from ..ir import GiB, Plan, PlanError, Sizes, verify
+from ..ir.summary import model_tflops_text
 from .cli_types import _batch, _minutes, _non_negative, _positive, _positive_float, _resident, _seed, _seq_tile, _size
-from .ir import GiB, Plan, PlanError, Sizes, verify
-from .ir.summary import model_tflops_text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,13 +25,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _presets() -> str:
-    from .frontend.preset_configs import PRESETS
+    from ..frontend.preset_configs import PRESETS
     return ", ".join(PRESETS)
 
 
 def _difficulty(text: str) -> str:
     """A task preset, or one in answer formats (``tiny-pad-rev``), as its canonical name."""
-    from .tasks import get_difficulty
+    from ..tasks import get_difficulty
     try:
         return get_difficulty(text).name
     except ValueError as e:
@@ -84,9 +84,9 @@ def _add_resident_arg(p: argparse.ArgumentParser, default: str = "auto") -> None
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
+    from ..tasks import FORMATS
+    from ..tasks import PRESETS as DIFFICULTIES
     from .finetune import FinetuneConfig
-    from .tasks import FORMATS
-    from .tasks import PRESETS as DIFFICULTIES
     from .train import TrainConfig
     d, f = TrainConfig(), FinetuneConfig()
     p.add_argument("--model", default=d.model, metavar="M",
@@ -133,7 +133,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="let --resume import and call the package.module:factory the run recorded (code named in "
                         "DIR: only for a run folder you trust)")
     p.add_argument("--answer-only-loss", action="store_true",
-                   help="loss on the answer only (default: on every token; see lazytrain/train.py)")
+                   help="loss on the answer only (default: on every token; see lazytrain/app/train.py)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--gpus", type=_positive, default=None, metavar="N",
@@ -151,7 +151,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_data_args(p) -> None:
-    from .data import LOSS_ON
+    from ..data import LOSS_ON
     p.add_argument("--data", default=None, metavar="FILE",
                    help="train on this JSONL / JSON file (messages, conversations, prompt/completion, alpaca or text "
                         "records) instead of the built-in task; --model then names a pretrained model: "
@@ -181,10 +181,10 @@ def _add_data_args(p) -> None:
 
 
 def cmd_compile(a) -> int:
-    from .atomic import output_path
-    from .compiler.api import compile_model
-    from .compiler.progress import on_stderr
-    from .frontend.validate import declared_positions
+    from ..compiler.api import compile_model
+    from ..compiler.progress import on_stderr
+    from ..frontend.validate import declared_positions
+    from ..util.atomic import output_path
     if a.nvme_memory and not a.nvme_dir:
         raise PlanError("--nvme-memory needs --nvme-dir (the folder to spill to)")
     output_path(a.output, "plan")          # a bad -o now, not after the compile
@@ -197,7 +197,7 @@ def cmd_compile(a) -> int:
                              calibrate=a.calibrate, seq_tile=a.seq_tile, world_size=a.world_size, nodes=a.nodes,
                              compile_blocks=a.compile_blocks, gpu_update=a.gpu_update, loss_head=a.loss_head)
     if not a.calibrate:
-        from .compiler.cost import hint_uncalibrated
+        from ..compiler.cost import hint_uncalibrated
         hint_uncalibrated(plan, a.model)
     plan.save(a.output)
     print(plan.summary())
@@ -222,7 +222,7 @@ def cmd_show(a) -> int:
 def stale_predictions(plan) -> str | None:
     """What the plan file's stored predictions say that its ops do not simulate to (a file edited after it was
     compiled), or None: ``show`` prints the stored figures, so it says when they are not the ops' own."""
-    from .compiler.simulate import simulate
+    from ..compiler.simulate import simulate
     pred = plan.predicted
     if not pred.get("step_time_s"):
         return None
@@ -259,7 +259,7 @@ def _blocks_table(plan) -> str:
 def cmd_simulate(a) -> int:
     from tabulate import tabulate
 
-    from .compiler.simulate import simulate
+    from ..compiler.simulate import simulate
     plan = Plan.load(a.plan)
     rep = verify(plan)
     sim = simulate(plan)
@@ -278,11 +278,11 @@ def cmd_simulate(a) -> int:
 
 
 def cmd_trace(a) -> int:
-    from .compiler.timeline import write_step
+    from ..compiler.timeline import write_step
     plan = Plan.load(a.plan)
     profile = None
     if a.measured:
-        from .runtime.profiling import StepProfile
+        from ..runtime.profiling import StepProfile
         profile = StepProfile.load(a.measured)
         try:
             profile.check(plan)
@@ -294,9 +294,9 @@ def cmd_trace(a) -> int:
 
 
 def cmd_profile(a) -> int:
-    from .profile import measure
+    from ..measure.profile import measure
     if a.step:
-        from .step_rates import refit_file
+        from ..measure.step_rates import refit_file
         print(refit_file(a.output, *a.step))
         return 0
     if not (a.model and os.path.isfile(a.output)):
@@ -305,7 +305,7 @@ def cmd_profile(a) -> int:
             json.dump(hw.to_json(), f, indent=1)
         print(hw)
     if a.model:
-        from .compiler.api import compile_model
+        from ..compiler.api import compile_model
         plan = compile_model(a.model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
                              gpu_memory=a.gpu_memory, hardware=a.output, calibrate=True,
                              param_dtype="bfloat16" if _has_cuda() else "float32", compile_blocks=a.compile_blocks)
@@ -357,7 +357,7 @@ def cmd_export(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from .bench import config_from_args, run
+    from ..measure.bench import config_from_args, run
     run(config_from_args(a))
     return 0
 
@@ -444,7 +444,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("bench", help="side-by-side benchmark: lazytrain, FSDP2 + CPU offload, plain PyTorch")
     if command in (None, "bench"):
-        from .bench import add_args as _add_bench_args
+        from ..measure.bench import add_args as _add_bench_args
         _add_bench_args(p)
     p.set_defaults(fn=cmd_bench)
     return ap

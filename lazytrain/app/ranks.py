@@ -43,7 +43,7 @@ from datetime import timedelta
 
 import torch
 
-from .runtime.distributed import RankFailure, collective_timeout, env_world_size
+from ..runtime.distributed import RankFailure, collective_timeout, env_world_size
 
 _KEY = "lazytrain/shared/"
 #: a rank waiting for rank 0 (``Ranks.share``) checks rank 0's heartbeat this often: a rank 0 that died is
@@ -106,7 +106,7 @@ class Ranks:
         cores for each of several (they run at once)."""
         if self.size == 1:
             return alone()
-        from .compiler.hardware import _cpu_cores
+        from ..compiler.hardware import _cpu_cores
         return max(1, _cpu_cores() // self.local_size)
 
     def per_rank_batch(self, batch: int) -> int:

@@ -34,8 +34,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .ir import Plan, PlanError
-from .runtime.checkpoint import _commit, _fsync_dir, _fsync_file, read_meta
+from ..ir import Plan, PlanError
+from ..runtime.checkpoint import _commit, _fsync_dir, _fsync_file, read_meta
 
 #: shard size: ``save_pretrained``'s default ("5GB"), so one shard is what an export holds in memory
 MAX_SHARD_BYTES = 5 * 10**9

@@ -59,20 +59,20 @@ import torch
 from tabulate import tabulate
 from tqdm import tqdm
 
+from ..compiler.hardware import _cpu_cores
+from ..compiler.profiles import PROFILES
+from ..compiler.progress import on_stderr
+from ..compiler.timeline import plot_loss, write_step
+from ..frontend.presets import PRESETS, build_from_config, build_model, read_config
+from ..frontend.validate import check_positions, check_sizes
+from ..hf.generate import placement
+from ..hf.model_loading import from_pretrained as _from_pretrained
+from ..hf.model_loading import is_hf_folder as _is_hf_folder
+from ..hf.model_loading import meta_weights, shard_loadable
+from ..tasks import CharTokenizer, check_eval_size, eval_examples, exact_match, get_difficulty, train_batches
 from . import runfiles
-from .compiler.hardware import _cpu_cores
-from .compiler.profiles import PROFILES
-from .compiler.progress import on_stderr
-from .compiler.timeline import plot_loss, write_step
-from .frontend.presets import PRESETS, build_from_config, build_model, read_config
-from .frontend.validate import check_positions, check_sizes
-from .generate import placement
 from .loop import Progress, output_folder, start_trainer, steps, thread_tuner
-from .model_loading import from_pretrained as _from_pretrained
-from .model_loading import is_hf_folder as _is_hf_folder
-from .model_loading import meta_weights, shard_loadable
 from .ranks import Ranks
-from .tasks import CharTokenizer, check_eval_size, eval_examples, exact_match, get_difficulty, train_batches
 from .threads import cpu_threads
 
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
@@ -314,7 +314,7 @@ def run(cfg: TrainConfig) -> dict:
     t_start = time.perf_counter()
 
     if prev is not None:      # with several ranks on the meta device: each reads its shard of the checkpoint
-        from .runtime.weights import CheckpointFilled
+        from ..runtime.weights import CheckpointFilled
         weights = CheckpointFilled() if ranks.size > 1 else None
         model = rebuild_model(prev["model"], allow_factory=cfg.allow_factory, device="meta" if weights else "cpu")
         desc = prev["model"]

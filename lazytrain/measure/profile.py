@@ -49,14 +49,14 @@ from collections.abc import Callable
 
 import torch
 
-from .compiler.api import compile_model
-from .compiler.hardware import HardwareProfile, _cpu_cores, _host_memory_bytes, attention_flops
-from .compiler.plausible import measure_checked
-from .ir import OpKind
-from .models.gpt import GPT, GPTConfig
+from ..compiler.api import compile_model
+from ..compiler.hardware import HardwareProfile, _cpu_cores, _host_memory_bytes, attention_flops
+from ..compiler.plausible import measure_checked
+from ..ir import OpKind
+from ..models.gpt import GPT, GPTConfig
+from ..runtime.optim.torch_adamw import TorchAdamW
+from ..runtime.trainer import Trainer
 from .profile_collectives import GPU_SIZES, measure_collectives
-from .runtime.optim.torch_adamw import TorchAdamW
-from .runtime.trainer import Trainer
 
 __all__ = ["measure"]
 

@@ -18,7 +18,7 @@ Systems (``--systems``, comma-separated; the modules are ``benchmarks/systems/*.
 Uncapped rows (as the reference table's DeepSpeed figures were measured): ``--gpu-memory`` at or above the
 GPU's memory (e.g. ``141GiB`` on an H200) sets the per-process fraction to 1.
 
-Each system runs in its own process (``python -m lazytrain.bench_worker ...``), so peak GPU memory
+Each system runs in its own process (``python -m lazytrain.measure.bench_worker ...``), so peak GPU memory
 and host RSS are per system and an out-of-memory (GPU or host) in one is a row with an error, not a
 crash.  Every process builds the model the same way (``torch.manual_seed(0)`` then ``random_model`` on
 the CPU, bf16 on CUDA / fp32 with ``--device cpu``), trains on the same seeded random tokens
@@ -48,7 +48,7 @@ that fitted in the first phase (halving from ``--batch`` when it did not) until 
 memory, then bisect; a batch known not to fit is never retried.  The result is the row's
 ``max_batch`` (with ``max_batch_tries``).
 
-Results: ``<out-dir>/<name>.json`` (format ``lazytrain.bench/1``), ``.md`` (table with the exact
+Results: ``<out-dir>/<name>.json`` (format ``lazytrain.measure.bench/1``), ``.md`` (table with the exact
 command, date and machine) and ``.png`` (model TFLOPS per system), rendered by
 ``benchmarks/report.py``; per-system logs in ``<out-dir>/<name>.logs/``.
 """
@@ -69,7 +69,7 @@ from pathlib import Path
 
 from .bench_worker import BENCH_DIR, MAX_BATCH_LIMIT, SYSTEMS, GiB, load_bench_module, proc_meminfo_bytes
 
-FORMAT = "lazytrain.bench/1"
+FORMAT = "lazytrain.measure.bench/1"
 DEFAULT_SYSTEMS = ("lazytrain-milp", "lazytrain-megatrain", "fsdp2", "plain")
 #: with --find-max-batch, the share of the budget the rows at --batch may use (the rest: batch search)
 MAIN_SHARE = 0.5
@@ -232,7 +232,7 @@ def run_system(system: str, cfg: dict, timeout: float, log: Path, batch: int | N
         cfg_path.write_text(json.dumps(cfg))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                          os.environ.get("PYTHONPATH")])))
-        cmd = [sys.executable, "-m", "lazytrain.bench_worker", system, str(cfg_path), str(out_path)]
+        cmd = [sys.executable, "-m", "lazytrain.measure.bench_worker", system, str(cfg_path), str(out_path)]
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
@@ -323,4 +323,4 @@ def machine(rows: list[dict]) -> dict:
 
 
 if __name__ == "__main__":
-    main(prog="python -m lazytrain.bench")
+    main(prog="python -m lazytrain.measure.bench")

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from ..data.batches import held_out
-from ..data.encode import Encoder, Example, fit
-from ..data.formats import DataError, read_records
-from ..frontend.presets import PRESETS
-from ..frontend.random_init import random_model
-from ..model_loading import (
+from ...data.batches import held_out
+from ...data.encode import Encoder, Example, fit
+from ...data.formats import DataError, read_records
+from ...frontend.presets import PRESETS
+from ...frontend.random_init import random_model
+from ...hf.model_loading import (
     from_pretrained,
     has_tokenizer,
     has_weights,
@@ -37,7 +37,7 @@ from ..model_loading import (
     read_config,
     weights_dtype,
 )
-from ..models.named import NAMED, model_folder
+from ...hf.named import NAMED, model_folder
 
 #: share of the examples held out for evaluation when no --eval-data is given
 EVAL_SHARE = 0.05

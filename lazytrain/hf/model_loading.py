@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import hub_kernels
-from .frontend.presets import _transformers, build_from_config
-from .frontend.presets import read_config as checked
+from ..frontend import hub_kernels
+from ..frontend.presets import _transformers, build_from_config
+from ..frontend.presets import read_config as checked
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -86,7 +86,7 @@ def shard_loadable(folder: Path) -> tuple[torch.nn.Module, object]:
     (``runtime.weights.SafetensorsWeights``): what each of several ranks loads, so that its host memory at
     start is its shard of the model, not the whole of it.  The config is checked as ``from_pretrained``
     checks it, and every weight's name and shape against the model, from the files' headers."""
-    from .runtime.weights import SafetensorsWeights
+    from ..runtime.weights import SafetensorsWeights
     cfg = read_config(folder / "config.json")
     model = build_from_config(cfg, device="meta", dtype=torch.float32, source=str(folder / "config.json"))
     if (folder / "generation_config.json").is_file():     # its stop tokens, as from_pretrained reads them
@@ -99,7 +99,7 @@ def meta_weights(model: torch.nn.Module, desc: dict):
     folder), or None for a model with real weights."""
     if all(p.device.type != "meta" for p in model.parameters()):
         return None
-    from .runtime.weights import SafetensorsWeights
+    from ..runtime.weights import SafetensorsWeights
     return SafetensorsWeights(Path(desc["pretrained"]), model)
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .compiler.hardware import _cpu_cores
+from ..compiler.hardware import _cpu_cores
 from .threads import ThreadTuner
 
 if TYPE_CHECKING:       # annotations only: train.py runs this loop
@@ -116,10 +116,10 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
     ``random_init.RandomWeights``, or for a resumed one ``weights.CheckpointFilled``; the model is then on the
     meta device).  Returns (trainer, optimizer, seconds)."""
     # the compiler and the runtime load when a run starts, not when the CLI builds its parser (0.5 s)
+    from ..runtime.checkpoint import read_meta
+    from ..runtime.optim import Hybrid8bitAdamW
+    from ..runtime.trainer import Trainer
     from .ranks import Ranks
-    from .runtime.checkpoint import read_meta
-    from .runtime.optim import Hybrid8bitAdamW
-    from .runtime.trainer import Trainer
     ranks = ranks or Ranks()
     opt = Hybrid8bitAdamW(lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                           num_threads=torch.get_num_threads() if dev.type == "cpu" else None)
@@ -144,8 +144,8 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
 
 def _shared_plan(cfg: TrainConfig, model, ranks: Ranks, *, seq_len: int, hardware, param_dtype: str, packed: bool):
     """The plan every rank runs: compiled by rank 0 for this world (``Ranks``'s docstring says why)."""
-    from . import compile as compile_plan
-    from .ir import Plan
+    from .. import compile as compile_plan
+    from ..ir import Plan
     batch = ranks.per_rank_batch(cfg.batch)
 
     def compiled() -> dict:

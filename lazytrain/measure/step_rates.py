@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .compiler.hardware import HardwareProfile
-from .ir import OpKind, Plan, Resource
-from .ir.summary import measured_blocks
+from ..compiler.hardware import HardwareProfile
+from ..ir import OpKind, Plan, Resource
+from ..ir.summary import measured_blocks
 
 #: a rate is only read from at least this many timed ops of its kind (one op's span is too noisy a figure)
 MIN_OPS = 4
@@ -176,8 +176,8 @@ def refit_file(hardware: str, plan_path: str, *profile_paths: str) -> str:
     """``lazytrain profile -o HW --step PLAN PROFILE [PROFILE ...]``: the in-step rates of a saved plan's profiled
     steps (``lazytrain train --profile``, ``StepProfile.save``; each rate the median over them) written into the
     hardware profile file ``hardware``; returns what was measured, against what the file had."""
-    from .ir import Plan
-    from .runtime.profiling import StepProfile
+    from ..ir import Plan
+    from ..runtime.profiling import StepProfile
     if not profile_paths:
         raise ValueError("--step needs PLAN and at least one PROFILE")
     hw = HardwareProfile.load(hardware)
