@@ -33,10 +33,10 @@ import policy_table  # noqa: E402
 
 from lazytrain.compiler.api import Compiler, compile_model  # noqa: E402
 from lazytrain.compiler.hardware import get_profile  # noqa: E402
-from lazytrain.compiler.loss_chunk import with_loss_chunk  # noqa: E402
 from lazytrain.frontend.presets import build_model  # noqa: E402
 from lazytrain.frontend.trace import trace  # noqa: E402
 from lazytrain.ir import Decisions, PlanError  # noqa: E402
+from lazytrain.ir.graph import ModelGraph  # noqa: E402
 
 HEURISTIC = ("megatrain", "recompute-all", "keep-all")
 #: decision fields removed as dead code (never set by any policy): a baseline may hold them, empty
@@ -83,6 +83,7 @@ def normalized(plan_json: dict) -> dict:
             del dec[key]
     solver = plan_json.get("solver")
     return {"decisions": dec, "ops": plan_json["ops"], "predicted": plan_json["predicted"],
+            "graph": plan_json["graph"],
             "budgets": plan_json["budgets"], "options": plan_json["options"],
             "solver": None if solver is None else {k: v for k, v in solver.items() if k != "seconds"}}
 
@@ -97,8 +98,8 @@ def rebuild(saved: dict) -> dict:
     """Lower, verify and simulate the saved plan's decisions with this checkout."""
     dec = Decisions.from_json(saved["decisions"])
     opts = saved["options"]
-    # the graph as compile_model hands it to the Compiler: the loss head's chunk set from the GPU budget
-    g = with_loss_chunk(graph(saved["model"]), saved["budgets"]["gpu_bytes"])
+    # the graph the plan was built on (the loss head's chunk as the compile chose it, single pass or not)
+    g = ModelGraph.from_json(saved["graph"])
     comp = Compiler(g, get_profile("h200"), saved["budgets"], param_dtype="bfloat16",
                     optimizer=opts["optimizer"], clip=opts["clip"], resident=dec.resident_blocks)
     return normalized(comp.build(dec, saved["batch"]).to_json())

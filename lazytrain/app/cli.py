@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
 def _warning_printer(command: str, default):
     """``warnings.showwarning`` for the CLI: LazyTrain's own warnings as one line each, as its errors are
     (``lazytrain compile: warning: ...``, not a source path and line); other packages' as Python shows them."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # lazytrain/, not app/
 
     def show(message, category, filename, lineno, file=None, line=None):
         if os.path.abspath(filename).startswith(package + os.sep):

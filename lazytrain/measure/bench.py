@@ -230,7 +230,7 @@ def run_system(system: str, cfg: dict, timeout: float, log: Path, batch: int | N
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path, out_path = Path(tmp) / "cfg.json", Path(tmp) / "row.json"
         cfg_path.write_text(json.dumps(cfg))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                                          os.environ.get("PYTHONPATH")])))
         cmd = [sys.executable, "-m", "lazytrain.measure.bench_worker", system, str(cfg_path), str(out_path)]
         with open(log, "w") as f:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..util.units import parse_size
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 #: system name -> (module in benchmarks/systems/, options passed to its ``run``)
 SYSTEMS: dict[str, tuple[str, dict]] = {
     "lazytrain-milp": ("lazytrain_system", {"policy": "milp"}),

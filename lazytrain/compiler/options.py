@@ -1,0 +1,56 @@
+"""The compile's named choices, one enum each: the names the CLI offers, a plan and ``metrics.json`` record, and a
+resumed run checks.  Each member is its own name as a string (``Policy.MILP == "milp"``), so a plan's JSON, a
+run folder's settings and a caller's string all read as the member."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Choice(str, Enum):
+    """A named choice: printed, formatted and written to JSON as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every member's value, in declaration order (argparse's ``choices``, an error's list)."""
+        return tuple(m.value for m in cls)
+
+    @classmethod
+    def parse(cls, value, what: str):
+        """``value`` (a member or its name) as the member, or ``ValueError`` naming ``what`` and the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(cls.names())}") from None
+
+
+class Policy(Choice):
+    """How the schedule is decided: the MILP, or the fixed heuristic of a system it is compared with."""
+    MILP = "milp"
+    MEGATRAIN = "megatrain"
+    RECOMPUTE_ALL = "recompute-all"
+    KEEP_ALL = "keep-all"
+
+
+class Solver(Choice):
+    """The MILP solver tried first (the other is tried where it fails)."""
+    HIGHS = "highs"
+    CBC = "cbc"
+
+
+class LossHead(Choice):
+    """How the fused LM head + cross-entropy forms its gradients (``frontend/loss_head.py``)."""
+    AUTO = "auto"
+    SINGLE_PASS = "single_pass"
+    RECOMPUTE = "recompute"
+
+
+class Optimizer(Choice):
+    """The host optimizer a plan's host memory is priced for."""
+    HYBRID8BIT = "hybrid8bit"
+    ADAMW = "adamw"
