@@ -34,9 +34,8 @@ import time
 
 from ..runtime.distributed import env_world_size
 
-#: seconds torchrun waits after its SIGTERM before it kills a rank: a rank ends at once on SIGTERM (it has
-#: no handler), so one still there is stopped or stuck (a rank stopped with SIGSTOP kept the launcher
-#: waiting torchrun's default 30 s)
+#: seconds torchrun waits after its SIGTERM before it kills a rank (a rank ends at once on SIGTERM, so one still
+#: there is stopped or stuck) [ledger: launch-shutdown]
 SHUTDOWN_S = 5
 
 

@@ -53,7 +53,7 @@ def binding(plan: Plan, budgets: dict) -> str | None:
     return None
 
 
-#: the GPU memory a budget keeps back unless told: this much, plus ``RESERVE_SHARE`` of the memory
+#: the GPU memory a budget keeps back unless told: this much, plus ``RESERVE_SHARE`` of the memory [ledger: gpu-reserve]
 RESERVE_BASE = 1.5 * GiB
 RESERVE_SHARE = 0.05
 
@@ -81,8 +81,7 @@ def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memo
                  held_bytes: int = 0) -> dict:
     """Budgets in bytes from sizes (``"24GiB"``) or byte counts; defaults from the hardware profile.
     The GPU budget the plan must meet is the given memory less ``reserve`` (CUDA context, cuBLAS
-    workspaces, allocator fragmentation; default 1.5 GiB + 5%: on the H200 a plan 2.2 GiB under a
-    24 GiB cap still met 1.6 GiB of reserved-but-unused allocator blocks).  The host budget defaults to
+    workspaces, allocator fragmentation; default 1.5 GiB + 5% [ledger: gpu-reserve]).  The host budget defaults to
     the profile's host memory less ``host_reserve`` and less ``held_bytes`` (the model the caller holds:
     a 7B model's bf16 weights are 14 GiB beside the store); a given ``host_memory`` is taken as is."""
 

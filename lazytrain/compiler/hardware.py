@@ -96,12 +96,9 @@ class HardwareProfile:
     param_load_gbps: float = 0.0
     grad_offload_gbps: float = 0.0
     #: measured blocks' forwards, and backwards (with the recompute inside them), as a training step runs them over
-    #: the calibration's timing steps (1: as calibrated).  A step holds the GPU busy for seconds, and its clocks
-    #: fall under the power limit from the boost clocks of an idle GPU, where the calibration's short steps
-    #: start: on the H200 (700 W) a qwen2.5-3b layer-sized MLP forward ran 7.44 ms after idle and 8.4-8.9 ms after
-    #: 0.3 s of matmuls (1545-1695 MHz against 1980); in a 3B step the layers' forwards ran 1.03x the calibration's
-    #: at the step's start and 1.10-1.19x after, the backwards 1.03-1.05x.  ``lazytrain.measure.step_rates`` measures
-    #: them in a plan's own step
+    #: the calibration's timing steps (1: as calibrated): a step holds the GPU busy for seconds, under its power
+    #: limit, where a short timing step may start at boost clocks [ledger: calibrate-sustain].
+    #: ``lazytrain.measure.step_rates`` measures them in a plan's own step
     step_forward_scale: float = 1.0
     step_backward_scale: float = 1.0
     #: measured block programs (``BlockTiming``); the cost model prefers them to the figures above
@@ -206,7 +203,7 @@ class HardwareProfile:
         """Optimizer step of a resident block on the GPU: one fused pass, memory bound.  The 8-bit
         update moves ~20 bytes per parameter (fp32 gradient in, bf16 + low half and two codes in and
         out, the accumulator zeroed), fp32 AdamW ~38.  Device memory bandwidth is not in the profile;
-        it is taken as ``bf16_tflops / 200`` TB/s, 60% reached (H200: 3.85 TB/s x 0.6) -- a rough
+        it is taken as ``bf16_tflops / 200`` TB/s, 60% reached (h200: 3.85 TB/s x 0.6) -- a rough
         figure, but this term is ~1% of a step (a 77 M parameter layer: 0.7 ms)."""
         per = 20 if eight_bit else 38
         return n_params * per / (self.bf16_tflops / 200 * 1e12 * 0.6)

@@ -4,8 +4,7 @@ The trace prices a block's transients on meta tensors (``frontend/trace.py``): t
 values' peak and the largest op's footprint, the backward's from twice that footprint (an op's values next to
 their gradients).  A GPU kernel can need more than either (workspaces the meta run never allocates, another
 algorithm at another shape), and a plan that underestimates a transient runs out of memory where it was
-promised to fit.  Measured on the H200 before the backward rule existed (qwen2.5-3b with YaRN x4, 299,008
-tokens, 24 GiB cap): the loss head's backward peaked 4.0 GiB and a layer's 4.2 GiB above the plan's figure.
+promised to fit [ledger: backward-workspace].
 
 Calibration (``calibrate.measure_blocks``) records each block program's transients in the runtime at the plan's
 shape (``BlockTiming.workspace_bytes``, ``backward_workspace_bytes``); this module carries them into the graph

@@ -3,9 +3,8 @@
 A build makes ~10 small objects per op (the op, its effects, their tuples, the hazards), all acyclic: reference
 counting frees them.  The op list being built survives young collections, so the collector promotes it and,
 every so many collections, walks every object of the process in a full one: ~0.1 s in a process that has
-imported torch.  Lowering a 7,600-op plan (qwen2.5-14b, 36 micro-batches) took 0.24 s with the collector paused
-and 0.28-0.90 s without it, depending on when the full collections fell.  The collector runs again, as before,
-when the build returns (or raises)."""
+imported torch, a large share of a build [ledger: paused-gc].  The collector runs again when the build returns
+(or raises)."""
 
 from __future__ import annotations
 

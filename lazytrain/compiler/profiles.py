@@ -1,29 +1,16 @@
 """The built-in hardware profiles (``PROFILES``: ``compile(..., hardware="h200")``) and where their figures come
 from.  How the figures turn FLOPs and bytes into seconds is ``hardware.py``'s docstring.
 
-Calibration of ``h200`` (benchmarks/results/h200_reference.md): one Qwen2.5-3B layer (77,076,992
-params, hidden 2048, head dim 128), seq 1024, eager bf16 + SDPA: forward 2.77 ms and
-forward+backward 8.48 ms at micro-batch 8, forward+ backward 4.62 ms at micro-batch 4. Forward FLOPs
-at micro-batch 8: 1.263e12 of matmuls and 0.034e12 of causal attention (0.086e12 in its backward),
-the attention priced at the rates below. A least-squares fit of (efficiency, overhead) to the
-relative error of those three times gives ``compute_efficiency = 0.677`` and ``kernel_overhead_s =
-0.365 ms``, reproducing 2.87 ms (+4%), 8.32 ms (-2%) and 4.53 ms (-2%). (Efficiency alone, no
-overhead, misses micro-batch 4 by 9%: small micro-batches do pay a fixed cost.) The overhead is
-mostly eager-mode launches and memory-bound elementwise kernels (norms, rotary, activations); with
-``torch.compile`` the same layer ran 1.37x faster.
+``h200`` is the measured one: its matmul efficiency and per-launch overhead are fitted to one eager Qwen2.5-3B
+layer and scaled by what LazyTrain's exported blocks measured slower; its transfer and host-update rates are
+measured on an H200 host (``benchmarks/results/h200_reference.md``).  Its attention rates are modelled from
+cuDNN's published H100 figures, not measured (``lazytrain profile`` measures them): SDPA on Hopper runs cuDNN's
+fused attention, and the H200 has the H100's SMs and clocks.  The measurements and fits behind each constant are
+in the tuning ledger (``benchmarks/results/tuning_ledger.md``, under the key each constant names).
 
-The H200's attention rates are **modelled, not measured** (``lazytrain profile`` measures them):
-SDPA on Hopper runs cuDNN's fused attention (PyTorch prefers it on sm90 from cuDNN 9.15, bundled
-with torch 2.11 and later), whose published H100 SXM5 bf16 figures (FlashAttention-3 paper, Shah et
-al. 2024; 16k tokens per batch, hidden 2048) are, for causal forward at head dim 128, 315 / 410 /
-484 / 518 / 529 / 539 TFLOP/s at 512 / 1k / 2k / 4k / 8k / 16k keys: ``552 * s / (s + 385)`` within
-4%. Its backward is published without the causal mask only (305 ... 516, long-key 530); times the
-forward's causal / full ratio at long keys (539 / 595): 480. The H200 has the H100's SMs and clocks
-(attention is compute bound), so the figures carry over; other GPUs scale them by their
-``bf16_tflops``.
-
-Sources of the other built-ins, all public spec sheets, adjusted the same way as the measured H200
-(achievable dense bf16 ~ 0.78x of the spec sheet, pinned PCIe ~ 87% of the link):
+The other built-ins come from public spec sheets, adjusted the same way as the measured H200 (achievable dense
+bf16 ~ 0.78x of the spec sheet, pinned PCIe ~ 87% of the link), with the H200's efficiency and its attention
+rates scaled by their matmul rate:
 
 - ``h100``: H100 SXM5 80 GB HBM3, 989 TFLOP/s dense bf16 spec (NVIDIA H100 datasheet), PCIe gen5 x16
 (64 GB/s per direction); host = one GPU's share of an 8-GPU HGX node (AWS p5: 192 vCPU and 2 TiB per
@@ -36,10 +23,10 @@ with fp32 accumulate (NVIDIA Ampere GA102 whitepaper), PCIe gen4; consumer host 
 dual-channel DDR4, consumer NVMe). - ``rtx4090``: 24 GB GDDR6X, 165 TFLOP/s dense bf16 with fp32
 accumulate (Ada AD102 whitepaper), PCIe gen4; consumer host (16 cores, 64 GiB, dual-channel DDR5,
 gen4 NVMe). - Host figures other than H200's (pageable copies, CPU AdamW, NVMe) are estimates: fused
-AdamW reads and writes ~28 bytes per parameter, so its rate follows host memory bandwidth and cores
-(H200 host: 5.5 G params/s on 16 cores); pageable copies run at ~1/5 (H2D) and ~1/3 (D2H) of pinned
-as on the H200 host. The 8-bit optimizer rate is not measured anywhere yet, so every built-in
-assumes it equals the fp32 rate (the optimizer's target); a measured profile overrides it.
+AdamW reads and writes ~28 bytes per parameter, so its rate follows host memory bandwidth and cores;
+pageable copies run at ~1/5 (H2D) and ~1/3 (D2H) of pinned. The 8-bit optimizer rate of every built-in
+but ``h200`` is assumed equal to the fp32 rate (the optimizer's target); a measured profile overrides it
+[ledger: h200-host-rates].
 """
 
 from __future__ import annotations
@@ -71,35 +58,22 @@ def _cpu_profile() -> HardwareProfile:
     )
 
 
-#: fitted to the eager Qwen2.5-3B layer of benchmarks/results/h200_reference.md (forward 2.77 ms, fwd+bwd
-#: 8.48 ms at micro-batch 8), its attention priced at the rates below (module docstring)
+#: an eager layer's matmul efficiency and per-launch seconds, fitted to a Qwen2.5-3B layer [ledger: h200-eager-fit]
 EAGER_LAYER_EFFICIENCY = 0.677
 EAGER_LAYER_OVERHEAD_S = 0.365e-3
-#: published cuDNN attention on the H100 SXM5 (module docstring): causal forward and backward TFLOP/s at
-#: long keys, head dim 128, and the key length at which they are halved -- modelled, not measured
+#: causal attention TFLOP/s at long keys (fwd, bwd), half-rate key length; modelled [ledger: hopper-attention]
 HOPPER_ATTENTION = {"attn_fwd_tflops": 552.0, "attn_bwd_tflops": 480.0, "attn_half_len": 385.0}
-#: LazyTrain's blocks are the torch.export'ed Hugging Face layers plus the chunked-loss head.  Measured on
-#: the H200 (qwen2.5-3b, seq 1024, 24 GiB, is_causal attention), GPU busy per step against the eager-layer
-#: fit: megatrain b32 1.992 s / 1.783, milp b32 1.789-1.871 / 1.665, megatrain b8 0.505-0.540 / 0.461,
-#: milp b8 0.471-0.524 / 0.413: 1.12x on average (the explicit-mask attention it replaced was 1.16x).  That fit
-#: counted attention as FlopCounterMode does (full square, backward 2x); with attention apart at its own rate
-#: the same plans predict 2.7% less GPU work (megatrain b32 1.736 s vs 1.785, b8 0.455 vs 0.467): 1.12 / 0.973
+#: how much slower LazyTrain's exported blocks run than the eager-layer fit: 1.15x [ledger: exported-block-slowdown]
 EXPORTED_BLOCK_SLOWDOWN = 1.15
 
-#: Dispatch floor, measured in LazyTrain's runtime on the H200 host (qwen2.5-0.5b, batch 32, seq 88, all
-#: blocks resident so no op waits for a transfer): a 54-op Qwen2 layer's forward took 1.644 ms and its
-#: backward 3.402 ms (medians of 24 layers) against 0.55 / 0.73 ms of kernels -- 30.4 and 63.0 us per
-#: forward op.  The other GPU profiles assume a host CPU as fast (it is Python and autograd, not the GPU).
+#: Python and autograd seconds per forward op, in the forward and in the backward [ledger: dispatch-floor]
 DISPATCH_FWD_S = 30e-6
 DISPATCH_BWD_S = 63e-6
 
-#: the lent H200 machine's host memory (``free``: 125 GiB total; a plan sized for 128 GiB was refused there)
+#: the h200 profile's host memory: what ``free`` shows of an H200 host's 128 GiB [ledger: h200-host-memory]
 H200_HOST_BYTES = 125 * GiB
 
-#: Collective figures of the NVLink machines, modelled from published figures, not measured (one GPU was
-#: lent): NVLink 4 moves 450 GB/s each way per H100/H200; NCCL's all-gather bus bandwidth on 8 of them is
-#: about 360 GB/s (nccl-tests), ~8 us per ring step at small sizes, taken as 20 us in the eager runtime.
-#: Between hosts, one 400 Gb/s NDR InfiniBand port per GPU: 50 GB/s, ~45 reached.
+#: NVLink 4 all-gather bus GB/s, seconds a ring step, inter-host GB/s a GPU; modelled [ledger: nvlink-collectives]
 NVLINK4_BUS_GBPS = 360.0
 NCCL_STEP_LATENCY_S = 20e-6
 NDR_GPU_GBPS = 45.0

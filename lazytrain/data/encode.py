@@ -8,8 +8,7 @@ the eos, or every assistant turn of a chat; ``loss_on="all"`` labels every token
 *Chats are rendered through the chat template, whole.*  A chat model ends an assistant turn with its
 template's own end-of-turn text (``<|im_end|>\\n``, ``<|eot_id|>``, ``<end_of_turn>\\n``), which need
 not be the tokenizer's eos.  A target made of the reply plus the eos teaches a model to write the
-reply and never the end-of-turn, so at inference it does not stop (measured on SmolLM2-135M-Instruct
-on the H200: correct worked answers running on into "...user\\n5+3=8user...", exact match 4% -> 2%).
+reply and never the end-of-turn, so at inference it does not stop [ledger: chat-template-targets].
 So the conversation is rendered as the template renders it, and for each assistant turn ``i`` the
 text between ``render(turns[:i], add_generation_prompt=True)`` and ``render(turns[:i + 1])`` (the
 reply and whatever the template closes it with) is the target.  The pieces are tokenized one by one,

@@ -3,7 +3,7 @@
 A compiled block (``compiled.py``) is AOTAutograd's joint forward + backward graph, partitioned.  The cut
 ``torch.compile`` trains with (min-cut, activation memory budget 1.0) saves every matmul and attention output
 and recomputes only pointwise and normalisation ops: fast, but for a decoder layer ~20x the bytes of its input
-boundary (qwen2.5-3b at 1024 tokens: 97 KB a token against 4.5).  Between that and recomputing the whole
+boundary.  Between that and recomputing the whole
 forward from the boundary lie cuts that save part of the internals and recompute the rest inside the backward
 (Checkmate's choice, per block).  The compiler is offered a few of them per block program and chooses one per
 block (``Decisions.cut``): the MILP weighs each cut's saved bytes (kept, offloaded or reloaded) against the
@@ -34,10 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .attention import AttentionCount, forward_flops
 
-#: activation memory budgets offered per compiled block, min-cut first: the MILP picks one per block.  On a
-#: qwen2.5-3b layer at 1024 tokens (KB saved per token / backward FLOPs beyond the min-cut's, as a share of the
-#: forward's): 1.0 97 / 0; 0.7 60 / 0 (pointwise ops only); 0.35 35 / 31%; 0.0 4.3 / 72% (the block's input).
-#: Its 24 GiB batch-32 plan on the h200 profile: 1.676 s with these, 1.662 with 0.2 added, 1.870 min-cut only
+#: activation memory budgets offered per compiled block, min-cut (1.0) first; the MILP picks one [ledger: cut-budgets]
 CUT_BUDGETS = (1.0, 0.7, 0.35, 0.0)
 
 

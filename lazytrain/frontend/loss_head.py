@@ -47,8 +47,8 @@ from .loss_kernels import LossKernels, usable
 #: data, the tasks and the runtime share
 IGNORE = -100
 
-#: logits a chunk when the compiler has not chosen (``compiler/loss_chunk.py`` does, from the GPU budget):
-#: one 1024-token sample of a 131k vocabulary, 0.75 GiB at the 6 bytes a bf16 logit takes
+#: logits a chunk when the compiler has not chosen (``compiler/loss_chunk.py`` does, from the GPU budget): one
+#: 1024-token sample of a 131k vocabulary, 0.75 GiB in bf16 [ledger: loss-head-share]
 DEFAULT_CHUNK_LOGITS = 1 << 27
 
 #: row statistics each fp32 a token: running maximum, running sum, target logit, then the log-sum-exp
@@ -98,8 +98,7 @@ def _aligned(rows: int, cols: int, like: torch.Tensor, dtype: torch.dtype | None
 def _vocab_parts(n: int, dtype: torch.dtype) -> list[tuple[int, int]]:
     """A GEMM over ``n`` vocabulary rows or columns as column ranges: in half precision the multiple of
     ``LOGIT_ROW_ALIGN`` first and the few left apart, since cuBLAS's fast kernels want that dimension aligned too,
-    not only the rows' stride (H200, 2,670 rows x 768 features: the product over 50,257 columns 2.19 ms against
-    0.29 over 50,304, padded rows or not; the feature gradient over them 1.53 against 0.27)."""
+    not only the rows' stride [ledger: logit-row-align]."""
     cut = n - n % LOGIT_ROW_ALIGN
     if not _tensor_cores(dtype) or cut in (0, n):
         return [(0, n)]

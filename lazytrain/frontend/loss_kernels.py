@@ -4,9 +4,8 @@ in the forward, one read and one write in the backward.
 ``FusedLinearCrossEntropy`` (``loss_head.py``) forms each vocabulary chunk's logits with a matmul and then, in
 eager mode, walks them with in-place kernels: the fp32 copy, the scale, the running maximum, the shift, the
 exponential, the sum; in the backward the softmax, the target's ``- 1``, the row weights, the cast.  Each is a
-pass over the chunk in device memory.  Measured on the H200 (qwen2.5-3b, 32 x 1024 tokens, 38 chunks of 4096
-columns): the head's forward took 77 ms and its backward 150 ms, where the matmuls at the rate the layers reach
-would take about 30 and 90 ms; the rest is those passes.  Here each direction's passes are one function of the
+pass over the chunk in device memory, and together they cost more than the chunk's matmuls
+[ledger: loss-kernels-fused].  Here each direction's passes are one function of the
 model-dtype product ``zb`` and the row figures, written without in-place updates or data-dependent indexing
 (the target's column is compared with an iota, not scattered), so ``torch.compile`` fuses each into a single
 kernel: the forward's row statistics from one read of ``zb``, the backward's ``d loss / d logits`` in the model

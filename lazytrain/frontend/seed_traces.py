@@ -1,11 +1,10 @@
 """Built-in traces of the presets: a preset's graph at any sequence length, predicted without torch.
 
-A preset's first compile used to wait ~3.5 s for its trace on 2 cores, nearly all of it importing torch,
-``torch.export`` and transformers, before the search could start.  Every number of a traced graph is a
-polynomial of degree two or less in the sequence length (shapes and bytes grow linearly, attention FLOPs
-quadratically): over all 2,572 numbers of llama3-8b's graph, three traces predicted two more lengths
-exactly.  So three traces of each preset, made once and shipped (``seeds/NAME.json.gz``), give its graph
-at any length by Lagrange interpolation over the integers.
+Without them a preset's first compile waits seconds for its trace, nearly all of it importing torch,
+``torch.export`` and transformers, before the search can start [ledger: seed-traces].  Every number of a
+traced graph is a polynomial of degree two or less in the sequence length (shapes and bytes grow linearly,
+attention FLOPs quadratically; ``CHECK_SEQS`` checks it), so three traces of each preset, made once and
+shipped (``seeds/NAME.json.gz``), give its graph at any length by Lagrange interpolation over the integers.
 
 The prediction is never trusted: the compile searches on it while the real trace runs in a child process
 on another core (``compiler/background_trace.py``), and returns its plan only if the two graphs are equal;

@@ -323,10 +323,8 @@ class _Liveness(fx.Interpreter):
 def _backward_footprint(forward: int, accumulator: int, wide: bool) -> int:
     """An op's footprint in backward, plus a kernel's own accumulator: for an op computing wider than the model
     (a norm's fp32 in a bf16 model) its inputs and outputs next to their gradients, twice the forward's; else the
-    forward's.  Measured on the H200: with the forward's alone, qwen2.5-3b at 299,008 tokens peaked 4.2 GiB (a
-    layer's backward) and 4.0 GiB (the head's) above the plan, the fp32 gradients of the norms' fp32
-    temporaries (twice: 4.3 and 4.6 above); with twice every op's, qwen2.5-3b at batch 32 x 1024 was predicted
-    to peak at 19.9 GiB and peaked at 16.0, and ran 3% slower for what the plan left unused."""
+    forward's.  The forward's alone underestimates a wide op's backward; twice every op's overestimates the
+    rest [ledger: backward-workspace]."""
     return (2 * forward if wide else forward) + accumulator
 
 

@@ -22,7 +22,7 @@ layer's code then serves every layer after the first (``program.expand``; three 
 last, where the two layers' programs differ); with a few layers of each kind where there are several kinds
 (``layer_kinds``, ``kinds_kept``).  The export records no stack trace per node
 (``torch.fx.config.do_not_emit_stack_traces``): nothing reads them, and collecting them was about a tenth
-of the export's CPU time (qwen2.5-7b's three layers: 0.55 -> 0.50 s).
+of the export's CPU time [ledger: export-stack-traces].
 """
 
 from __future__ import annotations
@@ -338,7 +338,7 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
 @contextlib.contextmanager
 def _no_stack_traces():
     """Export without a stack trace on every node: they serve only debugging, and the block programs are
-    built from the op graph alone.  A torch without the switch (the H200 machine's 2.11) exports with them."""
+    built from the op graph alone.  A torch without the switch (2.11) exports with them."""
     import torch.fx.config as fx_config
     if not hasattr(fx_config, "do_not_emit_stack_traces"):
         yield

@@ -20,26 +20,20 @@ if TYPE_CHECKING:       # networkx loads where a graph is built (``dataflow``, t
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "float64": 8,
                "int8": 1, "uint8": 1}
 
-#: fewest vocabulary columns a chunk of the fused loss head takes (``frontend/loss_head.py``): a chunk's
-#: matmul (rows x hidden x columns) stays a large GEMM (at 256 columns a 32k-row, 2k-hidden chunk is still
-#: 34 GFLOP), whatever the micro-batch
+#: fewest vocabulary columns a chunk of the fused loss head takes: 256 keeps its matmul a large GEMM at any
+#: micro-batch [ledger: loss-head-single-pass]
 LOSS_MIN_COLUMNS = 256
 
 
-#: a chunk's columns are a multiple of this where they are at least as many: the chunk's logits are a
-#: ``rows x columns`` matrix whose row stride is its column count, and a bf16 GEMM whose output stride is not a
-#: multiple of 8 elements leaves the tensor cores' fast kernels.  Measured on the H200 (32,768 rows, 2048-wide
-#: features, 152k vocabulary; ``benchmarks/loss_head_bench.py``): one sample's logits a chunk gave 4,748 columns
-#: and the head ran 83.7 / 241.0 ms (forward / backward) against 43.3 / 109.7 at 4,096 columns
+#: a chunk's columns are a multiple of this where they are at least as many (its logits' row stride, which a bf16
+#: GEMM needs a multiple of 8 for its fast kernels) [ledger: loss-column-align]
 LOSS_COLUMN_ALIGN = 128
 
 
 #: a row of a chunk's logits (and of their gradient) starts every this many elements: in a half-precision model the
 #: matrix is allocated ``rows x padded_row(columns)`` and used through its first ``columns``, so a vocabulary that
 #: is no multiple of 8 (gpt2's 50,257, a Llama with one added token) still gives the GEMMs 16-byte aligned rows (a
-#: single-pass chunk's rows are counted at the padded width whatever the dtype).  Measured on the H200
-#: (32,768 rows, ``benchmarks/loss_head_bench.py``, single pass with the fused kernels, rows packed at the vocabulary's
-#: own width): 73.1 ms at 768 x 50,257 against 20.5 at 50,304; 916.8 ms at 4096 x 128,257 against 216.7 at 128,256
+#: single-pass chunk's rows are counted at the padded width whatever the dtype) [ledger: logit-row-align]
 LOGIT_ROW_ALIGN = 8
 #: tokens a tiled tail's chunk (``frontend/tiling.py``; here for the compiler, which decides where to tile without
 #: importing torch): a 7B MLP chunk's intermediates (4096 x 18,944, four of them, bf16) are 0.6 GB, and each

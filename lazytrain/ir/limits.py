@@ -2,8 +2,8 @@
 
 A size past these is refused with a message that names it, instead of a loop that runs for hours or a
 figure that overflows: the compiler's work grows with the op list, and the op list with micro-batches
-x blocks; a plan's byte counts grow with batch x sequence.  Each bound is the invariant it keeps and
-the figure behind it.
+x blocks; a plan's byte counts grow with batch x sequence.  Each bound names the invariant it keeps; the
+figures behind them are in the tuning ledger (``benchmarks/results/tuning_ledger.md``).
 """
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ MAX_BATCH = 1 << 16
 #: the longest sequence: 16 x the longest context of the presets (131,072 positions, Qwen2.5-7B); a
 #: plan's activation bytes stay below 2**62 (the plan schema's bound) for any preset at MAX_TOKENS
 MAX_SEQ_LEN = 1 << 24
-#: tokens in one step (batch x sequence).  Saved activations are ~131 KB per token and layer for
-#: Qwen2.5-3B (measured on the H200); the largest preset (72B, 80 layers 4x as wide) stays under 100 MB
-#: per token, so a step's byte counts stay below 2**59 here, inside the 2**62 every plan size must fit
+#: tokens in one step (batch x sequence): a step's byte counts stay below 2**59 for any preset, inside the 2**62
+#: every plan size must fit [ledger: ir-size-limits]
 MAX_TOKENS = 1 << 32
 #: micro-batch sizes the compiler searches (divisors of the batch up to this one)
 SEARCH_MICRO_BATCH = 32
-#: micro-batches x blocks in one plan.  The op list holds ~5 ops per (micro-batch, block) and lowering,
-#: verifying and simulating cost ~0.6 ms per op with the MILP on the 2-core CI machine (tiny, 2,048
-#: micro-batches x 6 blocks: 61,474 ops, 46 s), so this bound keeps a compile under ~30 s of that work
+#: micro-batches x blocks in one plan: keeps the op list's lowering, verifying and simulating under ~30 s
+#: [ledger: ir-size-limits]
 MAX_MICRO_BATCH_BLOCKS = 8192

@@ -1,8 +1,7 @@
 """Calibration on the real blocks: time the model's own block programs in LazyTrain's runtime.
 
 The cost model prices a block from its FLOPs at rates fitted to one model's layer; a model with wider
-layers, another attention kernel or another sequence length runs at other rates (issue 20: 7B predicted
-16% slow at seq 1024, 35% at 32k before attention was modelled).  Measuring removes the guess:
+layers, another attention kernel or another sequence length runs at other rates.  Measuring removes the guess:
 
 1. a *timing model*: the model's structure with random weights, cut to its first, second and last
    layer when all layers are alike (``trace_export.reducible``; their programs are the same code, so
@@ -65,12 +64,8 @@ from .step_rates import StepRates
 
 #: micro-batches a step of the timing plan at least: each block's forward, recompute and backward run this often
 N_MICRO = 2
-#: on a GPU, modelled seconds of forwards a timing step runs at least (so up to ``MAX_MICRO`` micro-batches).  A GPU
-#: under a step's load runs below its boost clocks (the H200 at its 700 W limit: a 3B layer's forward 7.4 ms after
-#: an idle second, 8.4-8.9 ms after 0.3 s of matmuls), and a training step keeps it loaded for seconds, but a timing
-#: step of two micro-batches starts each from idle: it timed qwen2.5-3b's layer forward at 7.4-7.5 ms, which the
-#: plans' steps then ran at 1.11-1.19x (batch 32) and 1.28x (batch 8), while the recomputes and backwards, which
-#: follow the forwards, were within 1-5%.  Six micro-batches timed the same forward at 8.43 ms.
+#: on a GPU, modelled seconds of forwards a timing step runs at least (up to ``MAX_MICRO`` micro-batches): the
+#: blocks are timed at the power-limited clocks of a training step, not at boost [ledger: calibrate-sustain]
 SUSTAIN_S = 0.5
 MAX_MICRO = 32
 #: steps run before timing (allocator warm-up, cuDNN autotuning, lazy initialisation)
@@ -189,10 +184,9 @@ def measure(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch:
     block the compiler may choose is timed too (``cut_timings``).
 
     The steps run ``optimizer`` (at learning rate 0) on the host, so its updates are timed as a step runs them:
-    beside the PCIe copies and the GPU's work, which share the host's memory bandwidth with it.  Measured on the
-    H200 host: 8-bit AdamW at 4.1 G params/s in a qwen2.5-3b step against 5.0-6.0 alone.  The parameter loads and
-    gradient offloads are read from the same steps (``step_rates.measure``): beside the host's updates they ran at
-    43-47 and ~29 GB/s in the plans' steps, where the copy benchmark alone gives 55."""
+    beside the PCIe copies and the GPU's work, which share the host's memory bandwidth with it (alone, the update
+    and the copies run measurably faster: [ledger: step-rates]).  The parameter loads and gradient offloads are
+    read from the same steps (``step_rates.measure``)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, param_dtype)
     tm = timing_model(model, dtype)

@@ -3,10 +3,9 @@
 Calibration times the model's blocks in a small timing plan (``calibrate.py``), and the copy engines and the host
 optimizer alone (``lazytrain profile``).  A host-paced step runs three things at once that those measurements run
 apart: the host's optimizer updates, the parameter loads of the next forward and the gradient offloads of the
-backward, all reading and writing the host's memory.  Measured on the H200 host (qwen2.5-3b, 24 GiB, batch 32,
-the profiled step against the simulator by op kind): the 8-bit update ran 1.23x its calibrated time, parameter
-loads 1.25x and gradient offloads 1.63x, while activation offloads and reloads, which run beside the GPU's work
-rather than the host's, were within 1%.  The prediction fell 8-9% short of the step.
+backward, all reading and writing the host's memory, and each runs slower there than measured alone (the
+figures: [ledger: step-rates]); activation offloads and reloads, which run beside the GPU's work rather than the
+host's, do not.
 
 ``measure(plan, profile)`` reads those three rates from a profiled step of the plan (``Trainer(profile=True)``,
 ``StepProfile``): bytes or parameters moved over the seconds their ops took (each op timed from when its stream
@@ -15,8 +14,7 @@ or worker started it, so waiting is not counted), and ``StepRates.apply`` puts t
 every later compile's loads, offloads and host updates with them.  ``lazytrain profile --step`` and
 ``benchmarks/run_plan.py --refit`` do it from a saved profile; the first plan's step is the measurement, the
 compile after it is the prediction that uses it.  The calibration reads the same rates from its own timing steps
-(``calibrate.measure``): nearer a step than the copy benchmark (48-52 GB/s on the H200 against 55), not as near as
-the plan's own step (43-47 GB/s loads, ~29 gradient offloads).
+(``calibrate.measure``): nearer a step than the copy benchmark, not as near as the plan's own step.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from ..compiler.hardware import HardwareProfile
 from ..ir import OpKind, Plan, Resource
 from ..ir.summary import measured_blocks
 
-#: a rate is only read from at least this many timed ops of its kind (one op's span is too noisy a figure)
+#: fewest timed ops of a kind a rate is read from: 4 (one op's span is too noisy a figure) [ledger: step-rates]
 MIN_OPS = 4
 #: the GPU's work on measured blocks, by the in-step scale it is priced with (``BlockTiming.scaled``)
 _COMPUTE = {OpKind.COMPUTE: "forwards", OpKind.RECOMPUTE: "forwards", OpKind.BACKWARD: "backwards"}
@@ -102,11 +100,9 @@ class StepRates:
 def measure(plan: Plan, profile) -> StepRates:
     """The in-step rates of ``plan`` in ``profile``: a ``StepProfile`` measured on it (``profile.check(plan)``
     raises ``ValueError`` for another plan's), or several, whose rates are each the median over the steps that
-    timed it (one step is a noisy figure: on the H200 one profiled 3B step's host updates ran at 3.0 G params/s
-    where the call before measured 5.1, and the plan compiled on it gave up 14% of its speed).  Only host-side ops
+    timed it (one step is too noisy a figure to steer a compile: [ledger: step-rates]).  Only host-side ops
     count as updates: a resident or GPU-updated block's update runs on the GPU; its state loads and stores count
-    with the parameter loads and gradient offloads (the same pinned host memory, priced at the same rates: on
-    the H200 they ran at 34 GB/s beside loads at 40)."""
+    with the parameter loads and gradient offloads (the same pinned host memory, priced at the same rates)."""
     if isinstance(profile, (list, tuple)):
         if not profile:
             raise ValueError("no profiled step to measure")

@@ -26,9 +26,9 @@ def compute_device(device) -> torch.device:
 
 def _expandable_segments() -> None:
     """Ask the CUDA caching allocator for expandable segments unless the user configured it: blocks
-    of many sizes (parameters, activations, loss chunks) otherwise fragment it (up to 1.6 GiB reserved
-    but unusable at a 24 GiB budget on the H200).  Only effective before the process's first CUDA
-    allocation; harmless after."""
+    of many sizes (parameters, activations, loss chunks) otherwise fragment it (reserved but unusable
+    memory: [ledger: gpu-reserve]).  Only effective before the process's first CUDA allocation; harmless
+    after."""
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
         return
     # the device-generic setter where torch has it (the CUDA one now warns that it is deprecated)

@@ -29,9 +29,8 @@ import torch
 
 from ..frontend.loss_head import IGNORE
 
-#: how long a collective may wait for the other ranks before the step fails: long enough for the
-#: slowest legitimate wait (a rank's first step builds its program and pins its host store: ~60 s for a
-#: 7B model on the H200 host), short enough that a hung rank is reported within minutes
+#: seconds a collective waits for the other ranks before the step fails: past a rank's first step (it builds its
+#: program and pins its host store), short enough to report a hung rank within minutes [ledger: collective-timeout]
 COLLECTIVE_TIMEOUT_S = 600.0
 #: heartbeat period; a rank whose heartbeat is older than ``STALE_BEATS`` periods is reported as gone
 HEARTBEAT_S = 0.5

@@ -2,8 +2,8 @@
 
 PyTorch's caching host allocator (``torch.empty(..., pin_memory=True)``) rounds every request up to a
 power of two, so a 7B layer's 889 MiB fp32 gradient buffer takes 1 GiB and a 310 MB activation 512 MiB.
-The plan's host figures count the bytes the buffers hold; with the rounding, a 7B fine-tune whose store
-was estimated at 91.6 GiB with 109 GiB available was killed by the kernel's OOM killer on the H200 host.
+The plan's host figures count the bytes the buffers hold, so with the rounding a store that the plan
+fits can exceed the host's memory [ledger: pinned-exact].
 
 Large buffers (``EXACT_MIN_BYTES`` and up) are therefore allocated pageable at their exact size, then
 page-locked in place with ``cudaHostRegister``; the registration ends (``cudaHostUnregister``) when the
@@ -21,8 +21,8 @@ import torch
 
 log = logging.getLogger("lazytrain")
 
-#: buffers from this size up are registered at their exact size: large enough that the allocation is an
-#: ``mmap`` of its own (glibc's threshold is at most 32 MiB), so no page is shared with another buffer
+#: buffers from this size up are registered at their exact size: past glibc's ``mmap`` threshold (at most 32 MiB),
+#: so no page is shared with another buffer [ledger: pinned-exact]
 EXACT_MIN_BYTES = 64 << 20
 #: the address of a registered buffer is aligned to this (the host page size CUDA pins)
 PAGE = 4096

@@ -141,8 +141,8 @@ class Updates:
         # resident accumulators hold whole gradients, tied shares included (with several ranks, this rank's
         # shard of them, which the reduce-scatters on the collective stream added)
         # the reductions and their one read on the same stream: read from another (the caller's), the norms
-        # of the accumulators just enqueued would race their kernels (a qwen2.5-7b step reported 4.19 for a
-        # norm of 6.68); the gradient offloads' norms, on the D2H stream, are complete (waited above)
+        # of the accumulators just enqueued would race their kernels [ledger: norm-read-stream]; the gradient
+        # offloads' norms, on the D2H stream, are complete (waited above)
         with self.streams.on(Resource.GPU if self.world is None else Resource.NET):
             for o, acc in self.resident_grad.items():
                 step.grad_sq[o] = squared_norm(acc)

@@ -23,8 +23,7 @@ from .arith import (
     get_difficulty,
 )
 
-#: the largest eval set: exact match's standard error is at most 0.5 / sqrt(n), 0.5% at 10,000 problems,
-#: and the task GPT evaluated 500 problems in 12-24 s on the 2-core machine, so 10,000 take 4-8 minutes
+#: the largest eval set: exact match's standard error at most 0.5%, in minutes on 2 cores [ledger: eval-size]
 MAX_EVAL_SIZE = 10_000
 
 

@@ -40,11 +40,11 @@ from .lp import LinearModel
 #: ``benchmarks/solver_grid.py``, where CBC crashed or was slower; see its results table)
 DEFAULT_ORDER = ("highs", "cbc")
 SOLVERS = ("highs", "cbc")
-#: seconds past a solve's wall backstop (``WALL_FACTOR`` times its limit) before the worker counts as hung:
-#: solvers overrun their limit by their last node and the model's build (~0.1 s for 80 layers on 2 cores)
+#: seconds past a solve's wall backstop (``WALL_FACTOR`` times its limit) before the worker counts as hung: 5
+#: [ledger: solver-wall-factor]
 GRACE_S = 5.0
-#: wall seconds a solve may take per CPU second of its limit before its solver stops it anyway: a machine four
-#: times oversubscribed still answers (the slowest compile grid rows ran under a load of 8 on 2 cores)
+#: wall seconds a solve may take per CPU second of its limit: 4, a machine four times oversubscribed still
+#: answers [ledger: solver-wall-factor]
 WALL_FACTOR = 4.0
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "solver_worker.py")
 

@@ -89,12 +89,10 @@ from .lp import LinearModel, Var, xsum
 
 __all__ = ["Coefficients", "MilpOptions", "build_model", "coefficients", "decode", "solve"]
 
-#: relative gap at which a long chain's solve stops: identical layers make the last fraction of a
-#: percent slow to prove (qwen2.5-32b: 0.5% in 2 s, 0.1% not in 10 s); short chains solve to optimality
+#: relative gap at which a chain longer than ``SHORT_CHAIN`` blocks stops: 0.5% [ledger: milp-gap-target]
 GAP_TARGET = 0.005
 SHORT_CHAIN = 12
-#: CBC's cut generation: moderate (2) closed qwen2.5-32b's 80 GiB gaps to 0.31% / 0.58% where
-#: aggressive (3) left 0.67% / 1.04% in the same 10 s
+#: CBC's cut generation level: 2, moderate [ledger: milp-cbc-cuts]
 CBC_CUTS = 2
 
 
@@ -359,8 +357,7 @@ def memory_rows(m: LinearModel, c: Coefficients, v: Variables, drain_under_reloa
         # backward: the allocator holds them all
         reloaded = M * off[prev] + c.A[prev] * M * boff[prev] if prev >= 0 else 0.0
         # a resident block j frees no parameter slot, so the load of block j-2 (which waits for the last
-        # free, ``lower.load``) is in flight under B_j too, beside j-1's: a resident head over streamed layers
-        # (qwen2.5-1.5b, 24 GiB, batch 8: 89 MB the rows missed, the solution 18 MB over in time order)
+        # free, ``lower.load``) is in flight under B_j too, beside j-1's [ledger: milp-memory-rows]
         if j >= 2 and not sharded and v.fixed_res[j] != 0.0:
             res_j = v.res[j] if v.fixed_res[j] is None else v.fixed_res[j]
             reloaded = reloaded + c.P[j - 2] * v.unless_resident(m, res_j, j - 2, f"second_prefetch[{j}]")
@@ -375,9 +372,9 @@ def memory_rows(m: LinearModel, c: Coefficients, v: Variables, drain_under_reloa
             # kept block's first backward; a recompute from a GPU boundary (and its backward when
             # the drain outlasts that recompute).  A reload may hold B_j back past the drain; where the
             # reloads ran during B_{j+1} it does not (``drain_under_reloads``: the time-ordered check of a
-            # solution found its peak under a drain, as qwen2.5-72b's at 48 GiB, batch 72 did, 2.4 GiB over
-            # at an offloaded block's first backward: then a block whose saved activations or boundary are
-            # reloaded is taken to start at once too).  A resident block j+1 drains nothing in a world of one.
+            # solution found its peak under a drain; then a block whose saved activations or boundary are
+            # reloaded is taken to start at once too [ledger: milp-memory-rows]).  A resident block j+1 drains
+            # nothing in a world of one.
             at_once = v.bg[j] + (boff[j] if drain_under_reloads else 0.0)
             overlap = v.keep[j] + (at_once if c.gout[j + 1] > c.fwd[j] else 0.0) + \
                 (off[j] if drain_under_reloads else 0.0)

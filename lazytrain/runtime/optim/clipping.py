@@ -38,7 +38,7 @@ def clip_coefficient(total_sq_norm: float, max_grad_norm: float | None) -> float
     return min(1.0, max_grad_norm / (math.sqrt(total_sq_norm) + 1e-6))
 
 
-#: elements per partial sum of a host tensor's squared norm (``squared_norm``): 25M fp32 elements in ~5 ms
+#: elements per partial sum (summed in double) of a host tensor's squared norm [ledger: host-norm-chunk]
 HOST_NORM_CHUNK = 1 << 16
 
 
