@@ -10,7 +10,7 @@ may have found different plans).  No GPU is needed.
 most common signature (its decoder layers) is timed at FWD ms forward (recompute the same) and BWD ms backward
 at micro-batch MB, scaled linearly to the other micro-batches.  The built-in profiles model a block from its
 FLOPs, which on the H200 with compiled blocks comes out slower than measured: the modelled plan is then paced by
-the GPU, where the measured one is paced by the host update (``docs/architecture.md`` §6).
+the GPU, where the measured one is paced by the host update (``benchmarks/results/design_measurements.md``).
 
     python benchmarks/gpu_update_predicted.py --model qwen2.5-3b --gpu-memory 24GiB --batch 32,8 --compile-blocks
     python benchmarks/gpu_update_predicted.py --model qwen2.5-3b --gpu-memory 24GiB --batch 32,8 --compile-blocks \\
