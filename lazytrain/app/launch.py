@@ -34,8 +34,7 @@ import time
 
 from ..runtime.distributed import env_world_size
 
-#: seconds torchrun waits after its SIGTERM before it kills a rank (a rank ends at once on SIGTERM, so one still
-#: there is stopped or stuck) [ledger: launch-shutdown]
+#: seconds torchrun waits after its SIGTERM before it kills a rank (a live one ends at once) [ledger: launch-shutdown]
 SHUTDOWN_S = 5
 
 

@@ -47,8 +47,7 @@ from .loss_kernels import LossKernels, usable
 #: data, the tasks and the runtime share
 IGNORE = -100
 
-#: logits a chunk when the compiler has not chosen (``compiler/loss_chunk.py`` does, from the GPU budget): one
-#: 1024-token sample of a 131k vocabulary, 0.75 GiB in bf16 [ledger: loss-head-share]
+#: logits a chunk where the compiler chose none: one 1024-token sample of a 131k vocabulary [ledger: loss-head-share]
 DEFAULT_CHUNK_LOGITS = 1 << 27
 
 #: row statistics each fp32 a token: running maximum, running sum, target logit, then the log-sum-exp

@@ -20,13 +20,11 @@ if TYPE_CHECKING:       # networkx loads where a graph is built (``dataflow``, t
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "float64": 8,
                "int8": 1, "uint8": 1}
 
-#: fewest vocabulary columns a chunk of the fused loss head takes: 256 keeps its matmul a large GEMM at any
-#: micro-batch [ledger: loss-head-single-pass]
+#: fewest vocabulary columns a loss-head chunk takes, so its matmul stays a large GEMM [ledger: loss-head-single-pass]
 LOSS_MIN_COLUMNS = 256
 
 
-#: a chunk's columns are a multiple of this where they are at least as many (its logits' row stride, which a bf16
-#: GEMM needs a multiple of 8 for its fast kernels) [ledger: loss-column-align]
+#: a chunk's columns (its logits' row stride) are a multiple of this where at least as many [ledger: loss-column-align]
 LOSS_COLUMN_ALIGN = 128
 
 

@@ -13,11 +13,9 @@ MAX_BATCH = 1 << 16
 #: the longest sequence: 16 x the longest context of the presets (131,072 positions, Qwen2.5-7B); a
 #: plan's activation bytes stay below 2**62 (the plan schema's bound) for any preset at MAX_TOKENS
 MAX_SEQ_LEN = 1 << 24
-#: tokens in one step (batch x sequence): a step's byte counts stay below 2**59 for any preset, inside the 2**62
-#: every plan size must fit [ledger: ir-size-limits]
+#: tokens in one step (batch x sequence): its bytes stay below 2**59, inside the plan's 2**62 [ledger: ir-size-limits]
 MAX_TOKENS = 1 << 32
 #: micro-batch sizes the compiler searches (divisors of the batch up to this one)
 SEARCH_MICRO_BATCH = 32
-#: micro-batches x blocks in one plan: keeps the op list's lowering, verifying and simulating under ~30 s
-#: [ledger: ir-size-limits]
+#: micro-batches x blocks in one plan: its op list builds, verifies and simulates in ~30 s [ledger: ir-size-limits]
 MAX_MICRO_BATCH_BLOCKS = 8192

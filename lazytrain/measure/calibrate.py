@@ -64,8 +64,7 @@ from .step_rates import StepRates
 
 #: micro-batches a step of the timing plan at least: each block's forward, recompute and backward run this often
 N_MICRO = 2
-#: on a GPU, modelled seconds of forwards a timing step runs at least (up to ``MAX_MICRO`` micro-batches): the
-#: blocks are timed at the power-limited clocks of a training step, not at boost [ledger: calibrate-sustain]
+#: on a GPU, seconds of forwards a timing step runs at least (a step's clocks) [ledger: calibrate-sustain]
 SUSTAIN_S = 0.5
 MAX_MICRO = 32
 #: steps run before timing (allocator warm-up, cuDNN autotuning, lazy initialisation)

@@ -29,8 +29,7 @@ import torch
 
 from ..frontend.loss_head import IGNORE
 
-#: seconds a collective waits for the other ranks before the step fails: past a rank's first step (it builds its
-#: program and pins its host store), short enough to report a hung rank within minutes [ledger: collective-timeout]
+#: seconds a collective waits for the other ranks before the step fails [ledger: collective-timeout]
 COLLECTIVE_TIMEOUT_S = 600.0
 #: heartbeat period; a rank whose heartbeat is older than ``STALE_BEATS`` periods is reported as gone
 HEARTBEAT_S = 0.5

@@ -21,8 +21,7 @@ import torch
 
 log = logging.getLogger("lazytrain")
 
-#: buffers from this size up are registered at their exact size: past glibc's ``mmap`` threshold (at most 32 MiB),
-#: so no page is shared with another buffer [ledger: pinned-exact]
+#: buffers from this size up are page-locked at their exact size, each in an ``mmap`` of its own [ledger: pinned-exact]
 EXACT_MIN_BYTES = 64 << 20
 #: the address of a registered buffer is aligned to this (the host page size CUDA pins)
 PAGE = 4096

@@ -40,11 +40,9 @@ from .lp import LinearModel
 #: ``benchmarks/solver_grid.py``, where CBC crashed or was slower; see its results table)
 DEFAULT_ORDER = ("highs", "cbc")
 SOLVERS = ("highs", "cbc")
-#: seconds past a solve's wall backstop (``WALL_FACTOR`` times its limit) before the worker counts as hung: 5
-#: [ledger: solver-wall-factor]
+#: seconds past a solve's wall backstop before its worker counts as hung [ledger: solver-wall-factor]
 GRACE_S = 5.0
-#: wall seconds a solve may take per CPU second of its limit: 4, a machine four times oversubscribed still
-#: answers [ledger: solver-wall-factor]
+#: wall seconds a solve may take per CPU second of its limit (4x oversubscribed) [ledger: solver-wall-factor]
 WALL_FACTOR = 4.0
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "solver_worker.py")
 
