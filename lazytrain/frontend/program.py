@@ -2,8 +2,8 @@
 
 ``build_split(model, ...)`` exports a meta clone of the model (``trace_export``) and keeps one fx
 ``GraphModule`` per block, parameters lifted to inputs, so the runtime passes each block the buffers
-it streamed in and never mutates the model; ``trace.build_program`` adds the model's graph to them (a
-``BlockProgram``), the one thing the program needs of the trace.  The program is specialised to (micro_batch, seq_len)
+it streamed in and never mutates the model; ``trace.build_program`` adds the model's graph (unmeasured)
+and makes them a ``BlockProgram``.  The program is specialised to (micro_batch, seq_len)
 and to ``dtype`` (casts inside the model, e.g. RMSNorm's, are recorded in that dtype).
 
 The last block of a causal LM returns ``{"loss_sum", "n_tokens"}``: the summed next-token

@@ -18,6 +18,9 @@ are amortised rather than counted once per sample:
   2.5x forward (the kernel recomputes the scores); they are part of the block's FLOPs, and the block
   records them with the head dimension and key length the cost model prices them by.
 Structurally identical layers are measured once (``Split.meta["replicated_from"]``).
+
+``build_program`` is the runtime's side: the same split at the plan's micro-batch, on the device, with the
+graph's structure but no measurement (a ``program.BlockProgram``).
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ loaded from it and stepped on equals the one that saved it, step for step, bit f
 
 Atomic replacement: everything (tensors, extras, manifest) is written into ``<dir>.tmp-XXXX`` next to
 the target, every file and the folder are fsynced, then ``<dir>`` (if any) is renamed to ``<dir>.old``,
-the new folder to ``<dir>``, and ``<dir>.old`` is removed.  A crash at any point leaves a complete
-checkpoint at ``<dir>`` or, between the two renames, at ``<dir>.old``, which ``load`` then uses.  An
-extra file may be replaced later by ``write_extra`` (temporary file, fsync, rename): one atomic step.
+the new folder to ``<dir>``, and ``<dir>.old`` is removed (``util.atomic.commit_folder``).  A crash at any
+point leaves a complete checkpoint at ``<dir>`` or, between the two renames, at ``<dir>.old``, which ``load``
+then uses.  An extra file may be replaced later by ``write_extra`` (temporary file, fsync, rename): one atomic
+step.
 One writer per target at a time.
 
 Loading reads JSON and safetensors only (no code runs), checks the manifest's shape, the format
