@@ -32,7 +32,7 @@ import milp_table  # noqa: E402
 import policy_table  # noqa: E402
 
 from lazytrain.compiler.api import Compiler, compile_model  # noqa: E402
-from lazytrain.compiler.hardware import get_profile  # noqa: E402
+from lazytrain.compiler.profiles import get_profile  # noqa: E402
 from lazytrain.frontend.presets import build_model  # noqa: E402
 from lazytrain.frontend.trace import trace  # noqa: E402
 from lazytrain.ir import Decisions, PlanError  # noqa: E402

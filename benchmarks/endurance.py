@@ -36,7 +36,7 @@ def _plan(model, args, nvme_dir: str) -> lazytrain.Plan:
                                  gpu_memory="4GiB", host_memory="16GiB", param_dtype="float32", optimizer="adamw",
                                  policy=args.policy)
     from lazytrain.compiler.api import Compiler
-    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.profiles import get_profile
     from lazytrain.frontend.trace import trace
     from lazytrain.ir import Decisions, GiB, Place, Saved
     graph = trace(model, seq_len=args.seq, dtype="float32")

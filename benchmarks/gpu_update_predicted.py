@@ -26,7 +26,7 @@ from collections import Counter
 
 import lazytrain
 from lazytrain.compiler.block_timing import BlockTiming
-from lazytrain.compiler.hardware import get_profile
+from lazytrain.compiler.profiles import get_profile
 from lazytrain.compiler.simulate import simulate
 from lazytrain.ir import GiB
 

@@ -105,7 +105,7 @@ def parser() -> argparse.ArgumentParser:
 def save_profile(a) -> None:
     """The profile the runs priced with, written to ``--save-profile``."""
     if a.save_profile:
-        from lazytrain.compiler.hardware import get_profile
+        from lazytrain.compiler.profiles import get_profile
         get_profile(a.hardware).save(a.save_profile)
 
 
@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
     if a.calibrate or a.refit:      # measurements go into a copy of the profile
         import tempfile
 
-        from lazytrain.compiler.hardware import get_profile
+        from lazytrain.compiler.profiles import get_profile
         copy = Path(tempfile.mkdtemp(prefix="lazytrain-calibration-")) / "hardware.json"
         get_profile(a.hardware).save(copy)
         a.hardware = str(copy)

@@ -20,7 +20,7 @@ import platform
 import time
 
 from lazytrain.compiler.api import Compiler, make_budgets
-from lazytrain.compiler.hardware import get_profile
+from lazytrain.compiler.profiles import get_profile
 from lazytrain.compiler.solvers import isolated
 from lazytrain.compiler.solvers.milp import CBC_CUTS, GAP_TARGET, SHORT_CHAIN, MilpOptions, coefficients, decode
 from lazytrain.compiler.solvers.milp import build_model as milp_model

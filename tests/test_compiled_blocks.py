@@ -22,7 +22,7 @@ from test_runtime import EPS, LR, SEQ, B, _batches, _eager_loss, _mixed, _model
 import lazytrain
 import lazytrain.frontend.compiled as compiled
 from lazytrain.compiler.api import Compiler
-from lazytrain.compiler.hardware import get_profile
+from lazytrain.compiler.profiles import get_profile
 from lazytrain.frontend.trace import trace
 from lazytrain.ir import Decisions, GiB, Place, PlanError, Saved, TensorId, TensorKind
 from lazytrain.ir.semantics import Sizes

@@ -22,8 +22,8 @@ import lazytrain.frontend.compiled as compiled
 from lazytrain.compiler.api import Compiler
 from lazytrain.compiler.block_timing import BlockTiming, CutTiming
 from lazytrain.compiler.cost import CostModel
-from lazytrain.compiler.hardware import HardwareProfile, get_profile
-from lazytrain.compiler.profiles import PROFILES
+from lazytrain.compiler.hardware import HardwareProfile
+from lazytrain.compiler.profiles import PROFILES, get_profile
 from lazytrain.compiler.solvers.coefficients import coefficients
 from lazytrain.compiler.synthetic import chain
 from lazytrain.ir import OpKind, Saved

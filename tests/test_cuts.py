@@ -20,8 +20,8 @@ from test_runtime import SEQ, _model
 
 import lazytrain
 from lazytrain.compiler.synthetic import chain
-from lazytrain.frontend.compiled import contiguous_spec, cut, joint, saved_bytes
-from lazytrain.frontend.cuts import flop_estimate, propose
+from lazytrain.frontend.compiled import contiguous_spec, cut, joint, propose, saved_bytes
+from lazytrain.frontend.cuts import flop_estimate
 from lazytrain.frontend.program import build_split
 from lazytrain.ir import Cut, Place, Plan, PlanError, Saved
 

@@ -99,7 +99,7 @@ def test_a_compiled_block_counts_once_per_cut_in_the_search_budget():
 
     from lazytrain.compiler import search
     from lazytrain.compiler.api import Compiler, make_budgets
-    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.profiles import get_profile
     from lazytrain.compiler.synthetic import chain
     from lazytrain.ir import Cut
 
@@ -125,7 +125,7 @@ def test_the_deadline_counts_the_gpu_update_rule_after_the_search():
     a caller's deadline leaves the rule at most half; without the rule the search has the whole deadline."""
     from lazytrain.compiler import search
     from lazytrain.compiler.api import Compiler, make_budgets
-    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.profiles import get_profile
     from lazytrain.compiler.synthetic import chain
 
     hw = get_profile("h200")

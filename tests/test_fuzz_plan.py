@@ -29,7 +29,7 @@ def _seed_text() -> str:
     import torch
 
     from lazytrain.compiler.api import Compiler
-    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.profiles import get_profile
     from lazytrain.frontend.presets import build_from_config
     from lazytrain.frontend.trace import trace
     from lazytrain.ir import Decisions, GiB, Place, Saved

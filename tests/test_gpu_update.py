@@ -21,7 +21,7 @@ from eager_ref import assert_same_parameters, step_beside_eager
 
 from lazytrain.compiler.api import Compiler
 from lazytrain.compiler.gpu_update import candidates
-from lazytrain.compiler.hardware import get_profile
+from lazytrain.compiler.profiles import get_profile
 from lazytrain.compiler.solvers.heuristics import HEURISTICS
 from lazytrain.frontend.presets import build_from_config
 from lazytrain.frontend.trace import trace

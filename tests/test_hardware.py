@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from lazytrain.compiler.hardware import HardwareProfile, attention_flops, get_profile, layer_flops
-from lazytrain.compiler.profiles import EAGER_LAYER_EFFICIENCY, EXPORTED_BLOCK_SLOWDOWN, PROFILES
+from lazytrain.compiler.hardware import HardwareProfile, attention_flops, layer_flops
+from lazytrain.compiler.profiles import EAGER_LAYER_EFFICIENCY, EXPORTED_BLOCK_SLOWDOWN, PROFILES, get_profile
 
 GiB = 2**30
 QWEN3B_LAYER_PARAMS = 77_076_992  # Qwen2.5-3B decoder layer: hidden 2048, 16 q heads, 2 kv heads, MLP 11008

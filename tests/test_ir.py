@@ -6,7 +6,7 @@ import json
 import pytest
 
 from lazytrain.compiler.api import Compiler
-from lazytrain.compiler.hardware import get_profile
+from lazytrain.compiler.profiles import get_profile
 from lazytrain.compiler.solvers.heuristics import HEURISTICS, recompute_all
 from lazytrain.compiler.synthetic import chain
 from lazytrain.ir import GiB, Op, OpKind, Plan, PlanError, TensorId, TensorKind, Tier, verify

@@ -59,7 +59,7 @@ def test_offloaded_saved_activations_leave_the_device():
     backward drops the autograd graph (it holds the saved-tensor hooks and whatever they captured):
     with every block's saved on the host the measured peak is the plan's, far below keep-all's."""
     from lazytrain.compiler.api import Compiler
-    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.profiles import get_profile
     from lazytrain.frontend.trace import trace
     from lazytrain.ir import Decisions, GiB, Place, Saved
 

@@ -7,7 +7,7 @@ from functools import cache
 import pytest
 
 from lazytrain.compiler.api import Compiler, compile_model, make_budgets
-from lazytrain.compiler.hardware import get_profile
+from lazytrain.compiler.profiles import get_profile
 from lazytrain.compiler.synthetic import chain
 from lazytrain.frontend.presets import build_model
 from lazytrain.frontend.trace import trace

@@ -14,7 +14,7 @@ import torch
 from eager_ref import assert_same_parameters, random_batches, step_beside_eager
 
 from lazytrain.compiler.api import Compiler
-from lazytrain.compiler.hardware import get_profile
+from lazytrain.compiler.profiles import get_profile
 from lazytrain.compiler.synthetic import chain
 from lazytrain.frontend.presets import build_from_config
 from lazytrain.frontend.trace import trace

@@ -10,7 +10,7 @@ import torch
 import lazytrain
 from lazytrain.data import collate, pack_rows
 from lazytrain.data.encode import Example
-from lazytrain.frontend.program import build_program
+from lazytrain.frontend.trace import build_program
 from lazytrain.frontend.trace_export import TraceError
 
 pytest.importorskip("transformers")

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from lazytrain.compiler.hardware import get_profile
 from lazytrain.compiler.plausible import problems
+from lazytrain.compiler.profiles import get_profile
 from lazytrain.measure.profile_collectives import fit, measure_collectives
 
 

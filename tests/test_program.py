@@ -8,8 +8,7 @@ from torch import nn
 
 from lazytrain.frontend.loss_head import fused_next_token_loss
 from lazytrain.frontend.presets import build_from_config
-from lazytrain.frontend.program import build_program
-from lazytrain.frontend.trace import TraceError, trace
+from lazytrain.frontend.trace import TraceError, build_program, trace
 
 SEQ, MB = 24, 2
 

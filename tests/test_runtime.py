@@ -23,7 +23,7 @@ from eager_ref import assert_same_parameters, step_beside_eager
 
 import lazytrain
 from lazytrain.compiler.api import Compiler
-from lazytrain.compiler.hardware import get_profile
+from lazytrain.compiler.profiles import get_profile
 from lazytrain.frontend.presets import build_from_config
 from lazytrain.ir import Decisions, GiB, Place, PlanError, Saved
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW

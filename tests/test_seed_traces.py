@@ -77,7 +77,7 @@ def seeded(monkeypatch, tmp_path):
     empty trace cache."""
     monkeypatch.setenv("LAZYTRAIN_TRACE_CACHE", str(tmp_path / "traces"))
     monkeypatch.setattr(background_trace, "imports_pending", lambda: True)
-    monkeypatch.setattr(background_trace, "_cpu_cores", lambda: 2)
+    monkeypatch.setattr(background_trace, "cpu_cores", lambda: 2)
 
 
 def _traced_plan(name: str, seq: int, **kw) -> Plan:
@@ -183,9 +183,9 @@ def test_a_process_with_torch_or_one_cpu_or_no_child_traces_itself(monkeypatch, 
     args = dict(seq_len=384, dtype="bfloat16", packed=False, seq_tile=None, compile_blocks=False)
     assert background_trace.start("tiny", **args) is None                     # this process has torch
     monkeypatch.setattr(background_trace, "imports_pending", lambda: True)
-    monkeypatch.setattr(background_trace, "_cpu_cores", lambda: 1)
+    monkeypatch.setattr(background_trace, "cpu_cores", lambda: 1)
     assert background_trace.start("tiny", **args) is None
-    monkeypatch.setattr(background_trace, "_cpu_cores", lambda: 2)
+    monkeypatch.setattr(background_trace, "cpu_cores", lambda: 2)
     assert background_trace.start("tiny", **{**args, "seq_tile": 128}) is None
     bg = background_trace.start("tiny", **args)
     assert bg is not None
@@ -194,7 +194,7 @@ def test_a_process_with_torch_or_one_cpu_or_no_child_traces_itself(monkeypatch, 
     assert background_trace.start("tiny", **args) is None                     # no child to be had
 
 
-@pytest.mark.skipif(background_trace._cpu_cores() < 2, reason="the seed's path needs two CPUs")
+@pytest.mark.skipif(background_trace.cpu_cores() < 2, reason="the seed's path needs two CPUs")
 def test_the_command_line_compiles_a_preset_first_on_its_seed(tmp_path):
     out = tmp_path / "plan.json"
     env = {**os.environ, "LAZYTRAIN_TRACE_CACHE": str(tmp_path / "traces")}

@@ -44,7 +44,7 @@ def traced(monkeypatch):
 
 def _fits(seq: int, **budget) -> bool:
     from lazytrain.compiler.api import Compiler, make_budgets
-    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.profiles import get_profile
     budgets = make_budgets(get_profile("h200"), budget.get("gpu_memory"), budget.get("host_memory"))
     g = chain(4, seq_len=seq, hidden=1024, layer_params=20_000_000, saved_per_token=200_000)
     comp = Compiler(g, get_profile("h200"), budgets, param_dtype="bfloat16", optimizer="adamw", clip=True)
@@ -106,7 +106,7 @@ def test_a_host_budget_that_binds_is_named_not_the_gpu():
 
 def test_the_default_host_budget_leaves_a_reserve_and_the_model_the_caller_holds():
     from lazytrain.compiler.budgets import host_reserve
-    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.profiles import get_profile
     from lazytrain.frontend.presets import build_model
     model = build_model("tiny", device="cpu")
     held = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(

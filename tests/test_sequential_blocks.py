@@ -19,8 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lazytrain
-from lazytrain.frontend.program import build_program
-from lazytrain.frontend.trace import trace
+from lazytrain.frontend.trace import build_program, trace
 from lazytrain.ir import Decisions, GiB, OpKind, Place, PlanError, Saved, TensorKind, Tier, verify
 
 B, STEPS, LR, EPS, CLIP = 4, 3, 1e-2, 1e-8, 1.0
@@ -192,7 +191,7 @@ def test_gpu_updated_blocks_beside_blocks_without_parameters(sequential_trainer)
 
 def _build(name: str, dec: Decisions, nvme_dir=None):
     from lazytrain.compiler.api import Compiler
-    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.profiles import get_profile
     budgets = {"gpu_bytes": 8 * GiB, "host_bytes": 16 * GiB}
     if nvme_dir is not None:
         budgets.update(nvme_bytes=GiB, nvme_dir=str(nvme_dir))

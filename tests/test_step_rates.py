@@ -12,7 +12,8 @@ import pytest
 
 from lazytrain.app.cli import main
 from lazytrain.compiler.api import compile_model
-from lazytrain.compiler.hardware import HardwareProfile, get_profile
+from lazytrain.compiler.hardware import HardwareProfile
+from lazytrain.compiler.profiles import get_profile
 from lazytrain.ir import OpKind, Plan, Resource
 from lazytrain.ir.summary import measured_blocks
 from lazytrain.measure.step_rates import MIN_OPS, measure

@@ -12,8 +12,8 @@ import torch
 
 from lazytrain.frontend import program
 from lazytrain.frontend.presets import PRESETS, build_from_config, build_model
-from lazytrain.frontend.program import build_program, build_split
-from lazytrain.frontend.trace import _measure, trace
+from lazytrain.frontend.program import build_split
+from lazytrain.frontend.trace import _measure, build_program, trace
 from lazytrain.models.gpt import GPT, Block, GPTConfig
 
 TINY_QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 6,

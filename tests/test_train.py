@@ -54,7 +54,8 @@ def test_profile_prints_overlap_and_writes_the_measured_step(tmp_path, capsys):
     assert prof.trace and json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert (tmp_path / "memory.png").stat().st_size > 0 and (tmp_path / "loss.png").stat().st_size > 0
     # the pair the run wrote is what `lazytrain profile --step` reads into a hardware profile
-    from lazytrain.compiler.hardware import HardwareProfile, get_profile
+    from lazytrain.compiler.hardware import HardwareProfile
+    from lazytrain.compiler.profiles import get_profile
     get_profile("cpu").save(tmp_path / "hw.json")
     assert main(["profile", "-o", str(tmp_path / "hw.json"), "--step", str(tmp_path / "plan.json"),
                  str(tmp_path / "profile.json")]) == 0

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from lazytrain.compiler.api import Compiler, compile_model
-from lazytrain.compiler.hardware import get_profile
+from lazytrain.compiler.profiles import get_profile
 from lazytrain.compiler.solvers.heuristics import HEURISTICS
 from lazytrain.compiler.synthetic import chain
 from lazytrain.ir import GiB, Op, OpKind, Plan, PlanError, Resource, TensorId, TensorKind, verify

@@ -88,7 +88,7 @@ def compile_plans(folder: Path, worlds=(1, 2), cases=CASES) -> None:
 def _host_nvme(m: torch.nn.Module, world: int, nvme: Path):
     """Boundaries and saved activations on the host and on NVMe (the 4 blocks: embedding, 2 layers, head)."""
     from lazytrain.compiler.api import Compiler
-    from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.profiles import get_profile
     from lazytrain.frontend.trace import trace
     from lazytrain.ir import Decisions, GiB, Place, Saved
     dec = Decisions(policy="host-nvme", micro_batch=1, n_micro=B // world,

@@ -53,8 +53,8 @@ def launch(argv: list[str], n: int, *, gpus: bool) -> int:
         if have < n:
             raise ValueError(f"--gpus {n}: {have} CUDA GPU(s) are visible here; --nproc {n} starts {n} processes "
                              "on the CPU instead")
-    from ..compiler.hardware import _cpu_cores
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_cores() // n)))
+    from ..util.host import cpu_cores
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // n)))
     for name in list(logging.root.manager.loggerDict):      # the failure is our one line, not torchrun's report
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)

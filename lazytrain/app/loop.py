@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..compiler.hardware import _cpu_cores
+from ..util.host import cpu_cores
 from .threads import ThreadTuner
 
 if TYPE_CHECKING:       # annotations only: train.py runs this loop
@@ -164,4 +164,4 @@ def thread_tuner(dev: torch.device, cfg: TrainConfig, opt, **probe) -> ThreadTun
     def set_threads(n: int) -> None:
         torch.set_num_threads(n)
         opt.num_threads = n
-    return ThreadTuner(_cpu_cores(), set_threads, start=torch.get_num_threads(), **probe)
+    return ThreadTuner(cpu_cores(), set_threads, start=torch.get_num_threads(), **probe)

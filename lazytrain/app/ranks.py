@@ -106,8 +106,8 @@ class Ranks:
         cores for each of several (they run at once)."""
         if self.size == 1:
             return alone()
-        from ..compiler.hardware import _cpu_cores
-        return max(1, _cpu_cores() // self.local_size)
+        from ..util.host import cpu_cores
+        return max(1, cpu_cores() // self.local_size)
 
     def per_rank_batch(self, batch: int) -> int:
         """The plan's batch: this rank's share of the global ``--batch``."""

@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from ..compiler.hardware import _cpu_cores
+from ..util.host import cpu_cores
 
 
 class ThreadTuner:
@@ -86,7 +86,7 @@ def cpu_threads(window_s: float = 0.3) -> int:
     used where there is no ``/proc``, still counts work that ended a minute ago: it gave this
     process 1 thread on an idle 2-core machine right after another job).
     """
-    cores = _cpu_cores()
+    cores = cpu_cores()
     busy = _busy_cores(window_s, cores)
     return max(1, min(cores, cores - round(busy)))
 

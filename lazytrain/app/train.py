@@ -59,7 +59,6 @@ import torch
 from tabulate import tabulate
 from tqdm import tqdm
 
-from ..compiler.hardware import _cpu_cores
 from ..compiler.profiles import PROFILES
 from ..compiler.progress import on_stderr
 from ..compiler.timeline import plot_loss, write_step
@@ -70,6 +69,7 @@ from ..hf.model_loading import from_pretrained as _from_pretrained
 from ..hf.model_loading import is_hf_folder as _is_hf_folder
 from ..hf.model_loading import meta_weights, shard_loadable
 from ..tasks import CharTokenizer, check_eval_size, eval_examples, exact_match, get_difficulty, train_batches
+from ..util.host import cpu_cores
 from . import runfiles
 from .loop import Progress, output_folder, start_trainer, steps, thread_tuner
 from .ranks import Ranks
@@ -284,7 +284,7 @@ def check_config(cfg: TrainConfig, diff, seq: int) -> None:
         raise ValueError(f"--time-limit-min must be positive, got {cfg.time_limit_min}")
     if not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 1 << 63:
         raise ValueError(f"--seed must be a whole number in [0, 2**63), got {cfg.seed}")
-    cores = _cpu_cores()
+    cores = cpu_cores()
     if cfg.threads is not None and not 1 <= cfg.threads <= cores:
         raise ValueError(f"--threads {cfg.threads}: this machine gives this process {cores} cores, and "
                          f"more threads than cores only wait for each other: at most {cores}")

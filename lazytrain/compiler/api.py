@@ -18,11 +18,11 @@ from . import background_trace
 from . import gpu_update as gpu_update_rule
 from .budgets import BudgetError, budget_error, held_host_bytes, make_budgets  # noqa: F401 - BudgetError: what compile_model raises
 from .cost import CostModel
-from .hardware import get_profile
 from .loss_chunk import LOSS_HEAD_MODES, faster_head, single_pass_rows, with_loss_chunk
 from .lower import lower_with_effects
 from .measured_workspace import with_measured_workspace
 from .paused_gc import paused_gc
+from .profiles import get_profile
 from .progress import log
 from .resident import resident_request
 from .search import Search

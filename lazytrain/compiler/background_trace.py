@@ -34,7 +34,7 @@ from ..frontend.preset_configs import PRESETS
 from ..frontend.presets import read_config
 from ..frontend.trace_cache import TraceCache
 from ..ir.graph import ModelGraph
-from .hardware import _cpu_cores
+from ..util.host import cpu_cores
 from .progress import log
 from .solvers.isolated import stderr_tail
 
@@ -138,7 +138,7 @@ def start(model, *, seq_len, dtype: str, packed: bool, seq_tile, compile_blocks:
     runs before the child starts: what it raises (a mistaken profile or size) is said at once, not after the
     trace a seeded compile waits for."""
     if (not isinstance(model, str) or packed or seq_tile is not None or compile_blocks
-            or not isinstance(seq_len, int) or _tracing_here.get() or not imports_pending() or _cpu_cores() < MIN_CPUS):
+            or not isinstance(seq_len, int) or _tracing_here.get() or not imports_pending() or cpu_cores() < MIN_CPUS):
         return None
     name = seed_of(model)
     if name is None:

@@ -2,7 +2,7 @@
 
 A ``HardwareProfile`` is a frozen record of one machine (one GPU and its share of the host).
 Built-ins live in ``profiles.PROFILES``; ``lazytrain profile -o hw.json`` measures the real machine
-(``lazytrain.measure.profile.measure``) and ``get_profile`` reads either.  ``lazytrain profile --model M`` (or
+(``lazytrain.measure.profile.measure``) and ``profiles.get_profile`` reads either.  ``lazytrain profile --model M`` (or
 ``compile(..., calibrate=True)``) adds ``calibration``: measured times of that model's own block
 programs (``BlockTiming``, ``lazytrain/measure/calibrate.py``), which the cost model uses instead of the
 figures below for every block they match.
@@ -41,7 +41,7 @@ from pathlib import Path
 from .block_timing import BlockTiming
 from .flops import ATTENTION_HEAD_DIM_FACTOR, attention_flops, head_dim_factor, layer_flops
 
-__all__ = ["HardwareProfile", "get_profile", "layer_flops", "attention_flops", "head_dim_factor",
+__all__ = ["HardwareProfile", "layer_flops", "attention_flops", "head_dim_factor",
            "ATTENTION_HEAD_DIM_FACTOR", "FORMAT", "VERSION"]
 
 FORMAT = "lazytrain.hardware"
@@ -291,45 +291,3 @@ class HardwareProfile:
             f"AdamW {self.cpu_adam_gparams:.3g} G params/s, "
             f"disk {self.nvme_read_gbps:.3g}/{self.nvme_write_gbps:.3g} GB/s"
         )
-
-
-def _host_memory_bytes() -> int:
-    """Physical memory, or the cgroup limit when that is lower (containers)."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            total = min(total, int(text))
-    return total
-
-
-def _cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def get_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:
-    """A built-in by name (case-insensitive) or a JSON file written by ``lazytrain profile``."""
-    if isinstance(name_or_path, HardwareProfile):
-        return name_or_path
-    if not isinstance(name_or_path, (str, os.PathLike)):
-        raise ValueError(f"hardware must be a profile's name, a JSON file written by `lazytrain profile` or a "
-                         f"HardwareProfile, got {name_or_path!r}")
-    from .profiles import PROFILES  # the built-ins are HardwareProfiles: their module imports this one
-    key = str(name_or_path).strip().lower()
-    if key in PROFILES:
-        return PROFILES[key]
-    path = Path(name_or_path)
-    if path.is_file():
-        return HardwareProfile.load(path)
-    if path.suffix == ".json" or os.sep in str(name_or_path):
-        raise ValueError(f"hardware profile file {str(name_or_path)!r} does not exist")
-    raise ValueError(
-        f"unknown hardware {str(name_or_path)!r}: use one of {', '.join(PROFILES)} "
-        f"or a JSON file written by `lazytrain profile -o hw.json`"
-    )

@@ -1,5 +1,6 @@
 """The built-in hardware profiles (``PROFILES``: ``compile(..., hardware="h200")``) and where their figures come
-from.  How the figures turn FLOPs and bytes into seconds is ``hardware.py``'s docstring.
+from; ``get_profile`` finds a profile by its name or its file.  How the figures turn FLOPs and bytes into seconds
+is ``hardware.py``'s docstring.
 
 ``h200`` is the measured one: its matmul efficiency and per-launch overhead are fitted to one eager Qwen2.5-3B
 layer and scaled by what LazyTrain's exported blocks measured slower; its transfer and host-update rates are
@@ -32,8 +33,11 @@ but ``h200`` is assumed equal to the fp32 rate (the optimizer's target); a measu
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
-from .hardware import HardwareProfile, _cpu_cores, _host_memory_bytes
+from ..util.host import cpu_cores, host_memory_bytes
+from .hardware import HardwareProfile
 
 GiB = 2**30
 MiB = 2**20
@@ -46,8 +50,8 @@ def _cpu_profile() -> HardwareProfile:
     50 GFLOP/s fp32 per core, memcpy ~10 GB/s, fused AdamW 0.2 G params/s per core), good enough to
     compile a plan for CPU-mode tests. Run ``lazytrain.measure.profile.measure()`` for real ones.
     """
-    cores = _cpu_cores()
-    memory = _host_memory_bytes()
+    cores = cpu_cores()
+    memory = host_memory_bytes()
     return HardwareProfile(
         name="cpu", gpu_name=HardwareProfile.NO_GPU, gpu_memory_bytes=memory, host_memory_bytes=memory,
         cpu_cores=cores, bf16_tflops=0.05 * cores, compute_efficiency=0.5, kernel_overhead_s=50e-6,
@@ -160,3 +164,24 @@ PROFILES: dict[str, HardwareProfile] = {
     ),
     "cpu": _cpu_profile(),
 }
+
+
+def get_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:
+    """A built-in by name (case-insensitive) or a JSON file written by ``lazytrain profile``."""
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ValueError(f"hardware must be a profile's name, a JSON file written by `lazytrain profile` or a "
+                         f"HardwareProfile, got {name_or_path!r}")
+    key = str(name_or_path).strip().lower()
+    if key in PROFILES:
+        return PROFILES[key]
+    path = Path(name_or_path)
+    if path.is_file():
+        return HardwareProfile.load(path)
+    if path.suffix == ".json" or os.sep in str(name_or_path):
+        raise ValueError(f"hardware profile file {str(name_or_path)!r} does not exist")
+    raise ValueError(
+        f"unknown hardware {str(name_or_path)!r}: use one of {', '.join(PROFILES)} "
+        f"or a JSON file written by `lazytrain profile -o hw.json`"
+    )

@@ -24,7 +24,7 @@ from ..ir import PlanError
 from ..ir.graph import TILE_TOKENS, ModelGraph
 from .api import POLICIES, Compiler
 from .budgets import BudgetError, binding, make_budgets
-from .hardware import get_profile
+from .profiles import get_profile
 from .resident import resident_request
 from .solvers.heuristics import HEURISTICS
 

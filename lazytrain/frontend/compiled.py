@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
+from .cuts import CUT_BUDGETS, graph_flops
 from .cuts import budget as cut_budget
 from .tiling import run_tail
 from .trace_export import BlockCode
@@ -133,7 +134,7 @@ def _fake_args(specs: list[ArgSpec], device: torch.device, mode) -> list[torch.T
 @dataclass
 class Joint:
     """A block program's joint forward + backward graph (AOTAutograd), before it is cut: ``cut`` partitions a
-    copy, so one joint serves every cut of the program (``cuts.propose``)."""
+    copy, so one joint serves every cut of the program (``propose``)."""
 
     graph: fx.GraphModule
     args: list                  # the fake arguments it was traced at
@@ -181,6 +182,25 @@ def cut(j: Joint, n_params: int, budget: float = 1.0) -> Partition:
     if n_tan != len(j.grad_out):
         raise RuntimeError(f"the backward takes {n_tan} output gradients, {len(j.grad_out)} outputs need one")
     return Partition(fw=fw, bw=bw, n_outputs=j.n_outputs, tangents=tuple(j.grad_out), passthrough=j.passthrough)
+
+
+def propose(gm: fx.GraphModule, specs, device, n_params: int) -> list[tuple[float, int, int, int]]:
+    """The distinct cuts of block program ``gm`` (its joint graph, ``cut`` at each of ``CUT_BUDGETS``):
+    (budget, saved bytes, backward FLOPs beyond the min-cut backward's, of them attention), min-cut first, each
+    later one saving fewer bytes than every one before it."""
+    out: list[tuple[float, int, int, int]] = []
+    base = None
+    whole = joint(gm, specs, device)
+    for b in CUT_BUDGETS:
+        part = cut(whole, n_params, budget=b)
+        nbytes = saved_bytes(part, n_params)
+        flops, attn = graph_flops(part.bw)
+        if base is None:
+            base = (flops, attn)
+        if out and nbytes >= out[-1][1]:
+            continue
+        out.append((b, nbytes, max(flops - base[0], 0), max(attn - base[1], 0)))
+    return out
 
 
 #: joint graphs by ``structure_key``, each with the program it was traced from (held, so that a key naming a

@@ -122,23 +122,3 @@ def graph_flops(gm: fx.GraphModule) -> tuple[int, int]:
     with FlopCounterMode(display=False, custom_mapping=attn.mapping()) as fc:
         gm(*args)
     return fc.get_total_flops(), attn.fwd_flops
-
-
-def propose(gm: fx.GraphModule, specs, device, n_params: int) -> list[tuple[float, int, int, int]]:
-    """The distinct cuts of block program ``gm`` (its joint graph, ``compiled.cut`` at each of ``CUT_BUDGETS``):
-    (budget, saved bytes, backward FLOPs beyond the min-cut backward's, of them attention), min-cut first, each
-    later one saving fewer bytes than every one before it."""
-    from .compiled import cut, joint, saved_bytes
-    out: list[tuple[float, int, int, int]] = []
-    base = None
-    whole = joint(gm, specs, device)
-    for b in CUT_BUDGETS:
-        part = cut(whole, n_params, budget=b)
-        nbytes = saved_bytes(part, n_params)
-        flops, attn = graph_flops(part.bw)
-        if base is None:
-            base = (flops, attn)
-        if out and nbytes >= out[-1][1]:
-            continue
-        out.append((b, nbytes, max(flops - base[0], 0), max(attn - base[1], 0)))
-    return out

@@ -13,6 +13,12 @@ from torch.overrides import TorchFunctionMode
 
 from .rope import fix_rope_length
 
+
+def is_hf(model: nn.Module) -> bool:
+    """Is ``model`` a Hugging Face model (a ``config`` with a ``model_type``, input embeddings)?"""
+    return hasattr(getattr(model, "config", None), "model_type") and hasattr(model, "get_input_embeddings")
+
+
 aten = torch.ops.aten
 
 

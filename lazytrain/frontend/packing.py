@@ -26,7 +26,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .trace_export import TraceError, is_hf
+from .hf_export import is_hf
+from .trace_error import TraceError
 
 aten = torch.ops.aten
 

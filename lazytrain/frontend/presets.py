@@ -30,7 +30,8 @@ TESTED_HF = ("qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_te
 HF_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
-def _transformers():
+def require_transformers():
+    """The ``transformers`` module, imported on first need; an ``ImportError`` naming the extra to install."""
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -75,7 +76,7 @@ def build_from_config(cfg: dict, *, device="meta", dtype=None, source: str = "co
         raise ValueError(f"{source}: unsupported architecture (model_type={model_type!r}, architectures={archs}); "
                          f"supported: Hugging Face decoder-only transformer causal LMs (tested: "
                          f"{', '.join(TESTED_HF)}) and lazytrain-gpt")
-    tf = _transformers()
+    tf = require_transformers()
     _refuse_encoders(tf, model_type, cfg, source)
     # the shape must be written in the file (a config class's defaults are some other model's), under
     # its own name or the one the class maps it to (GPT-2's n_embd, n_layer, n_head)
@@ -129,7 +130,7 @@ def _hf_decoder_transformer(model_type) -> bool:
     Its config class must define attention heads itself (Mamba's, say, does not)."""
     if not isinstance(model_type, str):
         return False
-    tf = _transformers()
+    tf = require_transformers()
     try:
         default = tf.AutoConfig.for_model(model_type)     # the architecture's default config
     except (ValueError, KeyError):

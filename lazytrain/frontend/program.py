@@ -1,8 +1,9 @@
 """The executable form of a model: one function per block, run on whatever tensors it is given.
 
-``build_program(model, ...)`` exports a meta clone of the model (``trace_export``) and keeps one fx
+``build_split(model, ...)`` exports a meta clone of the model (``trace_export``) and keeps one fx
 ``GraphModule`` per block, parameters lifted to inputs, so the runtime passes each block the buffers
-it streamed in and never mutates the model.  The program is specialised to (micro_batch, seq_len)
+it streamed in and never mutates the model; ``trace.build_program`` adds the model's graph (unmeasured)
+and makes them a ``BlockProgram``.  The program is specialised to (micro_batch, seq_len)
 and to ``dtype`` (casts inside the model, e.g. RMSNorm's, are recorded in that dtype).
 
 The last block of a causal LM returns ``{"loss_sum", "n_tokens"}``: the summed next-token
@@ -106,23 +107,6 @@ class BlockProgram:
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
-
-
-def build_program(model: nn.Module, *, micro_batch: int, seq_len: int, device: str | torch.device,
-                  dtype: torch.dtype, example_inputs=None, loss_fn=None,
-                  loss_chunk_logits: int = DEFAULT_CHUNK_LOGITS, loss_single_pass: bool = False,
-                  packed: bool = False, seq_tile: int | None = None) -> BlockProgram:
-    """Export ``model`` (never touching its weights) and split it into per-block programs; ``seq_tile``:
-    layers' position-wise tails run in chunks of that many tokens (``tiling.py``); ``packed``: with
-    ``position_ids`` and the per-example mask (``packing.py``); ``loss_chunk_logits``: logits per chunk of
-    the fused loss head (``loss_head.py``), ``loss_single_pass``: its gradients formed in its forward."""
-    from .trace import graph_from_split  # trace.py builds on this module's programs
-    sp = build_split(model, micro_batch=micro_batch, seq_len=seq_len, device=device, dtype=dtype,
-                     example_inputs=example_inputs, loss_fn=loss_fn, packed=packed, seq_tile=seq_tile)
-    graph = graph_from_split(sp, model, seq_len=seq_len, dtype=dtype, micro_batch=micro_batch, measure=False)
-    return BlockProgram(graph=graph, blocks=sp.blocks, micro_batch=micro_batch, seq_len=seq_len,
-                        loss_chunk_logits=loss_chunk_logits, loss_single_pass=loss_single_pass, packed=packed,
-                        values=dict(sp.values))
 
 
 def build_split(model: nn.Module, *, micro_batch: int, seq_len: int, device, dtype, example_inputs=None,

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .trace_export import _draws_random
+from .trace_export import draws_random
 
 aten = torch.ops.aten
 
@@ -150,7 +150,7 @@ def find_tail(gm: fx.GraphModule, mb: int, seq: int) -> list[fx.Node]:
             return []
         if _kind(t, mb, seq) == "flat":     # a chunk's rows of [batch * seq, ...] are not one slice
             return []
-    return [] if _draws_random(region) else tail
+    return [] if draws_random(region) else tail
 
 
 def _region(gm: fx.GraphModule, tail: list[fx.Node], mb: int, seq: int, chunk: int):

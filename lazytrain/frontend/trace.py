@@ -7,7 +7,7 @@ are amortised rather than counted once per sample:
   outputs (the head's backward includes recomputing each chunk of logits);
 - saved bytes: every tensor ``saved_tensors_hooks`` sees, deduplicated by storage, parameters
   excluded (a block input that backward reads *is* counted); for a block traced to run compiled
-  (``compile_blocks``), what its partitioned forward saves, at each of its cuts (``cuts.propose``);
+  (``compile_blocks``), what its partitioned forward saves, at each of its cuts (``compiled.propose``);
 - workspace: the forward's peak of live values (fx liveness, plus what autograd has saved so far)
   above what survives it (saved + outputs), or the largest single op's gradient footprint
   (its output and inputs), whichever is larger; the fused loss head (``loss_head.py``) adds per token
@@ -18,6 +18,9 @@ are amortised rather than counted once per sample:
   2.5x forward (the kernel recomputes the scores); they are part of the block's FLOPs, and the block
   records them with the head dimension and key length the cost model prices them by.
 Structurally identical layers are measured once (``Split.meta["replicated_from"]``).
+
+``build_program`` is the runtime's side: the same split at the plan's micro-batch, on the device, with the
+graph's structure but no measurement (a ``program.BlockProgram``).
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..ir import Block, Cut, ModelGraph, ParamSpec, TensorSpec
 from ..ir.graph import DTYPE_BYTES, LOSS_MIN_COLUMNS
 from .attention import DQ_ACCUMULATOR_BYTES, AttentionCount, is_attention
-from .compiled import contiguous_spec, structure_key, why_eager
-from .cuts import CUT_BUDGETS, propose
+from .compiled import contiguous_spec, propose, structure_key, why_eager
+from .cuts import CUT_BUDGETS
 from .loss_head import DEFAULT_CHUNK_LOGITS, bytes_per_logit, fused_next_token_loss, row_bytes
-from .program import build_split
+from .program import BlockProgram, build_split
 from .tiling import TiledTail, run_tail
 from .trace_export import Split, TraceError
 
@@ -107,6 +110,22 @@ def trace(model: nn.Module, *, seq_len: int, dtype="bfloat16", example_inputs=No
                          compile_blocks=compile_blocks)
     g.meta["trace_seconds"] = round(time.perf_counter() - t0, 3)
     return g
+
+
+def build_program(model: nn.Module, *, micro_batch: int, seq_len: int, device: str | torch.device,
+                  dtype: torch.dtype, example_inputs=None, loss_fn=None,
+                  loss_chunk_logits: int = DEFAULT_CHUNK_LOGITS, loss_single_pass: bool = False,
+                  packed: bool = False, seq_tile: int | None = None) -> BlockProgram:
+    """Export ``model`` (never touching its weights) and split it into per-block programs; ``seq_tile``:
+    layers' position-wise tails run in chunks of that many tokens (``tiling.py``); ``packed``: with
+    ``position_ids`` and the per-example mask (``packing.py``); ``loss_chunk_logits``: logits per chunk of
+    the fused loss head (``loss_head.py``), ``loss_single_pass``: its gradients formed in its forward."""
+    sp = build_split(model, micro_batch=micro_batch, seq_len=seq_len, device=device, dtype=dtype,
+                     example_inputs=example_inputs, loss_fn=loss_fn, packed=packed, seq_tile=seq_tile)
+    graph = graph_from_split(sp, model, seq_len=seq_len, dtype=dtype, micro_batch=micro_batch, measure=False)
+    return BlockProgram(graph=graph, blocks=sp.blocks, micro_batch=micro_batch, seq_len=seq_len,
+                        loss_chunk_logits=loss_chunk_logits, loss_single_pass=loss_single_pass, packed=packed,
+                        values=dict(sp.values))
 
 
 def _config_summary(model: nn.Module) -> dict:
@@ -243,7 +262,7 @@ def _partition_key(b, sp: Split, model: nn.Module, dtype: torch.dtype) -> str:
 
 
 def _partition_saved(b, sp: Split, model: nn.Module, dtype: torch.dtype) -> list | None:
-    """Block ``b``'s cuts when compiled (``cuts.propose`` on meta tensors: budget, saved bytes, recomputed
+    """Block ``b``'s cuts when compiled (``compiled.propose`` on meta tensors: budget, saved bytes, recomputed
     FLOPs, of them attention, at the trace's micro-batch), or None when it cannot be partitioned (the runtime
     then runs it eager: its hook-measured figure stands)."""
     specs = _specs(b, sp, model, dtype)

@@ -38,13 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import hub_kernels
-from .hf_export import TensorsFromData, export_hf, node_arg
+from .hf_export import TensorsFromData, export_hf, is_hf, node_arg
+from .packing import check_document_mask, packed_inputs
+from .trace_error import TraceError
 
 aten = torch.ops.aten
-
-
-class TraceError(ValueError):
-    """The model could not be turned into blocks; the message says what failed and where."""
 
 
 @dataclass
@@ -73,7 +71,7 @@ class BlockCode:
     def random(self) -> bool:
         """Does the block draw random numbers (dropout, router noise)?  Its recomputation must then
         replay the forward's draws, or backward would differentiate a different function."""
-        return _draws_random(self.gm)
+        return draws_random(self.gm)
 
 
 def _node_draws(n: fx.Node) -> bool:
@@ -121,12 +119,13 @@ def histc(x, bins=100, min=0, max=0):  # noqa: A002 - aten's argument names
     return torch.histc(x, bins=bins, min=min, max=max)
 
 
-def _draws_random(gm: fx.GraphModule) -> bool:
+def draws_random(gm: fx.GraphModule) -> bool:
+    """Does ``gm`` (or a graph module it holds) call an op that draws random numbers?"""
     for n in gm.graph.nodes:
         if n.op == "call_function" and _node_draws(n):
             return True
         if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), fx.GraphModule) and \
-                _draws_random(getattr(gm, n.target)):
+                draws_random(getattr(gm, n.target)):
             return True
     return False
 
@@ -183,10 +182,6 @@ def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
             if n > best_n:
                 best, best_n = (name, m), n
     return best
-
-
-def is_hf(model: nn.Module) -> bool:
-    return hasattr(getattr(model, "config", None), "model_type") and hasattr(model, "get_input_embeddings")
 
 
 class _SequentialWithLoss(nn.Module):
@@ -319,7 +314,6 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
         if is_hf(clone):
             kwargs["use_cache"] = False
         if packed:
-            from .packing import packed_inputs  # packing.py builds on this module's export
             kwargs.update(packed_inputs(clone, ids))
 
     def run():
@@ -330,7 +324,6 @@ def export(clone: nn.Module, micro_batch: int, seq_len: int, example_inputs=None
     except Exception as e:  # noqa: BLE001 - re-raised with the failing module named
         raise TraceError(f"torch.export failed on {type(clone).__name__}: {_short(e)}{_data_dependent(e)}") from None
     if packed:
-        from .packing import check_document_mask  # (as above)
         check_document_mask(ep, type(clone).__name__)
     return ep, root
 

@@ -35,7 +35,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..ir import Plan, PlanError
-from ..runtime.checkpoint import _commit, _fsync_dir, _fsync_file, read_meta
+from ..runtime.checkpoint import read_meta
+from ..util.atomic import commit_folder, fsync_dir, fsync_file
 
 #: shard size: ``save_pretrained``'s default ("5GB"), so one shard is what an export holds in memory
 MAX_SHARD_BYTES = 5 * 10**9
@@ -66,7 +67,7 @@ def write_folder(target, weights: list[Weight], *, config: dict, dtype: torch.dt
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.tmp-"))
     try:
         _write_weights(tmp, weights, dtype, max_shard_bytes)
-        _write_json(tmp / "config.json", {**config, "dtype": str(dtype).removeprefix("torch.")})
+        write_hf_json(tmp / "config.json", {**config, "dtype": str(dtype).removeprefix("torch.")})
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
         if tokenizer is not None:
@@ -75,13 +76,13 @@ def write_folder(target, weights: list[Weight], *, config: dict, dtype: torch.dt
         os.umask(umask)
         for f in tmp.iterdir():         # a model folder for others to read, not mkdtemp's private modes
             os.chmod(f, 0o666 & ~umask)
-            _fsync_file(f)
+            fsync_file(f)
         os.chmod(tmp, 0o777 & ~umask)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _commit(tmp, target)
+    commit_folder(tmp, target)
     return target
 
 
@@ -110,10 +111,11 @@ def _write_weights(folder: Path, weights: list[Weight], dtype: torch.dtype, max_
             total += tensors[w.name].numel() * size
         save_file(tensors, str(folder / name), metadata={"format": "pt"})
         del tensors
-    _write_json(folder / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_hf_json(folder / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def write_hf_json(path: Path, obj: dict) -> None:
+    """``obj`` as a model folder's JSON files are written (indented, keys sorted, a final newline)."""
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 

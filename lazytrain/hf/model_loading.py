@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from ..frontend import hub_kernels
-from ..frontend.presets import _transformers, build_from_config
+from ..frontend.presets import build_from_config, require_transformers
 from ..frontend.presets import read_config as checked
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -55,7 +55,7 @@ def from_pretrained(folder: Path, *, check: bool = True) -> torch.nn.Module:
     cfg = read_config(folder / "config.json")
     if check:
         build_from_config(cfg, device="meta", dtype=torch.float32, source=str(folder / "config.json"))
-    tf = _transformers()
+    tf = require_transformers()
     verbosity = tf.logging.get_verbosity()
     tf.logging.set_verbosity_error()        # its load report would be a table of every key; ours is one line
     try:
@@ -90,7 +90,7 @@ def shard_loadable(folder: Path) -> tuple[torch.nn.Module, object]:
     cfg = read_config(folder / "config.json")
     model = build_from_config(cfg, device="meta", dtype=torch.float32, source=str(folder / "config.json"))
     if (folder / "generation_config.json").is_file():     # its stop tokens, as from_pretrained reads them
-        model.generation_config = _transformers().GenerationConfig.from_pretrained(folder)
+        model.generation_config = require_transformers().GenerationConfig.from_pretrained(folder)
     return model, SafetensorsWeights(folder, model)
 
 
@@ -118,7 +118,7 @@ def load_gguf(path: str | Path) -> torch.nn.Module:
     """The causal LM in a GGUF file, dequantized to fp32 on the CPU."""
     path = Path(path).absolute()
     _need_gguf()
-    tf = _transformers()
+    tf = require_transformers()
     verbosity = tf.logging.get_verbosity()
     tf.logging.set_verbosity_error()
     try:
@@ -138,7 +138,7 @@ def has_tokenizer(folder: Path) -> bool:
 def load_tokenizer(spec: str | Path):
     """The tokenizer of a Hugging Face folder or a GGUF file (chat template included)."""
     path = Path(spec).absolute()
-    tf = _transformers()
+    tf = require_transformers()
     if is_gguf(path):
         _need_gguf()
         kw = {"gguf_file": path.name}

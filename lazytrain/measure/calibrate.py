@@ -48,7 +48,8 @@ from torch import nn
 from ..compiler.api import Compiler, compile_model
 from ..compiler.block_timing import BlockTiming, CutTiming
 from ..compiler.budgets import BudgetError
-from ..compiler.hardware import HardwareProfile, get_profile
+from ..compiler.hardware import HardwareProfile
+from ..compiler.profiles import get_profile
 from ..frontend.presets import build_model
 from ..frontend.trace import trace
 from ..frontend.trace_export import find_layers, kept_layers, meta_clone, reducible

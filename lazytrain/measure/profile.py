@@ -50,12 +50,13 @@ from collections.abc import Callable
 import torch
 
 from ..compiler.api import compile_model
-from ..compiler.hardware import HardwareProfile, _cpu_cores, _host_memory_bytes, attention_flops
+from ..compiler.hardware import HardwareProfile, attention_flops
 from ..compiler.plausible import measure_checked
 from ..ir import OpKind
 from ..models.gpt import GPT, GPTConfig
 from ..runtime.optim.torch_adamw import TorchAdamW
 from ..runtime.trainer import Trainer
+from ..util.host import cpu_cores, host_memory_bytes
 from .profile_collectives import GPU_SIZES, measure_collectives
 
 __all__ = ["measure"]
@@ -334,7 +335,7 @@ def measure(device: str | torch.device | None = None, quick: bool = False, disk_
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
     repeats = 3 if quick else 7
-    cores, host_memory = _cpu_cores(), _host_memory_bytes()
+    cores, host_memory = cpu_cores(), host_memory_bytes()
     log = functools.partial(_log, verbose)
     log(f"{'quick ' if quick else ''}measurement of {device} ({cores} host cores)")
 

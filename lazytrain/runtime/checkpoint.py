@@ -16,9 +16,10 @@ loaded from it and stepped on equals the one that saved it, step for step, bit f
 
 Atomic replacement: everything (tensors, extras, manifest) is written into ``<dir>.tmp-XXXX`` next to
 the target, every file and the folder are fsynced, then ``<dir>`` (if any) is renamed to ``<dir>.old``,
-the new folder to ``<dir>``, and ``<dir>.old`` is removed.  A crash at any point leaves a complete
-checkpoint at ``<dir>`` or, between the two renames, at ``<dir>.old``, which ``load`` then uses.  An
-extra file may be replaced later by ``write_extra`` (temporary file, fsync, rename): one atomic step.
+the new folder to ``<dir>``, and ``<dir>.old`` is removed (``util.atomic.commit_folder``).  A crash at any
+point leaves a complete checkpoint at ``<dir>`` or, between the two renames, at ``<dir>.old``, which ``load``
+then uses.  An extra file may be replaced later by ``write_extra`` (temporary file, fsync, rename): one atomic
+step.
 One writer per target at a time.
 
 Loading reads JSON and safetensors only (no code runs), checks the manifest's shape, the format
@@ -44,6 +45,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..ir import Plan, PlanError
+from ..util.atomic import commit_folder, fsync_dir, fsync_file, write_synced
+from . import checkpoint_world
 from .manifest import (
     FORMAT,
     META,
@@ -75,22 +78,21 @@ def save(trainer, directory, extras: dict[str, bytes] | None = None) -> Path:
         raise CheckpointError(f"{target} exists and is not a LazyTrain checkpoint (no {META}): refusing to "
                               f"replace it")
     if trainer.world is not None:       # every rank writes its shards, rank 0 commits (checkpoint_world)
-        from . import checkpoint_world
-        return checkpoint_world.save(trainer, target, extras)
+        return checkpoint_world.save(trainer, target, extras, _write)
     trainer.flush()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.tmp-"))
     try:
         meta = _write(trainer, tmp)
         for name, data in sorted((extras or {}).items()):
-            _write_bytes(tmp / name, data)
+            write_synced(tmp / name, data)
         meta["extras"] = sorted(extras or {})
-        _write_bytes(tmp / META, json.dumps(meta, allow_nan=False).encode())
-        _fsync_dir(tmp)
+        write_synced(tmp / META, json.dumps(meta, allow_nan=False).encode())
+        fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _commit(tmp, target)
+    commit_folder(tmp, target)
     return target
 
 
@@ -115,7 +117,7 @@ def _write(trainer, tmp: Path, suffix: str = "") -> dict:
             # one metadata entry: safetensors writes several in a random order, and the same state should
             # be the same bytes (the same SHA-256) whenever it is saved
             save_file(tensors, str(tmp / name), metadata={"format": FORMAT})
-            _fsync_file(tmp / name)
+            fsync_file(tmp / name)
             digests[name] = hash_async(pool, tmp / name)
             files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": None, "tensors": describe(tensors)}
         for name, entry in files.items():
@@ -136,26 +138,6 @@ def _write(trainer, tmp: Path, suffix: str = "") -> dict:
     }
 
 
-def _commit(tmp: Path, target: Path) -> None:
-    old = target.with_name(target.name + ".old")
-    if target.exists() and old.exists():      # a previous save died after its second rename
-        shutil.rmtree(old)
-    if target.exists():
-        os.replace(target, old)
-    os.replace(tmp, target)
-    _fsync_dir(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
-    for stale in target.parent.glob(f"{target.name}.tmp-*"):   # left by saves that were killed
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_extra(directory, name: str, data: bytes) -> None:
     """Replace the extra file ``name`` of the checkpoint at ``directory`` atomically (temporary file,
     fsync, rename, fsync of the folder): a crash leaves the old contents or the new, never a mix."""
@@ -163,9 +145,9 @@ def write_extra(directory, name: str, data: bytes) -> None:
     if name not in meta["extras"]:
         raise CheckpointError(f"{folder / META} lists no extra file {name!r} (it has {meta['extras']})")
     tmp = folder / f".{name}.tmp"
-    _write_bytes(tmp, data)
+    write_synced(tmp, data)
     os.replace(tmp, folder / name)
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
 def read_extra(folder: Path, meta: dict, name: str) -> bytes:
@@ -178,22 +160,6 @@ def read_extra(folder: Path, meta: dict, name: str) -> bytes:
     except OSError as e:
         raise CheckpointError(f"{folder / name}: cannot read it ({e.strerror or e}): the checkpoint is damaged") \
             from None
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---- RNG states as JSON -------------------------------------------------------------------------------
@@ -335,7 +301,6 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None, verbo
         raise CheckpointError(f"checkpoint {folder} does not fit this model: {e}") from None
     _check_steps(meta, folder / META)
     if trainer.world is not None or "world" in meta:      # shards, or another world size's checkpoint
-        from . import checkpoint_world
         checkpoint_world.load_blocks(trainer, folder, meta, _load_block)
     else:
         _load_dense(trainer, folder, meta)

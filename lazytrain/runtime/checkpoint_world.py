@@ -14,7 +14,7 @@ Layout (format ``"lazytrain.checkpoint/2"``, as ``checkpoint.py``; what differs)
 Atomic for the whole world: rank 0 makes ``<dir>.tmp-world``; after a barrier every rank writes its
 files there and a part of the manifest (``files.rankRRRR.json``: its files' sizes, SHA-256 and
 tensors); after a second barrier rank 0 merges the parts into ``checkpoint.json`` and commits the
-folder with ``checkpoint.py``'s two renames; a third barrier holds every rank until the commit is done.
+folder with ``util.atomic.commit_folder``'s two renames; a third barrier holds every rank until the commit is done.
 A rank that dies before the second barrier makes the others' barrier fail (``RankFailure``): nothing
 was renamed, the previous checkpoint is untouched, and the next save (or commit) removes the temporary
 folder.  RNG states and the gradient-norm counters are rank 0's (every rank draws the same numbers).
@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..ir import ModelGraph
 from ..ir.sharding import ALIGN
+from ..util.atomic import commit_folder, fsync_dir, write_synced
 from . import reshard
 from .manifest import DTYPES, META, CheckpointError, hash_async, hashing_pool, read_verified
 from .shards import gathered_layouts, owned_pieces, shard_layouts
@@ -46,9 +48,9 @@ _PART = "files.rank{:04d}.json"
 
 
 # ---- saving -------------------------------------------------------------------------------------------
-def save(trainer, target: Path, extras: dict[str, bytes] | None) -> Path:
-    """Every rank calls this (a collective); see the module docstring."""
-    from .checkpoint import _commit, _fsync_dir, _write, _write_bytes
+def save(trainer, target: Path, extras: dict[str, bytes] | None, write: Callable[[object, Path, str], dict]) -> Path:
+    """Every rank calls this (a collective); see the module docstring.  ``write(trainer, folder, suffix)`` writes
+    the rank's tensor files and returns its manifest (``checkpoint._write``)."""
     world = trainer.world
     trainer.flush()
     tmp = target.with_name(f"{target.name}.tmp-world")
@@ -57,9 +59,9 @@ def save(trainer, target: Path, extras: dict[str, bytes] | None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)      # left by a save of the world that failed
         tmp.mkdir()
     world.barrier("the checkpoint's first barrier (its folder made)")
-    meta = _write(trainer, tmp, _SUFFIX.format(world.rank))
+    meta = write(trainer, tmp, _SUFFIX.format(world.rank))
     pieces_of = {name: _file_pieces(trainer, name) for name in meta["files"]}
-    _write_bytes(tmp / _PART.format(world.rank), json.dumps({"files": meta["files"], "pieces": pieces_of}).encode())
+    write_synced(tmp / _PART.format(world.rank), json.dumps({"files": meta["files"], "pieces": pieces_of}).encode())
     try:
         world.barrier("the checkpoint's second barrier (every rank's files written)")
     except BaseException:
@@ -75,11 +77,11 @@ def save(trainer, target: Path, extras: dict[str, bytes] | None) -> Path:
             (tmp / _PART.format(r)).unlink()
         meta["files"], meta["world"] = files, {"size": world.size, "align": ALIGN, "pieces": every}
         for name, data in sorted((extras or {}).items()):
-            _write_bytes(tmp / name, data)
+            write_synced(tmp / name, data)
         meta["extras"] = sorted(extras or {})
-        _write_bytes(tmp / META, json.dumps(meta, allow_nan=False).encode())
-        _fsync_dir(tmp)
-        _commit(tmp, target)
+        write_synced(tmp / META, json.dumps(meta, allow_nan=False).encode())
+        fsync_dir(tmp)
+        commit_folder(tmp, target)
     world.barrier("the checkpoint's last barrier (committed by rank 0)")
     return target
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from ..ir import Op, Resource, TensorKind
-from .context import G, GpuParams, Step, _tid
+from ..ir.ops import tensor_id
+from .context import G, GpuParams, Step
 from .handlers import assemble
 from .shards import gather, scatter
 
@@ -32,13 +33,13 @@ def all_gather(ctx: Step, op: Op) -> None:
         if j in run.resident_shards:     # a resident block's shard (its tied links from their owners') stays
             shard = assemble(run.store.layouts[j], run.resident_shards, run.device, run.store.param_dtype)
         else:
-            shard = ctx.take(_tid(TensorKind.PARAM_SHARD, j), G)
+            shard = ctx.take(tensor_id(TensorKind.PARAM_SHARD, j), G)
         flat = torch.empty(lay.numel, dtype=shard.dtype, device=run.device)
         gather(run.world, flat, shard, lay, f"all_gather of block {j} (op #{op.id})")
     run.streams.keep_alive(shard, Resource.NET)
     run.streams.keep_alive(flat, Resource.GPU)
     views = {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in lay.segments}
-    ctx.put(_tid(TensorKind.PARAMS, j), G, GpuParams(flat, views))
+    ctx.put(tensor_id(TensorKind.PARAMS, j), G, GpuParams(flat, views))
     ctx.end(op, Resource.NET)
 
 
@@ -48,7 +49,7 @@ def reduce_scatter(ctx: Step, op: Op) -> None:
     j = op.block
     run = ctx.run
     ctx.begin(op, Resource.NET)
-    acc = ctx.take(_tid(TensorKind.GRADS, j), G)
+    acc = ctx.take(tensor_id(TensorKind.GRADS, j), G)
     shard_lay = run.store.layouts[j]
     with run.streams.on(Resource.NET):
         out = torch.empty(shard_lay.numel, dtype=acc.dtype, device=run.device)
@@ -60,7 +61,7 @@ def reduce_scatter(ctx: Step, op: Op) -> None:
                 into[owner][off:off + seg.numel] += out[seg.offset:seg.offset + seg.numel]
     run.streams.keep_alive(acc, Resource.NET)
     if j not in run.resident_shards:
-        ctx.put(_tid(TensorKind.GRAD_SHARD, j), G, out)
+        ctx.put(tensor_id(TensorKind.GRAD_SHARD, j), G, out)
     ctx.end(op, Resource.NET)
 
 

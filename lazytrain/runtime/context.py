@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..ir import Op, Plan, Resource, TensorId, TensorKind, Tier
+from ..ir.ops import tensor_id
 from .nvme import NvmeFile, NvmeStore
 from .optim.base import HostOptimizer
 from .optim.clipping import GradNormTracker
@@ -28,10 +29,6 @@ if TYPE_CHECKING:
     from .updates import Updates
 
 G, H, N = Tier.GPU, Tier.HOST, Tier.NVME
-
-
-def _tid(kind: TensorKind, index: int, mb: int | None = None) -> TensorId:
-    return TensorId(kind=kind, index=index, mb=mb)
 
 
 def describe(op: Op) -> str:
@@ -112,7 +109,7 @@ class Run:
     def params(self, j: int, copies: dict) -> GpuParams:
         """Block j's parameters on the GPU: resident, or the loaded copy."""
         p = self.resident.get(j)
-        return p if p is not None else _get(copies, _tid(TensorKind.PARAMS, j), G)
+        return p if p is not None else _get(copies, tensor_id(TensorKind.PARAMS, j), G)
 
 
 def _get(copies: dict, t: TensorId, tier: Tier):

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..ir import Op, PlanError, Resource, TensorKind
-from .context import G, GpuParams, Step, _tid
+from ..ir.ops import tensor_id
+from .context import G, GpuParams, Step
 from .handlers import assemble
 from .pinned import host_empty
 
@@ -48,8 +49,8 @@ def state_load(ctx: Step, op: Op) -> None:
         run.streams.keep_alive(t, Resource.GPU)
         run.streams.keep_alive(t, Resource.D2H)
     views = {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in lay.segments}
-    ctx.put(_tid(TensorKind.PARAMS, j), G, GpuParams(flat, views))
-    ctx.put(_tid(TensorKind.OPT_STATE, j), G, state)
+    ctx.put(tensor_id(TensorKind.PARAMS, j), G, GpuParams(flat, views))
+    ctx.put(tensor_id(TensorKind.OPT_STATE, j), G, state)
     ctx.end(op, Resource.H2D)
 
 
@@ -57,8 +58,8 @@ def state_store(ctx: Step, op: Op) -> None:
     """Block j's updated state and parameters GPU -> host store; the parameters stay for the forward."""
     j, run = op.block, ctx.run
     ctx.begin(op, Resource.D2H)
-    params: GpuParams = ctx.get(_tid(TensorKind.PARAMS, j), G)
-    state = ctx.take(_tid(TensorKind.OPT_STATE, j), G)
+    params: GpuParams = ctx.get(tensor_id(TensorKind.PARAMS, j), G)
+    state = ctx.take(tensor_id(TensorKind.OPT_STATE, j), G)
     with run.streams.on(Resource.D2H):
         for k, host in run.optimizer.streamed_state(j).items():
             host.copy_(state[k], non_blocking=True)

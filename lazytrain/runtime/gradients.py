@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..ir import Op, Resource, TensorKind
-from .context import G, Step, _tid
+from ..ir.ops import tensor_id
+from .context import G, Step
 from .optim import ckernel
 from .optim.clipping import squared_norm
 from .store import HostStore
@@ -23,7 +24,7 @@ def grad_offload(ctx: Step, op: Op) -> None:
     run = ctx.run
     lay = run.store.layouts[j]
     ctx.begin(op, Resource.D2H)
-    acc = ctx.take(_tid(TensorKind.GRAD_SHARD if run.world else TensorKind.GRADS, j), G)
+    acc = ctx.take(tensor_id(TensorKind.GRAD_SHARD if run.world else TensorKind.GRADS, j), G)
     host = run.store.grad[j]
     with run.streams.on(Resource.D2H):
         run.streams.keep_alive(acc, Resource.D2H)

@@ -29,8 +29,9 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from ..ir import Op, OpKind, Resource, TensorId, TensorKind
+from ..ir.ops import tensor_id
 from . import compiled_block
-from .context import G, GpuParams, H, HostCopy, N, NvmeCopy, Step, _tid
+from .context import G, GpuParams, H, HostCopy, N, NvmeCopy, Step
 from .nvme import NvmeFile
 from .rng import replaying, rng_state
 from .saved import Packer, SavedRecord
@@ -51,7 +52,7 @@ def load(ctx: Step, op: Op) -> None:
     else:
         run.streams.keep_alive(flat, Resource.GPU)
         views = {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in run.store.layouts[j].segments}
-        ctx.put(op.tensor or _tid(TensorKind.PARAMS, j), G, GpuParams(flat, views))
+        ctx.put(op.tensor or tensor_id(TensorKind.PARAMS, j), G, GpuParams(flat, views))
     ctx.end(op, Resource.H2D)
 
 
@@ -83,7 +84,7 @@ def _forward(ctx: Step, op: Op, save: bool) -> None:
     L = ctx.run.L
     ctx.begin(op, Resource.GPU)
     params: GpuParams = ctx.params(j)
-    a_in: dict = ctx.get(_tid(TensorKind.ACT, j, mb), G)
+    a_in: dict = ctx.get(tensor_id(TensorKind.ACT, j, mb), G)
     prog = ctx.run.program
     cb = prog.compiled.get(j)
     with ctx.run.streams.on(Resource.GPU), _random_draws(ctx, op):
@@ -98,7 +99,7 @@ def _forward(ctx: Step, op: Op, save: bool) -> None:
             # the copy goes to the residency table; an eager block's pack hook (kept by autograd with every
             # saved tensor until the backward) has its own dict emptied, so an offloaded saved[j] holds no GPU
             # memory through the graph (each one would: 10 GiB on a 7B plan)
-            ctx.put(_tid(TensorKind.SAVED, j, mb), G, dict(entries))
+            ctx.put(tensor_id(TensorKind.SAVED, j, mb), G, dict(entries))
             entries.clear()
             ctx.saved_rec[(j, mb)] = rec
     if j == L - 1 and op.kind is OpKind.COMPUTE:
@@ -115,7 +116,7 @@ def _forward(ctx: Step, op: Op, save: bool) -> None:
                 nxt[n] = a_in[n]
             else:
                 raise KeyError(f"boundary {j + 1} value {n!r} is neither an output of block {j} nor live before it")
-        ctx.put(_tid(TensorKind.ACT, j + 1, mb), G, nxt)
+        ctx.put(tensor_id(TensorKind.ACT, j + 1, mb), G, nxt)
     ctx.end(op, Resource.GPU)
 
 
@@ -200,10 +201,10 @@ def backward(ctx: Step, op: Op) -> None:
     L = ctx.run.L
     ctx.begin(op, Resource.GPU)
     rec: SavedRecord = ctx.saved_rec.pop((j, mb))
-    rec.entries = ctx.take(_tid(TensorKind.SAVED, j, mb), G)
+    rec.entries = ctx.take(tensor_id(TensorKind.SAVED, j, mb), G)
     params: GpuParams = ctx.params(j)
     rec.param_flats = params.flats
-    dout = ctx.take(_tid(TensorKind.GRAD_ACT, j + 1, mb), G) if j + 1 < L else {}
+    dout = ctx.take(tensor_id(TensorKind.GRAD_ACT, j + 1, mb), G) if j + 1 < L else {}
     lay = ctx.run.gpu_layouts[j] if ctx.run.gpu_layouts else ctx.run.store.layouts[j]
     with ctx.run.streams.on(Resource.GPU):
         if rec.handles is not None:
@@ -213,7 +214,7 @@ def backward(ctx: Step, op: Op) -> None:
         rec.entries = rec.param_flats = None
         targets = ctx.run.resident_targets.get(j)
         if targets is None:
-            key = _tid(TensorKind.GRADS, j)
+            key = tensor_id(TensorKind.GRADS, j)
             acc = ctx.copies.get((key, G))
             if acc is None:
                 acc = torch.zeros(lay.numel, dtype=torch.float32, device=ctx.run.device)
@@ -234,7 +235,7 @@ def backward(ctx: Step, op: Op) -> None:
             for n, g in in_grads.items():
                 if g is not None:
                     dact[n] = g if n not in dact else dact[n] + g
-            ctx.put(_tid(TensorKind.GRAD_ACT, j, mb), G, dact)
+            ctx.put(tensor_id(TensorKind.GRAD_ACT, j, mb), G, dact)
     ctx.end(op, Resource.GPU)
 
 

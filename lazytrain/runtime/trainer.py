@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..frontend.program import build_program
+from ..frontend.trace import build_program
 from ..ir import OpKind, Plan, PlanError, TensorId, TensorKind, Tier, verify
+from ..ir.ops import tensor_id
 from ..ir.order import UpdateOrder
 from ..ir.semantics import Sizes
 from . import checkpoint, interpreter
@@ -42,7 +43,7 @@ from .batch import (
     token_limits,
 )
 from .compute_device import compute_device, device_type
-from .context import GpuParams, H, HostCopy, Run, Step, _tid
+from .context import GpuParams, H, HostCopy, Run, Step
 from .distributed import World, global_tokens
 from .gpu_update import pin_state
 from .interpreter import Schedule
@@ -267,7 +268,7 @@ class Trainer:
         for m in range(self.plan.n_micro):
             part = slice(m * mb, (m + 1) * mb)
             vals = self.program.batch_inputs(ids[part], labels[part], None if positions is None else positions[part])
-            t = _tid(TensorKind.ACT, 0, m)
+            t = tensor_id(TensorKind.ACT, 0, m)
             step.put(t, H, {k: self._stage(v) for k, v in vals.items()})
             out.append(t)
         return out

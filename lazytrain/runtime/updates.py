@@ -32,8 +32,9 @@ from concurrent.futures import Future
 import torch
 
 from ..ir import Op, PlanError, Resource, TensorKind
+from ..ir.ops import tensor_id
 from ..ir.order import UpdateOrder
-from .context import G, Step, _tid
+from .context import G, Step
 from .gradients import TiedGrads
 from .optim.base import HostOptimizer
 from .optim.clipping import GradNormTracker, squared_norm
@@ -85,13 +86,13 @@ class Updates:
         # an assembled tied gradient is last step's: only a lagged update (of last step's) may use it
         self.tied.ready &= self.lagged
         for o, acc in self.kept.items():          # the accumulators GPU-updated blocks' updates apply
-            step.put(_tid(TensorKind.GRADS, o), G, acc)
+            step.put(tensor_id(TensorKind.GRADS, o), G, acc)
         self.kept = {}
 
     def carry(self, step: Step) -> None:
         """At the step's end (its norm taken): keep the GPU-updated blocks' accumulators for the next step."""
         for o in self.gpu_updated:
-            acc = step.copies.pop((_tid(TensorKind.GRADS, o), G), None)
+            acc = step.copies.pop((tensor_id(TensorKind.GRADS, o), G), None)
             if acc is not None:
                 self.kept[o] = acc
 
@@ -102,9 +103,10 @@ class Updates:
             apply = o in self.pending
             self.pending.discard(o)
             step.begin(op, Resource.GPU)
-            acc = step.copies.pop((_tid(TensorKind.GRADS, o), G), None)
+            acc = step.copies.pop((tensor_id(TensorKind.GRADS, o), G), None)
             if apply and acc is not None:
-                params, state = step.get(_tid(TensorKind.PARAMS, o), G), step.get(_tid(TensorKind.OPT_STATE, o), G)
+                params = step.get(tensor_id(TensorKind.PARAMS, o), G)
+                state = step.get(tensor_id(TensorKind.OPT_STATE, o), G)
                 with self.streams.on(Resource.GPU):
                     self.optimizer.step_streamed(o, acc, params.flat[:acc.numel()], state, self.pending_coef,
                                                  self.pending_lr)
@@ -147,7 +149,7 @@ class Updates:
             for o, acc in self.resident_grad.items():
                 step.grad_sq[o] = squared_norm(acc)
             for o in self.gpu_updated:            # as ``grad_offload`` takes it (no tied parameters here)
-                acc = step.copies.get((_tid(TensorKind.GRADS, o), G))
+                acc = step.copies.get((tensor_id(TensorKind.GRADS, o), G))
                 if acc is not None:
                     step.grad_sq[o] = squared_norm(acc)
             on_device = [j for j in range(len(self.store.layouts)) if step.grad_sq.get(j) is not None]

@@ -267,9 +267,9 @@ def _longest_tokens(d: Difficulty) -> int:
 
 # ---- drawing the arithmetic ------------------------------------------------------------------------
 
-def _operands(kind: StepKind, count: int, d: Difficulty) -> range | list[int] | None:
+def step_operands(kind: StepKind, count: int, d: Difficulty) -> range | list[int] | None:
     """The first operands a step of ``kind`` may take from ``count`` (a range to draw from, or DIV's list
-    of divisors), or None when the kind does not fit.  ADD_GROUPS's second operand: ``_groups``."""
+    of divisors), or None when the kind does not fit.  ADD_GROUPS's second operand: ``group_sizes``."""
     top, room = 10 ** d.max_digits - 1, d.max_answer - count
     if kind is StepKind.ADD:
         return range(1, min(top, room) + 1) if room >= 1 else None
@@ -284,7 +284,7 @@ def _operands(kind: StepKind, count: int, d: Difficulty) -> range | list[int] | 
     return divisors or None
 
 
-def _groups(count: int, a: int, d: Difficulty) -> range:
+def group_sizes(count: int, a: int, d: Difficulty) -> range:
     """ADD_GROUPS's second operand (``b`` packs of ``a``... ``a`` packs of ``b``) given the first."""
     return range(2, min(d.factor_max, (d.max_answer - count) // a) + 1)
 
@@ -292,11 +292,11 @@ def _groups(count: int, a: int, d: Difficulty) -> range:
 def _draw_step(rng: random.Random, count: int, d: Difficulty) -> Step:
     options: list[Step] = []  # one candidate per feasible kind, so every kind is equally likely
     for kind in d.kinds:
-        ops = _operands(kind, count, d)
+        ops = step_operands(kind, count, d)
         if ops is None:
             continue
         a = rng.choice(ops) if isinstance(ops, list) else rng.randint(ops.start, ops.stop - 1)
-        b = rng.randint(2, _groups(count, a, d).stop - 1) if kind is StepKind.ADD_GROUPS else 1
+        b = rng.randint(2, group_sizes(count, a, d).stop - 1) if kind is StepKind.ADD_GROUPS else 1
         options.append(Step(kind=kind, a=a, b=b))
     return rng.choice(options)
 

@@ -18,9 +18,9 @@ from .arith import (
     Problem,
     Step,
     StepKind,
-    _groups,
-    _operands,
     get_difficulty,
+    group_sizes,
+    step_operands,
 )
 
 #: the largest eval set: exact match's standard error at most 0.5%, in minutes on 2 cores [ledger: eval-size]
@@ -34,8 +34,8 @@ def all_problems(d: Difficulty) -> Iterator[Problem]:
             yield ()
             return
         for kind in d.kinds:
-            for a in _operands(kind, count, d) or ():
-                for b in (_groups(count, a, d) if kind is StepKind.ADD_GROUPS else (1,)):
+            for a in step_operands(kind, count, d) or ():
+                for b in (group_sizes(count, a, d) if kind is StepKind.ADD_GROUPS else (1,)):
                     step = Step(kind=kind, a=a, b=b)
                     for rest in steps_from(step.apply(count), left - 1):
                         yield (step, *rest)

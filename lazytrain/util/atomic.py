@@ -5,12 +5,16 @@ file it names is replaced, the link stays, as ``cp`` does), and anything that is
 folder, ``/dev/null``, a FIFO -- is refused with a ``ValueError`` naming it (run as root, renaming over
 ``/dev/null`` replaced the device).  The new file gets the mode the umask gives a new file (``mkstemp``'s is
 0600), or the replaced file's; on any failure the temporary file is removed.
+
+A folder (a checkpoint, an exported model) is written the same way, one level up: its files go into a temporary
+folder beside it (``write_synced``, ``fsync_file``, ``fsync_dir``), and ``commit_folder`` renames that over it.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import stat
 from pathlib import Path
 
@@ -70,3 +74,45 @@ def _new_file(target: Path) -> tuple[str, int]:
             return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
             continue
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and flush it to the disk (a file in a folder ``commit_folder`` renames next)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_file(path: Path) -> None:
+    """Flush the file at ``path`` to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush the folder ``path`` (its entries: the names created or renamed in it) to the disk."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_folder(tmp: Path, target: Path) -> None:
+    """Make the finished folder ``tmp`` the folder ``target`` with two renames: ``target`` to ``<target>.old``,
+    then ``tmp`` to ``target``.  A crash leaves ``target`` or, between the renames, ``<target>.old`` (the next
+    commit removes it); temporary folders ``<target>.tmp-*`` left by killed writers are removed."""
+    old = target.with_name(target.name + ".old")
+    if target.exists() and old.exists():      # a previous save died after its second rename
+        shutil.rmtree(old)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    for stale in target.parent.glob(f"{target.name}.tmp-*"):   # left by saves that were killed
+        shutil.rmtree(stale, ignore_errors=True)

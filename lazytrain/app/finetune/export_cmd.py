@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ...frontend.hf_export import is_hf
 from ...frontend.presets import build_from_config
-from ...frontend.trace_export import is_hf
 from ...hf.export import ExportError, check_weights, checkpoint_weights, hf_config, write_folder
 from ...hf.model_loading import has_tokenizer, read_config
 from .prepare import Source, tokenizer_for

@@ -29,8 +29,7 @@ from ...data.batches import Batches
 from ...data.encode import Encoder
 from ...frontend.presets import build_model
 from ...frontend.random_init import random_init
-from ...hf.export import _write_json as write_hf_json
-from ...hf.export import hf_config, trainer_weights, write_folder
+from ...hf.export import hf_config, trainer_weights, write_folder, write_hf_json
 from ...hf.model_loading import shard_loadable
 from ...hf.named import generation_config
 from ..loop import Progress, output_folder, start_trainer, steps, thread_tuner
