@@ -47,11 +47,13 @@ from ..ir.kinds import resource as default_resource
 from ..ir.ops import tensor_id
 from ..ir.order import HazardWalk
 from ..ir.semantics import Effects, effects_of
-from ..ir.tiers import Copy, copy, path
+from ..ir.tiers import TIERS, Copy, copy, path
 from .cost import CostModel
 
-#: where a decision keeps a value, as a tier (``Place`` and ``Saved`` name the tiers by their values)
-_T = {p: Tier(p.value) for p in Place if p is not Place.NONE}
+#: where a decision keeps a value off the GPU, as the tier it is offloaded to and reloaded from (``Place`` and
+#: ``Saved`` name the tiers by their values)
+_OFF_GPU = {p: Tier(p.value) for p in Place if p.value in TIERS and p is not Place.GPU}
+_SAVED_OFF = {s: Tier(s.value) for s in Saved if s.value in TIERS}
 G, H = Tier.GPU, Tier.HOST
 
 
@@ -243,12 +245,12 @@ class _Lowering:
                 a_in = _tid(TensorKind.ACT, j, mb)
                 if self.bplace[j] is Place.GPU:
                     pass                                  # stays until its segment's backward
-                elif self.bplace[j] in (Place.HOST, Place.NVME) and j > 0:
-                    self.offload_chain(a_in, c.act_bytes(j), _T[self.bplace[j]], j, mb)
+                elif self.bplace[j] in _OFF_GPU and j > 0:
+                    self.offload_chain(a_in, c.act_bytes(j), _OFF_GPU[self.bplace[j]], j, mb)
                 else:                                     # not kept (boundary 0: the host still holds the batch)
                     self.emit(OpKind.FREE, j, mb=mb, tensor=a_in, src=G)
-                if dec.saved[j] in (Saved.HOST, Saved.NVME):
-                    self.offload_chain(_tid(TensorKind.SAVED, j, mb), c.saved_bytes(j), _T[Place(dec.saved[j].value)],
+                if dec.saved[j] in _SAVED_OFF:
+                    self.offload_chain(_tid(TensorKind.SAVED, j, mb), c.saved_bytes(j), _SAVED_OFF[dec.saved[j]],
                                        j, mb)
             if j < L - 1 and j not in self.resident:   # a GPU-updated block's (after its store) bounds no load
                 free = self.emit(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G)
@@ -263,12 +265,12 @@ class _Lowering:
                 self.load(j)
         recomputed = dec.saved[s] is Saved.RECOMPUTE
         for mb in range(self.M):
-            if recomputed and self.bplace[s] in (Place.HOST, Place.NVME):
-                self.reload_chain(_tid(TensorKind.ACT, s, mb), c.act_bytes(s), _T[self.bplace[s]], s, mb,
+            if recomputed and self.bplace[s] in _OFF_GPU:
+                self.reload_chain(_tid(TensorKind.ACT, s, mb), c.act_bytes(s), _OFF_GPU[self.bplace[s]], s, mb,
                                   keep_host=(s == 0))
             for j in range(s, e):
-                if dec.saved[j] in (Saved.HOST, Saved.NVME):
-                    self.reload_chain(_tid(TensorKind.SAVED, j, mb), c.saved_bytes(j), _T[Place(dec.saved[j].value)],
+                if dec.saved[j] in _SAVED_OFF:
+                    self.reload_chain(_tid(TensorKind.SAVED, j, mb), c.saved_bytes(j), _SAVED_OFF[dec.saved[j]],
                                       j, mb)
 
     def backward(self) -> None:

@@ -5,6 +5,9 @@ Every value the plan names lives in ``Step.copies[(TensorId, Tier)]``, one entry
 as ``ir.semantics.effects`` describes: an op adds the copies it writes and removes the ones it
 drops, so a plan that ``verify`` accepts leaves ``copies`` as it found it (the batch on the host).
 
+``offload`` and ``reload`` are one handler, ``copy``, which runs the copy of ``COPIES`` its (source, destination)
+tiers name; ``free`` drops a copy as its tier's entry of ``FREES`` does (``ir.tiers`` is the tier table).
+
 Payloads:
 
 - ``params[j]`` on the GPU: ``GpuParams`` (one flat buffer, parameters are views into it);
