@@ -24,9 +24,10 @@ import sys
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..ir import ModelGraph, TensorId, TensorKind
+from ..ir import ModelGraph, TensorId, TensorKind, Tier
 from ..ir.semantics import DEVICE_STATE_BYTES, GRAD_WIRE_BYTES, Sizes
 from ..ir.summary import measured_blocks
+from ..ir.tiers import Copy, copy, copy_rate
 from ..util.torch_free import cuda_available
 from .hardware import HardwareProfile
 
@@ -285,14 +286,15 @@ class CostModel:
         """Bytes block j saves per micro-batch at ``cut`` (default: this cost model's cut of it)."""
         return self.sizes.saved_per_sample(j, cut) * self.micro_batch
 
+    def copy_s(self, c: Copy, nbytes: int) -> float:
+        """One copy of ``nbytes`` between two tiers, at the profile's bandwidth for it (``ir.tiers``)."""
+        return nbytes / copy_rate(self.hw, c)
+
     def d2h_s(self, nbytes: int) -> float:
-        return self.hw.d2h_seconds(nbytes)
+        return self.copy_s(copy(Tier.GPU, Tier.HOST), nbytes)
 
     def h2d_s(self, nbytes: int) -> float:
-        return self.hw.h2d_seconds(nbytes)
-
-    def nvme_s(self, nbytes: int, write: bool) -> float:
-        return self.hw.nvme_seconds(nbytes, write)
+        return self.copy_s(copy(Tier.HOST, Tier.GPU), nbytes)
 
 
 

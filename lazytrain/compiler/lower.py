@@ -43,13 +43,18 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..ir import Decisions, Op, OpKind, Place, Resource, Saved, TensorId, TensorKind, Tier
+from ..ir.kinds import resource as default_resource
 from ..ir.ops import tensor_id
 from ..ir.order import HazardWalk
 from ..ir.semantics import Effects, effects_of
+from ..ir.tiers import TIERS, Copy, copy, path
 from .cost import CostModel
 
-_T = {Place.GPU: Tier.GPU, Place.HOST: Tier.HOST, Place.NVME: Tier.NVME}
-G, H, N = Tier.GPU, Tier.HOST, Tier.NVME
+#: where a decision keeps a value off the GPU, as the tier it is offloaded to and reloaded from (``Place`` and
+#: ``Saved`` name the tiers by their values)
+_OFF_GPU = {p: Tier(p.value) for p in Place if p.value in TIERS and p is not Place.GPU}
+_SAVED_OFF = {s: Tier(s.value) for s in Saved if s.value in TIERS}
+G, H = Tier.GPU, Tier.HOST
 
 
 #: GPU-updated blocks whose state may be on the GPU at once: a state load (~6 bytes a parameter with the 8-bit
@@ -116,10 +121,12 @@ class _Lowering:
 
     def emit(self, kind: OpKind, block: int, *, mb: int | None = None, tensor: TensorId | None = None,
              src: Tier | None = None, dst: Tier | None = None, nbytes: int = 0, save: bool = False,
-             resource: Resource = Resource.NONE, seconds: float = 0.0, deps: tuple[int, ...] = ()) -> int:
-        """Append an op; its dependencies are ``deps`` (the schedule's own) and every hazard's, found from its
-        fields before it is built (a frozen op is built once)."""
+             resource: Resource | None = None, seconds: float = 0.0, deps: tuple[int, ...] = ()) -> int:
+        """Append an op, on ``resource`` or else its kind's (``ir.kinds``); its dependencies are ``deps`` (the
+        schedule's own) and every hazard's, found from its fields before it is built (a frozen op is built once)."""
         i = len(self.ops)
+        if resource is None:
+            resource = default_resource(kind)
         eff = effects_of(kind, block, mb, tensor, src, dst, save, self.sizes)
         self.effs.append(eff)
         need = self.hazards.deps_of(i, kind, resource, eff, self.ops)
@@ -144,7 +151,7 @@ class _Lowering:
         j, c = self.gu_order[k], self.cost
         n = c.state_bytes(j)
         self.emit(OpKind.STATE_LOAD, j, tensor=_tid(TensorKind.OPT_STATE, j), src=H, dst=G, nbytes=n,
-                  resource=Resource.H2D, seconds=c.state_load_s(j),
+                  seconds=c.state_load_s(j),
                   deps=(self.state_updates[k - STATE_SLOTS],) if k >= STATE_SLOTS else ())
 
     def gpu_update(self, j: int) -> None:
@@ -155,7 +162,7 @@ class _Lowering:
         self.state_updates.append(len(self.ops) - 1)
         n = c.state_bytes(j)
         self.emit(OpKind.STATE_STORE, j, tensor=_tid(TensorKind.OPT_STATE, j), src=G, dst=H, nbytes=n,
-                  resource=Resource.D2H, seconds=c.state_store_s(j))
+                  seconds=c.state_store_s(j))
         k = len(self.state_updates) - 1 + STATE_SLOTS
         if k < len(self.gu_order):
             self.state_load(k)
@@ -169,42 +176,38 @@ class _Lowering:
             if c.sharded and j not in self.gathered:
                 self.gathered.add(j)
                 self.emit(OpKind.ALL_GATHER, j, tensor=_tid(TensorKind.PARAMS, j),
-                          nbytes=c.sizes.of(_tid(TensorKind.PARAMS, j)), resource=Resource.NET,
+                          nbytes=c.sizes.of(_tid(TensorKind.PARAMS, j)),
                           seconds=c.all_gather_s(j))
             return
         if c.sharded:        # this rank's shard in, then every rank's gathered on the collective stream
             self.emit(OpKind.LOAD, j, tensor=_tid(TensorKind.PARAM_SHARD, j), src=H, dst=G, nbytes=c.load_bytes(j),
-                      resource=Resource.H2D, seconds=c.load_s(j), deps=tuple(self.param_frees[-1:]))
+                      seconds=c.load_s(j), deps=tuple(self.param_frees[-1:]))
             self.emit(OpKind.ALL_GATHER, j, tensor=_tid(TensorKind.PARAMS, j),
                       nbytes=c.sizes.of(_tid(TensorKind.PARAMS, j)),
-                      resource=Resource.NET, seconds=c.all_gather_s(j))
+                      seconds=c.all_gather_s(j))
             return
         self.emit(OpKind.LOAD, j, tensor=_tid(TensorKind.PARAMS, j), src=H, dst=G, nbytes=c.param_bytes(j),
-                  resource=Resource.H2D, seconds=c.load_s(j), deps=tuple(self.param_frees[-1:]))
+                  seconds=c.load_s(j), deps=tuple(self.param_frees[-1:]))
+
+    def copy(self, c: Copy, t: TensorId, nbytes: int, block: int, mb: int) -> int:
+        """One hop of a move between tiers, on its resource at its bandwidth (``ir.tiers``)."""
+        return self.emit(c.kind, block, mb=mb, tensor=t, src=c.src, dst=c.dst, nbytes=nbytes, resource=c.resource,
+                         seconds=self.cost.copy_s(c, nbytes))
 
     def offload_chain(self, t: TensorId, nbytes: int, to: Tier, block: int, mb: int) -> None:
         """gpu -> host (-> nvme), dropping the copies left behind."""
-        c = self.cost
-        i = self.emit(OpKind.OFFLOAD, block, mb=mb, tensor=t, src=G, dst=H, nbytes=nbytes, resource=Resource.D2H,
-                      seconds=c.d2h_s(nbytes))
-        if t.kind is TensorKind.SAVED:
-            self.saved_offloads[block].append(i)
-        self.emit(OpKind.FREE, block, mb=mb, tensor=t, src=G)
-        if to is N:
-            self.emit(OpKind.OFFLOAD, block, mb=mb, tensor=t, src=H, dst=N, nbytes=nbytes, resource=Resource.NVME,
-                      seconds=c.nvme_s(nbytes, True))
-            self.emit(OpKind.FREE, block, mb=mb, tensor=t, src=H)
+        for c in path(G, to):
+            i = self.copy(c, t, nbytes, block, mb)
+            if c.src is G and t.kind is TensorKind.SAVED:
+                self.saved_offloads[block].append(i)
+            self.emit(OpKind.FREE, block, mb=mb, tensor=t, src=c.src)
 
     def reload_chain(self, t: TensorId, nbytes: int, frm: Tier, block: int, mb: int, keep_host: bool = False) -> None:
-        c = self.cost
-        if frm is N:
-            self.emit(OpKind.RELOAD, block, mb=mb, tensor=t, src=N, dst=H, nbytes=nbytes, resource=Resource.NVME,
-                      seconds=c.nvme_s(nbytes, False))
-            self.emit(OpKind.FREE, block, mb=mb, tensor=t, src=N)
-        self.emit(OpKind.RELOAD, block, mb=mb, tensor=t, src=H, dst=G, nbytes=nbytes, resource=Resource.H2D,
-                  seconds=c.h2d_s(nbytes))
-        if not keep_host:
-            self.emit(OpKind.FREE, block, mb=mb, tensor=t, src=H)
+        """(nvme ->) host -> gpu, dropping the copies left behind (the host one unless ``keep_host``)."""
+        for c in path(frm, G):
+            self.copy(c, t, nbytes, block, mb)
+            if not (keep_host and c.src is H):
+                self.emit(OpKind.FREE, block, mb=mb, tensor=t, src=c.src)
 
     # ---- the step ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -219,8 +222,7 @@ class _Lowering:
             self.load(0)
         c = self.cost
         for mb in range(self.M):
-            self.emit(OpKind.RELOAD, 0, mb=mb, tensor=_tid(TensorKind.ACT, 0, mb), src=H, dst=G,
-                      nbytes=c.act_bytes(0), resource=Resource.H2D, seconds=c.h2d_s(c.act_bytes(0)))
+            self.copy(copy(H, G), _tid(TensorKind.ACT, 0, mb), c.act_bytes(0), 0, mb)
         for k in range(min(STATE_SLOTS, len(self.gu_order))):
             self.state_load(k)
 
@@ -238,17 +240,17 @@ class _Lowering:
                 # so GPU memory stays bounded in time even when the copies are slower than compute
                 throttle = tuple(self.saved_offloads[j][mb - 2: mb - 1]) if mb >= 2 else ()
                 self.emit(OpKind.COMPUTE, j, mb=mb, tensor=_tid(TensorKind.ACT, j + 1, mb) if j + 1 < L else None,
-                          save=save, resource=Resource.GPU, seconds=c.saving_fwd_s(j) if save else c.fwd_s(j),
+                          save=save, seconds=c.saving_fwd_s(j) if save else c.fwd_s(j),
                           deps=throttle)
                 a_in = _tid(TensorKind.ACT, j, mb)
                 if self.bplace[j] is Place.GPU:
                     pass                                  # stays until its segment's backward
-                elif self.bplace[j] in (Place.HOST, Place.NVME) and j > 0:
-                    self.offload_chain(a_in, c.act_bytes(j), _T[self.bplace[j]], j, mb)
+                elif self.bplace[j] in _OFF_GPU and j > 0:
+                    self.offload_chain(a_in, c.act_bytes(j), _OFF_GPU[self.bplace[j]], j, mb)
                 else:                                     # not kept (boundary 0: the host still holds the batch)
                     self.emit(OpKind.FREE, j, mb=mb, tensor=a_in, src=G)
-                if dec.saved[j] in (Saved.HOST, Saved.NVME):
-                    self.offload_chain(_tid(TensorKind.SAVED, j, mb), c.saved_bytes(j), _T[Place(dec.saved[j].value)],
+                if dec.saved[j] in _SAVED_OFF:
+                    self.offload_chain(_tid(TensorKind.SAVED, j, mb), c.saved_bytes(j), _SAVED_OFF[dec.saved[j]],
                                        j, mb)
             if j < L - 1 and j not in self.resident:   # a GPU-updated block's (after its store) bounds no load
                 free = self.emit(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G)
@@ -263,12 +265,12 @@ class _Lowering:
                 self.load(j)
         recomputed = dec.saved[s] is Saved.RECOMPUTE
         for mb in range(self.M):
-            if recomputed and self.bplace[s] in (Place.HOST, Place.NVME):
-                self.reload_chain(_tid(TensorKind.ACT, s, mb), c.act_bytes(s), _T[self.bplace[s]], s, mb,
+            if recomputed and self.bplace[s] in _OFF_GPU:
+                self.reload_chain(_tid(TensorKind.ACT, s, mb), c.act_bytes(s), _OFF_GPU[self.bplace[s]], s, mb,
                                   keep_host=(s == 0))
             for j in range(s, e):
-                if dec.saved[j] in (Saved.HOST, Saved.NVME):
-                    self.reload_chain(_tid(TensorKind.SAVED, j, mb), c.saved_bytes(j), _T[Place(dec.saved[j].value)],
+                if dec.saved[j] in _SAVED_OFF:
+                    self.reload_chain(_tid(TensorKind.SAVED, j, mb), c.saved_bytes(j), _SAVED_OFF[dec.saved[j]],
                                       j, mb)
 
     def backward(self) -> None:
@@ -285,18 +287,18 @@ class _Lowering:
                 if recomputed:
                     for j in range(s, e):
                         out = _tid(TensorKind.ACT, j + 1, mb) if j + 1 < e else _tid(TensorKind.SAVED, j, mb)
-                        self.emit(OpKind.RECOMPUTE, j, mb=mb, tensor=out, save=True, resource=Resource.GPU,
+                        self.emit(OpKind.RECOMPUTE, j, mb=mb, tensor=out, save=True,
                                   seconds=c.recompute_s(j))
                         self.emit(OpKind.FREE, j, mb=mb, tensor=_tid(TensorKind.ACT, j, mb), src=G)
                 for j in range(e - 1, s - 1, -1):
                     self.emit(OpKind.BACKWARD, j, mb=mb, tensor=_tid(TensorKind.GRAD_ACT, j, mb) if j > 0 else None,
-                              resource=Resource.GPU, seconds=c.bwd_s(j))
+                              seconds=c.bwd_s(j))
             for j in range(e - 1, s - 1, -1):
                 self.window = 2 * L - 1 - j
                 if j in self.resident:
                     if c.sharded:    # summed into the resident shard accumulators; the gathered copy dropped
                         self.emit(OpKind.REDUCE_SCATTER, j, tensor=_tid(TensorKind.GRAD_SHARD, j),
-                                  nbytes=c.sizes.of(_tid(TensorKind.GRADS, j)), resource=Resource.NET,
+                                  nbytes=c.sizes.of(_tid(TensorKind.GRADS, j)),
                                   seconds=c.reduce_scatter_s(j))
                         self.emit(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G)
                     continue
@@ -309,13 +311,13 @@ class _Lowering:
                     continue
                 if c.sharded:    # the ranks' gradients summed, this rank's shard kept
                     self.emit(OpKind.REDUCE_SCATTER, j, tensor=_tid(TensorKind.GRAD_SHARD, j),
-                              nbytes=c.sizes.of(_tid(TensorKind.GRADS, j)), resource=Resource.NET,
+                              nbytes=c.sizes.of(_tid(TensorKind.GRADS, j)),
                               seconds=c.reduce_scatter_s(j))
                 self.emit(OpKind.GRAD_OFFLOAD, j, tensor=_tid(TensorKind.GRADS, j), src=G, dst=H,
-                          nbytes=c.grad_bytes(j), resource=Resource.D2H, seconds=c.grad_offload_s(j))
+                          nbytes=c.grad_bytes(j), seconds=c.grad_offload_s(j))
                 self.param_frees.append(self.emit(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G))
                 for o in self.updates_after[j]:
                     self.update(o)
         if c.sharded:            # the ranks' squared norms summed: the global norm the clip needs
             self.window = 2 * L - 1
-            self.emit(OpKind.ALL_REDUCE, 0, resource=Resource.NET, nbytes=4 * L, seconds=c.all_reduce_s())
+            self.emit(OpKind.ALL_REDUCE, 0, nbytes=4 * L, seconds=c.all_reduce_s())

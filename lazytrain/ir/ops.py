@@ -118,17 +118,12 @@ class Op:
     deps: tuple[int, ...] = ()
 
     def __str__(self) -> str:
-        what = str(self.tensor) if self.tensor is not None else f"block[{self.block}]"
-        if self.kind in (OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD):
-            what = f"block[{self.block}] mb{self.mb}"
-            if self.save and self.kind is OpKind.COMPUTE:
-                what += " +saved"
-        elif self.kind is OpKind.ALL_REDUCE:
-            what = "grad norms"
+        from .kinds import KINDS  # (the registry names this class: it imports this module)
+        what = KINDS[self.kind].what(self)
         move = f"{self.src.value}->{self.dst.value}" if self.src and self.dst else (self.src.value if self.src else "")
         size = f"{self.nbytes / GiB:.2f} GiB" if self.nbytes else ""
         after = "after " + ",".join(f"#{d}" for d in self.deps) if self.deps else ""
-        width = 14 if self.kind is OpKind.REDUCE_SCATTER else 12
+        width = max(12, len(self.kind.value))
         parts = [f"#{self.id}", f"{self.kind.value:<{width}}", f"{what:<18}", f"{move:<10}", f"{size:>10}",
                  f"{self.seconds * 1e3:8.3f} ms" if self.seconds else " " * 11, after]
         return " ".join(parts).rstrip()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
+from .kinds import STEP_END_KINDS
 from .ops import Op, OpKind, Resource
 from .semantics import Effects, Sizes, Value
 
@@ -175,7 +176,7 @@ def cross_period(ops: list[Op], sizes: Sizes, *, clip: bool) -> dict[int, list[i
     accumulator its previous backward left on the GPU (with clipping, after the whole previous backward), and
     its ``state_load`` reads the host state the previous ``state_store`` wrote."""
     order = UpdateOrder.of(ops, sizes)
-    ending = frozenset((OpKind.GRAD_OFFLOAD, OpKind.BACKWARD, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE))
+    ending = STEP_END_KINDS
     load, scatter, state_load = OpKind.LOAD, OpKind.REDUCE_SCATTER, OpKind.STATE_LOAD   # (a member read off its
     step_end = [op.id for op in ops if op.kind in ending]                               # Enum is slow)
     grad_off = order.grad_offloads

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING
 
 from .format import PlanError
 from .graph import DTYPE_BYTES
+from .kinds import COLLECTIVES, COPY_KINDS
 from .limits import MAX_BATCH, MAX_SEQ_LEN, MAX_TOKENS
-from .ops import OpKind, Resource, TensorKind, Tier
+from .ops import OpKind, Resource, TensorKind
+from .tiers import COPIES, TIERS
 
 if TYPE_CHECKING:      # annotations only: plan.py imports this module to check what it reads
     from .plan import Plan
@@ -174,7 +176,7 @@ def check_plan(plan: Plan) -> None:
         check_value(plan.solver, type(plan.solver), "solver")
     _check_world(plan)
     M = dec.n_micro
-    moves = {OpKind.OFFLOAD, OpKind.RELOAD}
+    moves = COPY_KINDS
     for op in plan.ops:
         where = f"op #{op.id}"
         _need(op.block < L, f"{where}: block {op.block} out of range 0..{L - 1}")
@@ -189,13 +191,16 @@ def check_plan(plan: Plan) -> None:
         if op.kind in moves:
             _need(op.dst is not None and op.dst is not op.src,
                   f"{where}: {op.kind.value} needs a destination tier other than its source")
-            _need(Tier.GPU not in (op.src, op.dst) or Tier.NVME not in (op.src, op.dst),
-                  f"{where}: moves between the GPU and NVMe go through the host")
+            a, b = sorted((op.src, op.dst), key=_TIER_ORDER.index)
+            _need((op.src, op.dst) in COPIES, f"{where}: moves between {TIERS[a].noun} and {TIERS[b].noun} go "
+                                              "through the host")
+
+
+_TIER_ORDER = list(TIERS)
 
 
 #: the most ranks a plan may name (a sanity bound on an untrusted file: 8 hosts of 8 GPUs is 64)
 MAX_WORLD = 1 << 16
-COLLECTIVES = (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE)
 
 
 def _check_world(plan: Plan) -> None:

@@ -4,6 +4,7 @@ dependencies, verify, the simulator and the runtime's memory accounting share (`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -241,18 +242,13 @@ def effects(op: Op, sizes: Sizes) -> Effects:
     run (not counted as plan memory), read by every ``load`` of a block that reads block o's
     parameters and overwritten by o's ``update``; only their order matters.
 
-    The most frequent kinds come first (a compile asks once per op, ~10^5 times for 80 blocks)."""
+    Each kind's rule is its function in ``EFFECTS`` (a compile asks once per op, ~10^5 times for 80 blocks)."""
     return effects_of(op.kind, op.block, op.mb, op.tensor, op.src, op.dst, op.save, sizes)
 
 
-# the enum members ``effects_of`` reads, as module constants: it runs once per op (~10^5 times a compile), and in
+# the enum members the effects read, as module constants: they run once per op (~10^5 times a compile), and in
 # Python 3.11 reading a member off its Enum class costs ten times a global (EnumType's ``__getattr__`` keeps the
 # read off the interpreter's attribute cache)
-_FREE, _OFFLOAD, _RELOAD, _COMPUTE, _RECOMPUTE, _BACKWARD, _LOAD, _GRAD_OFFLOAD, _UPDATE = (
-    OpKind.FREE, OpKind.OFFLOAD, OpKind.RELOAD, OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD, OpKind.LOAD,
-    OpKind.GRAD_OFFLOAD, OpKind.UPDATE)
-_ALL_GATHER, _REDUCE_SCATTER, _ALL_REDUCE, _STATE_LOAD, _STATE_STORE = (
-    OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE, OpKind.STATE_LOAD, OpKind.STATE_STORE)
 _PARAMS, _GRADS, _ACT, _SAVED, _GRAD_ACT, _PARAM_SHARD, _GRAD_SHARD, _OPT_STATE = (
     TensorKind.PARAMS, TensorKind.GRADS, TensorKind.ACT, TensorKind.SAVED, TensorKind.GRAD_ACT, TensorKind.PARAM_SHARD,
     TensorKind.GRAD_SHARD, TensorKind.OPT_STATE)
@@ -263,76 +259,143 @@ def effects_of(k: OpKind, j: int, m: int | None, tensor: TensorId | None, src: T
                save: bool, sizes: Sizes) -> Effects:
     """``effects`` of the op with these fields (kind, block, mb, tensor, src, dst, save; the others do not
     change what it touches): the lowering asks before it builds the op, whose deps follow from them."""
-    if k is _FREE:
-        return Effects((), (), ((tensor, src),))
-    if k is _OFFLOAD or k is _RELOAD:
-        return Effects(((tensor, src),), ((tensor, dst),), ())
+    fn = EFFECTS.get(k)
+    if fn is None:
+        raise ValueError(f"unknown op kind {k}")
+    return fn(j, m, tensor, src, dst, save, sizes)
+
+
+def _free(j, m, tensor, src, dst, save, sizes) -> Effects:
+    return Effects((), (), ((tensor, src),))
+
+
+def _copy(j, m, tensor, src, dst, save, sizes) -> Effects:
+    """``offload`` and ``reload``: one copy of a value from one tier to another (``ir.tiers``)."""
+    return Effects(((tensor, src),), ((tensor, dst),), ())
+
+
+def _param_reads(j: int, sizes: Sizes) -> tuple[Value, ...]:
+    """Block j's parameters on the GPU, as its forward and backward read them.  A resident block's parameters
+    and gradients are not plan tensors in a world of one; with several ranks only its shards are
+    (``resident_shards``): the gathered parameters and accumulator are."""
+    if j in sizes.resident and sizes.world_size == 1:
+        return ()
+    return ((tensor_id(_PARAMS, j), _GPU_TIER),)
+
+
+def _forward(j: int, m: int | None, tensor: TensorId | None, save: bool, recompute: bool, sizes: Sizes) -> Effects:
+    """``compute`` (``recompute``: always saving) of block j: its output boundary, and what its backward needs
+    where it saves; a recompute of a segment's last block writes only that (its ``tensor`` is ``saved[j]``)."""
+    G = _GPU_TIER
+    reads = (*_param_reads(j, sizes), (tensor_id(_ACT, j, m), G))
+    writes = []
+    if not recompute or tensor is None or tensor.kind is _ACT:
+        if j + 1 < sizes.graph.n_blocks:
+            writes.append((tensor_id(_ACT, j + 1, m), G))
+    if save or recompute:
+        writes.append((tensor_id(_SAVED, j, m), G))
+    return Effects(reads, tuple(writes), (), sizes.workspace(j))
+
+
+def _compute(j, m, tensor, src, dst, save, sizes) -> Effects:
+    return _forward(j, m, tensor, save, False, sizes)
+
+
+def _recompute(j, m, tensor, src, dst, save, sizes) -> Effects:
+    return _forward(j, m, tensor, save, True, sizes)
+
+
+def _backward(j, m, tensor, src, dst, save, sizes) -> Effects:
+    G = _GPU_TIER
+    pread = _param_reads(j, sizes)
+    saved = tensor_id(_SAVED, j, m)
+    reads = [*pread, (saved, G)]
+    drops = [(saved, G)]
+    if j + 1 < sizes.graph.n_blocks:
+        dout = tensor_id(_GRAD_ACT, j + 1, m)
+        reads.append((dout, G))
+        drops.append((dout, G))
+    writes = [(tensor_id(_GRADS, j), G)] if pread else []
+    if j > 0:
+        writes.append((tensor_id(_GRAD_ACT, j, m), G))
+    return Effects(tuple(reads), tuple(writes), tuple(drops),
+                   sizes.backward_workspace(j) + sizes.param_grad_transient(j) + sizes.recompute_transient(j))
+
+
+def _load(j, m, tensor, src, dst, save, sizes) -> Effects:
+    """With several ranks: this rank's shard, which an all_gather completes."""
+    host = tuple((tensor_id(_PARAMS, o), _HOST_TIER) for o in sizes.owners(j))
+    dst = tensor_id(_PARAMS, j) if sizes.world_size == 1 else tensor_id(_PARAM_SHARD, j)
+    return Effects(host, ((dst, _GPU_TIER),), ())
+
+
+def _grad_offload(j, m, tensor, src, dst, save, sizes) -> Effects:
+    G = _GPU_TIER
+    g = tensor_id(_GRADS, j)
+    src = g if sizes.world_size == 1 else tensor_id(_GRAD_SHARD, j)
+    return Effects(((src, G),), ((g, _HOST_TIER),), ((src, G),), sizes.grad_cast_transient(j))
+
+
+def _update(j, m, tensor, src, dst, save, sizes) -> Effects:
+    """Consumes the host gradients of every block that reads j's parameters ..."""
+    if j in sizes.resident:         # ... or, on the GPU, the accumulator it owns for the whole run
+        return Effects((), (), (), mutates=resident_shards(sizes, j))
     G = _GPU_TIER
     params = tensor_id(_PARAMS, j)
-    resident = j in sizes.resident
-    # a resident block's parameters and gradients are not plan tensors in a world of one; with several
-    # ranks only its shards are (``resident_shards``): the gathered parameters and accumulator are
-    planned = not resident or sizes.world_size > 1
-    pread = ((params, G),) if planned else ()
-    if k is _COMPUTE or k is _RECOMPUTE:
-        reads = (*pread, (tensor_id(_ACT, j, m), G))
-        writes = []
-        if k is _COMPUTE or tensor is None or tensor.kind is _ACT:
-            if j + 1 < sizes.graph.n_blocks:
-                writes.append((tensor_id(_ACT, j + 1, m), G))
-        if save or k is _RECOMPUTE:
-            writes.append((tensor_id(_SAVED, j, m), G))
-        return Effects(reads, tuple(writes), (), sizes.workspace(j))
-    if k is _BACKWARD:
-        saved = tensor_id(_SAVED, j, m)
-        reads = [*pread, (saved, G)]
-        drops = [(saved, G)]
-        if j + 1 < sizes.graph.n_blocks:
-            dout = tensor_id(_GRAD_ACT, j + 1, m)
-            reads.append((dout, G))
-            drops.append((dout, G))
-        writes = [(tensor_id(_GRADS, j), G)] if planned else []
-        if j > 0:
-            writes.append((tensor_id(_GRAD_ACT, j, m), G))
-        return Effects(tuple(reads), tuple(writes), tuple(drops),
-                       sizes.backward_workspace(j) + sizes.param_grad_transient(j) + sizes.recompute_transient(j))
-    if k is _LOAD:        # with several ranks: this rank's shard, which an all_gather completes
-        host = tuple((tensor_id(_PARAMS, o), _HOST_TIER) for o in sizes.owners(j))
-        dst = params if sizes.world_size == 1 else tensor_id(_PARAM_SHARD, j)
-        return Effects(host, ((dst, G),), ())
-    if k is _GRAD_OFFLOAD:
-        g = tensor_id(_GRADS, j)
-        src = g if sizes.world_size == 1 else tensor_id(_GRAD_SHARD, j)
-        return Effects(((src, G),), ((g, _HOST_TIER),), ((src, G),), sizes.grad_cast_transient(j))
-    if k is _UPDATE:   # consumes the host gradients of every block that reads j's parameters
-        if resident:         # ... or, on the GPU, the accumulator it owns for the whole run
-            return Effects((), (), (), mutates=resident_shards(sizes, j))
-        if j in sizes.gpu_updated:   # ... or the accumulator kept on the GPU since the last backward
-            acc = (tensor_id(_GRADS, j), G)
-            state = (tensor_id(_OPT_STATE, j), G)
-            return Effects((acc, state, (params, G)), (), (acc,), mutates=(state, (params, G)))
-        gs = tuple((tensor_id(_GRADS, c), _HOST_TIER) for c in sizes.readers(j))
-        return Effects(gs, (), gs, mutates=((params, _HOST_TIER),))
-    if k is _ALL_GATHER:  # a resident block's shards (its own and its tied owners') stay
-        if resident:
-            return Effects(tuple((tensor_id(_PARAM_SHARD, o), G) for o in sizes.owners(j)),
-                           ((params, G),), ())
-        shard = (tensor_id(_PARAM_SHARD, j), G)
-        return Effects((shard,), ((params, G),), (shard,))
-    if k is _REDUCE_SCATTER:  # a resident block's adds into its owners' resident shard accumulators
+    if j in sizes.gpu_updated:      # ... or the accumulator kept on the GPU since the last backward
         acc = (tensor_id(_GRADS, j), G)
-        if resident:
-            return Effects((acc,), (), (acc,), mutates=tuple(
-                (tensor_id(_GRAD_SHARD, o), G) for o in sizes.owners(j)))
-        return Effects((acc,), ((tensor_id(_GRAD_SHARD, j), G),), (acc,))
-    if k is _ALL_REDUCE:   # the norms it sums are not plan values (its wait on the grad_offloads is
-        # ``ir.order``'s "norm"), but resident blocks' accumulators are read where they are
-        return Effects(tuple((tensor_id(_GRAD_SHARD, r), G) for r in sorted(sizes.resident)), (), ())
-    if k is _STATE_LOAD:     # a GPU-updated block's parameters and state, for its update and forward
-        state = tensor_id(_OPT_STATE, j)
-        return Effects(((params, _HOST_TIER), (state, _HOST_TIER)), ((params, G), (state, G)), ())
-    if k is _STATE_STORE:    # ... back to the host store, which the next load of the block copies
-        state = tensor_id(_OPT_STATE, j)
-        return Effects(((params, G), (state, G)), (), ((state, G),),
-                       mutates=((params, _HOST_TIER), (state, _HOST_TIER)))
-    raise ValueError(f"unknown op kind {k}")
+        state = (tensor_id(_OPT_STATE, j), G)
+        return Effects((acc, state, (params, G)), (), (acc,), mutates=(state, (params, G)))
+    gs = tuple((tensor_id(_GRADS, c), _HOST_TIER) for c in sizes.readers(j))
+    return Effects(gs, (), gs, mutates=((params, _HOST_TIER),))
+
+
+def _all_gather(j, m, tensor, src, dst, save, sizes) -> Effects:
+    """A resident block's shards (its own and its tied owners') stay."""
+    G = _GPU_TIER
+    params = tensor_id(_PARAMS, j)
+    if j in sizes.resident:
+        return Effects(tuple((tensor_id(_PARAM_SHARD, o), G) for o in sizes.owners(j)), ((params, G),), ())
+    shard = (tensor_id(_PARAM_SHARD, j), G)
+    return Effects((shard,), ((params, G),), (shard,))
+
+
+def _reduce_scatter(j, m, tensor, src, dst, save, sizes) -> Effects:
+    """A resident block's adds into its owners' resident shard accumulators."""
+    G = _GPU_TIER
+    acc = (tensor_id(_GRADS, j), G)
+    if j in sizes.resident:
+        return Effects((acc,), (), (acc,), mutates=tuple((tensor_id(_GRAD_SHARD, o), G) for o in sizes.owners(j)))
+    return Effects((acc,), ((tensor_id(_GRAD_SHARD, j), G),), (acc,))
+
+
+def _all_reduce(j, m, tensor, src, dst, save, sizes) -> Effects:
+    """The norms it sums are not plan values (its wait on the grad_offloads is ``ir.order``'s "norm"), but
+    resident blocks' accumulators are read where they are."""
+    return Effects(tuple((tensor_id(_GRAD_SHARD, r), _GPU_TIER) for r in sorted(sizes.resident)), (), ())
+
+
+def _state_load(j, m, tensor, src, dst, save, sizes) -> Effects:
+    """A GPU-updated block's parameters and state, for its update and forward."""
+    G, H = _GPU_TIER, _HOST_TIER
+    params, state = tensor_id(_PARAMS, j), tensor_id(_OPT_STATE, j)
+    return Effects(((params, H), (state, H)), ((params, G), (state, G)), ())
+
+
+def _state_store(j, m, tensor, src, dst, save, sizes) -> Effects:
+    """... back to the host store, which the next load of the block copies."""
+    G, H = _GPU_TIER, _HOST_TIER
+    params, state = tensor_id(_PARAMS, j), tensor_id(_OPT_STATE, j)
+    return Effects(((params, G), (state, G)), (), ((state, G),), mutates=((params, H), (state, H)))
+
+
+#: what one kind's op touches, from the op's fields after its kind (``effects_of``'s arguments)
+EffectsFn = Callable[[int, "int | None", "TensorId | None", "Tier | None", "Tier | None", bool, Sizes], Effects]
+
+#: each kind's effects: the column of the op registry (``ir.kinds``) that ``effects_of`` reads
+EFFECTS: dict[OpKind, EffectsFn] = {
+    OpKind.LOAD: _load, OpKind.COMPUTE: _compute, OpKind.RECOMPUTE: _recompute, OpKind.BACKWARD: _backward,
+    OpKind.OFFLOAD: _copy, OpKind.RELOAD: _copy, OpKind.GRAD_OFFLOAD: _grad_offload, OpKind.UPDATE: _update,
+    OpKind.STATE_LOAD: _state_load, OpKind.STATE_STORE: _state_store, OpKind.FREE: _free,
+    OpKind.ALL_GATHER: _all_gather, OpKind.REDUCE_SCATTER: _reduce_scatter, OpKind.ALL_REDUCE: _all_reduce,
+}

@@ -9,6 +9,7 @@ from .decisions import Place, Saved
 from .graph import loss_chunk_columns, padded_row
 from .ops import GiB, OpKind
 from .semantics import Sizes
+from .tiers import TIERS
 
 VALUE_WIDTH = 60
 
@@ -216,12 +217,15 @@ def _budget_rows(budgets: dict) -> list[list[str]]:
     """The budgets the peaks above are held to: the GPU's after its reserve (and the memory it was given)."""
     if not isinstance(budgets, dict) or not isinstance(budgets.get("gpu_bytes"), (int, float)):
         return []
-    nvme = budgets.get("nvme_bytes") or 0
     total, res = budgets.get("gpu_total_bytes"), budgets.get("gpu_reserve_bytes")
     given = (f" (GPU: {total / GiB:.2f} less a {res / GiB:.2f} reserve)"
              if isinstance(total, (int, float)) and isinstance(res, (int, float)) else "")
-    return [["budget GPU / host / NVMe", f"{budgets['gpu_bytes'] / GiB:.2f} / "
-                                         f"{(budgets.get('host_bytes') or 0) / GiB:.2f} / {nvme / GiB:.2f} GiB{given}"]]
+    caps = " / ".join(f"{(budgets.get(spec.budget) or 0) / GiB:.2f}" for spec in TIERS.values())
+    return [[f"budget {_TIER_LABELS}", f"{caps} GiB{given}"]]
+
+
+#: the tiers as the summary's rows name them ("GPU / host / NVMe")
+_TIER_LABELS = " / ".join(spec.label for spec in TIERS.values())
 
 
 def summary_rows(plan) -> list[list]:
@@ -247,9 +251,8 @@ def summary_rows(plan) -> list[list]:
             ["block compute times", _compute_source_text(plan)],
             ["hardware figures", _hardware_text(plan.hardware)],
             ["predicted model TFLOPS", model_tflops_text(pred)],
-            ["peak GPU / host / NVMe", f"{pred.get('peak_gpu_bytes', 0) / GiB:.2f} / "
-                                       f"{pred.get('peak_host_bytes', 0) / GiB:.2f} / "
-                                       f"{pred.get('peak_nvme_bytes', 0) / GiB:.2f} GiB"],
+            [f"peak {_TIER_LABELS}", " / ".join(f"{pred.get(spec.peak, 0) / GiB:.2f}" for spec in TIERS.values())
+             + " GiB"],
             *_budget_rows(plan.budgets),
             ["busy s (gpu h2d d2h cpu nvme)", " ".join(f"{pred.get('busy_s', {}).get(r, 0):.3f}"
                                                        for r in ("gpu", "h2d", "d2h", "cpu", "nvme"))],

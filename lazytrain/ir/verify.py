@@ -18,6 +18,7 @@ from .format import PLAN_FORMAT, PlanError
 from .ops import GiB, Op, OpKind, Resource, TensorId, TensorKind, Tier
 from .order import Hazard, HazardWalk, UpdateOrder
 from .semantics import Effects, Sizes, effects, resident_shards, tie_closure
+from .tiers import TIERS
 
 if TYPE_CHECKING:      # annotations only: plan.py imports this module to check what it reads
     from .plan import Plan
@@ -59,11 +60,10 @@ def verify(plan: Plan, *, early_exit: bool = False, effs: list[Effects] | None =
         raise ValueError(f"effs holds {len(effs)} effects for {len(plan.ops)} ops")
     report = _walk(plan, sizes, effs, order, early_exit)
     _check_order(plan, effs)
-    for name, used, key in (("GPU", report.peak_gpu_bytes, "gpu_bytes"), ("host", report.peak_host_bytes, "host_bytes"),
-                            ("NVMe", report.peak_nvme_bytes, "nvme_bytes")):
-        cap = plan.budgets.get(key)
+    for spec in TIERS.values():
+        cap, used = plan.budgets.get(spec.budget), getattr(report, spec.peak)
         if cap is not None and used > cap:
-            raise PlanError(f"peak {name} memory {used / GiB:.2f} GiB exceeds the budget of {cap / GiB:.2f} GiB")
+            raise PlanError(f"peak {spec.label} memory {used / GiB:.2f} GiB exceeds the budget of {cap / GiB:.2f} GiB")
     return report
 
 
@@ -244,8 +244,10 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
     GPU, HOST, GRADS, UPDATE = Tier.GPU, Tier.HOST, TensorKind.GRADS, OpKind.UPDATE
     host_static = _STATIC_HOST_KINDS
     batch_kinds = {t.kind for t, _ in batch}
-    gpu_use, host_use, nvme_use = sizes.resident_bytes() + sizes.kept_grad_bytes(), 0, 0
-    gpu_peak, host_peak, nvme_peak = gpu_use, host_use, nvme_use
+    use = dict.fromkeys(TIERS, 0)        # plan bytes on each tier now, and at their peak
+    use[GPU] = sizes.resident_bytes() + sizes.kept_grad_bytes()
+    peak = dict(use)
+    off_gpu = [tier for tier in TIERS if tier is not GPU]
     for op, eff in zip(ops, effs):
         drops, mutates = eff.drops, eff.mutates
         if op.kind is UPDATE:     # (its reads and drops are checked, not its in-place writes)
@@ -266,37 +268,28 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
                 raise _fail(op, f"writes {t} on {tier.value}, which is already there (leak or double load)")
             at[tier] = op.id
             if not (tier is HOST and t.kind in host_static or t.kind in batch_kinds and (t, tier) in batch):
-                if tier is GPU:
-                    gpu_use += sizes.of(t, tier)
-                elif tier is HOST:
-                    host_use += sizes.of(t, tier)
-                else:
-                    nvme_use += sizes.of(t, tier)
-        if gpu_use + eff.transient > gpu_peak:
-            gpu_peak = gpu_use + eff.transient
-        if early_exit and gpu_cap is not None and gpu_peak > gpu_cap:
-            raise _fail(op, f"GPU memory {gpu_peak / GiB:.2f} GiB exceeds the budget of {gpu_cap / GiB:.2f} GiB")
+                use[tier] += sizes.of(t, tier)
+        gpu_now = use[GPU] + eff.transient      # (a transient is GPU memory only)
+        if gpu_now > peak[GPU]:
+            peak[GPU] = gpu_now
+        if early_exit and gpu_cap is not None and peak[GPU] > gpu_cap:
+            raise _fail(op, f"GPU memory {peak[GPU] / GiB:.2f} GiB exceeds the budget of {gpu_cap / GiB:.2f} GiB")
         for t, tier in drops:
             at = where.get(t)
             if at is None or tier not in at:
                 raise _fail(op, f"drops {t} on {tier.value}, which is not resident there")
             del at[tier]
             if not (tier is HOST and t.kind in host_static or t.kind in batch_kinds and (t, tier) in batch):
-                if tier is GPU:
-                    gpu_use -= sizes.of(t, tier)
-                elif tier is HOST:
-                    host_use -= sizes.of(t, tier)
-                else:
-                    nvme_use -= sizes.of(t, tier)
-        if host_use > host_peak:
-            host_peak = host_use
-        if nvme_use > nvme_peak:
-            nvme_peak = nvme_use
-        curve.append(gpu_use)
+                use[tier] -= sizes.of(t, tier)
+        for tier in off_gpu:
+            if use[tier] > peak[tier]:
+                peak[tier] = use[tier]
+        curve.append(use[GPU])
     start.check_end(where)
     static_host = host_static_bytes(plan)
-    return MemoryReport(peak_gpu_bytes=gpu_peak, peak_host_bytes=static_host + host_peak,
-                        peak_nvme_bytes=nvme_peak, host_static_bytes=static_host, gpu_curve=tuple(curve))
+    peak[HOST] += static_host
+    return MemoryReport(**{TIERS[tier].peak: n for tier, n in peak.items()}, host_static_bytes=static_host,
+                        gpu_curve=tuple(curve))
 
 
 class _StepStart:

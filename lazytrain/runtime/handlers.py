@@ -5,6 +5,9 @@ Every value the plan names lives in ``Step.copies[(TensorId, Tier)]``, one entry
 as ``ir.semantics.effects`` describes: an op adds the copies it writes and removes the ones it
 drops, so a plan that ``verify`` accepts leaves ``copies`` as it found it (the batch on the host).
 
+``offload`` and ``reload`` are one handler, ``copy``, which runs the copy of ``COPIES`` its (source, destination)
+tiers name; ``free`` drops a copy as its tier's entry of ``FREES`` does (``ir.tiers`` is the tier table).
+
 Payloads:
 
 - ``params[j]`` on the GPU: ``GpuParams`` (one flat buffer, parameters are views into it);
@@ -24,14 +27,16 @@ On the host a tensor is a typed view of a pooled byte buffer (``HostPool``), on 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from ..ir import Op, OpKind, Resource, TensorId, TensorKind
+from ..ir import Op, OpKind, Resource, TensorId, TensorKind, Tier
 from ..ir.ops import tensor_id
+from ..ir.tiers import COPIES as TIER_COPIES
 from . import compiled_block
-from .context import G, GpuParams, H, HostCopy, N, NvmeCopy, Step
+from .context import G, GpuParams, H, HostCopy, N, NvmeCopy, Payload, Step
 from .nvme import NvmeFile
 from .rng import replaying, rng_state
 from .saved import Packer, SavedRecord
@@ -265,72 +270,100 @@ def _tag(t: TensorId, k) -> str:
     return f"{t.kind.value}{t.index}_mb{t.mb}_{k}"
 
 
-def offload(ctx: Step, op: Op) -> None:
+def _gpu_to_host(ctx: Step, op: Op) -> None:
     t = op.tensor
-    if op.src is G and op.dst is H:
-        ctx.begin(op, Resource.D2H)
-        payload = ctx.get(t, G)
-        with ctx.run.streams.on(Resource.D2H):
-            ctx.put(t, H, {k: _to_host(ctx, v) for k, v in payload.items()})
-        ctx.end(op, Resource.D2H)
-    elif op.src is H and op.dst is N:
-        payload = ctx.get(t, H)
-        files = {k: (NvmeCopy(NvmeFile(ctx.run.nvme.path(_tag(t, k)), v.buf.numel()), v.tensor.dtype,
-                              tuple(v.tensor.shape)) if isinstance(v, HostCopy) else v) for k, v in payload.items()}
-
-        def write():
-            for k, v in payload.items():
-                if isinstance(v, HostCopy):
-                    ctx.run.nvme.write(_tag(t, k), v.buf)
-        ctx.submit(ctx.run.streams.nvme, op, write)
-        ctx.put(t, N, files)
-    else:
-        raise ValueError(f"offload {op.src} -> {op.dst} is not a move this runtime knows")
+    ctx.begin(op, Resource.D2H)
+    payload = ctx.get(t, G)
+    with ctx.run.streams.on(Resource.D2H):
+        ctx.put(t, H, {k: _to_host(ctx, v) for k, v in payload.items()})
+    ctx.end(op, Resource.D2H)
 
 
-def reload(ctx: Step, op: Op) -> None:
+def _host_to_nvme(ctx: Step, op: Op) -> None:
     t = op.tensor
-    if op.src is H and op.dst is G:
-        ctx.begin(op, Resource.H2D)
-        payload = ctx.get(t, H)
-        with ctx.run.streams.on(Resource.H2D):
-            ctx.put(t, G, {k: _to_gpu(ctx, v) for k, v in payload.items()})
-        ctx.end(op, Resource.H2D)
-    elif op.src is N and op.dst is H:
-        files = ctx.get(t, N)
-        host = {}
+    payload = ctx.get(t, H)
+    files = {k: (NvmeCopy(NvmeFile(ctx.run.nvme.path(_tag(t, k)), v.buf.numel()), v.tensor.dtype,
+                          tuple(v.tensor.shape)) if isinstance(v, HostCopy) else v) for k, v in payload.items()}
+
+    def write():
+        for k, v in payload.items():
+            if isinstance(v, HostCopy):
+                ctx.run.nvme.write(_tag(t, k), v.buf)
+    ctx.submit(ctx.run.streams.nvme, op, write)
+    ctx.put(t, N, files)
+
+
+def _host_to_gpu(ctx: Step, op: Op) -> None:
+    t = op.tensor
+    ctx.begin(op, Resource.H2D)
+    payload = ctx.get(t, H)
+    with ctx.run.streams.on(Resource.H2D):
+        ctx.put(t, G, {k: _to_gpu(ctx, v) for k, v in payload.items()})
+    ctx.end(op, Resource.H2D)
+
+
+def _nvme_to_host(ctx: Step, op: Op) -> None:
+    t = op.tensor
+    files = ctx.get(t, N)
+    host = {}
+    for k, v in files.items():
+        if isinstance(v, NvmeCopy):
+            buf = ctx.run.pool.acquire(v.file.nbytes)
+            host[k] = HostCopy(buf, buf.view(v.dtype).view(v.shape))
+        else:
+            host[k] = v
+
+    def read():
         for k, v in files.items():
             if isinstance(v, NvmeCopy):
-                buf = ctx.run.pool.acquire(v.file.nbytes)
-                host[k] = HostCopy(buf, buf.view(v.dtype).view(v.shape))
-            else:
-                host[k] = v
+                ctx.run.nvme.read(v.file, host[k].buf)
+    ctx.submit(ctx.run.streams.nvme, op, read)
+    ctx.put(t, H, host)
 
-        def read():
-            for k, v in files.items():
-                if isinstance(v, NvmeCopy):
-                    ctx.run.nvme.read(v.file, host[k].buf)
-        ctx.submit(ctx.run.streams.nvme, op, read)
-        ctx.put(t, H, host)
-    else:
-        raise ValueError(f"reload {op.src} -> {op.dst} is not a move this runtime knows")
+
+#: the runtime's copy of a value from one tier to another, keyed by (source, destination): one per copy of
+#: ``ir.tiers.COPIES`` (a test checks the two agree)
+COPIES: dict[tuple[Tier, Tier], Callable[[Step, Op], None]] = {
+    (G, H): _gpu_to_host, (H, N): _host_to_nvme, (H, G): _host_to_gpu, (N, H): _nvme_to_host}
+
+
+def copy(ctx: Step, op: Op) -> None:
+    """``offload`` and ``reload``: the copy its (source, destination) names, in the direction its kind says."""
+    fn = COPIES.get((op.src, op.dst))
+    c = TIER_COPIES.get((op.src, op.dst))
+    if fn is None or c is None or c.kind is not op.kind:
+        raise ValueError(f"{op.kind.value} {op.src} -> {op.dst} is not a move this runtime knows")
+    fn(ctx, op)
+
+
+def _free_gpu(ctx: Step, op: Op, payload) -> None:
+    """GPU memory: the last reader on another stream was recorded with ``record_stream``, so the allocator reuses
+    it only after that read."""
+    ctx.done[op.id] = None
+
+
+def _free_host(ctx: Step, op: Op, payload) -> None:
+    """Host buffers go back to the pool with the readers' completion handles."""
+    after = ctx.dep_handles(op)
+    for v in payload.values():
+        if isinstance(v, HostCopy):
+            ctx.run.pool.release(v.buf, after)
+    ctx.done[op.id] = None
+
+
+def _free_nvme(ctx: Step, op: Op, payload) -> None:
+    """Files are deleted by the NVMe worker after its reads."""
+    def delete():
+        for v in payload.values():
+            if isinstance(v, NvmeCopy):
+                ctx.run.nvme.delete(v.file)
+    ctx.submit(ctx.run.streams.nvme, op, delete)
+
+
+#: how a copy on each tier is dropped, keyed by tier (a test checks every tier has one)
+FREES: dict[Tier, Callable[[Step, Op, Payload], None]] = {G: _free_gpu, H: _free_host, N: _free_nvme}
 
 
 def free(ctx: Step, op: Op) -> None:
-    """Drop one copy.  GPU memory: the last reader on another stream was recorded with
-    ``record_stream``, so the allocator reuses it only after that read; host buffers go back to the
-    pool with the readers' completion handles; files are deleted by the NVMe worker after its reads."""
-    payload = ctx.take(op.tensor, op.src)
-    if op.src is H:
-        after = ctx.dep_handles(op)
-        for v in payload.values():
-            if isinstance(v, HostCopy):
-                ctx.run.pool.release(v.buf, after)
-    elif op.src is N:
-        def delete():
-            for v in payload.values():
-                if isinstance(v, NvmeCopy):
-                    ctx.run.nvme.delete(v.file)
-        ctx.submit(ctx.run.streams.nvme, op, delete)
-        return
-    ctx.done[op.id] = None
+    """Drop one copy, as its tier does (``FREES``)."""
+    FREES[op.src](ctx, op, ctx.take(op.tensor, op.src))

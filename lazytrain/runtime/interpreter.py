@@ -29,8 +29,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from ..ir import Op, OpKind, Plan, Resource, Tier
+from ..ir.kinds import COPY_KINDS
 from ..ir.order import cross_period
 from ..ir.semantics import Sizes
+from ..ir.tiers import TIERS
 from . import collectives as coll
 from . import gpu_update as gu
 from . import gradients as gr
@@ -38,13 +40,15 @@ from . import handlers as h
 from .context import Step, describe
 from .updates import Updates, update
 
+#: the runtime's handler of each op kind (the runtime's column of the op registry, ``ir.kinds``, which sits below
+#: it: a test checks every kind has one)
 HANDLERS: dict[OpKind, Callable[[Step, Op], None]] = {
     OpKind.LOAD: h.load,
     OpKind.COMPUTE: h.compute,
     OpKind.RECOMPUTE: h.recompute,
     OpKind.BACKWARD: h.backward,
-    OpKind.OFFLOAD: h.offload,
-    OpKind.RELOAD: h.reload,
+    OpKind.OFFLOAD: h.copy,
+    OpKind.RELOAD: h.copy,
     OpKind.GRAD_OFFLOAD: gr.grad_offload,
     OpKind.UPDATE: update,
     OpKind.FREE: h.free,
@@ -80,16 +84,22 @@ def run(ctx: Step) -> None:
                     inflight.popleft().synchronize()
 
 
+def _worker_tier(t: Tier | None) -> bool:
+    """Are copies and frees on tier ``t`` done by a host worker (``ir.tiers.TierSpec.on_worker``: file I/O)?"""
+    return t is not None and TIERS[t].on_worker
+
+
 def on_worker(op: Op) -> bool:
     """Does the op run on a host worker (its completion handle is a ``Future``)?"""
     k = op.kind
-    return ((k is OpKind.UPDATE and op.resource is not Resource.GPU) or (k is OpKind.OFFLOAD and op.dst is Tier.NVME)
-            or (k in (OpKind.RELOAD, OpKind.FREE) and op.src is Tier.NVME))
+    return ((k is OpKind.UPDATE and op.resource is not Resource.GPU)
+            or (k in COPY_KINDS and (_worker_tier(op.src) or _worker_tier(op.dst)))
+            or (k is OpKind.FREE and _worker_tier(op.src)))
 
 
 def _instant(op: Op) -> bool:
     """Issued and complete in one go on this thread, waiting for nothing (GPU and host frees)."""
-    return op.kind is OpKind.FREE and op.src is not Tier.NVME
+    return op.kind is OpKind.FREE and not _worker_tier(op.src)
 
 
 class Schedule:

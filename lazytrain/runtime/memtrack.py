@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..ir import Op
+from ..ir import Op, Tier
 from ..ir.semantics import Sizes, effects
 from ..ir.verify import verify
 from . import interpreter
@@ -180,7 +180,7 @@ def compare(plan, mem: DeviceMemory, base: int = 0) -> list[OpCompare]:
     out, prev = [], 0
     for op, after in zip(plan.ops, rep.gpu_curve):
         eff = effects(op, sizes)
-        peak = prev + sum(sizes.of(t, tier) for t, tier in eff.writes if tier.value == "gpu") + eff.transient
+        peak = prev + sum(sizes.of(t, tier) for t, tier in eff.writes if tier is Tier.GPU) + eff.transient
         r = by_id.get(op.id)
         if r is not None:
             out.append(OpCompare(op, after, max(peak, after), r.after - base, r.peak - base, prev, r.before - base))
