@@ -7,7 +7,8 @@ import pytest
 
 import lazytrain.ir as ir
 from lazytrain.compiler.cost import CostModel
-from lazytrain.compiler.hardware import HardwareProfile, get_profile
+from lazytrain.compiler.hardware import HardwareProfile
+from lazytrain.compiler.profiles import get_profile
 from lazytrain.compiler.synthetic import chain
 from lazytrain.ir import Op, OpKind, Resource, TensorId, TensorKind, Tier
 from lazytrain.ir.kinds import COPY_KINDS, KINDS

@@ -2,11 +2,12 @@
 row here, its effects function (``semantics.EFFECTS``) and its runtime handler (``runtime.interpreter.HANDLERS``;
 the runtime sits above the IR, so it keeps its own table, which a test checks is complete).
 
-Who reads which column: ``semantics.effects_of`` the effects; ``Op.__str__`` the printer; the lowering the
-resource an op of the kind runs on (a copy's comes from the tier table, ``ir.tiers``); ``schema`` which kinds
-are copies and which collectives; ``order.cross_period`` which kinds end a step; the grammar lines are those
-of ``lazytrain/ir/__init__.py`` (a test checks each is there).  ``docs/architecture.md``, "How to add an op
-kind", lists the places a new kind needs.
+Who reads which column: ``semantics.effects_of`` the effects; ``Op.__str__`` the printer (kept in ``ops.py``
+beside the op it prints, so that the IR's data imports no registry); the lowering the resource an op of the kind
+runs on (a copy's comes from the tier table, ``ir.tiers``); ``schema`` which kinds are copies and which
+collectives; ``order.cross_period`` which kinds end a step; the grammar lines are those of
+``lazytrain/ir/__init__.py`` (a test checks each is there).  ``docs/architecture.md``, "How to add an op kind",
+lists the places a new kind needs.
 """
 
 from __future__ import annotations
@@ -14,21 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .ops import Op, OpKind, Resource
+from .ops import OPERAND_TEXT, Op, OpKind, Resource, operand_text
 from .semantics import EFFECTS, EffectsFn
-
-
-def _tensor_or_block(op: Op) -> str:
-    return str(op.tensor) if op.tensor is not None else f"block[{op.block}]"
-
-
-def _block_mb(op: Op) -> str:
-    what = f"block[{op.block}] mb{op.mb}"
-    return what + " +saved" if op.save and op.kind is OpKind.COMPUTE else what
-
-
-def _grad_norms(op: Op) -> str:
-    return "grad norms"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,8 +29,8 @@ class OpSpec:
     #: the resources an op of the kind runs on, the first where the lowering has no other reason; empty: a
     #: copy, whose resource is its tiers' (``ir.tiers.copy``)
     resources: tuple[Resource, ...]
-    #: the operand column of its printed line (``Op.__str__``)
-    what: Callable[[Op], str] = _tensor_or_block
+    #: the operand column of its printed line (``Op.__str__``: ``ops.OPERAND_TEXT``, next to the op it prints)
+    what: Callable[[Op], str] = operand_text
     #: the last ops of a step: with exact clipping a lagged update waits for all of the previous step's
     #: (``order.cross_period``)
     ends_step: bool = False
@@ -59,7 +47,8 @@ class OpSpec:
 
 
 def _row(kind: OpKind, grammar: str, resources: tuple[Resource, ...], **kw) -> OpSpec:
-    return OpSpec(kind=kind, grammar=grammar, effects=EFFECTS[kind], resources=resources, **kw)
+    return OpSpec(kind=kind, grammar=grammar, effects=EFFECTS[kind], resources=resources,
+                  what=OPERAND_TEXT.get(kind, operand_text), **kw)
 
 
 _H2D, _D2H, _GPU, _CPU, _NET = Resource.H2D, Resource.D2H, Resource.GPU, Resource.CPU, Resource.NET
@@ -68,11 +57,11 @@ _H2D, _D2H, _GPU, _CPU, _NET = Resource.H2D, Resource.D2H, Resource.GPU, Resourc
 KINDS: dict[OpKind, OpSpec] = {s.kind: s for s in (
     _row(OpKind.LOAD, "load        params[j]            host->gpu   (h2d)", (_H2D,)),
     _row(OpKind.COMPUTE, "compute     block[j] mbM [+saved] reads params[j], act[j] mbM; writes act[j+1] mbM",
-         (_GPU,), what=_block_mb),
+         (_GPU,)),
     _row(OpKind.RECOMPUTE, "recompute   block[j] mbM         as compute, during backward; always writes saved[j] mbM",
-         (_GPU,), what=_block_mb),
+         (_GPU,)),
     _row(OpKind.BACKWARD, "backward    block[j] mbM         reads saved[j], dact[j+1]; writes dact[j]; accumulates "
-         "grads[j]", (_GPU,), what=_block_mb, ends_step=True),
+         "grads[j]", (_GPU,), ends_step=True),
     _row(OpKind.OFFLOAD, "offload     act[i]|saved[j] mbM  gpu->host (d2h) | host->nvme (nvme)   -- a copy", ()),
     _row(OpKind.RELOAD, "reload      act[i]|saved[j] mbM  nvme->host (nvme) | host->gpu (h2d)   -- a copy", ()),
     _row(OpKind.GRAD_OFFLOAD, "grad_offload grads[j]            gpu->host (d2h), moves", (_D2H,), ends_step=True),
@@ -88,7 +77,7 @@ KINDS: dict[OpKind, OpSpec] = {s.kind: s for s in (
     _row(OpKind.REDUCE_SCATTER, "reduce_scatter gshard[j]         reads, drops grads[j] gpu; writes gshard[j] (net)",
          (_NET,), ends_step=True),
     _row(OpKind.ALL_REDUCE, "all_reduce  grad norms           sums the ranks' squared norms (net), after the last "
-         "grad_offload", (_NET,), what=_grad_norms, ends_step=True),
+         "grad_offload", (_NET,), ends_step=True),
 )}
 
 #: kinds that copy a value between tiers, and the collectives (``OpSpec.is_copy``, ``OpSpec.collective``)

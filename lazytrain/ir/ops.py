@@ -118,8 +118,7 @@ class Op:
     deps: tuple[int, ...] = ()
 
     def __str__(self) -> str:
-        from .kinds import KINDS  # (the registry names this class: it imports this module)
-        what = KINDS[self.kind].what(self)
+        what = operand_text(self)
         move = f"{self.src.value}->{self.dst.value}" if self.src and self.dst else (self.src.value if self.src else "")
         size = f"{self.nbytes / GiB:.2f} GiB" if self.nbytes else ""
         after = "after " + ",".join(f"#{d}" for d in self.deps) if self.deps else ""
@@ -146,3 +145,27 @@ class Op:
                   nbytes=int(d.get("nbytes", 0)), save=bool(d.get("save", False)),
                   resource=Resource(d.get("resource", "none")), seconds=float(d.get("seconds", 0.0)),
                   window=int(d.get("window", 0)), deps=tuple(int(x) for x in d.get("deps", ())))
+
+
+def _tensor_or_block(op: Op) -> str:
+    return str(op.tensor) if op.tensor is not None else f"block[{op.block}]"
+
+
+def _block_mb(op: Op) -> str:
+    what = f"block[{op.block}] mb{op.mb}"
+    return what + " +saved" if op.save and op.kind is OpKind.COMPUTE else what
+
+
+def _grad_norms(op: Op) -> str:
+    return "grad norms"
+
+
+#: the operand column of an op's printed line (``Op.__str__``), by kind where it is not the op's tensor (or its
+#: block); the op registry (``ir.kinds``) names it as each kind's printer
+OPERAND_TEXT = {OpKind.COMPUTE: _block_mb, OpKind.RECOMPUTE: _block_mb, OpKind.BACKWARD: _block_mb,
+                OpKind.ALL_REDUCE: _grad_norms}
+
+
+def operand_text(op: Op) -> str:
+    """The operand column of ``op``'s printed line."""
+    return OPERAND_TEXT.get(op.kind, _tensor_or_block)(op)
