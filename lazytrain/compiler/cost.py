@@ -84,11 +84,9 @@ class CostModel:
     def _from_other_micro_batch(self, j: int, sig: str):
         """Block j's timing at the micro-batch nearest this one (by ratio; the larger on a tie) that the calibration
         timed its program at, scaled to this micro-batch by the FLOP model's own ratio of the two (forwards by the
-        forward's, backwards by the backward's); None where none was timed.  Why not the FLOP model alone: it
-        prices compiled blocks 1.2-1.7x their measured time (qwen2.5-3b on the H200, micro-batch 8: a layer's
-        forward 3.24 ms modelled against 1.91 measured, its backward 6.18 against 4.71, the head's 34.1 against
-        27.2), and a calibration at one micro-batch would then make every other look dearer than it is; scaled
-        from the micro-batch 32 timing the same four came within 0.96-1.20x."""
+        forward's, backwards by the backward's); None where none was timed.  Not the FLOP model alone: it prices
+        compiled blocks well above their measured time, so a calibration at one micro-batch would make every other
+        look dearer than it is [ledger: cost-other-micro-batch]."""
         timed = [t for t in self.hw.calibration if t.signature == sig and t.micro_batch > 0]
         if not timed:
             return None
@@ -116,9 +114,8 @@ class CostModel:
     def saving_fwd_s(self, j: int) -> float:
         """Forward of block j when it saves for backward (kept or offloaded): at a cut, the cut's measured forward
         (``fwd_s``); at the min-cut, the measured recompute, which is that same saving forward.  Calibration's
-        ``forward_s`` is the forward that saves nothing (a recomputed block's, under no grad): on the H200 a
-        compiled qwen2.5-7b layer's was 21.7 ms against 24.7 for the saving one, and pricing kept blocks at it
-        left the forward 15% short of the step."""
+        ``forward_s`` is the forward that saves nothing (a recomputed block's, under no grad), shorter than the
+        saving one, so it would price kept blocks short [ledger: cost-saving-forward]."""
         k = self.cut[j] if self.cut else 0
         return self.fwd_s(j) if k else self._block_s[j][1]
 

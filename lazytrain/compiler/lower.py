@@ -57,9 +57,8 @@ _SAVED_OFF = {s: Tier(s.value) for s in Saved if s.value in TIERS}
 G, H = Tier.GPU, Tier.HOST
 
 
-#: GPU-updated blocks whose state may be on the GPU at once: a state load (~6 bytes a parameter with the 8-bit
-#: optimizer: ~9 ms for a 77 M parameter layer over PCIe) then spans the forwards of the blocks before it
-#: (7.5 ms each for qwen2.5-3b at batch 32), so it is done when the block's update is reached
+#: GPU-updated blocks whose state may be on the GPU at once: 3, so a state load spans the forwards before it
+#: [ledger: gpu-update-state-slots]
 STATE_SLOTS = 3
 
 
