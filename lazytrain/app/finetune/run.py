@@ -5,9 +5,9 @@ generation, and export it as a Hugging Face folder.
     8-bit AdamW (warm-up + cosine) -> eval before -> train (eval every --eval-every) -> checkpoint ->
     eval after -> OUTPUT/model/ (export.py) + metrics.json + loss.png
 
-What is shared with the built-in task's ``train.py``: the device and thread choice (and the thread
-tuner on the CPU), the learning-rate schedule (by steps and by time, whichever is further), Ctrl-C
-handling, atomic writes.  What differs: the data is a file, one epoch by default (``--epochs``); the
+What is shared with the built-in task's ``train.py``: the settings (``config.py``), the device, progress bar and
+Ctrl-C handling (``session.py``), the thread choice (and the thread tuner on the CPU) and the learning-rate
+schedule (by steps and by time, whichever is further: ``loop.py``), atomic writes (``runfiles.py``).  What differs: the data is a file, one epoch by default (``--epochs``); the
 evaluation generates replies with the model's tokenizer and stop tokens; the result is also a model
 folder anyone can load.  A resumed run (``--resume OUTPUT``) takes its settings, tokenizer and config
 from the run (``OUTPUT/source/``) and refuses data files that changed.
