@@ -54,3 +54,9 @@ def test_one_list_of_settings_a_resume_keeps():
 def test_metrics_settings_are_every_field_but_the_progress_bar():
     assert set(recorded(TrainConfig())) == {f.name for f in fields(TrainConfig)} - {"progress"}
     assert set(recorded(FinetuneConfig())) == {f.name for f in fields(FinetuneConfig)} - {"progress", "extra"}
+
+
+def test_every_setting_a_task_resume_reads_has_a_shape_to_check():
+    from lazytrain.app.config import resumed_shapes
+    shapes = resumed_shapes(TrainConfig())
+    assert set(shapes) == set(resumed(TrainConfig())) and None not in shapes.values()

@@ -4,10 +4,11 @@ it: its command-line flag (name, help, value type, choices), whether a resumed r
 (``--data``).
 
 Everything about a setting is written once, here: ``cli.py`` makes the ``lazytrain train`` flags from these fields
-(``Setting``), ``runfiles.py`` and ``finetune/run.py`` take the settings a resume keeps from ``resumed``, both runs
-write ``metrics.json``'s settings with ``recorded``, and a test checks the README's flag list and ``--help``
-against them.  A setting that reaches the compiler is a field here and its use where the plan is compiled
-(``loop.py``'s ``_shared_plan``).
+(``Setting``); ``runfiles.py`` and ``finetune/run.py`` take the settings a resume keeps from ``resumed`` (and
+``runfiles.py`` checks their JSON with ``resumed_shapes``); both runs write ``metrics.json``'s settings with
+``recorded``; a test checks the README's flag list and ``--help`` against them.  A new setting that reaches the
+compiler is a field here, its use where the plan is compiled (``loop.py``'s ``_shared_plan``) and its flag in the
+README's list.
 
 ``batch`` is the global batch everywhere: the rows one optimizer step sees, over all GPUs (``--gpus N`` runs
 ``batch / N`` rows a rank).  Sizes are bytes (``gpu_memory``, ``host_memory``); the compile's named choices are the
@@ -17,11 +18,14 @@ enums of ``compiler/options.py``.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from ..compiler.options import Policy
+from ..ir.limits import MAX_BATCH, MAX_SEQ_LEN
+from ..util.jsonshape import Either, Int, ListOf, Num, OneOf
 from . import cli_types
 
 
@@ -55,6 +59,8 @@ class Setting:
     resumed: Runs = Runs.NONE
     #: runs whose ``metrics.json`` records it under ``settings``
     recorded: Runs = Runs.ALL
+    #: its value's shape in ``metrics.json`` (``util/jsonshape.py``), checked where a resumed task run reads it
+    shape: object = None
 
     def flag_name(self, name: str) -> str:
         return self.flag or "--" + name.replace("_", "-")
@@ -84,6 +90,8 @@ def _loss_on() -> tuple[str, ...]:
 
 
 _KEPT = Runs.ALL
+_SIZE = Either(None, str, Int(1))            # bytes (a size string where the Python API was given one)
+UNIT = math.nextafter(1.0, 2.0)             # exclusive bound that admits 1.0
 _MODEL_HELP = ("'task' (a small GPT sized for the task, default), a preset ({presets}), a local Hugging Face folder "
                "(config.json and *.safetensors: fine-tune its weights; config.json alone: random init), a "
                "config.json, or package.module:factory (imports and calls it: runs code, so name only code you "
@@ -97,37 +105,40 @@ _RESIDENT_HELP = ("keep blocks on the GPU for the whole run (parameters, optimiz
 class TrainConfig:
     """A ``lazytrain train`` run on the built-in arithmetic task (``train.py``)."""
 
-    model: str = setting("task", _MODEL_HELP, metavar="M", resumed=_KEPT)
+    model: str = setting("task", _MODEL_HELP, metavar="M", resumed=_KEPT, shape=str)
     difficulty: str = setting(
         "tiny-pad-carry",    # the answer format a small GPT learns fastest (README "Train")
         "arithmetic task preset ({difficulties}; default {d.difficulty}), optionally with answer formats after it, "
         "e.g. tiny-pad-rev ({formats}: tasks/formats.py)", type=cli_types.difficulty, metavar="NAME",
-        resumed=Runs.TASK)
+        resumed=Runs.TASK, shape=str)
     batch: int = setting(32, "global batch size: the rows one optimizer step sees, over all GPUs (default {d.batch})",
-                         type=cli_types.positive, metavar="N", resumed=_KEPT)
+                         type=cli_types.positive, metavar="N", resumed=_KEPT, shape=Int(1, MAX_BATCH + 1))
     seq: int | None = setting(None, "sequence length in tokens, at least the difficulty's longest example (default: "
-                                    "that)", type=cli_types.positive, metavar="N", resumed=_KEPT)
+                                    "that)", type=cli_types.positive, metavar="N", resumed=_KEPT,
+                               shape=Int(1, MAX_SEQ_LEN + 1))
     steps: int | None = setting(   # more than 9 min allow on 2 CPU cores: the time limit ends the run
         6000, "optimizer steps in all, counting those of a --resume'd run (default {d.steps}; with --data: --epochs; "
               "--time-limit-min may stop it sooner)", type=cli_types.positive, metavar="N")
     lr: float = setting(3e-3, "peak learning rate (default {d.lr}; with --data {f.lr})", type=cli_types.positive_float)
     warmup: int = setting(50, "warm-up steps (default {d.warmup}; with --data {f.warmup})",
-                          type=cli_types.non_negative, metavar="N", resumed=_KEPT)
-    min_lr_ratio: float = setting(0.1, resumed=_KEPT)
-    weight_decay: float = setting(0.0, resumed=_KEPT)
-    max_grad_norm: float | None = setting(1.0, resumed=_KEPT)
+                          type=cli_types.non_negative, metavar="N", resumed=_KEPT, shape=int)
+    min_lr_ratio: float = setting(0.1, resumed=_KEPT, shape=Num(0.0, UNIT))
+    weight_decay: float = setting(0.0, resumed=_KEPT, shape=Num())
+    max_grad_norm: float | None = setting(1.0, resumed=_KEPT, shape=Either(None, Num()))
     loss_on_prompt: bool = setting(
         True, "loss on the answer only (default: on every token; see lazytrain/app/train.py)",
-        flag="--answer-only-loss", const=False, resumed=Runs.TASK)
+        flag="--answer-only-loss", const=False, resumed=Runs.TASK, shape=bool)
     gpu_memory: int | None = setting(None, "GPU budget, e.g. 24GiB (default: the GPU's)", type=cli_types.size,
-                                     metavar="SIZE", resumed=_KEPT)      # bytes
+                                     metavar="SIZE", resumed=_KEPT, shape=_SIZE)      # bytes
     host_memory: int | None = setting(None, "host budget, e.g. 64GiB (default: the host's)", type=cli_types.size,
-                                      metavar="SIZE", resumed=_KEPT)     # bytes
+                                      metavar="SIZE", resumed=_KEPT, shape=_SIZE)     # bytes
     policy: Policy = setting(Policy.MILP, "how the plan is chosen: the MILP solver, or a fixed heuristic (default "
-                                          "{d.policy})", choices=Policy.names, resumed=_KEPT)
+                                          "{d.policy})", choices=Policy.names, resumed=_KEPT,
+                             shape=OneOf(*Policy.names()))
     #: blocks kept on the GPU (``compile_model``'s ``resident``): "auto", "none", the first N, or these indices
     resident: Literal["auto", "none"] | int | list[int] = setting(
-        "auto", _RESIDENT_HELP, type=cli_types.resident, metavar="none|auto|N|i,j,..", resumed=_KEPT)
+        "auto", _RESIDENT_HELP, type=cli_types.resident, metavar="none|auto|N|i,j,..", resumed=_KEPT,
+        shape=Either(OneOf("auto", "none"), int, ListOf(int)))
     eval_every: int = setting(0, "exact match on 200 eval problems every N steps (default: only at the end)",
                               type=cli_types.non_negative, metavar="N")
     #: a data run's held-out examples are at most this many: it shapes the training set, so that run keeps it
@@ -137,7 +148,7 @@ class TrainConfig:
     evaluate: bool = setting(True, "no exact-match evaluation, during or after the run (throughput runs)",
                              flag="--no-eval", const=False, group="data")
     seed: int = setting(0, "model initialisation and data order, 0 to 2**63 - 1 (default {d.seed})",
-                        type=cli_types.seed, resumed=_KEPT)
+                        type=cli_types.seed, resumed=_KEPT, shape=Int(0, 1 << 63))
     time_limit_min: float | None = setting(
         9.0, "stop training after this many minutes; the lr schedule anneals by then; 0: no limit (default "
              "{d.time_limit_min:g})", type=cli_types.minutes, metavar="MIN")
@@ -207,6 +218,12 @@ def resumed(cfg: TrainConfig) -> tuple[str, ...]:
     """The settings a resumed run of ``cfg``'s kind takes from the run it resumes (the plan comes with the
     checkpoint)."""
     return tuple(f.name for f in fields(cfg) if cfg.runs in setting_of(f).resumed)
+
+
+def resumed_shapes(cfg: TrainConfig) -> dict:
+    """The shape (``util/jsonshape.py``) of each setting a resumed run of ``cfg``'s kind takes from ``metrics.json``
+    (None: not checked)."""
+    return {f.name: setting_of(f).shape for f in fields(cfg) if cfg.runs in setting_of(f).resumed}
 
 
 def recorded(cfg: TrainConfig) -> dict:

@@ -22,24 +22,16 @@ import json
 import math
 from pathlib import Path
 
-from ..compiler.options import Policy
-from ..ir.limits import MAX_BATCH, MAX_SEQ_LEN
 from ..runtime import checkpoint
 from ..runtime.checkpoint import read_extra, read_meta, resolve
 from ..runtime.manifest import CheckpointError
 from ..util.atomic import write_atomic
 from ..util.jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape
-from .config import TrainConfig, recorded, resumed
+from .config import UNIT, TrainConfig, recorded, resumed, resumed_shapes
 
 METRICS = "metrics.json"
 METRICS_FORMAT = "lazytrain.app.train-metrics/1"
-_SIZE = Either(None, str, Int(1))
-_UNIT = math.nextafter(1.0, 2.0)             # exclusive bound that admits 1.0
-_SETTINGS = {"model": str, "difficulty": str, "batch": Int(1, MAX_BATCH + 1), "seq": Int(1, MAX_SEQ_LEN + 1),
-             "loss_on_prompt": bool, "seed": Int(0, 1 << 63), "warmup": int, "min_lr_ratio": Num(0.0, _UNIT),
-             "weight_decay": Num(), "max_grad_norm": Either(None, Num()),
-             "policy": OneOf(*Policy.names()), "gpu_memory": _SIZE,
-             "host_memory": _SIZE, "resident": Either(OneOf("auto", "none"), int, ListOf(int))}
+_SETTINGS = resumed_shapes(TrainConfig())
 _LOSS = Num(-math.inf, finite=False, nan=True)
 SHAPE = {
     "format": OneOf(METRICS_FORMAT),
@@ -50,7 +42,7 @@ SHAPE = {
     "train_s": Num(),
     "loss_curve": ListOf({"step": Int(1), "loss": _LOSS, "lr": Num(), "grad_norm": _LOSS, "step_s": Num(),
                           "t": Num()}),
-    "eval_curve": ListOf({"step": int, "exact_match": Num(0.0, _UNIT), "n": int}),
+    "eval_curve": ListOf({"step": int, "exact_match": Num(0.0, UNIT), "n": int}),
 }
 
 

@@ -7,10 +7,11 @@ generation, and export it as a Hugging Face folder.
 
 What is shared with the built-in task's ``train.py``: the settings (``config.py``), the device, progress bar and
 Ctrl-C handling (``session.py``), the thread choice (and the thread tuner on the CPU) and the learning-rate
-schedule (by steps and by time, whichever is further: ``loop.py``), atomic writes (``runfiles.py``).  What differs: the data is a file, one epoch by default (``--epochs``); the
-evaluation generates replies with the model's tokenizer and stop tokens; the result is also a model
-folder anyone can load.  A resumed run (``--resume OUTPUT``) takes its settings, tokenizer and config
-from the run (``OUTPUT/source/``) and refuses data files that changed.
+schedule (by steps and by time, whichever is further: ``loop.py``), atomic writes (``runfiles.py``).  What
+differs: the data is a file, one epoch by default (``--epochs``); the evaluation generates replies with the
+model's tokenizer and stop tokens; the result is also a model folder anyone can load.  A resumed run
+(``--resume OUTPUT``) takes its settings, tokenizer and config from the run (``OUTPUT/source/``) and refuses data
+files that changed.
 """
 
 from __future__ import annotations
