@@ -193,7 +193,7 @@ def manifest(log: Log, tmp: Path, saved: Path) -> None:
 
 
 def metrics(log: Log, tmp: Path, run: Path) -> None:
-    from lazytrain.app.train import TrainConfig
+    from lazytrain.app.config import TrainConfig
     m0 = json.loads((run / "checkpoint" / "metrics.json").read_text())
     for path in _paths({k: m0[k] for k in ("format", "settings", "model", "steps_done", "tokens", "train_s",
                                            "loss_curve", "eval_curve")}):
@@ -327,7 +327,8 @@ def _quiet(args: list[str]) -> None:
 
 def _read(out: Path):
     """The committed state of a killed run: manifest, metrics (as --resume checks them), trainer."""
-    from lazytrain.app.train import TrainConfig, rebuild_model
+    from lazytrain.app.config import TrainConfig
+    from lazytrain.app.train import rebuild_model
     from lazytrain.runtime.checkpoint import read_meta
     folder, meta = read_meta(out / "checkpoint")
     _, prev = runfiles.load_resume(TrainConfig(resume=str(out), steps=100))
@@ -346,7 +347,7 @@ def _patcher():
 
 
 def code(log: Log, tmp: Path, run: Path) -> None:
-    from lazytrain.app.train import TrainConfig
+    from lazytrain.app.config import TrainConfig
     marker = tmp / "ran"
     (tmp / "adv_factory.py").write_text(f"def build():\n    open({str(marker)!r}, 'w').close()\n")
     sys.path.insert(0, str(tmp))

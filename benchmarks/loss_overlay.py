@@ -43,8 +43,11 @@ from pathlib import Path
 import torch
 
 import lazytrain
+from lazytrain.app.config import TrainConfig
 from lazytrain.app.loop import lr_at
-from lazytrain.app.train import TrainConfig, _hardware, build_task_model, cpu_threads, logits_fn
+from lazytrain.app.session import hardware_for
+from lazytrain.app.threads import cpu_threads
+from lazytrain.app.train import build_task_model, logits_fn
 from lazytrain.runtime.optim import TorchAdamW
 from lazytrain.tasks import CharTokenizer, get_difficulty, shifted_cross_entropy, train_batches
 from lazytrain.util.units import parse_size
@@ -75,7 +78,7 @@ def _peak(dev: torch.device) -> int | None:
 
 def run_lazytrain(a, model, batches, schedule, seq: int, dev: torch.device) -> dict:
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    hardware = a.hardware or _hardware(dev)
+    hardware = a.hardware or hardware_for(dev)
     t = time.perf_counter()
     plan = lazytrain.compile(model, batch_size=a.batch, seq_len=seq, hardware=hardware,
                              gpu_memory=a.gpu_memory, host_memory=a.host_memory, policy=a.policy, optimizer="adamw",

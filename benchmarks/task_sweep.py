@@ -38,8 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout's lazytrain, not an installed one
 
+from lazytrain.app.config import TrainConfig
 from lazytrain.app.loop import lr_at
-from lazytrain.app.train import TASK_GPT, TrainConfig, build_task_model, logits_fn
+from lazytrain.app.train import TASK_GPT, build_task_model, logits_fn
 from lazytrain.tasks import CharTokenizer, arith, eval_examples, get_difficulty, predict, train_batches
 
 SETTINGS = {

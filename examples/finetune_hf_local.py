@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--output", default=None, help="run folder (default: a temporary one)")
     a = ap.parse_args()
 
-    from lazytrain.app.train import TrainConfig, run
+    from lazytrain.app.config import TrainConfig
+    from lazytrain.app.train import run
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(a.model) if a.model else write_tiny_qwen2(Path(tmp) / "tiny-qwen2", small=a.small)
         print(f"fine-tuning {folder}: {sorted(p.name for p in folder.iterdir())}")

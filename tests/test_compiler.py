@@ -168,11 +168,11 @@ def test_cli_summary_reports_gain_over_megatrain(tmp_path, capsys):
     assert True not in json.loads(q.read_text())["decisions"]["resident"]
     import argparse
 
-    from lazytrain.app.cli import _resident
-    assert _resident("auto") == "auto" and _resident("3") == 3 and _resident("0,2") == [0, 2]
+    from lazytrain.app.cli_types import resident
+    assert resident("auto") == "auto" and resident("3") == 3 and resident("0,2") == [0, 2]
     for bad in ("-1", "some"):
         with pytest.raises(argparse.ArgumentTypeError):
-            _resident(bad)
+            resident(bad)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -55,18 +55,9 @@ PENDING_UPWARD = {
 PENDING_CYCLE = {
     ("lazytrain.compiler.api", "lazytrain.measure.calibrate"): "H2: calibrate compiles, the compile calibrates",
     ("lazytrain.compiler.seq_search", "lazytrain.compiler.api"): "H2: the sequence search runs compiles",
-    ("lazytrain.app.loop", "lazytrain.app.train"): "H3: the loop reads train's config",
-    ("lazytrain.app.runfiles", "lazytrain.app.train"): "H3: the run files read train's config",
-    ("lazytrain.app.finetune.run", "lazytrain.app.train"): "H3: the fine-tune reuses train's helpers",
 }
 #: private names imported from another module: (importer, defining module, name)
-PENDING_PRIVATE = {
-    **{("lazytrain.app.cli", "lazytrain.app.cli_types", n): "H3: the CLI's argument types"
-       for n in ("_batch", "_minutes", "_non_negative", "_positive", "_positive_float", "_resident", "_seed",
-                 "_seq_tile", "_size")},
-    **{("lazytrain.app.finetune.run", "lazytrain.app.train", n): "H3: the fine-tune reuses train's helpers"
-       for n in ("_device", "_hardware", "_note", "_progress", "_StopFlag")},
-}
+PENDING_PRIVATE: dict = {}
 
 
 @dataclass(frozen=True)

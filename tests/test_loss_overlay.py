@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lazytrain.app.train import TrainConfig
+from lazytrain.app.config import TrainConfig
 from lazytrain.tasks import get_difficulty
 
 pytest.importorskip("matplotlib")

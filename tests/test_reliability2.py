@@ -262,7 +262,8 @@ def test_ctrl_c_during_the_final_eval_stops_it_at_once(monkeypatch):
         time.sleep(10)
     monkeypatch.setattr(train, "evaluate", slow_eval)
     t = time.perf_counter()
-    with train._StopFlag() as flag, within(8):
+    from lazytrain.app.session import StopFlag
+    with StopFlag() as flag, within(8):
         assert train._final_eval(None, [], torch.device("cpu"), flag) is None
     assert time.perf_counter() - t < 2
 

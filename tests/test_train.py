@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lazytrain.app.cli import main
+from lazytrain.app.config import TrainConfig
 from lazytrain.app.loop import lr_at
-from lazytrain.app.train import TrainConfig
 
 TINY = ["--batch", "4", "--eval-size", "8", "--policy", "keep-all", "--no-progress", "--device", "cpu"]
 

@@ -168,3 +168,20 @@ def test_the_milp_chooses_resident_blocks_for_several_ranks_and_prices_their_sha
     assert plan.decisions.notes["objective_s"] == pytest.approx(plan.predicted["step_time_s"], rel=0.01)
     none = compile_model(_graph(), batch_size=8, policy="milp", world_size=2, time_limit=2, resident="none")
     assert plan.predicted["step_time_s"] < none.predicted["step_time_s"]
+
+
+def test_compile_command_batch_is_the_global_batch_split_over_the_world(tmp_path, capsys):
+    """``lazytrain compile --batch B --world-size N``: B is what one optimizer step sees over all N GPUs (as
+    ``train --gpus N`` takes it), each rank's plan B / N rows; a B that does not divide is one line, before work."""
+    from lazytrain.app.cli import main
+    out = tmp_path / "plan.json"
+    common = ["tiny", "--seq", "64", "--gpu-memory", "8GiB", "--policy", "keep-all", "--hardware", "cpu",
+              "--dtype", "float32", "-o", str(out)]
+    assert main(["compile", *common, "--batch", "8", "--world-size", "2"]) == 0
+    plan = Plan.load(out)
+    assert (plan.batch_size, plan.world_size) == (4, 2)
+    capsys.readouterr()
+    assert main(["compile", *common, "--batch", "7", "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("lazytrain compile: error: --batch 7 is the global batch, split evenly over --world-size 2 GPUs: "
+                   "it must be a multiple of 2")

@@ -9,13 +9,13 @@ import math
 from ..util.units import parse_size
 
 
-def _size(text: str) -> int:
+def size(text: str) -> int:
     try:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
-def _whole_number(text: str, least: int, what: str, bound: str) -> int:
+def whole_number(text: str, least: int, what: str, bound: str) -> int:
     try:
         v = int(text)
     except ValueError:
@@ -24,16 +24,17 @@ def _whole_number(text: str, least: int, what: str, bound: str) -> int:
         raise argparse.ArgumentTypeError(f"must be {bound}, got {v}")
     return v
 
-def _positive(text: str) -> int:
-    return _whole_number(text, 1, "positive whole number", "positive")
+def positive(text: str) -> int:
+    return whole_number(text, 1, "positive whole number", "positive")
 
-def _batch(text: str):
-    return "max" if text == "max" else _positive(text)
+def positive_or_max(text: str):
+    """A positive whole number, or 'max' (the largest that fits, which the compile searches)."""
+    return "max" if text == "max" else positive(text)
 
-def _seq_tile(text: str):
-    return None if text == "none" else "auto" if text == "auto" else _positive(text)   # auto, none or tokens
+def seq_tile(text: str):
+    return None if text == "none" else "auto" if text == "auto" else positive(text)   # auto, none or tokens
 
-def _resident(text: str):
+def resident(text: str):
     """'none', 'auto', a number of leading blocks, or block indices separated by commas."""
     if text in ("none", "auto"):
         return text
@@ -48,7 +49,7 @@ def _resident(text: str):
         raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
@@ -59,21 +60,29 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return v
 
-def _seed(text: str) -> int:
-    v = _whole_number(text, 0, "whole number >= 0", ">= 0")
+def seed(text: str) -> int:
+    v = whole_number(text, 0, "whole number >= 0", ">= 0")
     if v >= 1 << 63:
         raise argparse.ArgumentTypeError(f"must be below 2**63, got {text}")
     return v
 
-def _non_negative(text: str) -> int:
-    return _whole_number(text, 0, "whole number >= 0", ">= 0")
+def non_negative(text: str) -> int:
+    return whole_number(text, 0, "whole number >= 0", ">= 0")
 
-def _minutes(text: str) -> float | None:
+def difficulty(text: str) -> str:
+    """A task preset, or one in answer formats (``tiny-pad-rev``), as its canonical name."""
+    from ..tasks import get_difficulty  # only when a train flag is parsed
+    try:
+        return get_difficulty(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid choice: {e}") from None
+
+def minutes(text: str) -> float | None:
     """A positive number of minutes, or 0 / none for no time limit."""
     if text.strip().lower() in ("0", "none"):
         return None
     try:
-        return _positive_float(text)
+        return positive_float(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"needs minutes (a positive number), or 0 for no limit; got {text!r}") \
             from None

@@ -17,16 +17,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..util.host import cpu_cores
+from .config import TrainConfig
+from .ranks import Ranks
 from .threads import ThreadTuner
-
-if TYPE_CHECKING:       # annotations only: train.py runs this loop
-    from .ranks import Ranks
-    from .train import TrainConfig
 
 
 def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
@@ -119,7 +116,6 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
     from ..runtime.checkpoint import read_meta
     from ..runtime.optim import Hybrid8bitAdamW
     from ..runtime.trainer import Trainer
-    from .ranks import Ranks
     ranks = ranks or Ranks()
     opt = Hybrid8bitAdamW(lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                           num_threads=torch.get_num_threads() if dev.type == "cpu" else None)

@@ -20,29 +20,18 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
 from pathlib import Path
 
-from ..ir.limits import MAX_BATCH, MAX_SEQ_LEN
 from ..runtime import checkpoint
 from ..runtime.checkpoint import read_extra, read_meta, resolve
 from ..runtime.manifest import CheckpointError
 from ..util.atomic import write_atomic
 from ..util.jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape
+from .config import UNIT, TrainConfig, recorded, resumed, resumed_shapes
 
 METRICS = "metrics.json"
 METRICS_FORMAT = "lazytrain.app.train-metrics/1"
-#: settings a resumed run takes from its checkpointed run (the plan comes with the checkpoint)
-RESUMED = ("model", "difficulty", "batch", "seq", "loss_on_prompt", "seed", "warmup", "min_lr_ratio",
-           "weight_decay", "max_grad_norm", "policy", "gpu_memory", "host_memory", "resident")
-
-_SIZE = Either(None, str, Int(1))
-_UNIT = math.nextafter(1.0, 2.0)             # exclusive bound that admits 1.0
-_SETTINGS = {"model": str, "difficulty": str, "batch": Int(1, MAX_BATCH + 1), "seq": Int(1, MAX_SEQ_LEN + 1),
-             "loss_on_prompt": bool, "seed": Int(0, 1 << 63), "warmup": int, "min_lr_ratio": Num(0.0, _UNIT),
-             "weight_decay": Num(), "max_grad_norm": Either(None, Num()),
-             "policy": OneOf("milp", "megatrain", "recompute-all", "keep-all"), "gpu_memory": _SIZE,
-             "host_memory": _SIZE, "resident": Either(OneOf("auto", "none"), int, ListOf(int))}
+_SETTINGS = resumed_shapes(TrainConfig())
 _LOSS = Num(-math.inf, finite=False, nan=True)
 SHAPE = {
     "format": OneOf(METRICS_FORMAT),
@@ -53,7 +42,7 @@ SHAPE = {
     "train_s": Num(),
     "loss_curve": ListOf({"step": Int(1), "loss": _LOSS, "lr": Num(), "grad_norm": _LOSS, "step_s": Num(),
                           "t": Num()}),
-    "eval_curve": ListOf({"step": int, "exact_match": Num(0.0, _UNIT), "n": int}),
+    "eval_curve": ListOf({"step": int, "exact_match": Num(0.0, UNIT), "n": int}),
 }
 
 
@@ -81,7 +70,7 @@ def _encode(metrics: dict) -> bytes:
     return json.dumps(metrics, indent=1).encode()
 
 
-def load_resume(cfg):
+def load_resume(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
     """``(cfg with the run's settings, the run's metrics)`` from the checkpoint of ``cfg.resume``; every
     field checked (``SHAPE``) and the metrics checked against the checkpoint they were committed with."""
     src = Path(cfg.resume)
@@ -113,13 +102,12 @@ def load_resume(cfg):
     return cfg, prev
 
 
-def _take_settings(cfg, saved: dict, src: Path) -> None:
+def _take_settings(cfg: TrainConfig, saved: dict, src: Path) -> None:
     """What defines the run comes from the checkpointed run; what is asked now (steps, lr, time, output,
     eval) from this command line.  A setting asked for that differs from the run's is an error, not
     silently ignored (a default value counts as not asked for)."""
-    from .train import TrainConfig  # train.py writes its run files with this module
     default = TrainConfig()
-    for k in RESUMED:
+    for k in resumed(default):
         v, asked = saved[k], getattr(cfg, k)
         if asked != v and asked != getattr(default, k) and not (k == "model" and _same_model(asked, v)):
             flag, theirs = f"--{k.replace('_', '-')} {asked}", f"{k} ({v})"
@@ -135,6 +123,7 @@ def _same_model(a, b) -> bool:
     return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
 
 
-def settings(cfg, seq: int) -> dict:
-    """The run's settings as metrics.json records them."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("progress",)} | {"seq": seq}
+def settings(cfg: TrainConfig, seq: int) -> dict:
+    """The run's settings as metrics.json records them (``seq`` as the run uses it: the difficulty's when not
+    given)."""
+    return recorded(cfg) | {"seq": seq}

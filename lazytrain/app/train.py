@@ -47,19 +47,15 @@ Choices, written down so the next person sees them:
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import signal
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tabulate import tabulate
-from tqdm import tqdm
 
-from ..compiler.profiles import PROFILES
 from ..compiler.progress import on_stderr
 from ..compiler.timeline import plot_loss, write_step
 from ..frontend.presets import PRESETS, build_from_config, build_model, read_config
@@ -71,8 +67,12 @@ from ..hf.model_loading import meta_weights, shard_loadable
 from ..tasks import CharTokenizer, check_eval_size, eval_examples, exact_match, get_difficulty, train_batches
 from ..util.host import cpu_cores
 from . import runfiles
+from .config import TrainConfig
+from .finetune import is_finetune_run
+from .finetune import run as finetune
 from .loop import Progress, output_folder, start_trainer, steps, thread_tuner
 from .ranks import Ranks
+from .session import StopFlag, can_plot, choose_device, hardware_for, note, progress_bar
 from .threads import cpu_threads
 
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
@@ -81,60 +81,6 @@ TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512, "rope": True
 #: ~0.3 ms a row of 88 tokens on the 2-core machine, so a batch at this bound takes ~3.4 s to generate
 #: and its ids and labels (int64) 16 MiB (the default, 32 x 88, is 2,816 tokens)
 MAX_BATCH_TOKENS = 1 << 20
-
-
-@dataclass
-class TrainConfig:
-    model: str = "task"             # "task" (TASK_GPT), a preset, or a Hugging Face folder / config.json
-    difficulty: str = "tiny-pad-carry"   # the answer format a small GPT learns fastest (README "Train")
-    batch: int = 32
-    seq: int | None = None           # default: the difficulty's longest example
-    steps: int = 6000                # more than 9 min allow on 2 CPU cores: the time limit ends the run
-    lr: float = 3e-3
-    warmup: int = 50
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    loss_on_prompt: bool = True
-    gpu_memory: str | None = None
-    host_memory: str | None = None
-    policy: str = "milp"
-    resident: str | int | list = "auto"   # blocks kept on the GPU (compile_model's ``resident``)
-    eval_every: int = 0              # 0: only at the end
-    eval_size: int = 500
-    evaluate: bool = True            # False (--no-eval): no exact match at all, during or after (throughput runs)
-    seed: int = 0
-    time_limit_min: float | None = 9.0
-    output: str = "runs/train"
-    resume: str | None = None
-    device: str | None = None        # default: cuda if available, else cpu
-    threads: int | None = None       # CPU threads for torch and the optimizer (default: cpu_threads())
-    progress: bool = True
-    profile: int | None = None       # time every op of this step (1-based): overlap table, trace, memory plot
-    allow_factory: bool = False      # --resume may import a package.module:factory the run recorded
-    extra: dict = field(default_factory=dict)   # model-config overrides for "task" (tests, examples)
-
-
-# ---- pieces ------------------------------------------------------------------------------------------
-
-def _device(cfg: TrainConfig) -> torch.device:
-    if cfg.device:
-        dev = torch.device(cfg.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA GPU is visible to torch")
-        return dev
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _hardware(dev: torch.device) -> str:
-    """The built-in profile whose GPU name matches this GPU (H200 when none does), or ``cpu``."""
-    if dev.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(dev).lower()
-    for key, prof in PROFILES.items():
-        if key != "cpu" and (key.replace("-", " ").split()[0] in name or prof.gpu_name.lower() in name):
-            return key
-    return "h200"
 
 
 def build_task_model(cfg: TrainConfig, seq: int, vocab: int, shard: bool = False) -> tuple[torch.nn.Module, dict]:
@@ -230,33 +176,6 @@ def _exact_match(model, examples, device: torch.device, batch: int) -> float:
         model.train(was_training)
 
 
-class _StopFlag:
-    """First SIGINT: ask the loop to stop after the step in flight; second: raise KeyboardInterrupt.
-    Once ``immediate`` (the state is committed: the final eval), the first one raises at once."""
-
-    def __init__(self):
-        self.set = False
-        self.immediate = False
-        self._prev = None
-
-    def __enter__(self):
-        try:
-            self._prev = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:          # not the main thread: Ctrl-C keeps its default behaviour
-            self._prev = None
-        return self
-
-    def _handle(self, signum, frame):
-        if self.set or self.immediate:
-            self.set = True
-            raise KeyboardInterrupt
-        self.set = True
-
-    def __exit__(self, *exc):
-        if self._prev is not None:
-            signal.signal(signal.SIGINT, self._prev)
-
-
 # ---- the job -----------------------------------------------------------------------------------------
 
 def check_config(cfg: TrainConfig, diff, seq: int) -> None:
@@ -293,37 +212,21 @@ def check_config(cfg: TrainConfig, diff, seq: int) -> None:
 
 def run(cfg: TrainConfig) -> dict:
     """Train as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
-    # finetune/ builds on this module's TrainConfig and helpers, so it is imported here, not above
-    from .finetune import is_finetune_run
-    from .finetune import run as finetune
     if getattr(cfg, "data", None) or is_finetune_run(cfg.resume):    # --data FILE: fine-tune on it (finetune/)
         return finetune(cfg)
-    prev = None
-    if cfg.resume:
-        cfg, prev = runfiles.load_resume(cfg)
-    diff = get_difficulty(cfg.difficulty)
-    cfg = replace(cfg, difficulty=diff.name)    # "tiny-rev-pad" is recorded as "tiny-pad-rev": one name a task
-    seq = cfg.seq or diff.seq_len
-    check_config(cfg, diff, seq)
+    cfg, prev, diff, seq = _settled(cfg)
     tok = CharTokenizer()
-    dev = _device(cfg)
+    dev = choose_device(cfg.device)
     ranks = Ranks.join(dev.type)
     if dev.type == "cpu" or ranks.size > 1:      # (torchrun sets OMP_NUM_THREADS=1: the host update's threads)
         torch.set_num_threads(cfg.threads or ranks.cpu_threads(cpu_threads))
     out = output_folder(cfg.output)
     t_start = time.perf_counter()
 
-    if prev is not None:      # with several ranks on the meta device: each reads its shard of the checkpoint
-        from ..runtime.weights import CheckpointFilled
-        weights = CheckpointFilled() if ranks.size > 1 else None
-        model = rebuild_model(prev["model"], allow_factory=cfg.allow_factory, device="meta" if weights else "cpu")
-        desc = prev["model"]
-    else:
-        model, desc = build_task_model(cfg, seq, tok.vocab_size, shard=ranks.size > 1)
-        weights = meta_weights(model, desc)
+    model, desc, weights = _model(cfg, prev, seq, tok.vocab_size, ranks)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    hardware = _hardware(dev)
+    hardware = hardware_for(dev)
     # the compile's stages on a terminal while it runs (seconds for a 7B model), as ``lazytrain compile`` shows them
     with on_stderr("lazytrain train: compile: ", "auto" if cfg.progress and ranks.main else "off"):
         trainer, opt, compile_s = start_trainer(cfg, model, dev, resumed=prev is not None, seq_len=seq,
@@ -343,30 +246,9 @@ def run(cfg: TrainConfig) -> dict:
     em_curve = list(prev["eval_curve"]) if prev else []
     run = Progress(start, tokens=int(prev["tokens"]) if prev else 0, history=list(prev["loss_curve"]) if prev else [])
     tuner = thread_tuner(dev, cfg, opt) if ranks.size == 1 else None
-    bar = _progress(cfg, start) if ranks.main else None
-    with _StopFlag() as flag:
-        for step in steps(cfg, opt, run, flag, start=start, ranks=ranks):
-            b = next(batches)
-            profiled = cfg.profile is not None and step + 1 == max(cfg.profile, start + 1)
-            trainer.profile = profiled
-            stats = trainer.step({"input_ids": b.input_ids, "labels": b.labels})
-            if tuner is not None and not profiled:
-                tuner.observe(stats.step_s)
-            if profiled:
-                trainer.profile = False
-                if ranks.main:
-                    _report_profile(trainer, out, bar)
-            run.record(stats, opt.lr, t_start)
-            if bar is not None:
-                bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
-                                tflops=f"{stats.model_tflops:.3f}", lr=f"{opt.lr:.1e}", refresh=False)
-                bar.update(1)
-            if cfg.evaluate and cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps:
-                em = evaluate(trainer, evals[:min(len(evals), 200)], dev, ranks=ranks)
-                em_curve.append({"step": run.step, "exact_match": em, "n": min(len(evals), 200)})
-                _note(bar, f"step {run.step}: exact match {em:.1%} on {min(len(evals), 200)} eval problems")
-        if bar is not None:
-            bar.close()
+    with StopFlag() as flag:
+        _train(cfg, trainer, opt, run, flag, batches, evals, em_curve, start=start, dev=dev, ranks=ranks, tuner=tuner,
+               out=out, t_start=t_start)
         metrics = _metrics(cfg, seq, run, desc=desc, n_params=n_params, dev=dev, tuner=tuner, hardware=hardware,
                            param_dtype=param_dtype, plan=plan, compile_s=compile_s, evals=evals, em_curve=em_curve,
                            prev=prev, t_start=t_start, out=out)
@@ -379,6 +261,60 @@ def run(cfg: TrainConfig) -> dict:
                                                          if metrics["final_eval"] == "skipped (interrupted)" else ""))
     ranks.close()
     return metrics
+
+
+def _settled(cfg: TrainConfig) -> tuple[TrainConfig, dict | None, object, int]:
+    """The run's settings (a resumed run's from its checkpoint, the difficulty by its canonical name), checked; what
+    a resumed run committed (None); the difficulty; the sequence length."""
+    prev = None
+    if cfg.resume:
+        cfg, prev = runfiles.load_resume(cfg)
+    diff = get_difficulty(cfg.difficulty)
+    cfg = replace(cfg, difficulty=diff.name)    # "tiny-rev-pad" is recorded as "tiny-pad-rev": one name a task
+    seq = cfg.seq or diff.seq_len
+    check_config(cfg, diff, seq)
+    return cfg, prev, diff, seq
+
+
+def _model(cfg: TrainConfig, prev: dict | None, seq: int, vocab: int, ranks: Ranks):
+    """(model, its description, where its initial weights come from): a resumed run's rebuilt from what it
+    recorded (with several ranks on the meta device: each reads its shard of the checkpoint), a new one built."""
+    if prev is not None:
+        from ..runtime.weights import CheckpointFilled
+        weights = CheckpointFilled() if ranks.size > 1 else None
+        model = rebuild_model(prev["model"], allow_factory=cfg.allow_factory, device="meta" if weights else "cpu")
+        return model, prev["model"], weights
+    model, desc = build_task_model(cfg, seq, vocab, shard=ranks.size > 1)
+    return model, desc, meta_weights(model, desc)
+
+
+def _train(cfg: TrainConfig, trainer, opt, run: Progress, flag: StopFlag, batches, evals: list, em_curve: list, *,
+           start: int, dev: torch.device, ranks: Ranks, tuner, out: Path, t_start: float) -> None:
+    """The step loop: each step's batch, the ``--profile`` step's report, the progress bar, the ``--eval-every``
+    evaluations (into ``em_curve``)."""
+    bar = progress_bar(cfg.steps, start, cfg.progress and ranks.main)
+    for step in steps(cfg, opt, run, flag, start=start, ranks=ranks):
+        b = next(batches)
+        profiled = cfg.profile is not None and step + 1 == max(cfg.profile, start + 1)
+        trainer.profile = profiled
+        stats = trainer.step({"input_ids": b.input_ids, "labels": b.labels})
+        if tuner is not None and not profiled:
+            tuner.observe(stats.step_s)
+        if profiled:
+            trainer.profile = False
+            if ranks.main:
+                _report_profile(trainer, out, bar)
+        run.record(stats, opt.lr, t_start)
+        if bar is not None:
+            bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
+                            tflops=f"{stats.model_tflops:.3f}", lr=f"{opt.lr:.1e}", refresh=False)
+            bar.update(1)
+        if cfg.evaluate and cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps:
+            em = evaluate(trainer, evals[:min(len(evals), 200)], dev, ranks=ranks)
+            em_curve.append({"step": run.step, "exact_match": em, "n": min(len(evals), 200)})
+            note(bar, f"step {run.step}: exact match {em:.1%} on {min(len(evals), 200)} eval problems")
+    if bar is not None:
+        bar.close()
 
 
 def _metrics(cfg: TrainConfig, seq: int, run: Progress, *, desc, n_params: int, dev: torch.device, tuner, hardware,
@@ -407,7 +343,7 @@ def _metrics(cfg: TrainConfig, seq: int, run: Progress, *, desc, n_params: int, 
 
 
 def _commit(trainer, out: Path, metrics: dict, run: Progress, evals: list | None, em_curve: list, dev: torch.device,
-            flag: _StopFlag, t_start: float, ranks: Ranks) -> Path:
+            flag: StopFlag, t_start: float, ranks: Ranks) -> Path:
     """Commit 1 (checkpoint + metrics) before the final eval, so an eval that fails (out of memory) or is
     killed loses no training; then the eval and commit 2 (the metrics with it).  Every rank saves its
     shards; the metrics are rank 0's.  ``evals`` None: no eval (``--no-eval``)."""
@@ -427,7 +363,7 @@ def _commit(trainer, out: Path, metrics: dict, run: Progress, evals: list | None
     return ckpt
 
 
-def _final_eval(trainer, evals, dev: torch.device, flag: _StopFlag, ranks: Ranks | None = None) -> float | None:
+def _final_eval(trainer, evals, dev: torch.device, flag: StopFlag, ranks: Ranks | None = None) -> float | None:
     """Exact match on the eval split; None when a Ctrl-C stopped it (at once: the state is committed)."""
     t = time.perf_counter()
     flag.immediate = True
@@ -456,12 +392,7 @@ def _report_profile(trainer, out: Path, bar) -> None:
              f"wrote {out / 'profile.json'} and {out / 'plan.json'}"]
     plot = out / "memory.png" if can_plot() else None
     notes += write_step(trainer.plan, out / "trace.json", plot=plot, profile=prof)
-    _note(bar, "\n".join(notes))
-
-
-def can_plot() -> bool:
-    """Is matplotlib installed (the ``plot`` extra)?  Without it the run writes no PNGs."""
-    return importlib.util.find_spec("matplotlib") is not None
+    note(bar, "\n".join(notes))
 
 
 def _plot_loss(path: Path, history: list[dict], em_curve: list[dict], cfg: TrainConfig) -> None:
@@ -472,16 +403,3 @@ def _plot_loss(path: Path, history: list[dict], em_curve: list[dict], cfg: Train
     title = f"model {cfg.model}, task {cfg.difficulty}, batch {cfg.batch}" + (
         f": exact match {last['exact_match']:.1%} at step {last['step']}" if last else "")
     plot_loss(path, {"train loss": [(h["step"], h["loss"]) for h in history]}, title=title)
-
-
-def _progress(cfg: TrainConfig, start: int):
-    if not cfg.progress:
-        return None
-    return tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True)
-
-
-def _note(bar, text: str) -> None:
-    if bar is not None:
-        bar.write(text)
-    else:
-        print(text)

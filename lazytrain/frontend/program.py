@@ -17,7 +17,6 @@ averages the micro-batch losses.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -49,8 +48,8 @@ class BlockProgram:
     #: block -> its Inductor-compiled forward and backward (``compiled.py``; set by the runtime when the plan
     #: asks for compiled blocks); a block not in it runs ``run_block``
     compiled: dict = field(default_factory=dict, repr=False)
-    #: the fused loss head's per-chunk work compiled (``loss_kernels.py``; set with the blocks unless the
-    #: environment sets ``LAZYTRAIN_EAGER_LOSS_HEAD=1``), else eager
+    #: the fused loss head's per-chunk work compiled (``loss_kernels.py``; set with the blocks unless ``compile`` is
+    #: told ``loss_kernels=False``), else eager; set to None at any time, the eager passes run (an A/B of the two)
     loss_kernels: LossKernels | None = field(default=None, repr=False)
 
     def run_block(self, j: int, params: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> dict:
@@ -73,11 +72,12 @@ class BlockProgram:
 
     def compile(self, device: torch.device, *, param_dtype: torch.dtype, frozen: frozenset[str],
                 requires_grad: frozenset[str], infer: set[int] = frozenset(), compile_fn=None,
-                budgets: dict[int, float] | None = None):
+                budgets: dict[int, float] | None = None, loss_kernels: bool = True):
         """Compile the block programs (``compiled.py``) on ``device`` for arguments as the runtime passes them:
         parameters in ``param_dtype`` (gradients unless ``frozen``), inputs at this program's shapes (gradients
         for floating inputs in ``requires_grad``); ``infer``: blocks also run forward without saving; ``budgets``:
-        each block's cut as the partitioner's activation memory budget (``cuts.py``; absent: the min-cut).
+        each block's cut as the partitioner's activation memory budget (``cuts.py``; absent: the min-cut);
+        ``loss_kernels``: the fused loss head's per-chunk work compiled too (False: its eager passes).
         -> ``CompileReport``."""
         from .compiled import compile_blocks, contiguous_spec, inductor
         shapes = {p.name: p.shape for b in self.graph.blocks for p in b.params}
@@ -90,8 +90,7 @@ class BlockProgram:
             specs.append(sp)
         self.compiled, report = compile_blocks(self.blocks, specs, device, infer=set(infer),
                                                compile_fn=compile_fn or inductor, budgets=budgets)
-        if compile_fn is None and any(bc.loss is not None for bc in self.blocks) \
-                and os.environ.get("LAZYTRAIN_EAGER_LOSS_HEAD") != "1":
+        if loss_kernels and compile_fn is None and any(bc.loss is not None for bc in self.blocks):
             self.loss_kernels = compiled_loss_kernels()
         return report
 

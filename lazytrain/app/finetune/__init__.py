@@ -1,6 +1,7 @@
 """Fine-tuning a pretrained model on a dataset file (``lazytrain train --data``): ``run.py`` is the job,
 ``prepare.py`` the model, tokenizer and examples, ``evaluation.py`` exact match by generation."""
 
-from .run import FinetuneConfig, is_finetune_run, run
+from ..config import FinetuneConfig
+from .run import is_finetune_run, run
 
 __all__ = ["FinetuneConfig", "is_finetune_run", "run"]

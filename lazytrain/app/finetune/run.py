@@ -5,12 +5,13 @@ generation, and export it as a Hugging Face folder.
     8-bit AdamW (warm-up + cosine) -> eval before -> train (eval every --eval-every) -> checkpoint ->
     eval after -> OUTPUT/model/ (export.py) + metrics.json + loss.png
 
-What is shared with the built-in task's ``train.py``: the device and thread choice (and the thread
-tuner on the CPU), the learning-rate schedule (by steps and by time, whichever is further), Ctrl-C
-handling, atomic writes.  What differs: the data is a file, one epoch by default (``--epochs``); the
-evaluation generates replies with the model's tokenizer and stop tokens; the result is also a model
-folder anyone can load.  A resumed run (``--resume OUTPUT``) takes its settings, tokenizer and config
-from the run (``OUTPUT/source/``) and refuses data files that changed.
+What is shared with the built-in task's ``train.py``: the settings (``config.py``), the device, progress bar and
+Ctrl-C handling (``session.py``), the thread choice (and the thread tuner on the CPU) and the learning-rate
+schedule (by steps and by time, whichever is further: ``loop.py``), atomic writes (``runfiles.py``).  What
+differs: the data is a file, one epoch by default (``--epochs``); the evaluation generates replies with the
+model's tokenizer and stop tokens; the result is also a model folder anyone can load.  A resumed run
+(``--resume OUTPUT``) takes its settings, tokenizer and config from the run (``OUTPUT/source/``) and refuses data
+files that changed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
@@ -32,19 +33,12 @@ from ...frontend.random_init import random_init
 from ...hf.export import hf_config, trainer_weights, write_folder, write_hf_json
 from ...hf.model_loading import shard_loadable
 from ...hf.named import generation_config
+from ..config import FinetuneConfig, TrainConfig, recorded, resumed
 from ..loop import Progress, output_folder, start_trainer, steps, thread_tuner
 from ..ranks import Ranks
-from ..runfiles import write_json as _write_json
-from ..train import (
-    TrainConfig,
-    _device,
-    _hardware,
-    _note,
-    _progress,
-    _StopFlag,
-    can_plot,
-    cpu_threads,
-)
+from ..runfiles import write_json
+from ..session import StopFlag, can_plot, choose_device, hardware_for, note, progress_bar
+from ..threads import cpu_threads
 from .evaluation import describe, evaluate
 from .prepare import (
     Source,
@@ -59,33 +53,6 @@ from .prepare import (
 )
 
 FORMAT = "lazytrain.app.finetune-metrics/1"
-
-
-@dataclass
-class FinetuneConfig(TrainConfig):
-    """``TrainConfig`` and what fine-tuning on a file adds; defaults for a pretrained model."""
-
-    data: str | None = None
-    eval_data: str | None = None
-    tokenizer: str | None = None           # another tokenizer than the model's (a folder, GGUF or named model)
-    loss_on: str = "completion"            # completion | all
-    truncate: str = "truncate"             # truncate | drop
-    pack: bool = False
-    answer_regex: str | None = None
-    max_new_tokens: int | None = None      # default: 1.5x the longest reference reply + 8
-    epochs: float = 1.0                    # when --steps is not given
-    export: bool = True
-    export_dtype: str | None = None        # default: the dtype of the weights the model came with
-    steps: int | None = None
-    lr: float = 1e-4
-    warmup: int = 10
-    eval_size: int = 200
-
-
-#: settings a resumed run keeps from the run it resumes
-RESUMED = ("model", "tokenizer", "data", "eval_data", "loss_on", "truncate", "pack", "batch", "seq", "seed",
-           "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "policy", "gpu_memory", "host_memory",
-           "resident", "eval_size", "answer_regex", "epochs")
 
 
 def is_finetune_run(folder) -> bool:
@@ -105,7 +72,7 @@ def _resume(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--resume {src}: not the output folder of a `lazytrain train --data` run ({e})") from None
     defaults = (FinetuneConfig(), TrainConfig())
-    for k in RESUMED:
+    for k in resumed(cfg):
         asked = getattr(cfg, k)
         if k in saved and asked != saved[k] and all(asked != getattr(d, k) for d in defaults):
             raise ValueError(f"--resume {src}: --{k.replace('_', '-')} {asked} differs from the run's ({saved[k]}); "
@@ -143,7 +110,7 @@ def _tick(bar, stats, lr: float) -> None:
 def run(cfg: TrainConfig) -> dict:
     """Fine-tune as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
     cfg, prev = _settled(cfg)
-    dev = _device(cfg)
+    dev = choose_device(cfg.device)
     ranks = Ranks.join(dev.type)
     if dev.type == "cpu" or ranks.size > 1:      # (torchrun sets OMP_NUM_THREADS=1: the host update's threads)
         torch.set_num_threads(cfg.threads or ranks.cpu_threads(cpu_threads))
@@ -154,7 +121,7 @@ def run(cfg: TrainConfig) -> dict:
                                                                shard=ranks.size > 1)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    hardware = _hardware(dev)
+    hardware = hardware_for(dev)
     batches = Batches(data.train, cfg.batch, data.seq_len, pad_id(tok), pack=cfg.pack, seed=cfg.seed)
     if cfg.steps is None:
         cfg.steps = max(1, math.ceil(cfg.epochs * batches.steps_per_epoch))
@@ -189,8 +156,8 @@ def run(cfg: TrainConfig) -> dict:
     if prev is None and data.eval:
         evals.append(run_eval(0))
         print(describe(evals[-1], 0))
-    bar = _progress(cfg, start) if ranks.main else None
-    with _StopFlag() as flag:
+    bar = progress_bar(cfg.steps, start, cfg.progress and ranks.main)
+    with StopFlag() as flag:
         for step in steps(cfg, opt, run, flag, start=start, ranks=ranks):
             stats = trainer.step(batches.batch(step))
             if tuner is not None:
@@ -199,7 +166,7 @@ def run(cfg: TrainConfig) -> dict:
             _tick(bar, stats, opt.lr)
             if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps and data.eval:
                 evals.append(run_eval(run.step))
-                _note(bar, describe(evals[-1], run.step))
+                note(bar, describe(evals[-1], run.step))
         if bar is not None:
             bar.close()
         ckpt = trainer.save_checkpoint(out / "checkpoint") or out / "checkpoint"
@@ -214,7 +181,7 @@ def run(cfg: TrainConfig) -> dict:
                            n_new=n_new, plan=plan, compile_s=compile_s, evals=evals, prev=prev, t_start=t_start,
                            ckpt=ckpt, exported=exported)
         if ranks.main:
-            _write_json(out / "metrics.json", metrics)
+            write_json(out / "metrics.json", metrics)
             _plot(out / "loss.png", run.history, evals, src.spec)
     trainer.close()
     print(f"wrote {out / 'metrics.json'}, {ckpt}" + (f" and {exported}" if exported else ""))
@@ -243,7 +210,7 @@ def _metrics(cfg: FinetuneConfig, run: Progress, *, src: Source, model, n_params
     """metrics.json of the run."""
     return {
         "format": FORMAT,
-        "settings": {k: v for k, v in asdict(cfg).items() if k not in ("progress", "extra")},
+        "settings": recorded(cfg),
         "model": {"source": src.spec, "kind": src.kind, "config": hf_config_dict(model)},
         "params": n_params, "device": dev.type, "threads": torch.get_num_threads(), "hardware": hardware,
         "param_dtype": param_dtype,

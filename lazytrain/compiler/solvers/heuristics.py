@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from ...ir import Decisions, ModelGraph, Place, Saved
+from ..options import Policy
 
 SEGMENT = 4
 
@@ -39,4 +40,4 @@ def keep_all(graph: ModelGraph, micro_batch: int, n_micro: int) -> Decisions:
                      boundary=(Place.NONE,) * L, saved=(Saved.KEEP,) * L)
 
 
-HEURISTICS = {"megatrain": megatrain, "recompute-all": recompute_all, "keep-all": keep_all}
+HEURISTICS = {Policy.MEGATRAIN: megatrain, Policy.RECOMPUTE_ALL: recompute_all, Policy.KEEP_ALL: keep_all}

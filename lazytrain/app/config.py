@@ -1,0 +1,232 @@
+"""The settings of a ``lazytrain train`` run, typed, each with what the rest of the application needs to know about
+it: its command-line flag (name, help, value type, choices), whether a resumed run keeps it, whether
+``metrics.json`` records it.  ``TrainConfig`` is a run on the built-in task, ``FinetuneConfig`` one on a data file
+(``--data``).
+
+Everything about a setting is written once, here: ``cli.py`` makes the ``lazytrain train`` flags from these fields
+(``Setting``); ``runfiles.py`` and ``finetune/run.py`` take the settings a resume keeps from ``resumed`` (and
+``runfiles.py`` checks their JSON with ``resumed_shapes``); both runs write ``metrics.json``'s settings with
+``recorded``; a test checks the README's flag list and ``--help`` against them.  A new setting that reaches the
+compiler is a field here, its use where the plan is compiled (``loop.py``'s ``_shared_plan``) and its flag in the
+README's list.
+
+``batch`` is the global batch everywhere: the rows one optimizer step sees, over all GPUs (``--gpus N`` runs
+``batch / N`` rows a rank).  Sizes are bytes (``gpu_memory``, ``host_memory``); the compile's named choices are the
+enums of ``compiler/options.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+from ..compiler.options import Policy
+from ..ir.limits import MAX_BATCH, MAX_SEQ_LEN
+from ..util.jsonshape import Either, Int, ListOf, Num, OneOf
+from . import cli_types
+
+
+class Runs(enum.Flag):
+    """Which runs a property of a setting holds for: the built-in task's, a data file's (``--data``), both."""
+    NONE = 0
+    TASK = enum.auto()
+    DATA = enum.auto()
+    ALL = TASK | DATA
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What is known about one setting besides its value.  ``help`` None: no flag (Python API only); it is a
+    ``str.format`` template that may name ``d`` (``TrainConfig()``), ``f`` (``FinetuneConfig()``) and the
+    names ``cli.py`` passes (``presets``, ``difficulties``, ``formats``)."""
+
+    help: str | None = None
+    type: Callable[[str], Any] | None = None
+    #: the accepted values, or a function that returns them (imports what the parser alone should not load)
+    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None
+    metavar: str | None = None
+    #: the flag when it is not ``--`` and the field's name with dashes (``--answer-only-loss``)
+    flag: str | None = None
+    #: a flag without a value that sets the field to this (``--no-eval``: False)
+    const: Any = None
+    nargs: str | None = None
+    #: "train" (the flags of a run) or "data" (fine-tune on a file; a group of its own in ``--help``)
+    group: str = "train"
+    #: runs that keep the value of the run they resume (a flag asking for another is an error)
+    resumed: Runs = Runs.NONE
+    #: runs whose ``metrics.json`` records it under ``settings``
+    recorded: Runs = Runs.ALL
+    #: its value's shape in ``metrics.json`` (``util/jsonshape.py``), checked where a resumed task run reads it
+    shape: object = None
+
+    def flag_name(self, name: str) -> str:
+        return self.flag or "--" + name.replace("_", "-")
+
+
+def setting(default, help: str | None = None, *, default_factory=None, **kw) -> Any:
+    """A dataclass field with its ``Setting``."""
+    meta = {"setting": Setting(help, **kw)}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def redefault(cls, name: str, default) -> Any:
+    """``cls``'s field ``name`` with another default (a subclass's), its ``Setting`` kept."""
+    return field(default=default, metadata=cls.__dataclass_fields__[name].metadata)
+
+
+def setting_of(f) -> Setting:
+    """The ``Setting`` of a dataclass field (an empty one for a field without)."""
+    return f.metadata.get("setting", Setting())
+
+
+def _loss_on() -> tuple[str, ...]:
+    from ..data.encode import LOSS_ON  # data/ imports torch: only when the flags are made
+    return tuple(LOSS_ON)
+
+
+_KEPT = Runs.ALL
+_SIZE = Either(None, str, Int(1))            # bytes (a size string where the Python API was given one)
+UNIT = math.nextafter(1.0, 2.0)             # exclusive bound that admits 1.0
+_MODEL_HELP = ("'task' (a small GPT sized for the task, default), a preset ({presets}), a local Hugging Face folder "
+               "(config.json and *.safetensors: fine-tune its weights; config.json alone: random init), a "
+               "config.json, or package.module:factory (imports and calls it: runs code, so name only code you "
+               "trust)")
+_RESIDENT_HELP = ("keep blocks on the GPU for the whole run (parameters, optimizer state, gradients; their update runs "
+                  "on the GPU): auto lets the compiler choose how many of the first blocks (milp policy, on a GPU), "
+                  "N keeps the first N (tied groups whole) (default {d.resident})")
+
+
+@dataclass
+class TrainConfig:
+    """A ``lazytrain train`` run on the built-in arithmetic task (``train.py``)."""
+
+    model: str = setting("task", _MODEL_HELP, metavar="M", resumed=_KEPT, shape=str)
+    difficulty: str = setting(
+        "tiny-pad-carry",    # the answer format a small GPT learns fastest (README "Train")
+        "arithmetic task preset ({difficulties}; default {d.difficulty}), optionally with answer formats after it, "
+        "e.g. tiny-pad-rev ({formats}: tasks/formats.py)", type=cli_types.difficulty, metavar="NAME",
+        resumed=Runs.TASK, shape=str)
+    batch: int = setting(32, "global batch size: the rows one optimizer step sees, over all GPUs (default {d.batch})",
+                         type=cli_types.positive, metavar="N", resumed=_KEPT, shape=Int(1, MAX_BATCH + 1))
+    seq: int | None = setting(None, "sequence length in tokens, at least the difficulty's longest example (default: "
+                                    "that)", type=cli_types.positive, metavar="N", resumed=_KEPT,
+                               shape=Int(1, MAX_SEQ_LEN + 1))
+    steps: int | None = setting(   # more than 9 min allow on 2 CPU cores: the time limit ends the run
+        6000, "optimizer steps in all, counting those of a --resume'd run (default {d.steps}; with --data: --epochs; "
+              "--time-limit-min may stop it sooner)", type=cli_types.positive, metavar="N")
+    lr: float = setting(3e-3, "peak learning rate (default {d.lr}; with --data {f.lr})", type=cli_types.positive_float)
+    warmup: int = setting(50, "warm-up steps (default {d.warmup}; with --data {f.warmup})",
+                          type=cli_types.non_negative, metavar="N", resumed=_KEPT, shape=int)
+    min_lr_ratio: float = setting(0.1, resumed=_KEPT, shape=Num(0.0, UNIT))
+    weight_decay: float = setting(0.0, resumed=_KEPT, shape=Num())
+    max_grad_norm: float | None = setting(1.0, resumed=_KEPT, shape=Either(None, Num()))
+    loss_on_prompt: bool = setting(
+        True, "loss on the answer only (default: on every token; see lazytrain/app/train.py)",
+        flag="--answer-only-loss", const=False, resumed=Runs.TASK, shape=bool)
+    gpu_memory: int | None = setting(None, "GPU budget, e.g. 24GiB (default: the GPU's)", type=cli_types.size,
+                                     metavar="SIZE", resumed=_KEPT, shape=_SIZE)      # bytes
+    host_memory: int | None = setting(None, "host budget, e.g. 64GiB (default: the host's)", type=cli_types.size,
+                                      metavar="SIZE", resumed=_KEPT, shape=_SIZE)     # bytes
+    policy: Policy = setting(Policy.MILP, "how the plan is chosen: the MILP solver, or a fixed heuristic (default "
+                                          "{d.policy})", choices=Policy.names, resumed=_KEPT,
+                             shape=OneOf(*Policy.names()))
+    #: blocks kept on the GPU (``compile_model``'s ``resident``): "auto", "none", the first N, or these indices
+    resident: Literal["auto", "none"] | int | list[int] = setting(
+        "auto", _RESIDENT_HELP, type=cli_types.resident, metavar="none|auto|N|i,j,..", resumed=_KEPT,
+        shape=Either(OneOf("auto", "none"), int, ListOf(int)))
+    eval_every: int = setting(0, "exact match on 200 eval problems every N steps (default: only at the end)",
+                              type=cli_types.non_negative, metavar="N")
+    #: a data run's held-out examples are at most this many: it shapes the training set, so that run keeps it
+    eval_size: int = setting(500, "held-out problems for the final exact match (default {d.eval_size}; with --data: "
+                                  "at most this many eval examples, default {f.eval_size})",
+                             type=cli_types.positive, metavar="N", resumed=Runs.DATA)
+    evaluate: bool = setting(True, "no exact-match evaluation, during or after the run (throughput runs)",
+                             flag="--no-eval", const=False, group="data")
+    seed: int = setting(0, "model initialisation and data order, 0 to 2**63 - 1 (default {d.seed})",
+                        type=cli_types.seed, resumed=_KEPT, shape=Int(0, 1 << 63))
+    time_limit_min: float | None = setting(
+        9.0, "stop training after this many minutes; the lr schedule anneals by then; 0: no limit (default "
+             "{d.time_limit_min:g})", type=cli_types.minutes, metavar="MIN")
+    output: str = setting("runs/train", "metrics.json + checkpoint/ (default {d.output})", metavar="DIR")
+    resume: str | None = setting(None, "continue the run saved in DIR (an --output folder) up to --steps, with its "
+                                       "model, data, batch and plan; only data is read from DIR, no code runs",
+                                 metavar="DIR")
+    device: str | None = setting(None, "default: cuda when there is a GPU", choices=("cpu", "cuda"))
+    threads: int | None = setting(None, "CPU threads, at most the cores (default: measured, starting from the cores "
+                                        "idle at the start)", type=cli_types.positive, metavar="N")
+    progress: bool = setting(True, "no progress bar", flag="--no-progress", const=False, recorded=Runs.NONE)
+    profile: int | None = setting(
+        None, "time every op of step STEP (default 5): print how much of each transfer kind and of the host update "
+              "was hidden under compute; write profile.json, trace.json and memory.png", type=int, nargs="?",
+        const=5, metavar="STEP")
+    allow_factory: bool = setting(False, "let --resume import and call the package.module:factory the run recorded "
+                                         "(code named in DIR: only for a run folder you trust)", const=True)
+    #: model-config overrides for "task" (tests, examples)
+    extra: dict = setting(None, default_factory=dict, recorded=Runs.TASK)
+
+    @property
+    def runs(self) -> Runs:
+        """The kind of run this configures."""
+        return Runs.TASK
+
+
+@dataclass
+class FinetuneConfig(TrainConfig):
+    """``TrainConfig`` and what fine-tuning on a file adds (``finetune/``); defaults for a pretrained model."""
+
+    data: str | None = setting(
+        None, "train on this JSONL / JSON file (messages, conversations, prompt/completion, alpaca or text records) "
+              "instead of the built-in task; --model then names a pretrained model: smollm2-135m-instruct, a Hugging "
+              "Face folder or a GGUF file", metavar="FILE", group="data", resumed=Runs.DATA)
+    eval_data: str | None = setting(None, "evaluate on this file (default: 5%% of --data held out, by a hash of each "
+                                          "example)", metavar="FILE", group="data", resumed=Runs.DATA)
+    tokenizer: str | None = setting(None, "a tokenizer other than the model's (folder, GGUF file or named model)",
+                                    metavar="T", group="data", resumed=Runs.DATA)
+    loss_on: str = setting("completion", "completion: only the completion / assistant turns carry a loss (default); "
+                                         "all: every token", choices=_loss_on, group="data", resumed=Runs.DATA)
+    truncate: str = setting("truncate", "examples longer than --seq: cut them (default) or leave them out; counted in "
+                                        "the report", choices=("truncate", "drop"), group="data", resumed=Runs.DATA)
+    pack: bool = setting(False, "several examples a row, each attending only to itself (same loss and gradients as "
+                                "unpacked)", const=True, group="data", resumed=Runs.DATA)
+    answer_regex: str | None = setting(None, "exact match compares the first match of RE (its first group) in reply "
+                                             "and reference (default: the last number)", metavar="RE", group="data",
+                                       resumed=Runs.DATA)
+    max_new_tokens: int | None = setting(None, "longest reply generated in evaluation (default: 1.5x the longest "
+                                               "reference + 8)", type=cli_types.positive, metavar="N", group="data")
+    epochs: float = setting(1.0, "epochs when --steps is not given (default 1)", type=cli_types.positive_float,
+                            group="data", resumed=Runs.DATA)
+    export: bool = setting(True, "do not write OUTPUT/model/, the Hugging Face folder a --data run writes",
+                           flag="--no-export", const=False, group="data")
+    export_dtype: str | None = setting(None, "dtype of the exported weights (default: that of the weights the model "
+                                             "came with)", choices=("float32", "bfloat16", "float16"), group="data")
+    steps: int | None = redefault(TrainConfig, "steps", None)
+    lr: float = redefault(TrainConfig, "lr", 1e-4)
+    warmup: int = redefault(TrainConfig, "warmup", 10)
+    eval_size: int = redefault(TrainConfig, "eval_size", 200)
+
+    @property
+    def runs(self) -> Runs:
+        return Runs.DATA
+
+
+def resumed(cfg: TrainConfig) -> tuple[str, ...]:
+    """The settings a resumed run of ``cfg``'s kind takes from the run it resumes (the plan comes with the
+    checkpoint)."""
+    return tuple(f.name for f in fields(cfg) if cfg.runs in setting_of(f).resumed)
+
+
+def resumed_shapes(cfg: TrainConfig) -> dict:
+    """The shape (``util/jsonshape.py``) of each setting a resumed run of ``cfg``'s kind takes from ``metrics.json``
+    (None: not checked)."""
+    return {f.name: setting_of(f).shape for f in fields(cfg) if cfg.runs in setting_of(f).resumed}
+
+
+def recorded(cfg: TrainConfig) -> dict:
+    """``cfg``'s settings as ``metrics.json`` records them."""
+    keep = {f.name for f in fields(cfg) if cfg.runs in setting_of(f).recorded}
+    return {k: v for k, v in asdict(cfg).items() if k in keep}

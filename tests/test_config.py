@@ -1,0 +1,62 @@
+"""``lazytrain train``'s settings are written once (``app/config.py``): the flags, the settings a resume keeps and
+``metrics.json``'s settings come from the same fields."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from lazytrain.app.cli import build_parser, config_from_args
+from lazytrain.app.config import FinetuneConfig, TrainConfig, recorded, resumed, setting_of
+from lazytrain.compiler.options import Policy
+
+
+def _config(*flags: str):
+    return config_from_args(build_parser("train").parse_args(["train", *flags]))
+
+
+def test_no_flags_are_the_configs_defaults():
+    assert _config() == TrainConfig()
+    assert _config("--data", "d.jsonl") == FinetuneConfig(data="d.jsonl")     # its own defaults: lr, warm-up, ...
+    assert _config("--pack") == TrainConfig()           # a fine-tune flag without --data has no use
+
+
+@pytest.mark.parametrize("flags, field, value", [
+    (["--batch", "6"], "batch", 6), (["--gpu-memory", "1KiB"], "gpu_memory", 1024),
+    (["--policy", "keep-all"], "policy", Policy.KEEP_ALL), (["--answer-only-loss"], "loss_on_prompt", False),
+    (["--no-progress"], "progress", False), (["--profile"], "profile", 5), (["--profile", "3"], "profile", 3),
+    (["--time-limit-min", "0"], "time_limit_min", None), (["--resident", "0,2"], "resident", [0, 2]),
+    (["--difficulty", "tiny-rev-pad"], "difficulty", "tiny-pad-rev"), (["--no-eval"], "evaluate", False),
+])
+def test_each_flag_sets_its_field(flags, field, value):
+    assert getattr(_config(*flags), field) == value
+
+
+def test_policy_choices_are_the_enums():
+    policy = TrainConfig.__dataclass_fields__["policy"]
+    assert setting_of(policy).choices() == Policy.names()
+    with pytest.raises(SystemExit):
+        build_parser("train").parse_args(["train", "--policy", "fastest"])
+
+
+def test_one_list_of_settings_a_resume_keeps():
+    """The task's run keeps what defines its model, data and plan; a data run also its files, tokenizer and held-out
+    size (which picks its training examples), not the task's difficulty."""
+    task, data = set(resumed(TrainConfig())), set(resumed(FinetuneConfig()))
+    shared = {"model", "batch", "seq", "seed", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "policy",
+              "gpu_memory", "host_memory", "resident"}
+    assert task == shared | {"difficulty", "loss_on_prompt"}
+    assert data == shared | {"tokenizer", "data", "eval_data", "loss_on", "truncate", "pack", "eval_size",
+                             "answer_regex", "epochs"}
+
+
+def test_metrics_settings_are_every_field_but_the_progress_bar():
+    assert set(recorded(TrainConfig())) == {f.name for f in fields(TrainConfig)} - {"progress"}
+    assert set(recorded(FinetuneConfig())) == {f.name for f in fields(FinetuneConfig)} - {"progress", "extra"}
+
+
+def test_every_setting_a_task_resume_reads_has_a_shape_to_check():
+    from lazytrain.app.config import resumed_shapes
+    shapes = resumed_shapes(TrainConfig())
+    assert set(shapes) == set(resumed(TrainConfig())) and None not in shapes.values()
