@@ -77,9 +77,7 @@ from .threads import cpu_threads
 
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
 TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512, "rope": True}
-#: token ids in one batch of the task (batch x seq): the batch is generated on the host every step, at
-#: ~0.3 ms a row of 88 tokens on the 2-core machine, so a batch at this bound takes ~3.4 s to generate
-#: and its ids and labels (int64) 16 MiB (the default, 32 x 88, is 2,816 tokens)
+#: token ids in one batch of the task (batch x seq), generated on the host each step: 2^20 [ledger: train-batch-tokens]
 MAX_BATCH_TOKENS = 1 << 20
 
 
