@@ -16,8 +16,9 @@ import lazytrain
 ROOT = Path(lazytrain.__file__).parent
 #: what each layer may import besides itself (and top-level modules that import nothing of LazyTrain)
 ALLOWED = {"ir": set(), "frontend": {"ir"}, "compiler": {"ir", "frontend"}, "runtime": {"ir", "frontend"}}
-#: the one import upward, and why: ``compile_model(calibrate=True)`` times the blocks in the runtime
-UPWARD = {("lazytrain.compiler.api", "lazytrain.measure.calibrate")}
+#: imports upward, each with its reason (none: ``calibrate=True`` is supplied to the compiler from above,
+#: ``compiler.pipeline.calibrating``)
+UPWARD: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -10,6 +10,7 @@ import warnings
 from ..ir import GiB, Plan, PlanError
 from ..util.torch_free import is_module
 from ..util.units import format_size, parse_size
+from .progress import caller_stacklevel
 from .solvers.heuristics import HEURISTICS
 
 
@@ -97,7 +98,7 @@ def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memo
     if gpu_memory is not None and hw.has_gpu and gpu > hw.gpu_memory_bytes:
         warnings.warn(f"GPU memory {format_size(gpu)} is more than the {format_size(hw.gpu_memory_bytes)} of the "
                       f"{hw.name} profile's {hw.gpu_name}: the plan will not run on that GPU (name the GPU's own "
-                      f"profile with --hardware)", stacklevel=3)
+                      f"profile with --hardware)", stacklevel=caller_stacklevel())
     if reserve is None:
         res = default_reserve(gpu)
     else:           # no reserve is a choice (a size of 0 is not: ``parse_size`` refuses it)

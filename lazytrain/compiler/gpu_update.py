@@ -40,7 +40,7 @@ import warnings
 from ..ir import Decisions, Plan, PlanError
 from ..ir.semantics import tie_closure
 from .deadline import compile_cpu_seconds
-from .progress import log
+from .progress import caller_stacklevel, log
 from .time_limits import LIMITS
 
 #: three more GPU-updated blocks that do not shorten the simulated step end the scan over k (a block's state
@@ -160,7 +160,7 @@ def _warn_if_slower(forced: Plan, solved: Plan, blocks, resolved_bytes: int) -> 
            f"rest (micro-batch {forced.micro_batch})" if resolved_bytes > 0 else "")
     warnings.warn(f"gpu_update: with the {len(blocks)} GPU-updated blocks asked for{how}, the plan is predicted at "
                   f"{step:.3f} s a step against {base:.3f} s without them; ask for fewer (or 'auto')",
-                  stacklevel=6)       # the caller of lazytrain.compile
+                  stacklevel=caller_stacklevel())
 
 
 def _re_solved(comp, gpu_bytes: int, policy: str, batch_size: int, micro_batch: int | None = None,

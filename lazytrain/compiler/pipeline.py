@@ -41,7 +41,7 @@ from .hardware import HardwareProfile, get_profile
 from .loss_chunk import faster_head, single_pass_rows, with_loss_chunk
 from .measured_workspace import with_measured_workspace
 from .options import LossHead, Policy
-from .progress import log
+from .progress import caller_stacklevel, log
 from .request import CompileRequest
 from .resident import resident_request
 from .solvers import isolated
@@ -109,10 +109,12 @@ def run(model, req: CompileRequest) -> Plan:
     plan = gpu_updated(comp, plan, req)
     plan = with_loss_head(comp, plan, req)
     if plan.decisions.notes.get("milp_failed"):
-        warnings.warn(f"micro-batch {plan.micro_batch}: {plan.decisions.notes['milp_fallback']}", stacklevel=2)
+        warnings.warn(f"micro-batch {plan.micro_batch}: {plan.decisions.notes['milp_fallback']}",
+                      stacklevel=caller_stacklevel())
     if comp.search.failures:
         warnings.warn("the MILP solvers failed (" + "; ".join(comp.search.failures) + "); the plan comes from "
-                      f"the {plan.decisions.policy} policy where they did (plan.solver.failures)", stacklevel=2)
+                      f"the {plan.decisions.policy} policy where they did (plan.solver.failures)",
+                      stacklevel=caller_stacklevel())
     plan = returned(comp, plan, req)
     plan.history = [*history, *plan.history, {"pass": "total", "seconds": round(time.perf_counter() - t0, 4)}]
     return plan

@@ -13,9 +13,21 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TextIO
 
 log = logging.getLogger("lazytrain.compile")
+#: the package's folder: frames in it are LazyTrain's own, not its caller's
+_PACKAGE = str(Path(__file__).resolve().parent.parent)
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised by this function's caller at the first frame outside LazyTrain
+    (the user's call of ``lazytrain.compile``, however deep in the pipeline and its outer searches it arose)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @contextlib.contextmanager
