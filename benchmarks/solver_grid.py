@@ -97,7 +97,7 @@ def run_case(case: dict, graphs: dict, time_limit: float) -> list[dict]:
                 try:
                     plan = comp.build(dec, case["batch"], check_budget=False)
                     row["plan_s"] = plan.predicted["step_time_s"]
-                    row["fits"] = plan.predicted["peak_gpu_bytes"] <= comp.budgets["gpu_bytes"]
+                    row["fits"] = plan.predicted["peak_gpu_bytes"] <= comp.budgets.gpu_bytes
                     row["resident"] = len(dec.resident_blocks)
                 except PlanError as e:
                     row["plan_error"] = str(e)

@@ -183,7 +183,7 @@ def test_a_peak_under_a_gradient_drain_is_answered_by_the_drain_rows(monkeypatch
     comp = _compiler(g, 0.3, mb=2, M=8)
     plan = comp.best("milp", 16, micro_batch=2)
     assert asked == [False, True]
-    assert plan.decisions.policy == "milp" and plan.predicted["peak_gpu_bytes"] <= comp.budgets["gpu_bytes"]
+    assert plan.decisions.policy == "milp" and plan.predicted["peak_gpu_bytes"] <= comp.budgets.gpu_bytes
 
 
 def test_a_tightening_that_does_not_lower_the_peak_grows_the_next_one():

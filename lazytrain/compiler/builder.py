@@ -10,6 +10,7 @@ import dataclasses
 from ..frontend.validate import micro_batch_candidates
 from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
+from .budgets import Budgets
 from .cost import CostModel
 from .lower import lower_with_effects
 from .options import Optimizer, Policy, Solver
@@ -25,12 +26,13 @@ class Compiler:
     """Everything fixed for one compile: graph, hardware, budgets, options; ``search`` answers the
     questions about plans (``compiler/search.py``)."""
 
-    def __init__(self, graph: ModelGraph, hw, budgets: dict, *, param_dtype: str, optimizer: str, clip: bool,
+    def __init__(self, graph: ModelGraph, hw, budgets: Budgets | dict, *, param_dtype: str, optimizer: str, clip: bool,
                  solver: str = DEFAULT_ORDER[0], time_limit: float | None = None, resident: frozenset = frozenset(),
                  choose_resident: bool = False, world_size: int = 1, nodes: int = 1, compile_blocks: bool = False,
                  deadline: float | None = None, rule_follows: bool = False):
         solver, optimizer = Solver.parse(solver, "solver"), Optimizer.parse(optimizer, "optimizer")
-        self.graph, self.hw, self.budgets = graph, hw, budgets
+        #: the budgets (a plan's dict of them is read as the record)
+        self.graph, self.hw, self.budgets = graph, hw, Budgets.of(budgets)
         #: blocks every plan of this compiler keeps on the GPU (``Decisions.resident``), and whether the
         #: MILP may keep a leading prefix of the others too
         self.resident = frozenset(resident)
@@ -62,7 +64,7 @@ class Compiler:
         """This compiler with another GPU budget and a search of its own (``gpu_update.choose`` re-solves with
         the memory its GPU-updated blocks need set aside), within ``deadline`` CPU seconds if given."""
         other = copy.copy(self)
-        other.budgets = {**self.budgets, "gpu_bytes": gpu_bytes}
+        other.budgets = dataclasses.replace(self.budgets, gpu_bytes=gpu_bytes)
         if deadline is not None:
             other.deadline = deadline
         other.rule_follows = False          # its search is the rule's own
@@ -108,8 +110,8 @@ class Compiler:
         if check_budget:
             self._quick_reject(decisions, cost)
         ops, effs = lower_with_effects(decisions, cost, clip=self.clip)
-        budgets = self.budgets if check_budget else {k: v for k, v in self.budgets.items() if k == "nvme_dir"}
-        plan = Plan(graph=self.graph, hardware=self.hw.to_json(), budgets=dict(budgets), batch_size=batch_size,
+        budgets = self.budgets.to_json() if check_budget else {"nvme_dir": self.budgets.nvme_dir}
+        plan = Plan(graph=self.graph, hardware=self.hw.to_json(), budgets=budgets, batch_size=batch_size,
                     seq_len=self.graph.seq_len, param_dtype=self.param_dtype, decisions=decisions, ops=ops,
                     options=dict(self.options), world_size=self.world_size)
         rep = verify(plan, early_exit=check_budget, effs=effs, sizes=cost.sizes)
@@ -150,16 +152,16 @@ class Compiler:
         kept += sum(cost.act_bytes(i) for i, p in enumerate(dec.boundary) if p is Place.GPU and i > 0
                     and dec.saved[i] is Saved.RECOMPUTE)
         kept += cost.sizes.resident_bytes() / M
-        if kept * M > self.budgets["gpu_bytes"]:
+        if kept * M > self.budgets.gpu_bytes:
             raise PlanError(f"kept activations alone need {kept * M / GiB:.2f} GiB of GPU memory")
 
     def within_budgets(self, plan: Plan) -> bool:
         """Check a plan built without budgets against them, and adopt the budgets if it fits."""
         pred, b = plan.predicted, self.budgets
-        ok = (pred["peak_gpu_bytes"] <= b["gpu_bytes"] and pred["peak_host_bytes"] <= b["host_bytes"]
-              and pred["peak_nvme_bytes"] <= (b.get("nvme_bytes") or 0))
+        ok = (pred["peak_gpu_bytes"] <= b.gpu_bytes and pred["peak_host_bytes"] <= b.host_bytes
+              and pred["peak_nvme_bytes"] <= (b.nvme_bytes or 0))
         if ok:
-            plan.budgets = dict(b)
+            plan.budgets = b.to_json()
         return ok
 
     def micro_batches(self, batch_size: int, micro_batch: int | None) -> list[int]:

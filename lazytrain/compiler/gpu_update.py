@@ -120,7 +120,7 @@ def fixed(comp, plan: Plan, req, policy: str, micro_batch: int | None = None) ->
     bad = [j for j in (() if isinstance(req, int) else req) if not 0 <= j < g.n_blocks]
     if bad:
         raise ValueError(f"gpu_update blocks {bad} out of range 0..{g.n_blocks - 1}")
-    base, gpu_bytes = plan, comp.budgets["gpu_bytes"]
+    base, gpu_bytes = plan, comp.budgets.gpu_bytes
     for attempt in range(RESOLVES + 1):
         blocks = candidates(g, base.decisions)[:req] if isinstance(req, int) else req
         if not blocks:
@@ -128,13 +128,13 @@ def fixed(comp, plan: Plan, req, policy: str, micro_batch: int | None = None) ->
         dec = with_blocks(base.decisions, blocks, g.n_blocks)
         trial = comp.build(dec, base.batch_size, check_budget=False)     # built once: its peak says what it lacks
         if comp.within_budgets(trial):
-            _warn_if_slower(trial, plan, blocks, resolved_bytes=comp.budgets["gpu_bytes"] - gpu_bytes)
+            _warn_if_slower(trial, plan, blocks, resolved_bytes=comp.budgets.gpu_bytes - gpu_bytes)
             return trial
         peak = trial.predicted["peak_gpu_bytes"]
-        lack = peak - comp.budgets["gpu_bytes"]
+        lack = peak - comp.budgets.gpu_bytes
         if attempt == RESOLVES:
             raise PlanError(f"GPU-updated blocks {list(blocks)} do not fit the GPU budget of "
-                            f"{comp.budgets['gpu_bytes'] / 2**30:.2f} GiB: with them the plans re-solved with less "
+                            f"{comp.budgets.gpu_bytes / 2**30:.2f} GiB: with them the plans re-solved with less "
                             f"memory for the rest still peak {peak / 2**30:.2f} GiB; ask for fewer (or 'auto')")
         if attempt == 0:        # what the blocks add to the solved plan's peak: the first re-solve leaves that
             gpu_bytes -= max(int(peak - base.predicted["peak_gpu_bytes"]), int(lack), 2**26)
@@ -192,13 +192,13 @@ def choose(comp, plan: Plan) -> Plan:
     room = _room(comp, plan, over, budget, best.predicted["step_time_s"]) if over is not None else 0
     resolved = None
     left = budget[0] - compile_cpu_seconds()
-    if room > MAX_ROOM_SHARE * comp.budgets["gpu_bytes"]:
+    if room > MAX_ROOM_SHARE * comp.budgets.gpu_bytes:
         tried.append(["no re-solve", round(room / 2**30, 3)])
         room = 0
     if room > 0 and (comp.time_limit is not None or left >= 2 * LIMITS.min_rule_resolve_s):
         # the solved plan leaves too little memory: solve again with that much less, in at most half of what is
         # left (the other half scans its plan); a caller's time limit per solve has no deadline, as the search
-        resolved = _re_solved(comp, comp.budgets["gpu_bytes"] - room, "milp", plan.batch_size,
+        resolved = _re_solved(comp, comp.budgets.gpu_bytes - room, "milp", plan.batch_size,
                               deadline=None if comp.time_limit is not None else left / 2)
     elif room > 0:
         tried.append(["no time to re-solve"])

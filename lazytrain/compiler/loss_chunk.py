@@ -121,7 +121,7 @@ def faster_head(comp, plan):
     within ``LIMITS.head_resolve_s`` CPU seconds (``short_head_resolve_s`` for a short chain).  What was tried goes
     into the returned plan's history."""
     head = comp.graph.meta.get("loss_head")
-    gpu_bytes = comp.budgets.get("gpu_bytes")
+    gpu_bytes = comp.budgets.gpu_bytes
     if not isinstance(head, dict) or head.get("single_pass") or not gpu_bytes:
         return plan
     t0 = time.perf_counter()
@@ -182,7 +182,7 @@ def _gain(comp, single, plan) -> float:
 def _re_solved(single, plan, seconds: float):
     """The MILP's plan for ``single`` (a compiler of the single-pass head) at ``plan``'s micro-batch, within
     ``seconds`` CPU seconds of a search of its own; or None."""
-    other = single.with_gpu_budget(single.budgets["gpu_bytes"], deadline=seconds)
+    other = single.with_gpu_budget(single.budgets.gpu_bytes, deadline=seconds)
     other.search.deadline.start()
     with warnings.catch_warnings():      # a heuristic standing in at this micro-batch is not the caller's concern
         warnings.simplefilter("ignore", UserWarning)

@@ -35,7 +35,7 @@ from ..ir import Plan
 from ..ir.graph import ModelGraph
 from . import background_trace
 from . import gpu_update as gpu_update_rule
-from .budgets import budget_error, make_budgets
+from .budgets import Budgets, budget_error, make_budgets
 from .builder import Compiler
 from .hardware import HardwareProfile, get_profile
 from .loss_chunk import faster_head, single_pass_rows, with_loss_chunk
@@ -149,7 +149,7 @@ def resolve_graph(model, req: CompileRequest, history: list) -> ModelGraph:
     return graph
 
 
-def budgets_for(req: CompileRequest, hw: HardwareProfile) -> dict:
+def budgets_for(req: CompileRequest, hw: HardwareProfile) -> Budgets:
     """The request's memory budgets on ``hw`` (``budgets.make_budgets``); a rank's share in a world of several."""
     budgets = make_budgets(hw, req.gpu_memory, req.host_memory, req.nvme_dir, req.nvme_memory, req.reserve)
     if req.world_size != 1 or req.nodes != 1:       # (the world's shape: checked in the request)
@@ -157,10 +157,10 @@ def budgets_for(req: CompileRequest, hw: HardwareProfile) -> dict:
     return budgets
 
 
-def compiler_for(graph: ModelGraph, hw: HardwareProfile, budgets: dict, req: CompileRequest) -> Compiler:
+def compiler_for(graph: ModelGraph, hw: HardwareProfile, budgets: Budgets, req: CompileRequest) -> Compiler:
     """The ``Compiler`` of the request: the graph with its loss head's chunk chosen and the measured workspaces
     applied, the resident blocks asked for, whether the GPU-update rule follows the search."""
-    graph = with_loss_chunk(graph, budgets["gpu_bytes"], _forced_single_rows(graph, budgets, req.loss_head))
+    graph = with_loss_chunk(graph, budgets.gpu_bytes, _forced_single_rows(graph, budgets, req.loss_head))
     graph = with_measured_workspace(graph, hw)               # calibrated transients, where they exceed the traced
     fixed, auto = resident_request(graph, req.resident)
     policy = req.policy.value
@@ -172,13 +172,13 @@ def compiler_for(graph: ModelGraph, hw: HardwareProfile, budgets: dict, req: Com
     return comp
 
 
-def _forced_single_rows(graph: ModelGraph, budgets: dict, mode: LossHead) -> int | None:
+def _forced_single_rows(graph: ModelGraph, budgets: Budgets, mode: LossHead) -> int | None:
     """Rows a chunk of the single-pass loss head asked for takes (one sample's at most, as the recompute's chunk),
     else None: the recompute, which ``faster_head`` may turn into a single pass after the search."""
     head = graph.meta.get("loss_head")
-    if mode is not LossHead.SINGLE_PASS or not isinstance(head, dict) or not budgets.get("gpu_bytes"):
+    if mode is not LossHead.SINGLE_PASS or not isinstance(head, dict) or not budgets.gpu_bytes:
         return None
-    return (single_pass_rows(head, budgets["gpu_bytes"], head["seq_len"]) or [1])[0]
+    return (single_pass_rows(head, budgets.gpu_bytes, head["seq_len"]) or [1])[0]
 
 
 def searched(comp: Compiler, req: CompileRequest) -> Plan:

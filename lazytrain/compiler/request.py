@@ -93,7 +93,7 @@ class CompileRequest:
         kwargs["param_dtype"] = param_dtype_name(kwargs.get("param_dtype", cls.param_dtype))
         held = held_host_bytes(model) if kwargs.get("host_memory") is None else 0
         if held:
-            kwargs["host_memory"] = make_budgets(get_profile(kwargs["hardware"]), held_bytes=held)["host_bytes"]
+            kwargs["host_memory"] = make_budgets(get_profile(kwargs["hardware"]), held_bytes=held).host_bytes
         return cls(**kwargs)
 
     def __post_init__(self) -> None:

@@ -315,7 +315,7 @@ class Search:
                                drain_under_reloads=drain)
         plan, stats, why = None, None, "the heuristic warm start simulated faster"
         excluded: list[Decisions] = []
-        budget = comp.budgets["gpu_bytes"]
+        budget = comp.budgets.gpu_bytes
         last = (0, 0)        # the last tightening of the rows' budget, and the excess that caused it
         n_cuts = NO_GOOD_CUTS_SHORT if comp.graph.n_blocks <= 12 else NO_GOOD_CUTS_LONG
         coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, n_micro, comp.options["host_bytes_per_param"])
@@ -346,7 +346,7 @@ class Search:
                     self._cut_short()
                 break
             trial, sim = self.build(dec, batch_size, check_budget=False, simulated=True)
-            excess = trial.predicted["peak_gpu_bytes"] - comp.budgets["gpu_bytes"]
+            excess = trial.predicted["peak_gpu_bytes"] - comp.budgets.gpu_bytes
             if excess <= 0:
                 plan = trial if comp.within_budgets(trial) else None
                 break
