@@ -100,6 +100,7 @@ def test_a_compiled_block_counts_once_per_cut_in_the_search_budget():
     from lazytrain.compiler import search
     from lazytrain.compiler.api import Compiler, make_budgets
     from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.search import Search
     from lazytrain.compiler.synthetic import chain
     from lazytrain.compiler.time_limits import LIMITS
     from lazytrain.ir import Cut
@@ -115,7 +116,8 @@ def test_a_compiled_block_counts_once_per_cut_in_the_search_budget():
     for name, graph in (("plain", g), ("cut", cut)):
         comp = Compiler(graph, hw, make_budgets(hw, "24GiB", "200GiB", None, None, None), param_dtype="bfloat16",
                         optimizer="hybrid8bit", clip=True)
-        sizes[name] = (comp.search.solver_left, comp.search.deadline.seconds)
+        asked = Search(comp)
+        sizes[name] = (asked.solver_left, asked.deadline.seconds)
     assert sizes == {"plain": (LIMITS.short_solver_s, LIMITS.short_deadline_s),
                      "cut": (LIMITS.solver_s, LIMITS.deadline_s)}
 
@@ -126,6 +128,7 @@ def test_the_deadline_counts_the_gpu_update_rule_after_the_search():
     a caller's deadline leaves the rule at most half; without the rule the search has the whole deadline."""
     from lazytrain.compiler.api import Compiler, make_budgets
     from lazytrain.compiler.hardware import get_profile
+    from lazytrain.compiler.search import Search
     from lazytrain.compiler.synthetic import chain
     from lazytrain.compiler.time_limits import LIMITS
 
@@ -134,7 +137,7 @@ def test_the_deadline_counts_the_gpu_update_rule_after_the_search():
     def deadline(n_blocks, **kw):
         comp = Compiler(chain(n_blocks), hw, make_budgets(hw, "24GiB", "200GiB", None, None, None),
                         param_dtype="bfloat16", optimizer="hybrid8bit", clip=True, **kw)
-        d = comp.search.deadline
+        d = Search(comp).deadline
         d.start()
         return d.seconds, d.reserve, d.cpu_left(), d.after_cpu_left()
 

@@ -341,8 +341,8 @@ def test_the_scan_finds_the_largest_count_that_fits_and_the_fastest_below_it(fit
 
 
 class _TableCompiler:
-    """A stand-in for ``Compiler`` in ``gpu_update.choose``: a plan's step is ``step(d, k)`` for d resident blocks
-    given back and k GPU-updated, over the GPU budget where ``fits(d, k)`` is False; built without the budgets
+    """A stand-in for the ``Search`` and its ``Compiler`` in ``gpu_update.choose``: a plan's step is ``step(d, k)`` for
+    d resident blocks given back and k GPU-updated, over the GPU budget where ``fits(d, k)`` is False; built without the budgets
     (what ``_room`` asks), ``free(k)`` at d = 0 (default ``step(0, k)``), peaking ``room`` bytes over it.
     ``built`` counts the builds."""
 
@@ -356,7 +356,7 @@ class _TableCompiler:
         self.resolved: list[int] = []
         self.free = free or (lambda k: step(0, k))
         self.budgets, self.time_limit = Budgets(gpu_bytes=100 * GiB), None
-        self.search = types.SimpleNamespace(deadline=Deadline(None))
+        self.comp, self.deadline = self, Deadline(None)
         dec = Decisions(policy="milp", micro_batch=1, n_micro=1, boundary=(Place.GPU,) * L,
                         saved=(Saved.KEEP,) * L, resident=tuple(j < resident for j in range(L)))
         self.plan = self.build(dec, 1)

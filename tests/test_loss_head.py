@@ -456,7 +456,7 @@ def test_the_heads_pass_stays_within_the_compiles_deadline(monkeypatch):
     and keeps the searched plan; a search that ran out of its deadline is not followed by a re-solve."""
     import dataclasses
 
-    import lazytrain.compiler.api as api
+    import lazytrain.compiler.pipeline as pipeline
     from lazytrain import compile
     from lazytrain.compiler.deadline import Deadline
 
@@ -469,12 +469,12 @@ def test_the_heads_pass_stays_within_the_compiles_deadline(monkeypatch):
     assert step["tried_rows_step_s"] == [[1024, "deadline"]] and step["single_pass"] is False
     assert spent.predicted["step_time_s"] == base.predicted["step_time_s"]
 
-    real = api.faster_head
+    real = pipeline.faster_head
 
     def out_of_time(comp, plan):
         return real(comp, dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, out_of_time=True)))
 
-    monkeypatch.setattr(api, "faster_head", out_of_time)
+    monkeypatch.setattr(pipeline, "faster_head", out_of_time)
     late = compile("qwen2.5-3b", **kw)
     step = next(h for h in late.history if h["pass"] == "loss_head")
     assert step["tried_rows_step_s"] and all(t[0] != "re-solved" for t in step["tried_rows_step_s"])

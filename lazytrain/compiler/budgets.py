@@ -170,9 +170,10 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 100 else format_size(n)
 
 
-def budget_error(comp, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:
-    """Why no plan of ``policy`` fits ``comp``'s budgets at this batch (``comp``: the ``api.Compiler`` whose search
-    found none), with the memory that would make one fit where that can be said."""
+def budget_error(search, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:
+    """Why no plan of ``policy`` fits the budgets at this batch (``search``: the ``search.Search`` that found none),
+    with the memory that would make one fit where that can be said."""
+    comp = search.comp
     host_need = int(comp.graph.total_params * comp.options["host_bytes_per_param"]) // comp.world_size
     if host_need > comp.budgets.host_bytes:    # the host store alone does not fit: say that first
         return BudgetError(
@@ -180,7 +181,7 @@ def budget_error(comp, batch_size: int, micro_batch: int | None, policy: str = "
             f"{_count(comp.graph.total_params)} parameters ({comp.options['host_bytes_per_param']} bytes "
             f"each); the budget is {_gib(comp.budgets.host_bytes)}")
     mb = micro_batch or 1
-    leanest = comp.leanest(batch_size, mb)
+    leanest = search.leanest(batch_size, mb)
     need = leanest.predicted["peak_gpu_bytes"]
     why = binding(leanest, comp.budgets)
 

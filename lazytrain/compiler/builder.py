@@ -1,30 +1,29 @@
 """The builder of one compile: ``Compiler`` holds everything fixed for it (graph, hardware, budgets, options) and
 turns a plan's decisions into a verified, simulated ``Plan`` (cost -> lower -> verify -> simulate).  The search
-(``compiler/search.py``) asks it for plans; the pipeline (``compiler/pipeline.py``) builds it."""
+(``compiler/search.py``) asks it for plans and it never asks the search anything; the pipeline
+(``compiler/pipeline.py``) makes both."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 
-from ..frontend.validate import micro_batch_candidates
 from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
 from .budgets import Budgets
 from .cost import CostModel
 from .lower import lower_with_effects
-from .options import Optimizer, Policy, Solver
+from .options import Optimizer, Solver
 from .paused_gc import paused_gc
 from .request import HOST_BYTES_PER_PARAM
-from .search import Search
 from .simulate import SimResult, simulate
 from .solvers.isolated import DEFAULT_ORDER
 from .time_limits import LIMITS
 
 
 class Compiler:
-    """Everything fixed for one compile: graph, hardware, budgets, options; ``search`` answers the
-    questions about plans (``compiler/search.py``)."""
+    """Everything fixed for one compile: graph, hardware, budgets, options (the search's among them: the solver, its
+    time limit and deadline, read by ``search.Search``), and the builds of plans from decisions."""
 
     def __init__(self, graph: ModelGraph, hw, budgets: Budgets | dict, *, param_dtype: str, optimizer: str, clip: bool,
                  solver: str = DEFAULT_ORDER[0], time_limit: float | None = None, resident: frozenset = frozenset(),
@@ -58,10 +57,9 @@ class Compiler:
         self._costs: dict[tuple, CostModel] = {}         # ``cost``'s, by its arguments
         #: the search says its micro-batches' results (``compiler/progress.py``); not a re-solve's own search
         self.progress = True
-        self.search = Search(self)
 
     def with_gpu_budget(self, gpu_bytes: int, deadline: float | None = None) -> Compiler:
-        """This compiler with another GPU budget and a search of its own (``gpu_update.choose`` re-solves with
+        """This compiler with another GPU budget, for a search of its own (``gpu_update.choose`` re-solves with
         the memory its GPU-updated blocks need set aside), within ``deadline`` CPU seconds if given."""
         other = copy.copy(self)
         other.budgets = dataclasses.replace(self.budgets, gpu_bytes=gpu_bytes)
@@ -69,7 +67,13 @@ class Compiler:
             other.deadline = deadline
         other.rule_follows = False          # its search is the rule's own
         other.progress = False
-        other.search = Search(other)
+        return other
+
+    def with_graph(self, graph: ModelGraph) -> Compiler:
+        """This compiler building plans of ``graph`` instead (another loss head: ``loss_chunk.faster_head``), its cost
+        models its own."""
+        other = copy.copy(self)
+        other.graph, other._costs = graph, {}
         return other
 
     def solve_time_limit(self) -> float:
@@ -163,24 +167,3 @@ class Compiler:
         if ok:
             plan.budgets = b.to_json()
         return ok
-
-    def micro_batches(self, batch_size: int, micro_batch: int | None) -> list[int]:
-        """Candidate micro-batch sizes, largest first: the given one, else divisors of the batch
-        up to 32 whose op list stays bounded (``validate.micro_batch_candidates``)."""
-        return micro_batch_candidates(batch_size, self.graph.n_blocks, micro_batch)
-
-    def best(self, policy: str, batch_size: int, micro_batch: int | None = None, tries: int = 2) -> Plan | None:
-        """Best feasible plan of ``policy`` over micro-batch sizes (``Search.best``)."""
-        return self.search.best(Policy.parse(policy, "policy").value, batch_size, micro_batch, tries)
-
-    def leanest(self, batch_size: int, micro_batch: int | None) -> Plan:
-        """The leaner on GPU memory of the frugal plans, built without budgets (``Search.frugal_plans``: every block
-        recomputed, or every block's saved tensors on the host; boundaries on the host), at the smallest
-        micro-batch, with the blocks asked to be resident (they hold their memory whatever else the plan does).
-        Both lie in the MILP's space; a plan mixing the two per block may need less still, so "needs at least" is
-        a bound of these two, not of every plan."""
-        mb = micro_batch or 1
-        plans = list(self.search.frugal_plans(batch_size, mb, check_budget=False))
-        if not plans:      # neither builds: the recompute's own error says why
-            return self.build(self.search.frugal(batch_size, mb), batch_size, check_budget=False)
-        return min(plans, key=lambda p: p.predicted["peak_gpu_bytes"])

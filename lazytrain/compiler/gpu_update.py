@@ -108,15 +108,16 @@ def with_blocks(dec: Decisions, blocks, n_blocks: int) -> Decisions:
     return dataclasses.replace(dec, gpu_update=tuple(j in blocks for j in range(n_blocks)) if blocks else ())
 
 
-def fixed(comp, plan: Plan, req, policy: str, micro_batch: int | None = None) -> Plan:
-    """The plan with the GPU-updated blocks asked for (a count: the first streamed ones), checked as any.
+def fixed(search, plan: Plan, req, policy: str, micro_batch: int | None = None) -> Plan:
+    """The plan with the GPU-updated blocks asked for (a count: the first streamed ones), checked as any
+    (``search``: the ``search.Search`` that found ``plan``; its compiler builds the plans).
 
     The solved plan usually fills the GPU budget with kept activations, so asked-for blocks often do not fit
     beside it; as ``choose`` does, the search is then run again with the GPU budget lowered by the memory they
     lack (up to ``RESOLVES`` times: the re-solved plan peaks elsewhere) and the blocks put on that plan, checked
     against the whole budget (at the caller's micro-batch, if one was given).  A request that fits no re-solved
     plan raises a ``PlanError`` that says by how much it missed."""
-    g = plan.graph
+    g, comp = plan.graph, search.comp
     bad = [j for j in (() if isinstance(req, int) else req) if not 0 <= j < g.n_blocks]
     if bad:
         raise ValueError(f"gpu_update blocks {bad} out of range 0..{g.n_blocks - 1}")
@@ -142,7 +143,7 @@ def fixed(comp, plan: Plan, req, policy: str, micro_batch: int | None = None) ->
             gpu_bytes -= max(int(lack), 2**26)
         if gpu_bytes <= 0:
             raise PlanError(f"GPU-updated blocks {list(blocks)} need more than the whole GPU budget; ask for fewer")
-        base = _re_solved(comp, gpu_bytes, policy, plan.batch_size, micro_batch)
+        base = _re_solved(search, gpu_bytes, policy, plan.batch_size, micro_batch)
         if base is None:
             raise PlanError(f"GPU-updated blocks {list(blocks)} do not fit the GPU budget: no plan leaves the "
                             f"{max(int(lack), 0) / 2**30:.2f} GiB they need; ask for fewer (or 'auto')")
@@ -163,7 +164,7 @@ def _warn_if_slower(forced: Plan, solved: Plan, blocks, resolved_bytes: int) -> 
                   stacklevel=caller_stacklevel())
 
 
-def _re_solved(comp, gpu_bytes: int, policy: str, batch_size: int, micro_batch: int | None = None,
+def _re_solved(search, gpu_bytes: int, policy: str, batch_size: int, micro_batch: int | None = None,
                deadline: float | None = None) -> Plan | None:
     """The search's best plan with ``gpu_bytes`` of GPU budget, the memory GPU-updated blocks need set aside
     (within ``deadline`` CPU seconds, else the search's own).  Its warnings (a micro-batch where the MILP found
@@ -171,22 +172,23 @@ def _re_solved(comp, gpu_bytes: int, policy: str, batch_size: int, micro_batch: 
     passed on; what the kept plan is, ``show`` says."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return comp.with_gpu_budget(gpu_bytes, deadline=deadline).best(policy, batch_size, micro_batch)
+        return search.with_gpu_budget(gpu_bytes, deadline=deadline).best(policy, batch_size, micro_batch)
 
 
-def choose(comp, plan: Plan) -> Plan:
-    """The rule of the module docstring; returns the fastest plan found, with what was tried in its notes.
+def choose(search, plan: Plan) -> Plan:
+    """The rule of the module docstring (``search``: the ``search.Search`` that found ``plan``; its compiler builds
+    the plans); returns the fastest plan found, with what was tried in its notes.
 
     A GPU update takes work off the host and puts some on the GPU, so it can at best remove the time the GPU
     waits: a plan whose simulated GPU idles less than ``MIN_IDLE_SHARE`` of its step (GPU-bound, as most plans
     on the FLOP-modelled profiles are) is returned as it is, without the scans.  The solved plan's solver stats
     go with whichever plan is kept (a scan's plans are built, not solved)."""
-    t0 = time.perf_counter()
+    t0, comp = time.perf_counter(), search.comp
     step = plan.predicted["step_time_s"]
     if step - plan.predicted.get("busy_s", {}).get("gpu", 0.0) < MIN_IDLE_SHARE * step:
         return plan
     # the scans, the room and the re-solve, all together, within what the search left of the compile's deadline
-    budget = [compile_cpu_seconds() + min(LIMITS.rule_s, comp.search.deadline.after_cpu_left())]
+    budget = [compile_cpu_seconds() + min(LIMITS.rule_s, search.deadline.after_cpu_left())]
     built: dict[tuple, Plan | None] = {}     # both scans' plans by their decisions: a re-solve often repeats many
     best, tried, over = _scan(comp, plan, budget, built)      # over: the first count that did not fit
     room = _room(comp, plan, over, budget, best.predicted["step_time_s"]) if over is not None else 0
@@ -198,7 +200,7 @@ def choose(comp, plan: Plan) -> Plan:
     if room > 0 and (comp.time_limit is not None or left >= 2 * LIMITS.min_rule_resolve_s):
         # the solved plan leaves too little memory: solve again with that much less, in at most half of what is
         # left (the other half scans its plan); a caller's time limit per solve has no deadline, as the search
-        resolved = _re_solved(comp, comp.budgets.gpu_bytes - room, "milp", plan.batch_size,
+        resolved = _re_solved(search, comp.budgets.gpu_bytes - room, "milp", plan.batch_size,
                               deadline=None if comp.time_limit is not None else left / 2)
     elif room > 0:
         tried.append(["no time to re-solve"])

@@ -31,7 +31,6 @@ the head's forward, its chunk and accumulator into the head's fixed workspace.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 import warnings
@@ -40,7 +39,7 @@ from ..ir import ModelGraph
 from ..ir.graph import padded_row
 from ..ir.plan import PlanError
 from .progress import log
-from .search import milp_size
+from .search import Search, milp_size
 from .time_limits import LIMITS
 
 #: share of the GPU budget one chunk of logits may take: at 24 GiB (21.3 GiB of budget) that is 2^27 logits,
@@ -114,12 +113,14 @@ def with_loss_chunk(graph: ModelGraph, gpu_bytes: int | None, single_rows: int |
     return dataclasses.replace(graph, blocks=tuple(blocks), meta=meta)
 
 
-def faster_head(comp, plan):
-    """``plan`` (built by the compiler ``comp``), or a plan with the single-pass head where one is predicted faster:
+def faster_head(search, plan):
+    """``plan`` (found by ``search``, a ``search.Search``), or a plan with the single-pass head where one is predicted
+    faster:
     first ``plan``'s decisions with it (the largest row chunk that fits every budget); where none fits and the head's
     priced gain is at least ``LIMITS.head_resolve_gain`` of the step, one MILP solve for it at ``plan``'s micro-batch
     within ``LIMITS.head_resolve_s`` CPU seconds (``short_head_resolve_s`` for a short chain).  What was tried goes
     into the returned plan's history."""
+    comp = search.comp
     head = comp.graph.meta.get("loss_head")
     gpu_bytes = comp.budgets.gpu_bytes
     if not isinstance(head, dict) or head.get("single_pass") or not gpu_bytes:
@@ -127,9 +128,9 @@ def faster_head(comp, plan):
     t0 = time.perf_counter()
     best, tried = plan, []
     # one compiler per row chunk, largest first: the first also prices the gain and hosts the re-solve
-    heads = [(rows, _with_head(comp, with_loss_chunk(comp.graph, gpu_bytes, rows)))
+    heads = [(rows, comp.with_graph(with_loss_chunk(comp.graph, gpu_bytes, rows)))
              for rows in single_pass_rows(head, gpu_bytes, plan.micro_batch * head["seq_len"])]
-    deadline = comp.search.deadline
+    deadline = search.deadline
     for rows, other in heads:
         if deadline.after_cpu_left() < deadline.build_cpu:     # no time left for one more build
             tried.append([rows, "deadline"])
@@ -163,13 +164,6 @@ def faster_head(comp, plan):
     return dataclasses.replace(best, history=[*plan.history, *own, entry])
 
 
-def _with_head(comp, graph: ModelGraph):
-    """``comp`` compiling ``graph`` (another loss head) instead, its cost models its own."""
-    other = copy.copy(comp)
-    other.graph, other._costs = graph, {}
-    return other
-
-
 def _gain(comp, single, plan) -> float:
     """Share of ``plan``'s step (built by ``comp``) the head alone saves as ``single`` (a compiler of the
     single-pass head) prices it."""
@@ -182,8 +176,8 @@ def _gain(comp, single, plan) -> float:
 def _re_solved(single, plan, seconds: float):
     """The MILP's plan for ``single`` (a compiler of the single-pass head) at ``plan``'s micro-batch, within
     ``seconds`` CPU seconds of a search of its own; or None."""
-    other = single.with_gpu_budget(single.budgets.gpu_bytes, deadline=seconds)
-    other.search.deadline.start()
+    other = Search(single.with_gpu_budget(single.budgets.gpu_bytes, deadline=seconds))
+    other.deadline.start()
     with warnings.catch_warnings():      # a heuristic standing in at this micro-batch is not the caller's concern
         warnings.simplefilter("ignore", UserWarning)
-        return other.search.milp_at(plan.batch_size, plan.micro_batch, warm=None)
+        return other.milp_at(plan.batch_size, plan.micro_batch, warm=None)

@@ -44,6 +44,7 @@ from .options import LossHead, Policy
 from .progress import caller_stacklevel, log
 from .request import CompileRequest
 from .resident import resident_request
+from .search import Search
 from .solvers import isolated
 from .world import per_rank_budgets
 
@@ -104,18 +105,18 @@ def run(model, req: CompileRequest) -> Plan:
     hw = get_profile(req.hardware)
     graph = resolve_graph(model, req, history)
     budgets = budgets_for(req, hw)
-    comp = compiler_for(graph, hw, budgets, req)
-    plan = searched(comp, req)
-    plan = gpu_updated(comp, plan, req)
-    plan = with_loss_head(comp, plan, req)
+    search = Search(compiler_for(graph, hw, budgets, req))
+    plan = searched(search, req)
+    plan = gpu_updated(search, plan, req)
+    plan = with_loss_head(search, plan, req)
     if plan.decisions.notes.get("milp_failed"):
         warnings.warn(f"micro-batch {plan.micro_batch}: {plan.decisions.notes['milp_fallback']}",
                       stacklevel=caller_stacklevel())
-    if comp.search.failures:
-        warnings.warn("the MILP solvers failed (" + "; ".join(comp.search.failures) + "); the plan comes from "
+    if search.failures:
+        warnings.warn("the MILP solvers failed (" + "; ".join(search.failures) + "); the plan comes from "
                       f"the {plan.decisions.policy} policy where they did (plan.solver.failures)",
                       stacklevel=caller_stacklevel())
-    plan = returned(comp, plan, req)
+    plan = returned(search, plan, req)
     plan.history = [*history, *plan.history, {"pass": "total", "seconds": round(time.perf_counter() - t0, 4)}]
     return plan
 
@@ -181,7 +182,7 @@ def _forced_single_rows(graph: ModelGraph, budgets: Budgets, mode: LossHead) -> 
     return (single_pass_rows(head, budgets.gpu_bytes, head["seq_len"]) or [1])[0]
 
 
-def searched(comp: Compiler, req: CompileRequest) -> Plan:
+def searched(search: Search, req: CompileRequest) -> Plan:
     """The best plan of the request's policy at its batch (or the largest batch with one, for ``"max"``), or the
     ``BudgetError`` that says what memory would make one fit."""
     policy, batch_size, micro_batch = req.policy.value, req.batch_size, req.micro_batch
@@ -189,42 +190,42 @@ def searched(comp: Compiler, req: CompileRequest) -> Plan:
         limit = req.max_batch_limit
         if not isinstance(limit, int) or limit < 1:
             raise ValueError(f"max_batch_limit must be a positive integer, got {limit!r}")
-        plan, tried = comp.search.max_batch(policy, micro_batch, limit)
+        plan, tried = search.max_batch(policy, micro_batch, limit)
         if plan is None:
-            raise budget_error(comp, tried, micro_batch)
+            raise budget_error(search, tried, micro_batch)
         return plan
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer or 'max', got {batch_size!r}")
-    plan = comp.best(policy, batch_size, micro_batch)
+    plan = search.best(policy, batch_size, micro_batch)
     if plan is None:
-        raise budget_error(comp, batch_size, micro_batch, policy)
+        raise budget_error(search, batch_size, micro_batch, policy)
     return plan
 
 
-def gpu_updated(comp: Compiler, plan: Plan, req: CompileRequest) -> Plan:
+def gpu_updated(search: Search, plan: Plan, req: CompileRequest) -> Plan:
     """The searched plan with the GPU-updated streamed blocks asked for, or (``"auto"``, the MILP policy on a
     GPU in a world of one) those the rule of ``compiler/gpu_update.py`` chooses."""
     gpu_req = req.gpu_update
     if gpu_req == "auto":           # (``rule_follows``: the MILP policy, a GPU, a world of one)
-        return gpu_update_rule.choose(comp, plan) if comp.rule_follows else plan
+        return gpu_update_rule.choose(search, plan) if search.comp.rule_follows else plan
     if gpu_req == "none":
         return plan
-    return gpu_update_rule.fixed(comp, plan, gpu_req, req.policy.value, req.micro_batch)   # (a world of one)
+    return gpu_update_rule.fixed(search, plan, gpu_req, req.policy.value, req.micro_batch)   # (a world of one)
 
 
-def with_loss_head(comp: Compiler, plan: Plan, req: CompileRequest) -> Plan:
+def with_loss_head(search: Search, plan: Plan, req: CompileRequest) -> Plan:
     """The plan with the single-pass loss head where it still fits and is faster (``loss_head="auto"`` on a GPU)."""
-    if req.loss_head is LossHead.AUTO and comp.hw.has_gpu:
-        return faster_head(comp, plan)
+    if req.loss_head is LossHead.AUTO and search.comp.hw.has_gpu:
+        return faster_head(search, plan)
     return plan
 
 
-def returned(comp: Compiler, plan: Plan, req: CompileRequest) -> Plan:
+def returned(search: Search, plan: Plan, req: CompileRequest) -> Plan:
     """The plan handed to the caller: a copy, so the search's memo stays as it was, with the step time
     of the megatrain policy at its batch for comparison."""
     plan = dataclasses.replace(plan, predicted=dict(plan.predicted), budgets=dict(plan.budgets))
     if req.policy is not Policy.MEGATRAIN:
-        base = comp.best("megatrain", plan.batch_size)
+        base = search.best("megatrain", plan.batch_size)
         if base is not None:
             plan.predicted["megatrain_step_time_s"] = base.predicted["step_time_s"]
     return plan

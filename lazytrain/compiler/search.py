@@ -12,8 +12,10 @@ import dataclasses
 import time
 from collections.abc import Iterator
 
+from ..frontend.validate import micro_batch_candidates
 from ..ir import Decisions, OpKind, Place, Plan, PlanError, Saved, SolverStats
 from .deadline import Deadline, compile_cpu_seconds
+from .options import Policy
 from .progress import log
 from .solvers import isolated
 from .solvers.heuristics import HEURISTICS
@@ -108,7 +110,9 @@ def tightening(excess: int, last: tuple[int, int]) -> tuple[int, int]:
 
 
 class Search:
-    """Plans of one compiler (graph, hardware, budgets, options), memoized per question."""
+    """The questions about the plans of one compiler (``builder.Compiler``: graph, hardware, budgets, options), each
+    answer memoized: the best plan of a policy, the largest batch, the frugal and leanest plans, the micro-batches to
+    try.  The compiler builds the plans it asks for and never asks it anything back."""
 
     def __init__(self, comp):
         self.comp = comp
@@ -134,6 +138,15 @@ class Search:
         self._tries_left = 1      # micro-batches the MILP search still means to try (shares the budget)
         self._depth = 0                          # questions in progress (the MILP's asks the heuristics')
         self.ran_out = False      # a solve or re-solve was skipped for the deadline
+
+    def with_gpu_budget(self, gpu_bytes: int, deadline: float | None = None) -> Search:
+        """A search of its own over this compiler with another GPU budget (``Compiler.with_gpu_budget``)."""
+        return Search(self.comp.with_gpu_budget(gpu_bytes, deadline=deadline))
+
+    def micro_batches(self, batch_size: int, micro_batch: int | None) -> list[int]:
+        """Candidate micro-batch sizes, largest first: the given one, else divisors of the batch
+        up to 32 whose op list stays bounded (``validate.micro_batch_candidates``)."""
+        return micro_batch_candidates(batch_size, self.comp.graph.n_blocks, micro_batch)
 
     def solve_limit(self) -> float:
         """The next solve's limit before the deadline's cut: the caller's, else this micro-batch's share of the
@@ -181,7 +194,8 @@ class Search:
 
     # -- any policy ------------------------------------------------------------------------------
     def best(self, policy: str, batch_size: int, micro_batch: int | None = None, tries: int = 2) -> Plan | None:
-        """Best feasible plan over micro-batch sizes (the given one only, if given)."""
+        """Best feasible plan of ``policy`` over micro-batch sizes (the given one only, if given)."""
+        policy = Policy.parse(policy, "policy").value
         key = (policy, batch_size, micro_batch, tries)
         if key not in self._memo:
             if self._depth == 0:        # a question of the caller's, not one the search asks itself
@@ -200,7 +214,7 @@ class Search:
         feasibility is monotone: bisect for the largest feasible one, then compare it with the next
         ``tries - 1`` smaller ones.  The bisection builds the smallest micro-batch only when no larger one
         fits: its op list is the longest (72 micro-batches of an 80-block model: 24,000 ops, ~1.5 s)."""
-        cands = self.comp.micro_batches(batch_size, micro_batch)          # largest first
+        cands = self.micro_batches(batch_size, micro_batch)          # largest first
         built: dict[int, Plan | None] = {}
 
         def plan_at(i: int) -> Plan | None:
@@ -251,7 +265,7 @@ class Search:
         by_mb: dict[int, Plan] = {}
         for p in self.heuristics(batch_size, micro_batch):
             by_mb.setdefault(p.micro_batch, p)
-        cands = self.comp.micro_batches(batch_size, micro_batch)
+        cands = self.micro_batches(batch_size, micro_batch)
         tries = [(mb, by_mb[mb]) for mb in list(by_mb)[:top]]
         if by_mb and len(tries) < top:
             # the heuristics agree on one micro-batch: also try the next smaller one, where the MILP
@@ -403,6 +417,18 @@ class Search:
         """The first frugal plan that fits the budgets (``frugal_plans``; the second is not built where the first
         fits: the max-batch bisection asks this at every batch it tries), or None where neither does."""
         return next(self.frugal_plans(batch_size, micro_batch), None)
+
+    def leanest(self, batch_size: int, micro_batch: int | None) -> Plan:
+        """The leaner on GPU memory of the frugal plans, built without budgets (``frugal_plans``: every block
+        recomputed, or every block's saved tensors on the host; boundaries on the host), at the smallest
+        micro-batch, with the blocks asked to be resident (they hold their memory whatever else the plan does).
+        Both lie in the MILP's space; a plan mixing the two per block may need less still, so "needs at least" is
+        a bound of these two, not of every plan."""
+        mb = micro_batch or 1
+        plans = list(self.frugal_plans(batch_size, mb, check_budget=False))
+        if not plans:      # neither builds: the recompute's own error says why
+            return self.build(self.frugal(batch_size, mb), batch_size, check_budget=False)
+        return min(plans, key=lambda p: p.predicted["peak_gpu_bytes"])
 
     def max_batch(self, policy: str, micro_batch: int | None, limit: int) -> tuple[Plan | None, int]:
         """(plan, batch) for the largest batch (at most ``limit``) with a feasible plan: doubling, then

@@ -30,6 +30,7 @@ from .builder import Compiler
 from .hardware import get_profile
 from .request import CompileRequest
 from .resident import resident_request
+from .search import Search
 from .solvers.heuristics import HEURISTICS
 
 #: the search starts here and doubles: long enough that short lengths cost no probes
@@ -71,10 +72,10 @@ def _step(seq: int) -> int:
 
 def _leanest(comp, policy: str, batch: int, micro_batch: int | None):
     """The leanest plan ``policy`` has at this length, built without budgets: for the MILP, the frugal plan
-    (``Compiler.leanest``); for a fixed policy, its own plan; at the smallest micro-batch either way."""
+    (``Search.leanest``); for a fixed policy, its own plan; at the smallest micro-batch either way."""
     mb = micro_batch or 1
     if policy not in HEURISTICS:
-        return comp.leanest(batch, mb)
+        return Search(comp).leanest(batch, mb)
     return comp.build(comp.with_resident(HEURISTICS[policy](comp.graph, mb, batch // mb)), batch, check_budget=False)
 
 
