@@ -342,8 +342,8 @@ def test_the_scan_finds_the_largest_count_that_fits_and_the_fastest_below_it(fit
 
 class _TableCompiler:
     """A stand-in for the ``Search`` and its ``Compiler`` in ``gpu_update.choose``: a plan's step is ``step(d, k)`` for
-    d resident blocks given back and k GPU-updated, over the GPU budget where ``fits(d, k)`` is False; built without the budgets
-    (what ``_room`` asks), ``free(k)`` at d = 0 (default ``step(0, k)``), peaking ``room`` bytes over it.
+    d resident blocks given back and k GPU-updated, over the GPU budget where ``fits(d, k)`` is False; built without the
+    budgets (what ``_room`` asks), ``free(k)`` at d = 0 (default ``step(0, k)``), peaking ``room`` bytes over it.
     ``built`` counts the builds."""
 
     def __init__(self, resident: int, step, fits, free=None, room: int = GiB):
