@@ -132,8 +132,3 @@ class CompileRequest:
     def _set(self, name: str, value) -> None:
         """A field normalised in ``__post_init__`` (the dataclass is frozen to everyone else)."""
         object.__setattr__(self, name, value)
-
-    @property
-    def host_bytes_per_param(self) -> float:
-        """Host bytes a parameter takes under this request's optimizer (``HOST_BYTES_PER_PARAM``)."""
-        return HOST_BYTES_PER_PARAM[self.optimizer]
