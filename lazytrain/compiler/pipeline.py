@@ -101,7 +101,7 @@ def run(model, req: CompileRequest) -> Plan:
     history: list[dict] = []
     t0 = time.perf_counter()
     if req.policy is Policy.MILP:
-        isolated.prestart(req.solver)       # its start-up overlaps the trace
+        isolated.prestart(req.solver.value)       # its start-up overlaps the trace
     hw = get_profile(req.hardware)
     graph = resolve_graph(model, req, history)
     budgets = budgets_for(req, hw)

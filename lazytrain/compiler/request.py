@@ -86,7 +86,7 @@ class CompileRequest:
         unknown = set(kwargs) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"compile_model() got an unexpected keyword argument {sorted(unknown)[0]!r}")
-        if kwargs.get("hardware") is None:
+        if "hardware" not in kwargs:
             kwargs["hardware"] = DEFAULT_HARDWARE
             log.info("no hardware given: planning for the %s profile (name another with hardware=, or "
                      "--hardware: a built-in profile or a file from `lazytrain profile`)", DEFAULT_HARDWARE)
