@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import lazytrain
-from lazytrain.compiler.loss_chunk import LOSS_HEAD_MODES
+from lazytrain.compiler.options import LossHead
 from lazytrain.frontend.random_init import random_model
 from lazytrain.ir import GiB
 from lazytrain.measure.bench_worker import host_rss_bytes
@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
                          "[:single_pass|:recompute (the loss head, default --loss-head)]; seq a number "
                          "or 'max'); runs with the same compile arguments share one plan; "
                          "results go to OUT as a JSON list")
-    ap.add_argument("--loss-head", default="auto", choices=LOSS_HEAD_MODES,
+    ap.add_argument("--loss-head", default="auto", choices=LossHead.names(),
                     help="how the fused loss head forms its gradients (compile_model's loss_head)")
     ap.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
                     help="the preset's config with rope_scaling {rope_type: TYPE, factor: FACTOR} (e.g. yarn:4, as "
@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
             for extra in threads:       # optimizer threads, "c" and the GPU memory cap it trains under, a head mode
                 if extra.startswith("c"):
                     a.run_cap = extra[1:]
-                elif extra in LOSS_HEAD_MODES:
+                elif extra in LossHead.names():
                     a.loss_head = extra
                 else:
                     a.optim_threads = int(extra)

@@ -21,6 +21,7 @@ import time
 
 from lazytrain.compiler.api import Compiler, make_budgets
 from lazytrain.compiler.profiles import get_profile
+from lazytrain.compiler.search import Search
 from lazytrain.compiler.solvers import isolated
 from lazytrain.compiler.solvers.milp import CBC_CUTS, GAP_TARGET, SHORT_CHAIN, MilpOptions, coefficients, decode
 from lazytrain.compiler.solvers.milp import build_model as milp_model
@@ -60,7 +61,7 @@ def compiler_for(case: dict, graphs: dict) -> Compiler:
         # half of keep-all's peak at micro-batch 2: a real trade-off between keeping and recomputing
         big = Compiler(g, hw, make_budgets(hw, "10000GiB", "10000GiB"), param_dtype="bfloat16",
                        optimizer="hybrid8bit", clip=True)
-        peak = big.best("keep-all", case["batch"], 2).predicted["peak_gpu_bytes"]
+        peak = Search(big).best("keep-all", case["batch"], 2).predicted["peak_gpu_bytes"]
         reserve = int(1.5 * 2**30)
         budgets = make_budgets(hw, int(peak * 0.5) + reserve, "10000GiB", reserve=reserve)
         return Compiler(g, hw, budgets, param_dtype="bfloat16", optimizer="hybrid8bit", clip=True,
@@ -77,7 +78,7 @@ def compiler_for(case: dict, graphs: dict) -> Compiler:
 
 def run_case(case: dict, graphs: dict, time_limit: float) -> list[dict]:
     comp = compiler_for(case, graphs)
-    warm = (comp.search.heuristics(case["batch"], None) or [None])[0]
+    warm = (Search(comp).heuristics(case["batch"], None) or [None])[0]
     mb = warm.micro_batch if warm else 1
     coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, case["batch"] // mb,
                         comp.options["host_bytes_per_param"])
@@ -97,7 +98,7 @@ def run_case(case: dict, graphs: dict, time_limit: float) -> list[dict]:
                 try:
                     plan = comp.build(dec, case["batch"], check_budget=False)
                     row["plan_s"] = plan.predicted["step_time_s"]
-                    row["fits"] = plan.predicted["peak_gpu_bytes"] <= comp.budgets["gpu_bytes"]
+                    row["fits"] = plan.predicted["peak_gpu_bytes"] <= comp.budgets.gpu_bytes
                     row["resident"] = len(dec.resident_blocks)
                 except PlanError as e:
                     row["plan_error"] = str(e)

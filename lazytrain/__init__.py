@@ -11,11 +11,15 @@ __version__ = "0.1.0"
 
 
 def compile(model, **kwargs):  # noqa: A001 - the product's verb
-    """Trace, cost, solve, lower and verify; see ``lazytrain.compiler.compile_model``.  On a GPU, a plan
-    whose block times are all modelled gets a one-line hint on how to measure them."""
+    """Trace, cost, solve, lower and verify; see ``lazytrain.compiler.api.compile_model``.  ``calibrate=True``
+    times the model's blocks in the runtime first (``lazytrain.measure.calibrate.compile_measured``).  On a GPU, a
+    plan whose block times are all modelled gets a one-line hint on how to measure them."""
     # on first use: `import lazytrain` stays light (the IR); the compiler and the runtime load when asked for
-    from .compiler.api import compile_model
     from .compiler.cost import hint_uncalibrated
+    if kwargs.get("calibrate"):
+        from .measure.calibrate import compile_measured as compile_model
+    else:
+        from .compiler.api import compile_model
     return hint_uncalibrated(compile_model(model, **kwargs), model)
 
 

@@ -10,6 +10,7 @@ import pytest
 from lazytrain.compiler.api import Compiler, compile_model, make_budgets
 from lazytrain.compiler.profiles import get_profile
 from lazytrain.compiler.resident import resident_request
+from lazytrain.compiler.search import Search
 from lazytrain.compiler.synthetic import chain
 from lazytrain.frontend.presets import build_model
 from lazytrain.frontend.trace import trace
@@ -58,7 +59,7 @@ def _heuristics(case: dict) -> dict:
     budgets = make_budgets(hw, case["gpu_memory"], case["host_memory"], case["nvme_dir"], case["nvme_memory"])
     comp = Compiler(case["graph"], hw, budgets, param_dtype="bfloat16", optimizer="hybrid8bit", clip=True,
                     resident=fixed)
-    return {pol: p for pol in HEURISTICS if (p := comp.best(pol, case["batch_size"])) is not None}
+    return {pol: p for pol in HEURISTICS if (p := Search(comp).best(pol, case["batch_size"])) is not None}
 
 
 @pytest.mark.slow

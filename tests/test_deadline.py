@@ -100,7 +100,9 @@ def test_a_compiled_block_counts_once_per_cut_in_the_search_budget():
     from lazytrain.compiler import search
     from lazytrain.compiler.api import Compiler, make_budgets
     from lazytrain.compiler.profiles import get_profile
+    from lazytrain.compiler.search import Search
     from lazytrain.compiler.synthetic import chain
+    from lazytrain.compiler.time_limits import LIMITS
     from lazytrain.ir import Cut
 
     g = chain(30)
@@ -114,36 +116,38 @@ def test_a_compiled_block_counts_once_per_cut_in_the_search_budget():
     for name, graph in (("plain", g), ("cut", cut)):
         comp = Compiler(graph, hw, make_budgets(hw, "24GiB", "200GiB", None, None, None), param_dtype="bfloat16",
                         optimizer="hybrid8bit", clip=True)
-        sizes[name] = (comp.search.solver_left, comp.search.deadline.seconds)
-    assert sizes == {"plain": (search.SHORT_SOLVER_BUDGET_S, search.SHORT_DEADLINE_S),
-                     "cut": (search.SOLVER_BUDGET_S, search.DEADLINE_S)}
+        asked = Search(comp)
+        sizes[name] = (asked.solver_left, asked.deadline.seconds)
+    assert sizes == {"plain": (LIMITS.short_solver_s, LIMITS.short_deadline_s),
+                     "cut": (LIMITS.solver_s, LIMITS.deadline_s)}
 
 
 def test_the_deadline_counts_the_gpu_update_rule_after_the_search():
     """Where the GPU-update rule follows the search, the compile's deadline holds both: a long chain's search
-    leaves the rule ``RULE_RESERVE_S`` of its deadline, a short chain's gets the rule's time on top of its own,
+    leaves the rule ``LIMITS.rule_reserve_s`` of its deadline, a short chain's gets the rule's time on top of its own,
     a caller's deadline leaves the rule at most half; without the rule the search has the whole deadline."""
-    from lazytrain.compiler import search
     from lazytrain.compiler.api import Compiler, make_budgets
     from lazytrain.compiler.profiles import get_profile
+    from lazytrain.compiler.search import Search
     from lazytrain.compiler.synthetic import chain
+    from lazytrain.compiler.time_limits import LIMITS
 
     hw = get_profile("h200")
 
     def deadline(n_blocks, **kw):
         comp = Compiler(chain(n_blocks), hw, make_budgets(hw, "24GiB", "200GiB", None, None, None),
                         param_dtype="bfloat16", optimizer="hybrid8bit", clip=True, **kw)
-        d = comp.search.deadline
+        d = Search(comp).deadline
         d.start()
         return d.seconds, d.reserve, d.cpu_left(), d.after_cpu_left()
 
-    long, short = search.SHORT_BUDGET_BLOCKS + 8, 12
+    long, short = LIMITS.short_chain_blocks + 8, 12
     seconds, reserve, search_left, all_left = deadline(long, rule_follows=True)
-    assert (seconds, reserve) == (search.DEADLINE_S, search.RULE_RESERVE_S)
+    assert (seconds, reserve) == (LIMITS.deadline_s, LIMITS.rule_reserve_s)
     assert search_left == pytest.approx(seconds - reserve, abs=0.2) and all_left == pytest.approx(seconds, abs=0.2)
-    assert deadline(short, rule_follows=True)[:2] == (search.SHORT_DEADLINE_S + search.SHORT_RULE_RESERVE_S,
-                                                     search.SHORT_RULE_RESERVE_S)
+    assert deadline(short, rule_follows=True)[:2] == (LIMITS.short_deadline_s + LIMITS.short_rule_reserve_s,
+                                                     LIMITS.short_rule_reserve_s)
     assert deadline(short, rule_follows=True, deadline=3.0)[:2] == (3.0, 1.5)
-    assert deadline(long, rule_follows=True, deadline=30.0)[:2] == (30.0, search.RULE_RESERVE_S)
-    assert deadline(long)[:2] == (search.DEADLINE_S, 0.0)
+    assert deadline(long, rule_follows=True, deadline=30.0)[:2] == (30.0, LIMITS.rule_reserve_s)
+    assert deadline(long)[:2] == (LIMITS.deadline_s, 0.0)
     assert deadline(long, rule_follows=True, time_limit=1.0)[:2] == (None, 0.0)

@@ -20,6 +20,7 @@ import torch
 from eager_ref import assert_same_parameters, step_beside_eager
 
 from lazytrain.compiler.api import Compiler
+from lazytrain.compiler.budgets import Budgets
 from lazytrain.compiler.gpu_update import candidates
 from lazytrain.compiler.profiles import get_profile
 from lazytrain.compiler.solvers.heuristics import HEURISTICS
@@ -340,9 +341,9 @@ def test_the_scan_finds_the_largest_count_that_fits_and_the_fastest_below_it(fit
 
 
 class _TableCompiler:
-    """A stand-in for ``Compiler`` in ``gpu_update.choose``: a plan's step is ``step(d, k)`` for d resident blocks
-    given back and k GPU-updated, over the GPU budget where ``fits(d, k)`` is False; built without the budgets
-    (what ``_room`` asks), ``free(k)`` at d = 0 (default ``step(0, k)``), peaking ``room`` bytes over it.
+    """A stand-in for the ``Search`` and its ``Compiler`` in ``gpu_update.choose``: a plan's step is ``step(d, k)`` for
+    d resident blocks given back and k GPU-updated, over the GPU budget where ``fits(d, k)`` is False; built without the
+    budgets (what ``_room`` asks), ``free(k)`` at d = 0 (default ``step(0, k)``), peaking ``room`` bytes over it.
     ``built`` counts the builds."""
 
     def __init__(self, resident: int, step, fits, free=None, room: int = GiB):
@@ -354,8 +355,8 @@ class _TableCompiler:
         self.resident, self.step, self.fits, self.room, self.built = resident, step, fits, room, 0
         self.resolved: list[int] = []
         self.free = free or (lambda k: step(0, k))
-        self.budgets, self.time_limit = {"gpu_bytes": 100 * GiB}, None
-        self.search = types.SimpleNamespace(deadline=Deadline(None))
+        self.budgets, self.time_limit = Budgets(gpu_bytes=100 * GiB), None
+        self.comp, self.deadline = self, Deadline(None)
         dec = Decisions(policy="milp", micro_batch=1, n_micro=1, boundary=(Place.GPU,) * L,
                         saved=(Saved.KEEP,) * L, resident=tuple(j < resident for j in range(L)))
         self.plan = self.build(dec, 1)
@@ -372,8 +373,8 @@ class _TableCompiler:
         d, k = self.resident - len(dec.resident_blocks), len(dec.gpu_updated_blocks)
         if check_budget and not self.fits(d, k):
             raise PlanError("over budget")
-        step, peak = (self.step(d, k), self.budgets["gpu_bytes"]) if check_budget else \
-            (self.free(k), self.budgets["gpu_bytes"] + self.room)
+        step, peak = (self.step(d, k), self.budgets.gpu_bytes) if check_budget else \
+            (self.free(k), self.budgets.gpu_bytes + self.room)
         return _TablePlan(self.graph, dec, batch_size, {"step_time_s": step, "peak_gpu_bytes": peak})
 
 

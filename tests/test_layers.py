@@ -44,20 +44,6 @@ ANNOTATIONS = {
                                                                 "the Step",
 }
 
-# Edges other work on issue #40 removes; each entry names its owner. Delete an entry once its edge is gone (the
-# last test says which).
-#: imports against the package order
-PENDING_UPWARD = {
-    ("lazytrain.compiler.api", "lazytrain.measure.calibrate"): "H2: compile_model(calibrate=True) times the blocks",
-    ("lazytrain.app.loop", "lazytrain"): "H3: the loop compiles with the top's lazytrain.compile",
-}
-#: the one edge of each module cycle left out of the cycle check
-PENDING_CYCLE = {
-    ("lazytrain.compiler.api", "lazytrain.measure.calibrate"): "H2: calibrate compiles, the compile calibrates",
-    ("lazytrain.compiler.seq_search", "lazytrain.compiler.api"): "H2: the sequence search runs compiles",
-}
-#: private names imported from another module: (importer, defining module, name)
-PENDING_PRIVATE: dict = {}
 
 
 @dataclass(frozen=True)
@@ -141,7 +127,7 @@ def test_packages_import_only_below_themselves():
     wrong, sideways = [], nx.DiGraph()
     for a, b in _graph().edges:
         pa, pb = _package(a), _package(b)
-        if pa == pb or (a, b) in PENDING_UPWARD:
+        if pa == pb:
             continue
         if frozenset({pa, pb}) in SIDEWAYS:
             sideways.add_edge(pa, pb)
@@ -154,15 +140,14 @@ def test_packages_import_only_below_themselves():
 def test_no_import_cycle_between_modules():
     g = _graph()
     assert g.has_edge("lazytrain.ir.plan", "lazytrain.ir.verify")       # the graph is read at all
-    g.remove_edges_from([*ANNOTATIONS, *PENDING_CYCLE])
+    g.remove_edges_from(ANNOTATIONS)
     cycles = sorted(sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1)
     assert not cycles, "modules importing each other (directly or around a circle):\n" + "\n".join(map(str, cycles))
 
 
 def test_no_private_name_of_another_module_is_imported():
     wrong = [f"{i.source}:{i.line} imports {i.name} from {i.target}" for i in _imports()
-             if i.name and i.name.startswith("_") and not i.name.startswith("__")
-             and (i.source, i.target, i.name) not in PENDING_PRIVATE]
+             if i.name and i.name.startswith("_") and not i.name.startswith("__")]
     assert not wrong, "private names imported from another module:\n" + "\n".join(sorted(wrong))
 
 
@@ -194,11 +179,3 @@ def test_no_private_name_of_another_module_is_read_through_the_module():
                   and n.attr.startswith("_") and not n.attr.startswith("__") and aliases[n.value.id] != mod]
     assert not wrong, "private names read from another module:\n" + "\n".join(wrong)
 
-
-def test_pending_entries_are_still_needed():
-    """Each allow-list entry names an edge that is still there: delete an entry once its owner removed the edge."""
-    g = _graph()
-    private = {(i.source, i.target, i.name) for i in _imports()}
-    stale = [e for e in (*PENDING_UPWARD, *PENDING_CYCLE) if not g.has_edge(*e)]
-    stale += [e for e in PENDING_PRIVATE if e not in private]
-    assert not stale, f"allow-list entries whose import is gone (delete them): {stale}"

@@ -5,6 +5,7 @@ compiler's chunk (``compiler/loss_chunk.py``) follows the GPU budget and reaches
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import pytest
@@ -422,20 +423,19 @@ def test_a_single_pass_plan_trains_like_eager(model_type):
 
 def test_auto_re_solves_for_the_single_pass_where_the_plan_has_no_room_for_it(monkeypatch):
     """qwen2.5-3b at 24 GiB, batch 32 on the h200 profile: the searched plan uses its memory, no row chunk fits beside
-    its decisions, and the head alone is priced at more than ``RESOLVE_GAIN`` of the step: one MILP solve for the
-    single pass, kept only where predicted faster than the recompute's plan (here it is).
+    its decisions, and the head alone is priced at more than ``LIMITS.head_resolve_gain`` of the step: one MILP solve
+    for the single pass, kept only where predicted faster than the recompute's plan (here it is).
 
     No deadline (a ``time_limit`` of the default's length) and a long re-solve: what the pass decides must not
     depend on the machine's speed (on a 2-core CI machine the default deadline had run out before the re-solve;
     that case is ``test_the_heads_pass_stays_within_the_compiles_deadline``'s)."""
     from lazytrain import compile
     from lazytrain.compiler import loss_chunk
-    from lazytrain.compiler.api import SOLVE_TIME_LIMIT
-    from lazytrain.compiler.loss_chunk import RESOLVE_GAIN
+    from lazytrain.compiler.time_limits import LIMITS
 
-    monkeypatch.setattr(loss_chunk, "RESOLVE_S", 30.0)
+    monkeypatch.setattr(loss_chunk, "LIMITS", dataclasses.replace(LIMITS, head_resolve_s=30.0))
     kw = dict(batch_size=32, seq_len=1024, gpu_memory="24GiB", hardware="h200", gpu_update="none",
-              time_limit=SOLVE_TIME_LIMIT)
+              time_limit=LIMITS.solve_s)
     auto = compile("qwen2.5-3b", **kw)
     base = compile("qwen2.5-3b", loss_head="recompute", **kw)
     step = next(h for h in auto.history if h["pass"] == "loss_head")
@@ -445,7 +445,7 @@ def test_auto_re_solves_for_the_single_pass_where_the_plan_has_no_room_for_it(mo
     assert auto.graph.meta["loss_head"]["single_pass"] is (resolved[2] < base.predicted["step_time_s"])
     assert auto.predicted["step_time_s"] == min(resolved[2], base.predicted["step_time_s"]) or \
         abs(auto.predicted["step_time_s"] - min(resolved[2], base.predicted["step_time_s"])) < 1e-3
-    assert 0 < RESOLVE_GAIN < 0.05
+    assert 0 < LIMITS.head_resolve_gain < 0.05
     # a heuristic policy keeps its own decisions: no MILP solve in its name
     mega = compile("qwen2.5-3b", **{**kw, "policy": "megatrain"})
     assert all(t[0] != "re-solved" for h in mega.history if h["pass"] == "loss_head" for t in h["tried_rows_step_s"])
@@ -456,7 +456,7 @@ def test_the_heads_pass_stays_within_the_compiles_deadline(monkeypatch):
     and keeps the searched plan; a search that ran out of its deadline is not followed by a re-solve."""
     import dataclasses
 
-    import lazytrain.compiler.api as api
+    import lazytrain.compiler.pipeline as pipeline
     from lazytrain import compile
     from lazytrain.compiler.deadline import Deadline
 
@@ -469,12 +469,12 @@ def test_the_heads_pass_stays_within_the_compiles_deadline(monkeypatch):
     assert step["tried_rows_step_s"] == [[1024, "deadline"]] and step["single_pass"] is False
     assert spent.predicted["step_time_s"] == base.predicted["step_time_s"]
 
-    real = api.faster_head
+    real = pipeline.faster_head
 
     def out_of_time(comp, plan):
         return real(comp, dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, out_of_time=True)))
 
-    monkeypatch.setattr(api, "faster_head", out_of_time)
+    monkeypatch.setattr(pipeline, "faster_head", out_of_time)
     late = compile("qwen2.5-3b", **kw)
     step = next(h for h in late.history if h["pass"] == "loss_head")
     assert step["tried_rows_step_s"] and all(t[0] != "re-solved" for t in step["tried_rows_step_s"])

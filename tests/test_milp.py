@@ -8,6 +8,7 @@ import pytest
 
 from lazytrain.compiler.api import Compiler, compile_model, make_budgets
 from lazytrain.compiler.profiles import get_profile
+from lazytrain.compiler.search import Search
 from lazytrain.compiler.synthetic import chain
 from lazytrain.frontend.presets import build_model
 from lazytrain.frontend.trace import trace
@@ -57,7 +58,7 @@ def test_milp_equals_brute_force_on_small_chains(n_layers, seed, frac):
     comp = _compiler(g, frac, mb=2, M=4)
     bf = _brute_force(comp, 2, 4)
     assert bf is not None
-    milp = comp.best("milp", 8, micro_batch=2)
+    milp = Search(comp).best("milp", 8, micro_batch=2)
     assert milp.predicted["step_time_s"] == pytest.approx(bf.predicted["step_time_s"], rel=1e-9)
 
 
@@ -66,7 +67,7 @@ def test_milp_equals_brute_force_on_eight_blocks():
     g = chain(6, seed=11, hidden=1024, seq_len=1024, layer_params=100_000_000, saved_per_token=200_000, vocab=32000)
     comp = _compiler(g, 0.5, mb=2, M=2)
     bf = _brute_force(comp, 2, 2)
-    milp = comp.best("milp", 4, micro_batch=2)
+    milp = Search(comp).best("milp", 4, micro_batch=2)
     assert milp.predicted["step_time_s"] == pytest.approx(bf.predicted["step_time_s"], rel=1e-9)
 
 
@@ -92,7 +93,7 @@ def _plans(model, gb, batch):
     hw = get_profile("h200")
     comp = Compiler(graph(model), hw, make_budgets(hw, f"{gb}GiB", "1TiB"), param_dtype="bfloat16",
                     optimizer="hybrid8bit", clip=True)
-    return {pol: comp.best(pol, batch) for pol in ("megatrain", "recompute-all", "keep-all", "milp")}
+    return {pol: Search(comp).best(pol, batch) for pol in ("megatrain", "recompute-all", "keep-all", "milp")}
 
 
 @pytest.mark.slow
@@ -181,9 +182,9 @@ def test_a_peak_under_a_gradient_drain_is_answered_by_the_drain_rows(monkeypatch
     monkeypatch.setattr(search, "solve", spy)
     g = chain(10, seed=5, hidden=1024, seq_len=1024, layer_params=100_000_000, saved_per_token=200_000, vocab=32000)
     comp = _compiler(g, 0.3, mb=2, M=8)
-    plan = comp.best("milp", 16, micro_batch=2)
+    plan = Search(comp).best("milp", 16, micro_batch=2)
     assert asked == [False, True]
-    assert plan.decisions.policy == "milp" and plan.predicted["peak_gpu_bytes"] <= comp.budgets["gpu_bytes"]
+    assert plan.decisions.policy == "milp" and plan.predicted["peak_gpu_bytes"] <= comp.budgets.gpu_bytes
 
 
 def test_a_tightening_that_does_not_lower_the_peak_grows_the_next_one():

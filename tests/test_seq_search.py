@@ -7,6 +7,8 @@ and the answer is checked against the definition: it fits, one resolution step m
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from torch import nn
 
@@ -121,19 +123,17 @@ def test_the_default_host_budget_leaves_a_reserve_and_the_model_the_caller_holds
 def test_with_calibration_a_length_whose_measured_transients_do_not_fit_steps_down(traced, monkeypatch):
     """Calibration measures the blocks at the answer; where their measured transients push the plan over the
     budget, a length 1/16 shorter is tried (measured again), and the note says why the longer one failed."""
-    from lazytrain.compiler.api import compile_model
+    from lazytrain.compiler.api import compile_request
     asked = []
 
-    def calibrated(model, **options):       # stands for compile_calibrated: the first length measures too big
-        asked.append(options["seq_len"])
+    def calibrated(model, req):       # stands for compile_calibrated: the first length measures too big
+        asked.append(req.seq_len)
         if len(asked) == 1:
             raise BudgetError("needs at least 9.00 GiB of GPU memory")
-        return compile_model(seq_search.trace(model, seq_len=options["seq_len"]),
-                             **{k: v for k, v in options.items() if k != "calibrate"})
+        return compile_request(seq_search.trace(model, seq_len=req.seq_len), dataclasses.replace(req, calibrate=False))
     options = dict(model=_Model(rope_scaling=YARN), seq_len="max", gpu_memory="3GiB", calibrate=True, **OPTIONS)
     first = lazytrain.compile(**{**options, "calibrate": False}).seq_len
-    monkeypatch.setattr("lazytrain.measure.calibrate.compile_calibrated",
-                        lambda fn, model, opts: calibrated(model, **opts))
+    monkeypatch.setattr("lazytrain.measure.calibrate.compile_calibrated", calibrated)
     plan = lazytrain.compile(**options)
     assert asked[0] == first and plan.seq_len == asked[-1] < first, asked
     assert plan.seq_len % seq_search._step(plan.seq_len) == 0

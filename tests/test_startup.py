@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lazytrain.compiler import api
+from lazytrain.compiler import pipeline
+from lazytrain.compiler.request import CompileRequest
 from lazytrain.ir import Plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +38,8 @@ def test_a_compile_from_the_trace_cache_loads_neither_torch_nor_a_tracer(tmp_pat
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(TINY_QWEN2))
-    api._as_graph(str(model), 32, "bfloat16", [])        # the session's trace cache (conftest) now holds it
+    pipeline.resolve_graph(str(model), CompileRequest(seq_len=32, seq_tile=None), [])   # the session's trace cache
+    # (conftest) now holds it
     out = tmp_path / "plan.json"
     loaded = _run(["compile", str(model), "--batch", "2", "--seq", "32", "--gpu-memory", "8GiB", "-o", str(out)],
                   TRACING + OTHER_COMMANDS)

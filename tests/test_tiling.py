@@ -66,22 +66,26 @@ def test_the_trace_measures_the_tiled_program():
 
 def test_blocks_are_tiled_only_when_no_plan_fits_without(monkeypatch):
     """The rule: ``seq_tile="auto"`` compiles untiled, and tiles only when that raises BudgetError."""
+    from lazytrain.compiler import auto_tile
     from lazytrain.compiler.api import BudgetError
     from lazytrain.compiler.auto_tile import compile_auto_tiled
+    from lazytrain.compiler.fixed import compile_fixed as real_fixed
+    from lazytrain.compiler.request import CompileRequest
     from lazytrain.ir.graph import TILE_TOKENS
     calls = []
 
-    def compile_fn(model, **options):
-        calls.append(options["seq_tile"])
-        if options["seq_tile"] is None and options["seq_len"] > 10_000:
+    def compile_fixed(model, req):          # the level below the tiling's loop
+        calls.append(req.seq_tile)
+        if req.seq_tile is None and req.seq_len > 10_000:
             raise BudgetError("needs at least 30 GiB of GPU memory")
-        plan = lazytrain.compile(model, seq_len=24, hardware="cpu", param_dtype="float32", optimizer="adamw",
-                                 policy="megatrain", seq_tile=TILE if options["seq_tile"] else None)
-        return plan
+        small = CompileRequest.of(model, seq_len=24, hardware="cpu", param_dtype="float32", optimizer="adamw",
+                                  policy="megatrain", seq_tile=TILE if req.seq_tile else None)
+        return real_fixed(model, small)
+    monkeypatch.setattr(auto_tile, "compile_fixed", compile_fixed)
     model = build_from_config(dict(QWEN), device="cpu", dtype=torch.float32)
-    short = compile_auto_tiled(compile_fn, model, {"seq_len": 8192, "seq_tile": "auto"})
+    short = compile_auto_tiled(model, CompileRequest(seq_len=8192, seq_tile="auto"))
     assert calls == [None] and "seq_tile" not in short.graph.meta
-    long_ = compile_auto_tiled(compile_fn, model, {"seq_len": 65536, "seq_tile": "auto"})
+    long_ = compile_auto_tiled(model, CompileRequest(seq_len=65536, seq_tile="auto"))
     assert calls == [None, None, TILE_TOKENS] and long_.graph.meta["seq_tile"]["tokens"] == TILE
     assert "without tiling no plan fits: needs at least 30 GiB" in " ".join(long_.summary().split())
 

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from lazytrain.compiler import api
+from lazytrain.compiler import pipeline
+from lazytrain.compiler.request import CompileRequest
 from lazytrain.frontend import trace_cache
 from lazytrain.frontend.presets import build_from_config, build_model
 from lazytrain.frontend.trace import trace
@@ -34,8 +35,9 @@ def cache(tmp_path, monkeypatch):
 
 
 def _graph(model, history=None, **kw):
-    return api._as_graph(model, kw.pop("seq_len", 32), kw.pop("dtype", "bfloat16"),
-                         [] if history is None else history, **kw)
+    req = CompileRequest(seq_len=kw.pop("seq_len", 32), param_dtype=kw.pop("dtype", "bfloat16"),
+                         seq_tile=kw.pop("seq_tile", None), **kw)
+    return pipeline.resolve_graph(model, req, [] if history is None else history)
 
 
 def test_a_hit_is_the_uncached_trace_and_builds_nothing(cache, monkeypatch, tmp_path):

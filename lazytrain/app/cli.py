@@ -49,7 +49,8 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="host budget (default: the hardware profile's host memory less a reserve)")
     p.add_argument("--nvme-dir", default=None, help="folder for the NVMe tier")
     p.add_argument("--nvme-memory", type=size, default=None, help="NVMe budget, e.g. 200GiB")
-    p.add_argument("--hardware", default="h200", help="built-in profile name or a file from `lazytrain profile`")
+    p.add_argument("--hardware", default=None, help="built-in profile name or a file from `lazytrain profile` "
+                                                    "(default: the h200 profile, said on stderr)")
     p.add_argument("--policy", default=Policy.MILP.value, choices=Policy.names())
     p.add_argument("--optimizer", default=Optimizer.HYBRID8BIT.value, choices=Optimizer.names())
     p.add_argument("--solver", default=Solver.HIGHS.value, choices=Solver.names(),
@@ -119,8 +120,8 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_compile(a) -> int:
-    from ..compiler.api import compile_model
     from ..compiler.progress import on_stderr
+    from ..compiler.request import DEFAULT_HARDWARE
     from ..frontend.validate import declared_positions
     from ..util.atomic import output_path
     if a.nvme_memory and not a.nvme_dir:
@@ -128,13 +129,21 @@ def cmd_compile(a) -> int:
     output_path(a.output, "plan")          # a bad -o now, not after the compile
     batch = _rank_batch(a.batch, a.world_size)
     seq = a.seq or min(1024, declared_positions(a.model) or 1024)
+    if a.calibrate:
+        from ..measure.calibrate import compile_measured as compile_plan
+    else:
+        from ..compiler.api import compile_model as compile_plan
     with on_stderr("lazytrain compile: ", a.progress):
-        plan = compile_model(a.model, batch_size=batch, seq_len=seq, micro_batch=a.micro_batch,
-                             gpu_memory=a.gpu_memory, host_memory=a.host_memory, nvme_dir=a.nvme_dir,
-                             nvme_memory=a.nvme_memory, hardware=a.hardware, policy=a.policy, optimizer=a.optimizer,
-                             solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype, resident=a.resident,
-                             calibrate=a.calibrate, seq_tile=a.seq_tile, world_size=a.world_size, nodes=a.nodes,
-                             compile_blocks=a.compile_blocks, gpu_update=a.gpu_update, loss_head=a.loss_head)
+        plan = compile_plan(a.model, batch_size=batch, seq_len=seq, micro_batch=a.micro_batch,
+                            gpu_memory=a.gpu_memory, host_memory=a.host_memory, nvme_dir=a.nvme_dir,
+                            nvme_memory=a.nvme_memory, hardware=a.hardware or DEFAULT_HARDWARE, policy=a.policy,
+                            optimizer=a.optimizer, solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype,
+                            resident=a.resident, calibrate=a.calibrate, seq_tile=a.seq_tile, world_size=a.world_size,
+                            nodes=a.nodes, compile_blocks=a.compile_blocks, gpu_update=a.gpu_update,
+                            loss_head=a.loss_head)
+    if a.hardware is None:      # after the progress lines: the plan's own line
+        print(f"lazytrain: no --hardware given: planned for the {DEFAULT_HARDWARE} profile; name another with "
+              f"--hardware (a built-in profile, or a file from `lazytrain profile`)", file=sys.stderr)
     if not a.calibrate:
         from ..compiler.cost import hint_uncalibrated
         hint_uncalibrated(plan, a.model)
@@ -253,10 +262,10 @@ def cmd_profile(a) -> int:
             json.dump(hw.to_json(), f, indent=1)
         print(hw)
     if a.model:
-        from ..compiler.api import compile_model
-        plan = compile_model(a.model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
-                             gpu_memory=a.gpu_memory, hardware=a.output, calibrate=True,
-                             param_dtype="bfloat16" if _has_cuda() else "float32", compile_blocks=a.compile_blocks)
+        from ..measure.calibrate import compile_measured
+        plan = compile_measured(a.model, batch_size=a.batch, seq_len=a.seq, micro_batch=a.micro_batch,
+                                gpu_memory=a.gpu_memory, hardware=a.output, calibrate=True,
+                                param_dtype="bfloat16" if _has_cuda() else "float32", compile_blocks=a.compile_blocks)
         print(plan.summary())
     print(f"wrote {a.output}")
     return 0

@@ -140,15 +140,17 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
 
 def _shared_plan(cfg: TrainConfig, model, ranks: Ranks, *, seq_len: int, hardware, param_dtype: str, packed: bool):
     """The plan every rank runs: compiled by rank 0 for this world (``Ranks``'s docstring says why)."""
-    from .. import compile as compile_plan
+    from ..compiler.api import compile_model
+    from ..compiler.cost import hint_uncalibrated
     from ..ir import Plan
     batch = ranks.per_rank_batch(cfg.batch)
 
     def compiled() -> dict:
-        return compile_plan(model, batch_size=batch, seq_len=seq_len, hardware=hardware, gpu_memory=cfg.gpu_memory,
-                            host_memory=cfg.host_memory, policy=cfg.policy, optimizer="hybrid8bit",
-                            param_dtype=param_dtype, resident=cfg.resident, packed=packed, world_size=ranks.size,
-                            nodes=ranks.nodes).to_json()
+        plan = compile_model(model, batch_size=batch, seq_len=seq_len, hardware=hardware, gpu_memory=cfg.gpu_memory,
+                             host_memory=cfg.host_memory, policy=cfg.policy, optimizer="hybrid8bit",
+                             param_dtype=param_dtype, resident=cfg.resident, packed=packed, world_size=ranks.size,
+                             nodes=ranks.nodes)
+        return hint_uncalibrated(plan, model).to_json()     # as ``lazytrain.compile`` does
     return Plan.from_json(ranks.share("plan", compiled))
 
 

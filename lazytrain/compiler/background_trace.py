@@ -35,6 +35,7 @@ from ..frontend.presets import read_config
 from ..frontend.trace_cache import TraceCache
 from ..ir.graph import ModelGraph
 from ..util.host import cpu_cores
+from . import pipeline
 from .progress import log
 from .solvers.isolated import stderr_tail
 
@@ -162,17 +163,17 @@ def start(model, *, seq_len, dtype: str, packed: bool, seq_tile, compile_blocks:
     return bg
 
 
-def compile_seeded(compile_fn, model: str, bg: BackgroundTrace, options: dict):
-    """``compile_fn(model, **options)`` searched on ``bg``'s seed: its plan where the traced graph equals the
-    seed's, else the traced graph's (module docstring).  An error the seed's search raised (no plan fits) is
-    raised only once the traced graph confirms it."""
+def compile_seeded(model: str, bg: BackgroundTrace, req):
+    """The plan of ``req`` searched on ``bg``'s seed: its plan where the traced graph equals the seed's, else the
+    traced graph's (module docstring).  An error the seed's search raised (no plan fits) is raised only once the
+    traced graph confirms it."""
     t0 = time.perf_counter()
     try:
         # its warnings too are the caller's only once the trace confirms the graph
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                plan, error = compile_fn(bg.predicted, **options), None
+                plan, error = pipeline.checked_run(bg.predicted, req), None
             except Exception as e:  # noqa: BLE001 - authoritative only once the trace confirms the graph
                 plan, error = None, e
         real = bg.result()
@@ -180,14 +181,14 @@ def compile_seeded(compile_fn, model: str, bg: BackgroundTrace, options: dict):
             log.info("the background trace failed (%s): tracing here", bg.why_failed)
             token = _tracing_here.set(True)
             try:
-                plan = compile_fn(model, **options)
+                plan = pipeline.checked_run(model, req)
             finally:
                 _tracing_here.reset(token)
             return _noted(plan, {"seed": "trace failed", "why": bg.why_failed})
         if not seed_traces.same_graph(real, bg.predicted):
             log.info("the built-in trace of %s differs from this installation's: searching again on the traced "
                      "graph", model)
-            return _noted(compile_fn(real, **options), {"seed": "differed", "seconds": round(bg.seconds, 4)}, t0)
+            return _noted(pipeline.checked_run(real, req), {"seed": "differed", "seconds": round(bg.seconds, 4)}, t0)
         for w in caught:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if error is not None:

@@ -1,20 +1,63 @@
-"""The memory budgets a plan must meet, in bytes, from the sizes a caller gives and the hardware profile's
-defaults, how to say which one a plan exceeds, and what to tell a caller whose search found no plan within
-them (``budget_error``)."""
+"""The memory budgets a plan must meet, in bytes (``Budgets``), from the sizes a caller gives and the hardware
+profile's defaults (``make_budgets``), how to say which one a plan exceeds, and what to tell a caller whose search
+found no plan within them (``budget_error``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
+from collections.abc import Mapping
 
 from ..ir import GiB, Plan, PlanError
 from ..util.torch_free import is_module
 from ..util.units import format_size, parse_size
+from .progress import caller_stacklevel
 from .solvers.heuristics import HEURISTICS
 
 
 class BudgetError(PlanError):
     """No plan fits the memory budgets; the message states the smallest budget that would."""
+
+
+#: the budgets' keys in a plan's JSON (``Plan.budgets``), in the order ``make_budgets`` writes them
+_JSON_ORDER = ("gpu_bytes", "gpu_total_bytes", "gpu_reserve_bytes", "host_bytes", "nvme_bytes", "nvme_dir")
+
+
+@dataclasses.dataclass(frozen=True)
+class Budgets:
+    """The memory budgets of one compile, in bytes: what its plans must fit (``make_budgets``).  A plan records them
+    as a dict (``Plan.budgets``, ``to_json``); a tier's budget is named by its field (``gpu_bytes``, ``host_bytes``,
+    ``nvme_bytes``)."""
+
+    #: GPU memory a plan may peak at: the GPU's memory less the reserve
+    gpu_bytes: int | None = None
+    #: host memory a plan may hold (its store, buffers and activations)
+    host_bytes: int | None = None
+    #: NVMe bytes a plan may spill (0 without an NVMe folder)
+    nvme_bytes: int = 0
+    #: the GPU memory the caller gave (or the profile's); None where the budget was given as ``gpu_bytes`` alone
+    gpu_total_bytes: int | None = None
+    #: GPU memory kept back for the CUDA context, workspaces and fragmentation
+    gpu_reserve_bytes: int | None = None
+    #: the folder of the NVMe tier, if any
+    nvme_dir: str | None = None
+
+    @classmethod
+    def of(cls, budgets: Budgets | Mapping) -> Budgets:
+        """``budgets`` as the record: a plan's dict (a key it lacks is unset), or the record itself."""
+        if isinstance(budgets, Budgets):
+            return budgets
+        return cls(**{k: v for k, v in budgets.items() if k in _JSON_ORDER and (k != "nvme_bytes" or v is not None)})
+
+    def to_json(self) -> dict:
+        """The dict a plan records (``Plan.budgets``): ``make_budgets``' keys in its order; the GPU total and reserve
+        only where known."""
+        out = {k: getattr(self, k) for k in _JSON_ORDER}
+        for key in ("gpu_total_bytes", "gpu_reserve_bytes"):
+            if out[key] is None:
+                del out[key]
+        return out
 
 
 def host_reserve(host_bytes: int) -> int:
@@ -39,15 +82,15 @@ def held_host_bytes(model) -> int:
     return total
 
 
-def binding(plan: Plan, budgets: dict) -> str | None:
+def binding(plan: Plan, budgets: Budgets) -> str | None:
     """The budget ``plan`` exceeds, with the figures (None: it fits them all)."""
     pred = plan.predicted
     for tier, key in (("GPU", "gpu_bytes"), ("host", "host_bytes"), ("NVMe", "nvme_bytes")):
         need = pred[f"peak_{key}"]
-        cap = budgets.get(key) or 0
+        cap = getattr(budgets, key) or 0
         if need > cap:
-            left = (f" (what {budgets['gpu_total_bytes'] / GiB:.2f} GiB leaves after the "
-                    f"{budgets['gpu_reserve_bytes'] / GiB:.2f} GiB reserve)" if tier == "GPU" else "")
+            left = (f" (what {budgets.gpu_total_bytes / GiB:.2f} GiB leaves after the "
+                    f"{budgets.gpu_reserve_bytes / GiB:.2f} GiB reserve)" if tier == "GPU" else "")
             return (f"{tier} memory: its leanest plan ({plan.decisions.policy}, micro-batch {plan.micro_batch}) "
                     f"peaks at {need / GiB:.2f} GiB, over the budget of {cap / GiB:.2f} GiB{left}")
     return None
@@ -63,11 +106,11 @@ def default_reserve(gpu_bytes: int) -> int:
     return int(RESERVE_BASE + RESERVE_SHARE * gpu_bytes)
 
 
-def gpu_memory_for(peak: int, budgets: dict) -> float:
+def gpu_memory_for(peak: int, budgets: Budgets) -> float:
     """GiB of GPU memory (``--gpu-memory``) whose budget holds a plan peaking at ``peak`` bytes, under ``budgets``'
     reserve: the default reserve grows with the memory (5%), so the memory that holds ``peak`` is more than ``peak``
     plus the reserve of a smaller budget.  Rounded up to 0.01 GiB: that figure itself compiles."""
-    total, res = budgets["gpu_total_bytes"], budgets["gpu_reserve_bytes"]
+    total, res = budgets.gpu_total_bytes, budgets.gpu_reserve_bytes
     if res == default_reserve(total):
         need = (peak + RESERVE_BASE) / (1 - RESERVE_SHARE)
         while need - default_reserve(int(need)) < peak:     # int() rounding in the reserve
@@ -78,7 +121,7 @@ def gpu_memory_for(peak: int, budgets: dict) -> float:
 
 
 def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memory=None, reserve=None,
-                 held_bytes: int = 0) -> dict:
+                 held_bytes: int = 0) -> Budgets:
     """Budgets in bytes from sizes (``"24GiB"``) or byte counts; defaults from the hardware profile.
     The GPU budget the plan must meet is the given memory less ``reserve`` (CUDA context, cuBLAS
     workspaces, allocator fragmentation; default 1.5 GiB + 5% [ledger: gpu-reserve]).  The host budget defaults to
@@ -96,16 +139,16 @@ def make_budgets(hw, gpu_memory=None, host_memory=None, nvme_dir=None, nvme_memo
     if gpu_memory is not None and hw.has_gpu and gpu > hw.gpu_memory_bytes:
         warnings.warn(f"GPU memory {format_size(gpu)} is more than the {format_size(hw.gpu_memory_bytes)} of the "
                       f"{hw.name} profile's {hw.gpu_name}: the plan will not run on that GPU (name the GPU's own "
-                      f"profile with --hardware)", stacklevel=3)
+                      f"profile with --hardware)", stacklevel=caller_stacklevel())
     if reserve is None:
         res = default_reserve(gpu)
     else:           # no reserve is a choice (a size of 0 is not: ``parse_size`` refuses it)
         res = 0 if reserve == 0 else size(reserve, 0, "reserve")
-    budgets = {"gpu_bytes": gpu - res, "gpu_total_bytes": gpu, "gpu_reserve_bytes": res,
-               "host_bytes": size(host_memory, hw.host_memory_bytes - host_reserve(hw.host_memory_bytes) - held_bytes,
-                                  "host_memory"),
-               "nvme_bytes": size(nvme_memory, 0, "nvme_memory") if nvme_dir else 0, "nvme_dir": nvme_dir}
-    if budgets["gpu_bytes"] <= 0:
+    budgets = Budgets(gpu_bytes=gpu - res, gpu_total_bytes=gpu, gpu_reserve_bytes=res,
+                      host_bytes=size(host_memory, hw.host_memory_bytes - host_reserve(hw.host_memory_bytes)
+                                      - held_bytes, "host_memory"),
+                      nvme_bytes=size(nvme_memory, 0, "nvme_memory") if nvme_dir else 0, nvme_dir=nvme_dir)
+    if budgets.gpu_bytes <= 0:
         bare = isinstance(gpu_memory, str) and gpu_memory.strip().replace("_", "").isdigit()
         raise BudgetError(f"GPU memory {format_size(gpu)} is below the reserve of {format_size(res)}"
                           + (f" ({gpu_memory!r} has no unit, so it is bytes: write e.g. {gpu_memory.strip()}GiB)"
@@ -126,17 +169,18 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 100 else format_size(n)
 
 
-def budget_error(comp, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:
-    """Why no plan of ``policy`` fits ``comp``'s budgets at this batch (``comp``: the ``api.Compiler`` whose search
-    found none), with the memory that would make one fit where that can be said."""
+def budget_error(search, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:
+    """Why no plan of ``policy`` fits the budgets at this batch (``search``: the ``search.Search`` that found none),
+    with the memory that would make one fit where that can be said."""
+    comp = search.comp
     host_need = int(comp.graph.total_params * comp.options["host_bytes_per_param"]) // comp.world_size
-    if host_need > comp.budgets["host_bytes"]:    # the host store alone does not fit: say that first
+    if host_need > comp.budgets.host_bytes:    # the host store alone does not fit: say that first
         return BudgetError(
             f"needs at least {_gib(host_need)} of host memory for the parameters and optimizer state of "
             f"{_count(comp.graph.total_params)} parameters ({comp.options['host_bytes_per_param']} bytes "
-            f"each); the budget is {_gib(comp.budgets['host_bytes'])}")
+            f"each); the budget is {_gib(comp.budgets.host_bytes)}")
     mb = micro_batch or 1
-    leanest = comp.leanest(batch_size, mb)
+    leanest = search.leanest(batch_size, mb)
     need = leanest.predicted["peak_gpu_bytes"]
     why = binding(leanest, comp.budgets)
 
@@ -149,18 +193,18 @@ def budget_error(comp, batch_size: int, micro_batch: int | None, policy: str = "
             f"policy {policy} has no plan within the budgets for batch {batch_size}, seq {comp.graph.seq_len}: "
             f"{binding(own, comp.budgets) or 'its plan does not fit'}; the milp policy's leanest plan fits them: "
             f"use --policy milp, or lower the batch or the sequence")
-    if need <= comp.budgets["gpu_bytes"]:     # the GPU is not what binds: the host or NVMe budget is
+    if need <= comp.budgets.gpu_bytes:     # the GPU is not what binds: the host or NVMe budget is
         return BudgetError(
             f"no plan fits every budget for batch {batch_size}, seq {comp.graph.seq_len}: the plan leanest on GPU "
             f"memory needs {gpu_memory_for(need, comp.budgets):.2f} of the "
-            f"{comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB, but "
+            f"{comp.budgets.gpu_total_bytes / GiB:.2f} GiB, but "
             f"{why or 'the search found no plan within the budgets'}: raise --host-memory, give --nvme-dir for "
             f"activations, or lower the "
             f"batch or the sequence")
     if policy in HEURISTICS:
         own_need = own_plan().predicted["peak_gpu_bytes"]
         if own_need > need:
-            budget = comp.budgets["gpu_total_bytes"] / GiB
+            budget = comp.budgets.gpu_total_bytes / GiB
             return BudgetError(
                 f"policy {policy} needs at least {gpu_memory_for(own_need, comp.budgets):.2f} GiB of GPU memory for "
                 f"batch {batch_size}, seq {comp.graph.seq_len} (micro-batch {mb}); the budget is {budget:.2f} GiB. "
@@ -173,6 +217,6 @@ def budget_error(comp, batch_size: int, micro_batch: int | None, policy: str = "
     total = gpu_memory_for(need, comp.budgets)
     msg = (f"needs at least {total:.2f} GiB of GPU memory for batch {batch_size}, seq {comp.graph.seq_len} (plan "
            f"peak {need / GiB:.2f} GiB{held} + {total - need / GiB:.2f} GiB reserve); the budget "
-           f"is {comp.budgets['gpu_total_bytes'] / GiB:.2f} GiB: lower the batch or the sequence"
+           f"is {comp.budgets.gpu_total_bytes / GiB:.2f} GiB: lower the batch or the sequence"
            f"{', keep fewer blocks resident' if held else ''}, or raise --gpu-memory")
     return BudgetError(msg)

@@ -298,8 +298,6 @@ class CostModel:
 def hint_uncalibrated(plan, model=None):
     """Print one line to stderr when this machine has a GPU, the plan is for a GPU and none of its
     blocks' times is measured: how to measure them.  Returns ``plan``."""
-
-
     if plan.hardware.get("gpu_name") == HardwareProfile.NO_GPU or measured_blocks(plan) or not cuda_available():
         return plan
     name = model if isinstance(model, str) else "MODEL"

@@ -24,12 +24,12 @@ never slower on the simulator. Where the blocks that would shorten the step most
 activations, the search is run once more with the GPU budget lowered by the memory they lack (the solver then keeps
 fewer activations or resident blocks), and the scan repeated on that plan with the whole budget (plans built once:
 the two scans share them); the faster of the two is kept.  The re-solve runs only where those blocks would shorten
-the best step by ``RESOLVE_GAIN`` on the solved plan's other decisions and need at most ``MAX_ROOM_SHARE`` of the
-budget. The rule stops after ``RULE_BUDGET_S`` CPU seconds, its re-solve included, or
-earlier at the compile's deadline (the search leaves it ``search.RULE_RESERVE_S`` of it). The MILP itself does not
-price the GPU update (its windows would need the kept accumulators and the state traffic as terms): the activation
-and cut decisions stay the solver's. ``plan.decisions.notes["gpu_update"]`` records what was tried; ``lazytrain
-show`` says it."""
+the best step by ``LIMITS.rule_resolve_gain`` on the solved plan's other decisions and need at most
+``MAX_ROOM_SHARE`` of the budget. The rule stops after ``LIMITS.rule_s`` CPU seconds, its re-solve included, or
+earlier at the compile's deadline (the search leaves it ``LIMITS.rule_reserve_s`` of it; ``compiler/time_limits.py``).
+The MILP itself does not price the GPU update (its windows would need the kept accumulators and the state traffic
+as terms): the activation and cut decisions stay the solver's. ``plan.decisions.notes["gpu_update"]`` records what
+was tried; ``lazytrain show`` says it."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ import warnings
 from ..ir import Decisions, Plan, PlanError
 from ..ir.semantics import tie_closure
 from .deadline import compile_cpu_seconds
-from .progress import log
+from .progress import caller_stacklevel, log
+from .time_limits import LIMITS
 
 #: three more GPU-updated blocks that do not shorten the simulated step end the scan over k (a block's state
 #: load can make the next one wait before the host's saving shows), two more resident blocks given back the scan
@@ -53,23 +54,11 @@ LINEAR = 3
 WALK = 3
 #: a step shorter by less than this is no gain (seconds: the simulator's rounding across periods)
 MIN_GAIN_S = 1e-6
-#: CPU seconds the rule may take in all, its scans and its re-solve together (each plan built costs a lowering,
-#: ``verify`` and a simulation: 0.05-0.3 s for qwen2.5-3b; the re-solve gets at most half of what the first scan
-#: left); counted in CPU time, as the search's deadline, so the choice does not depend on the machine's load.
-#: Per scan, with the re-solve on the search's own deadline, the rule took up to 19 s of a qwen2.5-14b compile
-#: (33 s in all, over the 20 s a compile may take)
-RULE_BUDGET_S = 6.0
-#: a re-solve is only run where the blocks it would make room for shorten the scan's best step by this share on
-#: the solved plan's other decisions: the memory it takes from the rest costs the re-solved plan about as much
-#: (qwen2.5-7b at 80 GiB, batch 8: 0.47% to gain, the re-solve with 1.05 GiB less memory 0.8% slower)
-RESOLVE_GAIN = 0.01
 #: nor where they need more than this share of the GPU budget: the rest of a plan re-solved with that much less
 #: memory is slower than the blocks can win back (llama3-8b at 24 GiB, batch 8: 14.2 GiB for 18 blocks, the
 #: re-solved plan's best 2.20 s against the scan's 1.66; qwen2.5-7b 24 GiB: 11.8 GiB, 1.59 against 1.56; the
 #: re-solves that won took 9-18%: qwen2.5-7b at 48 GiB, batch 8, 8.6 GiB, 1.275 s against 1.316)
 MAX_ROOM_SHARE = 1 / 3
-#: the least CPU time a re-solve is started with
-MIN_RESOLVE_S = 1.0
 #: a plan whose GPU idles less than this share of its simulated step is left as it is (``choose``)
 MIN_IDLE_SHARE = 0.01
 #: searches run again, each with less GPU budget, to fit the GPU-updated blocks a caller asks for (``fixed``)
@@ -119,19 +108,20 @@ def with_blocks(dec: Decisions, blocks, n_blocks: int) -> Decisions:
     return dataclasses.replace(dec, gpu_update=tuple(j in blocks for j in range(n_blocks)) if blocks else ())
 
 
-def fixed(comp, plan: Plan, req, policy: str, micro_batch: int | None = None) -> Plan:
-    """The plan with the GPU-updated blocks asked for (a count: the first streamed ones), checked as any.
+def fixed(search, plan: Plan, req, policy: str, micro_batch: int | None = None) -> Plan:
+    """The plan with the GPU-updated blocks asked for (a count: the first streamed ones), checked as any
+    (``search``: the ``search.Search`` that found ``plan``; its compiler builds the plans).
 
     The solved plan usually fills the GPU budget with kept activations, so asked-for blocks often do not fit
     beside it; as ``choose`` does, the search is then run again with the GPU budget lowered by the memory they
     lack (up to ``RESOLVES`` times: the re-solved plan peaks elsewhere) and the blocks put on that plan, checked
     against the whole budget (at the caller's micro-batch, if one was given).  A request that fits no re-solved
     plan raises a ``PlanError`` that says by how much it missed."""
-    g = plan.graph
+    g, comp = plan.graph, search.comp
     bad = [j for j in (() if isinstance(req, int) else req) if not 0 <= j < g.n_blocks]
     if bad:
         raise ValueError(f"gpu_update blocks {bad} out of range 0..{g.n_blocks - 1}")
-    base, gpu_bytes = plan, comp.budgets["gpu_bytes"]
+    base, gpu_bytes = plan, comp.budgets.gpu_bytes
     for attempt in range(RESOLVES + 1):
         blocks = candidates(g, base.decisions)[:req] if isinstance(req, int) else req
         if not blocks:
@@ -139,13 +129,13 @@ def fixed(comp, plan: Plan, req, policy: str, micro_batch: int | None = None) ->
         dec = with_blocks(base.decisions, blocks, g.n_blocks)
         trial = comp.build(dec, base.batch_size, check_budget=False)     # built once: its peak says what it lacks
         if comp.within_budgets(trial):
-            _warn_if_slower(trial, plan, blocks, resolved_bytes=comp.budgets["gpu_bytes"] - gpu_bytes)
+            _warn_if_slower(trial, plan, blocks, resolved_bytes=comp.budgets.gpu_bytes - gpu_bytes)
             return trial
         peak = trial.predicted["peak_gpu_bytes"]
-        lack = peak - comp.budgets["gpu_bytes"]
+        lack = peak - comp.budgets.gpu_bytes
         if attempt == RESOLVES:
             raise PlanError(f"GPU-updated blocks {list(blocks)} do not fit the GPU budget of "
-                            f"{comp.budgets['gpu_bytes'] / 2**30:.2f} GiB: with them the plans re-solved with less "
+                            f"{comp.budgets.gpu_bytes / 2**30:.2f} GiB: with them the plans re-solved with less "
                             f"memory for the rest still peak {peak / 2**30:.2f} GiB; ask for fewer (or 'auto')")
         if attempt == 0:        # what the blocks add to the solved plan's peak: the first re-solve leaves that
             gpu_bytes -= max(int(peak - base.predicted["peak_gpu_bytes"]), int(lack), 2**26)
@@ -153,7 +143,7 @@ def fixed(comp, plan: Plan, req, policy: str, micro_batch: int | None = None) ->
             gpu_bytes -= max(int(lack), 2**26)
         if gpu_bytes <= 0:
             raise PlanError(f"GPU-updated blocks {list(blocks)} need more than the whole GPU budget; ask for fewer")
-        base = _re_solved(comp, gpu_bytes, policy, plan.batch_size, micro_batch)
+        base = _re_solved(search, gpu_bytes, policy, plan.batch_size, micro_batch)
         if base is None:
             raise PlanError(f"GPU-updated blocks {list(blocks)} do not fit the GPU budget: no plan leaves the "
                             f"{max(int(lack), 0) / 2**30:.2f} GiB they need; ask for fewer (or 'auto')")
@@ -171,10 +161,10 @@ def _warn_if_slower(forced: Plan, solved: Plan, blocks, resolved_bytes: int) -> 
            f"rest (micro-batch {forced.micro_batch})" if resolved_bytes > 0 else "")
     warnings.warn(f"gpu_update: with the {len(blocks)} GPU-updated blocks asked for{how}, the plan is predicted at "
                   f"{step:.3f} s a step against {base:.3f} s without them; ask for fewer (or 'auto')",
-                  stacklevel=6)       # the caller of lazytrain.compile
+                  stacklevel=caller_stacklevel())
 
 
-def _re_solved(comp, gpu_bytes: int, policy: str, batch_size: int, micro_batch: int | None = None,
+def _re_solved(search, gpu_bytes: int, policy: str, batch_size: int, micro_batch: int | None = None,
                deadline: float | None = None) -> Plan | None:
     """The search's best plan with ``gpu_bytes`` of GPU budget, the memory GPU-updated blocks need set aside
     (within ``deadline`` CPU seconds, else the search's own).  Its warnings (a micro-batch where the MILP found
@@ -182,34 +172,35 @@ def _re_solved(comp, gpu_bytes: int, policy: str, batch_size: int, micro_batch: 
     passed on; what the kept plan is, ``show`` says."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return comp.with_gpu_budget(gpu_bytes, deadline=deadline).best(policy, batch_size, micro_batch)
+        return search.with_gpu_budget(gpu_bytes, deadline=deadline).best(policy, batch_size, micro_batch)
 
 
-def choose(comp, plan: Plan) -> Plan:
-    """The rule of the module docstring; returns the fastest plan found, with what was tried in its notes.
+def choose(search, plan: Plan) -> Plan:
+    """The rule of the module docstring (``search``: the ``search.Search`` that found ``plan``; its compiler builds
+    the plans); returns the fastest plan found, with what was tried in its notes.
 
     A GPU update takes work off the host and puts some on the GPU, so it can at best remove the time the GPU
     waits: a plan whose simulated GPU idles less than ``MIN_IDLE_SHARE`` of its step (GPU-bound, as most plans
     on the FLOP-modelled profiles are) is returned as it is, without the scans.  The solved plan's solver stats
     go with whichever plan is kept (a scan's plans are built, not solved)."""
-    t0 = time.perf_counter()
+    t0, comp = time.perf_counter(), search.comp
     step = plan.predicted["step_time_s"]
     if step - plan.predicted.get("busy_s", {}).get("gpu", 0.0) < MIN_IDLE_SHARE * step:
         return plan
     # the scans, the room and the re-solve, all together, within what the search left of the compile's deadline
-    budget = [compile_cpu_seconds() + min(RULE_BUDGET_S, comp.search.deadline.after_cpu_left())]
+    budget = [compile_cpu_seconds() + min(LIMITS.rule_s, search.deadline.after_cpu_left())]
     built: dict[tuple, Plan | None] = {}     # both scans' plans by their decisions: a re-solve often repeats many
     best, tried, over = _scan(comp, plan, budget, built)      # over: the first count that did not fit
     room = _room(comp, plan, over, budget, best.predicted["step_time_s"]) if over is not None else 0
     resolved = None
     left = budget[0] - compile_cpu_seconds()
-    if room > MAX_ROOM_SHARE * comp.budgets["gpu_bytes"]:
+    if room > MAX_ROOM_SHARE * comp.budgets.gpu_bytes:
         tried.append(["no re-solve", round(room / 2**30, 3)])
         room = 0
-    if room > 0 and (comp.time_limit is not None or left >= 2 * MIN_RESOLVE_S):
+    if room > 0 and (comp.time_limit is not None or left >= 2 * LIMITS.min_rule_resolve_s):
         # the solved plan leaves too little memory: solve again with that much less, in at most half of what is
         # left (the other half scans its plan); a caller's time limit per solve has no deadline, as the search
-        resolved = _re_solved(comp, comp.budgets["gpu_bytes"] - room, "milp", plan.batch_size,
+        resolved = _re_solved(search, comp.budgets.gpu_bytes - room, "milp", plan.batch_size,
                               deadline=None if comp.time_limit is not None else left / 2)
     elif room > 0:
         tried.append(["no time to re-solve"])
@@ -233,8 +224,8 @@ def _room(comp, plan: Plan, over: int, budget: list[float], best_step: float) ->
     """GPU bytes the plan would need beyond its budget for the GPU-updated blocks that would shorten its step
     most if memory were no object (the first streamed blocks, on the solved plan's other decisions), from
     ``over``, the first count that did not fit; 0 when more than ``over - 1`` blocks would not be faster, or
-    not faster than ``best_step``, the scan's best, by ``RESOLVE_GAIN``: a plan re-solved with less memory for
-    the rest is no faster than these blocks on the solved plan's decisions, the most a re-solve could reach."""
+    not faster than ``best_step``, the scan's best, by ``LIMITS.rule_resolve_gain``: a plan re-solved with less memory
+    for the rest is no faster than these blocks on the solved plan's decisions, the most a re-solve could reach."""
     g, dec = plan.graph, plan.decisions
     cands = candidates(g, dec)
     free = _Counts(lambda k: comp.build(with_blocks(dec, cands[:k], g.n_blocks), plan.batch_size,
@@ -242,7 +233,7 @@ def _room(comp, plan: Plan, over: int, budget: list[float], best_step: float) ->
     try:      # every build here may find the budget spent (``over - 1``'s too, which ``_lowest`` may not build)
         k = _lowest(free, max(over - 1, 1), len(cands))
         step_fit = plan.predicted["step_time_s"] if over <= 1 else free.step(over - 1)
-        if k < over or free.step(k) >= min(step_fit, best_step * (1 - RESOLVE_GAIN)) - MIN_GAIN_S:
+        if k < over or free.step(k) >= min(step_fit, best_step * (1 - LIMITS.rule_resolve_gain)) - MIN_GAIN_S:
             return 0
         return max(0, int(free.at(k).predicted["peak_gpu_bytes"] - plan.budgets["gpu_bytes"]))
     except _OutOfTime:

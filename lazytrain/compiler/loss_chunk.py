@@ -18,9 +18,9 @@ qwen2.5-3b at 24 GiB, batch 32, forced to a single pass, gave its 1.2 GiB accumu
 ran 5% slower.  So memory decides, and the compiler does not guess: ``faster_head`` takes the searched plan's
 decisions with the single-pass head (row chunks from the largest the share allows down to
 ``SINGLE_PASS_MIN_ROWS``) where they still fit every budget and the simulated step is shorter; where no chunk
-fits beside them (a MILP plan that uses all its memory) and the head alone would save ``RESOLVE_GAIN`` of the step
-as priced, it solves the MILP once more for the single pass at the plan's micro-batch and keeps whichever plan is
-predicted faster.  Measured on the H200 with a calibrated profile (which times the recompute head, the one the
+fits beside them (a MILP plan that uses all its memory) and the head alone would save ``LIMITS.head_resolve_gain`` of
+the step as priced, it solves the MILP once more for the single pass at the plan's micro-batch and keeps whichever
+plan is predicted faster.  Measured on the H200 with a calibrated profile (which times the recompute head, the one the
 search plans with; the single pass is then priced from FLOPs): qwen2.5-7b at 80 GiB, batch 32, solved for the
 single pass: 2.703 s (553.9 model TFLOPS) against 3.087 s, predicted 2.606 against 2.951, the order right; the 3B
 plan above, predicted 1.272 against 1.236, right too.  (That recompute head ran at half speed, its chunks'
@@ -31,7 +31,6 @@ the head's forward, its chunk and accumulator into the head's fixed workspace.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 import warnings
@@ -40,7 +39,8 @@ from ..ir import ModelGraph
 from ..ir.graph import padded_row
 from ..ir.plan import PlanError
 from .progress import log
-from .search import MIN_SOLVE_S, SHORT_BUDGET_BLOCKS, milp_size
+from .search import Search, milp_size
+from .time_limits import LIMITS
 
 #: share of the GPU budget one chunk of logits may take: at 24 GiB (21.3 GiB of budget) that is 2^27 logits,
 #: 0.75 GiB in bf16, 4096 vocabulary columns a chunk for 32 x 1024 tokens
@@ -48,22 +48,6 @@ LOSS_HEAD_SHARE = 1 / 16
 #: fewest rows a single-pass chunk takes (or a micro-batch's, if fewer): 256 rows of a 152k vocabulary is the
 #: recompute's fewest columns' matmul turned around
 SINGLE_PASS_MIN_ROWS = 256
-#: ``faster_head`` re-solves for the single pass where its head alone saves this share of the step as priced
-#: (qwen2.5-7b at 80 GiB, batch 32, calibrated: the recompute head 584 ms a step, then unaligned; re-solved for the
-#: single pass, the MILP's plan predicted 2.606 s against 2.951 and measured 2.703 against 3.087)
-RESOLVE_GAIN = 0.01
-#: CPU seconds of that solve at most: it draws on what the compile's deadline has left after the search and the
-#: GPU-update rule (``search.DEADLINE_S``; the builds of this pass too), and is not tried at all with less than
-#: ``search.MIN_SOLVE_S`` left or where the search itself ran out of its deadline (a MILP that did not finish in
-#: the search's seconds does not in fewer).  Measured on the compile grid's presets up to 8B (2 cores): of 11
-#: re-solves 8 won (steps 1.0-3.3% shorter, 0.28-0.92 s each), 3 lost (batch 8 at 80 GiB, 0.84-2.1 s); one that
-#: took a compile of qwen2.5-7b (24 GiB, batch 32) to 6.2 s followed a search out of its deadline, and lost.
-#: Chains of up to ``search.SHORT_BUDGET_BLOCKS`` blocks get ``SHORT_RESOLVE_S``: every win above took under 1 s, and
-#: the losing 2 s put llama3-8b at 80 GiB, batch 8 over 5 s a compile; at 1.2 s the 54 compiles up to 8B gave the
-#: same plans as at 2 s (``benchmarks/results/compile_times_cold.md``).
-RESOLVE_S, SHORT_RESOLVE_S = 2.0, 1.2
-#: ``compile_model(loss_head=...)``: ``faster_head``'s choice, or either way forced
-LOSS_HEAD_MODES = ("auto", "single_pass", "recompute")
 
 
 def chunk_logits(head: dict, gpu_bytes: int) -> int:
@@ -129,22 +113,24 @@ def with_loss_chunk(graph: ModelGraph, gpu_bytes: int | None, single_rows: int |
     return dataclasses.replace(graph, blocks=tuple(blocks), meta=meta)
 
 
-def faster_head(comp, plan):
-    """``plan`` (built by the compiler ``comp``), or a plan with the single-pass head where one is predicted faster:
+def faster_head(search, plan):
+    """``plan`` (found by ``search``, a ``search.Search``), or a plan with the single-pass head where one is predicted
+    faster:
     first ``plan``'s decisions with it (the largest row chunk that fits every budget); where none fits and the head's
-    priced gain is at least ``RESOLVE_GAIN`` of the step, one MILP solve for it at ``plan``'s micro-batch within
-    ``RESOLVE_S`` CPU seconds (``SHORT_RESOLVE_S`` for a short chain).  What was tried goes into the returned plan's
-    history."""
+    priced gain is at least ``LIMITS.head_resolve_gain`` of the step, one MILP solve for it at ``plan``'s micro-batch
+    within ``LIMITS.head_resolve_s`` CPU seconds (``short_head_resolve_s`` for a short chain).  What was tried goes
+    into the returned plan's history."""
+    comp = search.comp
     head = comp.graph.meta.get("loss_head")
-    gpu_bytes = comp.budgets.get("gpu_bytes")
+    gpu_bytes = comp.budgets.gpu_bytes
     if not isinstance(head, dict) or head.get("single_pass") or not gpu_bytes:
         return plan
     t0 = time.perf_counter()
     best, tried = plan, []
     # one compiler per row chunk, largest first: the first also prices the gain and hosts the re-solve
-    heads = [(rows, _with_head(comp, with_loss_chunk(comp.graph, gpu_bytes, rows)))
+    heads = [(rows, comp.with_graph(with_loss_chunk(comp.graph, gpu_bytes, rows)))
              for rows in single_pass_rows(head, gpu_bytes, plan.micro_batch * head["seq_len"])]
-    deadline = comp.search.deadline
+    deadline = search.deadline
     for rows, other in heads:
         if deadline.after_cpu_left() < deadline.build_cpu:     # no time left for one more build
             tried.append([rows, "deadline"])
@@ -159,11 +145,12 @@ def faster_head(comp, plan):
             cand.solver = plan.solver
             best = cand
         break       # a smaller chunk only fits where this one did not, and is no faster
-    limit = SHORT_RESOLVE_S if milp_size(comp.graph) <= SHORT_BUDGET_BLOCKS else RESOLVE_S
+    short = milp_size(comp.graph) <= LIMITS.short_chain_blocks
+    limit = LIMITS.short_head_resolve_s if short else LIMITS.head_resolve_s
     seconds = min(limit, deadline.after_cpu_left() - deadline.build_cpu)
     if heads and all(t[1] is None for t in tried) and plan.decisions.policy == "milp" \
-            and not getattr(plan.solver, "out_of_time", False) and seconds >= MIN_SOLVE_S \
-            and _gain(comp, heads[0][1], plan) >= RESOLVE_GAIN:
+            and not getattr(plan.solver, "out_of_time", False) and seconds >= LIMITS.min_solve_s \
+            and _gain(comp, heads[0][1], plan) >= LIMITS.head_resolve_gain:
         cand = _re_solved(heads[0][1], plan, seconds)
         tried.append(["re-solved", heads[0][0], None if cand is None else round(cand.predicted["step_time_s"], 4)])
         if cand is not None and cand.predicted["step_time_s"] < best.predicted["step_time_s"]:
@@ -175,13 +162,6 @@ def faster_head(comp, plan):
     # a candidate's own history (the re-solve's entry) after the searched plan's
     own = best.history if best is not plan else []
     return dataclasses.replace(best, history=[*plan.history, *own, entry])
-
-
-def _with_head(comp, graph: ModelGraph):
-    """``comp`` compiling ``graph`` (another loss head) instead, its cost models its own."""
-    other = copy.copy(comp)
-    other.graph, other._costs = graph, {}
-    return other
 
 
 def _gain(comp, single, plan) -> float:
@@ -196,8 +176,8 @@ def _gain(comp, single, plan) -> float:
 def _re_solved(single, plan, seconds: float):
     """The MILP's plan for ``single`` (a compiler of the single-pass head) at ``plan``'s micro-batch, within
     ``seconds`` CPU seconds of a search of its own; or None."""
-    other = single.with_gpu_budget(single.budgets["gpu_bytes"], deadline=seconds)
-    other.search.deadline.start()
+    other = Search(single.with_gpu_budget(single.budgets.gpu_bytes, deadline=seconds))
+    other.deadline.start()
     with warnings.catch_warnings():      # a heuristic standing in at this micro-batch is not the caller's concern
         warnings.simplefilter("ignore", UserWarning)
-        return other.search.milp_at(plan.batch_size, plan.micro_batch, warm=None)
+        return other.milp_at(plan.batch_size, plan.micro_batch, warm=None)

@@ -11,11 +11,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TextIO
 
 log = logging.getLogger("lazytrain.compile")
+#: where the compile runs: the compiler, the calibration that wraps it, and the package's ``lazytrain.compile``
+_PACKAGE = Path(os.path.abspath(__file__)).parent.parent
+_COMPILING = (str(_PACKAGE / "compiler") + os.sep, str(_PACKAGE / "measure" / "calibrate.py"),
+              str(_PACKAGE / "__init__.py"))
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised by this function's caller at the compile's caller: the first
+    frame outside the compile (``_COMPILING``), however deep in the pipeline and its outer searches it arose -- the
+    user's call of ``lazytrain.compile``, or the CLI's command (which shows LazyTrain's warnings as one line)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_COMPILING):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @contextlib.contextmanager

@@ -12,12 +12,15 @@ import dataclasses
 import time
 from collections.abc import Iterator
 
+from ..frontend.validate import micro_batch_candidates
 from ..ir import Decisions, OpKind, Place, Plan, PlanError, Saved, SolverStats
 from .deadline import Deadline, compile_cpu_seconds
+from .options import Policy
 from .progress import log
 from .solvers import isolated
 from .solvers.heuristics import HEURISTICS
 from .solvers.milp import MilpOptions, coefficients, solve
+from .time_limits import LIMITS
 
 #: MILP attempts per micro-batch that exclude an assignment found over budget in time order before the
 #: window model's budget is tightened instead: no-good cuts are exact but enumerate equal-cost
@@ -27,47 +30,14 @@ from .solvers.milp import MilpOptions, coefficients, solve
 #: once: the MILP's 1.729 s; over 45 presets x budgets x batches no row slower by more than 0.5%)
 NO_GOOD_CUTS_SHORT, NO_GOOD_CUTS_LONG = 16, 0
 TIGHTENINGS = 5
-#: solver CPU seconds one compile spends in all, shared evenly by the micro-batches it tries (no-good
-#: re-solves draw on their micro-batch's share; every solve gets at least ``MIN_SOLVE_S``): a compile
-#: answers in seconds whatever the solver's luck, and a time limit returns the incumbent.  Chains up to
-#: ``SHORT_BUDGET_BLOCKS`` blocks (8B-class models; ``milp_size``: a compiled block counts once per cut) get
-#: less: qwen2.5-3b with compiled blocks (38 blocks, 4 cuts a layer: 146) at 24 GiB, batch 8 needs six ~1.3 s
-#: solves to a plan in budget (0.466 s predicted, megatrain 0.961) and ended on megatrain with the short ones.
-#: The short budget and deadline (2.5 s; 4 s before): on 27 presets x budgets x batches of qwen2.5-3b, qwen2.5-7b and
-#: llama3-8b the MILP's plans (every block streamed, no rule) were the same at 2.5 s as at 4 s, each compile 1-1.5 s
-#: shorter where the search had run to its deadline; with the resident choice and the rule, 16 of 16 batch-8/32
-#: rows at 24/48 GiB as fast or faster (the rule's re-solve then ends elsewhere: llama3-8b 48 GiB b8 1.360 s
-#: against 1.424).
-SOLVER_BUDGET_S, SHORT_SOLVER_BUDGET_S, SHORT_BUDGET_BLOCKS = 12.0, 2.5, 48
-MIN_SOLVE_S = 0.5
-#: CPU seconds (this process's and the solver's, ``compiler/deadline.py``; ``isolated.WALL_FACTOR`` times as
-#: many wall seconds at most) the planning of one compile may take, from its start (the graph traced) to its
-#: answer: the search (the heuristics, every solve, re-solve and the build that checks its plan in time order)
-#: and, where it follows, the GPU-update rule.  Past the search's part no solve starts and the best plan so far
-#: is returned (``SolverStats.out_of_time``); a solve's limit is cut so that it and its plan's build (as long as
-#: the slowest build so far) end by then.  The solver budget above plus the builds of its plans: without a
-#: deadline qwen2.5-72b at 48 GiB, batch 72 searched for 23.9 s (six solves, seven 45,000-op builds of ~2.5 s),
-#: over the 20 s a whole compile may take.  8B-class chains (``SHORT_BUDGET_BLOCKS``) get the short one
-#: (llama3-8b at 48 GiB, batch 8 re-solved ten times).
-DEADLINE_S, SHORT_DEADLINE_S = 15.0, 2.5
-#: CPU seconds of the deadline the search leaves for the GPU-update rule when the rule follows it (``Compiler.
-#: rule_follows``; the rule takes at most ``gpu_update.RULE_BUDGET_S`` of what is left): long chains carve them
-#: out of their deadline (the rule's 6 s counted apart, on top of a 15 s search, put 32B-72B compiles at 20-23 s),
-#: short chains get them on top of their 2.5 s (there the rule's plan is often much faster than the solved one --
-#: llama3-8b at 24 GiB, batch 8: 1.66 s simulated against 2.20 s; 3 s find it since the rule prunes its scans
-#: and a build takes ~20 ms at 8B, where 6 s were needed before).  A caller's deadline leaves the rule at most half
-#: of it.
-RULE_RESERVE_S, SHORT_RULE_RESERVE_S = 3.0, 3.0
-
-
 def _deadline(comp, short: bool) -> Deadline:
-    """The compile's planning deadline (``DEADLINE_S``): the caller's, else the default unless the caller set a
+    """The compile's planning deadline (``LIMITS.deadline_s``): the caller's, else the default unless the caller set a
     time limit per solve (then each solve takes it whole), else none; with the rule's reserve where it follows."""
     seconds = (comp.deadline if comp.deadline is not None else
-               None if comp.time_limit is not None else SHORT_DEADLINE_S if short else DEADLINE_S)
+               None if comp.time_limit is not None else LIMITS.short_deadline_s if short else LIMITS.deadline_s)
     if seconds is None or not comp.rule_follows:
         return Deadline(seconds)
-    reserve = SHORT_RULE_RESERVE_S if short else RULE_RESERVE_S
+    reserve = LIMITS.short_rule_reserve_s if short else LIMITS.rule_reserve_s
     if comp.deadline is not None:
         return Deadline(seconds, min(reserve, seconds / 2))
     return Deadline(seconds + reserve, reserve) if short else Deadline(seconds, reserve)
@@ -140,7 +110,9 @@ def tightening(excess: int, last: tuple[int, int]) -> tuple[int, int]:
 
 
 class Search:
-    """Plans of one compiler (graph, hardware, budgets, options), memoized per question."""
+    """The questions about the plans of one compiler (``builder.Compiler``: graph, hardware, budgets, options), each
+    answer memoized: the best plan of a policy, the largest batch, the frugal and leanest plans, the micro-batches to
+    try.  The compiler builds the plans it asks for and never asks it anything back."""
 
     def __init__(self, comp):
         self.comp = comp
@@ -150,38 +122,48 @@ class Search:
         self._heuristic: dict[tuple[str, int, int], Plan | None] = {}
         #: solver failures met in this search (the caller warns once)
         self.failures: list[str] = []
-        short = milp_size(comp.graph) <= SHORT_BUDGET_BLOCKS
+        short = milp_size(comp.graph) <= LIMITS.short_chain_blocks
         #: CPU seconds this search and the GPU-update rule after it may take (``_deadline``), counted per question
         #: of the caller's
         self.deadline = _deadline(comp, short)
-        #: solver seconds left to this search (``SOLVER_BUDGET_S``, in proportion where the search's part of the
+        #: solver seconds left to this search (``LIMITS.solver_s``, in proportion where the search's part of the
         #: deadline is shorter than the default: the micro-batches share it evenly, and a budget the deadline cuts
         #: leaves the last micro-batch tried almost nothing -- qwen2.5-14b at 80 GiB, batch 32 with 12 s of search
         #: and 12 of solver: 8.21 s simulated at micro-batch 32 against 7.72 at 16); unused when the caller set a
         #: time limit
-        budget, full = (SHORT_SOLVER_BUDGET_S, SHORT_DEADLINE_S) if short else (SOLVER_BUDGET_S, DEADLINE_S)
+        budget, full = ((LIMITS.short_solver_s, LIMITS.short_deadline_s) if short
+                        else (LIMITS.solver_s, LIMITS.deadline_s))
         searched = self.deadline.search_seconds()
         self.solver_left = budget if searched is None else min(budget, budget * searched / full)
         self._tries_left = 1      # micro-batches the MILP search still means to try (shares the budget)
         self._depth = 0                          # questions in progress (the MILP's asks the heuristics')
         self.ran_out = False      # a solve or re-solve was skipped for the deadline
 
+    def with_gpu_budget(self, gpu_bytes: int, deadline: float | None = None) -> Search:
+        """A search of its own over this compiler with another GPU budget (``Compiler.with_gpu_budget``)."""
+        return Search(self.comp.with_gpu_budget(gpu_bytes, deadline=deadline))
+
+    def micro_batches(self, batch_size: int, micro_batch: int | None) -> list[int]:
+        """Candidate micro-batch sizes, largest first: the given one, else divisors of the batch
+        up to 32 whose op list stays bounded (``validate.micro_batch_candidates``)."""
+        return micro_batch_candidates(batch_size, self.comp.graph.n_blocks, micro_batch)
+
     def solve_limit(self) -> float:
         """The next solve's limit before the deadline's cut: the caller's, else this micro-batch's share of the
-        solver seconds left (at least ``MIN_SOLVE_S``)."""
+        solver seconds left (at least ``LIMITS.min_solve_s``)."""
         if self.comp.time_limit is not None:
             return self.comp.time_limit
         share = self.solver_left / max(1, self._tries_left)
-        return max(MIN_SOLVE_S, min(self.comp.solve_time_limit(), share))
+        return max(LIMITS.min_solve_s, min(self.comp.solve_time_limit(), share))
 
     def time_limit(self) -> float:
         """The next solve's limit, cut so that the solve and its plan's build end by the deadline."""
         return self.deadline.solve_limit(self.solve_limit())
 
     def can_solve(self) -> bool:
-        """Is there time for one more solve (``MIN_SOLVE_S``, or the caller's limit if shorter) and its
+        """Is there time for one more solve (``LIMITS.min_solve_s``, or the caller's limit if shorter) and its
         build before the deadline?  No: the search stops and says so."""
-        if self.deadline.has(min(MIN_SOLVE_S, self.comp.time_limit or MIN_SOLVE_S)):
+        if self.deadline.has(min(LIMITS.min_solve_s, self.comp.time_limit or LIMITS.min_solve_s)):
             return True
         self.ran_out = True
         return False
@@ -212,7 +194,8 @@ class Search:
 
     # -- any policy ------------------------------------------------------------------------------
     def best(self, policy: str, batch_size: int, micro_batch: int | None = None, tries: int = 2) -> Plan | None:
-        """Best feasible plan over micro-batch sizes (the given one only, if given)."""
+        """Best feasible plan of ``policy`` over micro-batch sizes (the given one only, if given)."""
+        policy = Policy.parse(policy, "policy").value
         key = (policy, batch_size, micro_batch, tries)
         if key not in self._memo:
             if self._depth == 0:        # a question of the caller's, not one the search asks itself
@@ -231,7 +214,7 @@ class Search:
         feasibility is monotone: bisect for the largest feasible one, then compare it with the next
         ``tries - 1`` smaller ones.  The bisection builds the smallest micro-batch only when no larger one
         fits: its op list is the longest (72 micro-batches of an 80-block model: 24,000 ops, ~1.5 s)."""
-        cands = self.comp.micro_batches(batch_size, micro_batch)          # largest first
+        cands = self.micro_batches(batch_size, micro_batch)          # largest first
         built: dict[int, Plan | None] = {}
 
         def plan_at(i: int) -> Plan | None:
@@ -282,7 +265,7 @@ class Search:
         by_mb: dict[int, Plan] = {}
         for p in self.heuristics(batch_size, micro_batch):
             by_mb.setdefault(p.micro_batch, p)
-        cands = self.comp.micro_batches(batch_size, micro_batch)
+        cands = self.micro_batches(batch_size, micro_batch)
         tries = [(mb, by_mb[mb]) for mb in list(by_mb)[:top]]
         if by_mb and len(tries) < top:
             # the heuristics agree on one micro-batch: also try the next smaller one, where the MILP
@@ -346,7 +329,7 @@ class Search:
                                drain_under_reloads=drain)
         plan, stats, why = None, None, "the heuristic warm start simulated faster"
         excluded: list[Decisions] = []
-        budget = comp.budgets["gpu_bytes"]
+        budget = comp.budgets.gpu_bytes
         last = (0, 0)        # the last tightening of the rows' budget, and the excess that caused it
         n_cuts = NO_GOOD_CUTS_SHORT if comp.graph.n_blocks <= 12 else NO_GOOD_CUTS_LONG
         coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, n_micro, comp.options["host_bytes_per_param"])
@@ -377,7 +360,7 @@ class Search:
                     self._cut_short()
                 break
             trial, sim = self.build(dec, batch_size, check_budget=False, simulated=True)
-            excess = trial.predicted["peak_gpu_bytes"] - comp.budgets["gpu_bytes"]
+            excess = trial.predicted["peak_gpu_bytes"] - comp.budgets.gpu_bytes
             if excess <= 0:
                 plan = trial if comp.within_budgets(trial) else None
                 break
@@ -434,6 +417,18 @@ class Search:
         """The first frugal plan that fits the budgets (``frugal_plans``; the second is not built where the first
         fits: the max-batch bisection asks this at every batch it tries), or None where neither does."""
         return next(self.frugal_plans(batch_size, micro_batch), None)
+
+    def leanest(self, batch_size: int, micro_batch: int | None) -> Plan:
+        """The leaner on GPU memory of the frugal plans, built without budgets (``frugal_plans``: every block
+        recomputed, or every block's saved tensors on the host; boundaries on the host), at the smallest
+        micro-batch, with the blocks asked to be resident (they hold their memory whatever else the plan does).
+        Both lie in the MILP's space; a plan mixing the two per block may need less still, so "needs at least" is
+        a bound of these two, not of every plan."""
+        mb = micro_batch or 1
+        plans = list(self.frugal_plans(batch_size, mb, check_budget=False))
+        if not plans:      # neither builds: the recompute's own error says why
+            return self.build(self.frugal(batch_size, mb), batch_size, check_budget=False)
+        return min(plans, key=lambda p: p.predicted["peak_gpu_bytes"])
 
     def max_batch(self, policy: str, micro_batch: int | None, limit: int) -> tuple[Plan | None, int]:
         """(plan, batch) for the largest batch (at most ``limit``) with a feasible plan: doubling, then

@@ -17,15 +17,20 @@ result.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..frontend.presets import build_model
 from ..frontend.trace import trace
 from ..frontend.validate import declared_positions, scaled_rope
 from ..ir import PlanError
 from ..ir.graph import TILE_TOKENS, ModelGraph
-from .api import POLICIES, Compiler
+from .auto_tile import compile_tiled
 from .budgets import BudgetError, binding, make_budgets
+from .builder import Compiler
 from .profiles import get_profile
+from .request import CompileRequest
 from .resident import resident_request
+from .search import Search
 from .solvers.heuristics import HEURISTICS
 
 #: the search starts here and doubles: long enough that short lengths cost no probes
@@ -42,7 +47,7 @@ LIMIT = 1 << 20
 CALIBRATED_RETRIES = 3
 
 
-def _final_plan(compile_fn, model, graphs: dict, options: dict, lo: int, hi: int, why: dict):
+def _final_plan(model, graphs: dict, req: CompileRequest, lo: int, hi: int, why: dict):
     """(plan, length, the shortest length known not to fit) at the search's answer ``lo``.  Calibration times
     the model's blocks, so it needs the model (else the probe's trace serves), and it measures their transients
     too (``compiler/measured_workspace.py``): where those do not fit ``lo``, a length 1/16 shorter is tried,
@@ -50,12 +55,12 @@ def _final_plan(compile_fn, model, graphs: dict, options: dict, lo: int, hi: int
     attempt = 0
     while True:
         try:
-            return compile_fn(model if options.get("calibrate") else graphs[lo],
-                              **{**options, "seq_len": lo}), lo, hi
+            return compile_tiled(model if req.calibrate else graphs[lo],
+                                            dataclasses.replace(req, seq_len=lo)), lo, hi
         except BudgetError as e:
             shorter = (lo - lo // 16) // _step(lo) * _step(lo)
             attempt += 1
-            if not options.get("calibrate") or attempt > CALIBRATED_RETRIES or shorter < MIN_SEQ:
+            if not req.calibrate or attempt > CALIBRATED_RETRIES or shorter < MIN_SEQ:
                 raise
             hi, why[lo], lo = lo, f"the measured transients do not fit: {e}", shorter
 
@@ -67,36 +72,33 @@ def _step(seq: int) -> int:
 
 def _leanest(comp, policy: str, batch: int, micro_batch: int | None):
     """The leanest plan ``policy`` has at this length, built without budgets: for the MILP, the frugal plan
-    (``Compiler.leanest``); for a fixed policy, its own plan; at the smallest micro-batch either way."""
+    (``Search.leanest``); for a fixed policy, its own plan; at the smallest micro-batch either way."""
     mb = micro_batch or 1
     if policy not in HEURISTICS:
-        return comp.leanest(batch, mb)
+        return Search(comp).leanest(batch, mb)
     return comp.build(comp.with_resident(HEURISTICS[policy](comp.graph, mb, batch // mb)), batch, check_budget=False)
 
 
-def compile_max_seq(compile_fn, model, options: dict):
-    """``compile_fn(model, **options)`` at the longest feasible ``seq_len`` (module docstring)."""
+def compile_max_seq(model, req: CompileRequest):
+    """The plan of ``req`` (``seq_len="max"``) at the longest feasible length (module docstring)."""
     if isinstance(model, ModelGraph):
         raise ValueError("seq_len='max' needs the model (a module, preset or config): a traced ModelGraph has one "
                          "sequence length")
-    batch, policy = options["batch_size"], options["policy"]
+    batch, policy = req.batch_size, req.policy.value
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ValueError(f"seq_len='max' needs a fixed batch (a positive integer), got {batch!r}")
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if isinstance(model, str):
         model = build_model(model)
     declared = declared_positions(model)
     # past the positions a model declares it fails or extrapolates (validate.check_positions), unless its
     # config scales the rotary embedding for longer sequences
     limit = declared if declared is not None and not scaled_rope(model) else LIMIT
-    hw = get_profile(options["hardware"])
-    budgets = make_budgets(hw, options["gpu_memory"], options["host_memory"], options["nvme_dir"],
-                           options["nvme_memory"], options["reserve"])
+    hw = get_profile(req.hardware)
+    budgets = make_budgets(hw, req.gpu_memory, req.host_memory, req.nvme_dir, req.nvme_memory, req.reserve)
     graphs: dict[int, ModelGraph] = {}
     why: dict[int, str | None] = {}
 
-    tile = options.get("seq_tile")
+    tile = req.seq_tile
     tiles = [None, TILE_TOKENS] if tile == "auto" else [tile]
 
     def fits(seq: int) -> bool:
@@ -104,15 +106,14 @@ def compile_max_seq(compile_fn, model, options: dict):
         if seq in why:
             return why[seq] is None
         for t in [t for t in tiles if t is None or seq > t] or [None]:
-            graph = trace(model, seq_len=seq, dtype=options["param_dtype"], seq_tile=t,
-                          compile_blocks=bool(options.get("compile_blocks")))
+            graph = trace(model, seq_len=seq, dtype=req.param_dtype, seq_tile=t, compile_blocks=req.compile_blocks)
             if t is not None and not graph.meta.get("seq_tile") and seq in why:
                 continue        # nothing to tile: the untiled probe stands
-            fixed, _ = resident_request(graph, options["resident"])
-            comp = Compiler(graph, hw, budgets, param_dtype=options["param_dtype"], optimizer=options["optimizer"],
-                            clip=options["clip"], resident=fixed)
+            fixed, _ = resident_request(graph, req.resident)
+            comp = Compiler(graph, hw, budgets, param_dtype=req.param_dtype, optimizer=req.optimizer, clip=req.clip,
+                            resident=fixed)
             try:
-                why[seq] = binding(_leanest(comp, policy, batch, options["micro_batch"]), budgets)
+                why[seq] = binding(_leanest(comp, policy, batch, req.micro_batch), budgets)
             except PlanError as e:
                 why[seq] = str(e)
             graphs[seq] = graph
@@ -133,7 +134,7 @@ def compile_max_seq(compile_fn, model, options: dict):
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     if lo == 0:
         raise BudgetError(f"no sequence of {MIN_SEQ} tokens or more fits batch {batch} (seq {hi}: {why[hi]})")
-    plan, lo, hi = _final_plan(compile_fn, model, graphs, options, lo, hi, why)
+    plan, lo, hi = _final_plan(model, graphs, req, lo, hi, why)
     if lo < limit:
         note = f"longest feasible seq {lo} at batch {batch}; seq {hi} does not fit: {why[hi]}"
     elif limit == LIMIT:

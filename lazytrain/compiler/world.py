@@ -7,7 +7,10 @@ by the ``world_size / nodes`` ranks on it, so each rank's is its share.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..ir.schema import MAX_WORLD
+from .budgets import Budgets
 
 
 def check_world(world_size: int, nodes: int) -> None:
@@ -21,11 +24,9 @@ def check_world(world_size: int, nodes: int) -> None:
                          "the same number of ranks")
 
 
-def per_rank_budgets(budgets: dict, world_size: int, nodes: int) -> dict:
+def per_rank_budgets(budgets: Budgets, world_size: int, nodes: int) -> Budgets:
     """The budgets of one rank: its host's memory shared by the ranks on that host."""
-    out = dict(budgets)
     per_host = world_size // nodes
-    for key in ("host_bytes", "nvme_bytes"):     # a host's NVMe folder is shared the same way
-        if out.get(key):
-            out[key] = out[key] // per_host
-    return out
+    # a host's NVMe folder is shared the same way
+    shares = {key: getattr(budgets, key) // per_host for key in ("host_bytes", "nvme_bytes") if getattr(budgets, key)}
+    return dataclasses.replace(budgets, **shares)

@@ -45,11 +45,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..compiler.api import Compiler, compile_model
+from ..compiler.api import Compiler, compile_model, compile_request
 from ..compiler.block_timing import BlockTiming, CutTiming
 from ..compiler.budgets import BudgetError
+from ..compiler.fixed import calibrating
 from ..compiler.hardware import HardwareProfile
 from ..compiler.profiles import get_profile
+from ..compiler.request import CompileRequest
 from ..frontend.presets import build_model
 from ..frontend.trace import trace
 from ..frontend.trace_export import find_layers, kept_layers, meta_clone, reducible
@@ -349,33 +351,37 @@ def missing(graph: ModelGraph, hw: HardwareProfile, micro_batch: int) -> list[in
     return [j for j in range(graph.n_blocks) if not timed(j)]
 
 
-def compile_calibrated(compile_fn, model, options: dict, *, verbose: bool = True):
-    """``compile_fn(model, **options)`` with the model's blocks measured on this machine at the micro-batch
+def compile_calibrated(model, req: CompileRequest, *, verbose: bool = True):
+    """The plan of ``req`` (``calibrate=True``) with the model's blocks measured on this machine at the micro-batch
     the plan uses (module docstring); a profile given as a file gets the measurements written into it."""
     if isinstance(model, ModelGraph):
         raise ValueError("calibrate=True needs the model (a module, preset or config), not a traced ModelGraph")
     if isinstance(model, str):
         model = build_model(model)
-    hardware = options.get("hardware", "h200")
+    hardware = req.hardware
     hw = get_profile(hardware)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if hw.has_gpu != (device.type == "cuda"):
         raise ValueError(f"calibrate=True times the blocks on this machine's {device.type}, but the hardware profile "
                          f"{hw.name!r} is {'a GPU' if hw.has_gpu else 'the CPU'}'s: give this machine's profile "
                          f"(`lazytrain profile -o hw.json`, or 'cpu' without a GPU)")
-    tile = options.get("seq_tile") if isinstance(options.get("seq_tile"), int) else None
-    graph = trace(model, seq_len=options["seq_len"], dtype=options["param_dtype"], seq_tile=tile,
-                  compile_blocks=bool(options.get("compile_blocks")))
-    plan = compile_fn(graph, **{**options, "hardware": hw})
+    tile = req.seq_tile if isinstance(req.seq_tile, int) else None
+    graph = trace(model, seq_len=req.seq_len, dtype=req.param_dtype, seq_tile=tile, compile_blocks=req.compile_blocks)
+    plan = compile_request(graph, dataclasses.replace(req, hardware=hw, calibrate=False))
     if missing(plan.graph, hw, plan.micro_batch):      # the graph as compiled (its loss head chosen)
         mb = plan.micro_batch
-        optimizer = options.get("optimizer", "hybrid8bit")
-        m = measure(model, hw, seq_len=options["seq_len"], micro_batch=mb, param_dtype=options["param_dtype"],
-                    device=device, gpu_memory=options.get("gpu_memory"), seq_tile=tile,
-                    host_memory=options.get("host_memory"), verbose=verbose,
-                    compile_blocks=bool(options.get("compile_blocks")), optimizer=optimizer)
+        m = measure(model, hw, seq_len=req.seq_len, micro_batch=mb, param_dtype=req.param_dtype, device=device,
+                    gpu_memory=req.gpu_memory, seq_tile=tile, host_memory=req.host_memory, verbose=verbose,
+                    compile_blocks=req.compile_blocks, optimizer=req.optimizer.value)
         hw = m.priced(hw, copies=device.type == "cuda")
-        plan = compile_fn(graph, **{**options, "hardware": hw, "micro_batch": mb})
+        plan = compile_request(graph, dataclasses.replace(req, hardware=hw, calibrate=False, micro_batch=mb))
     if isinstance(hardware, (str, Path)) and Path(hardware).is_file():
         hw.save(hardware)
     return plan
+
+
+def compile_measured(model, **kwargs):
+    """``compile_model(model, **kwargs)`` with ``calibrate=True`` answered by ``compile_calibrated`` (the compiler
+    alone does not run models): what ``lazytrain.compile`` and the CLI call where calibration is asked for."""
+    with calibrating(lambda m, req: compile_calibrated(m, req)):
+        return compile_model(model, **kwargs)

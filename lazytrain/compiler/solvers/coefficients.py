@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ...ir import GiB, TensorId, TensorKind
 from ...ir.semantics import tie_closure
+from ..budgets import Budgets
 from ..costgraph import block_attr, build_cost_graph
 
 MS = 1e3
@@ -60,14 +61,16 @@ class Coefficients:
     ar: float = 0.0
 
 
-def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
+def coefficients(cost, budgets: Budgets | dict, n_micro: int, host_bytes_per_param: float,
                  gpu_bytes: int | None = None) -> Coefficients:
-    """``cost``: the streamed CostModel at the solve's micro-batch (no resident blocks)."""
+    """``cost``: the streamed CostModel at the solve's micro-batch (no resident blocks); ``budgets``: the compile's
+    (or a plan's dict of them)."""
     g, hw = cost.graph, cost.hw
+    budgets = Budgets.of(budgets)
     L = g.n_blocks
     cg = build_cost_graph(cost)
     per_resident = cost.sizes.resident_bytes_per_param()
-    nvme_cap = budgets.get("nvme_bytes") or 0
+    nvme_cap = budgets.nvme_bytes or 0
     symmetric = [j for j in range(1, L - 1)
                  if (a := g.blocks[j]).kind == (b := g.blocks[j + 1]).kind == "layer"
                  and a.saved_bytes == b.saved_bytes and a.fwd_flops == b.fwd_flops]
@@ -92,10 +95,10 @@ def coefficients(cost, budgets: dict, n_micro: int, host_bytes_per_param: float,
         symmetric=symmetric,
         h2d_ms=hw.h2d_seconds(GiB) * MS, d2h_ms=hw.d2h_seconds(GiB) * MS,
         nvw_ms=hw.nvme_seconds(GiB, True) * MS, nvr_ms=hw.nvme_seconds(GiB, False) * MS,
-        budget=(gpu_bytes if gpu_bytes is not None else budgets["gpu_bytes"]) / GiB,
-        host_cap=budgets["host_bytes"] / GiB if budgets.get("host_bytes") else None,
+        budget=(gpu_bytes if gpu_bytes is not None else budgets.gpu_bytes) / GiB,
+        host_cap=budgets.host_bytes / GiB if budgets.host_bytes else None,
         host_static=g.total_params * host_bytes_per_param / cost.world_size / GiB,    # one rank's shard
-        nvme_cap=nvme_cap / GiB, use_nvme=bool(budgets.get("nvme_dir")) and nvme_cap > 0,
+        nvme_cap=nvme_cap / GiB, use_nvme=bool(budgets.nvme_dir) and nvme_cap > 0,
         ag=[cost.all_gather_s(j) * MS for j in range(L)] if cost.sharded else [],
         rs=[cost.reduce_scatter_s(j) * MS for j in range(L)] if cost.sharded else [],
         ar=cost.all_reduce_s() * MS if cost.sharded else 0.0,
