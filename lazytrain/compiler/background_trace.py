@@ -41,8 +41,8 @@ from .solvers.isolated import stderr_tail
 
 #: CPUs the process may run on for the seed to be worth a second process
 MIN_CPUS = 2
-#: seconds the child may take to answer before it counts as hung (killed; the compile traces in its own process):
-#: a 72B preset's trace takes ~3.5 s on 2 cores
+#: seconds the child may take to answer before it counts as hung (killed; the compile traces itself): 300
+#: [ledger: background-trace-timeout]
 TRACE_TIMEOUT_S = 300.0
 #: seconds a child that answered may take to exit before it is killed
 EXIT_WAIT_S = 5.0

@@ -43,28 +43,27 @@ from .deadline import compile_cpu_seconds
 from .progress import caller_stacklevel, log
 from .time_limits import LIMITS
 
-#: three more GPU-updated blocks that do not shorten the simulated step end the scan over k (a block's state
-#: load can make the next one wait before the host's saving shows), two more resident blocks given back the scan
-#: over d
+#: GPU-updated blocks (3) and resident blocks given back (2) without a gain that end the scans over k and d
+#: [ledger: gpu-update-scan]
 K_PATIENCE, D_PATIENCE = 3, 2
-#: counts built one by one before a step that still falls is followed by galloping and bisection (``_best_count``)
+#: counts built one by one before galloping and bisection (``_best_count``): 3 [ledger: gpu-update-scan]
 LINEAR = 3
-#: counts below the largest that fits tried one by one before a ternary search, where the step turned before
-#: memory stopped it (``_lowest``)
+#: counts below the largest that fits tried one by one before a ternary search (``_lowest``): 3
+#: [ledger: gpu-update-scan]
 WALK = 3
-#: a step shorter by less than this is no gain (seconds: the simulator's rounding across periods)
+#: a step shorter by less than this is no gain: 1 us, the simulator's rounding across periods [ledger: gpu-update-scan]
 MIN_GAIN_S = 1e-6
-#: nor where they need more than this share of the GPU budget: the rest of a plan re-solved with that much less
-#: memory is slower than the blocks can win back (llama3-8b at 24 GiB, batch 8: 14.2 GiB for 18 blocks, the
-#: re-solved plan's best 2.20 s against the scan's 1.66; qwen2.5-7b 24 GiB: 11.8 GiB, 1.59 against 1.56; the
-#: re-solves that won took 9-18%: qwen2.5-7b at 48 GiB, batch 8, 8.6 GiB, 1.275 s against 1.316)
+#: the rule re-solves only where the blocks need at most this share of the GPU budget: 1/3
+#: [ledger: gpu-update-resolve]
 MAX_ROOM_SHARE = 1 / 3
-#: a plan whose GPU idles less than this share of its simulated step is left as it is (``choose``)
+#: a plan whose GPU idles less than this share of its simulated step is left as it is (``choose``): 1%
+#: [ledger: gpu-update-scan]
 MIN_IDLE_SHARE = 0.01
-#: searches run again, each with less GPU budget, to fit the GPU-updated blocks a caller asks for (``fixed``)
+#: searches run again, each with less GPU budget, to fit the GPU-updated blocks a caller asks for (``fixed``): 3
+#: [ledger: gpu-update-resolve]
 RESOLVES = 3
-#: a plan with the blocks a caller asked for that is predicted slower than the solved plan by more than this share
-#: is returned with a warning (``fixed``)
+#: a plan with the blocks a caller asked for, predicted slower than the solved plan by more than this share, is
+#: returned with a warning (``fixed``): 10% [ledger: gpu-update-forced]
 FORCED_SLOWER = 0.10
 
 

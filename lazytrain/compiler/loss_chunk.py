@@ -12,20 +12,13 @@ logits, one forward's worth: ``trace``), its memory as the head's fixed workspac
 The single pass (the gradients formed in the forward, each chunk of rows taking the whole vocabulary) saves that
 recompute, 2·N·V·d FLOPs, for a ``vocab x hidden`` fp32 weight-gradient accumulator held from the head's forward
 to its backward, and its chunks read and write that accumulator once each (fewer, larger row chunks: less
-traffic, more memory).  Measured on the H200 (``benchmarks/loss_head_bench.py``, 32,768 tokens, 883 rows a
-chunk): the head alone 0.90x (qwen2.5-3b) and 0.92x (qwen2.5-7b) of the recompute's time; but the plan of
-qwen2.5-3b at 24 GiB, batch 32, forced to a single pass, gave its 1.2 GiB accumulator up from resident blocks and
-ran 5% slower.  So memory decides, and the compiler does not guess: ``faster_head`` takes the searched plan's
-decisions with the single-pass head (row chunks from the largest the share allows down to
-``SINGLE_PASS_MIN_ROWS``) where they still fit every budget and the simulated step is shorter; where no chunk
-fits beside them (a MILP plan that uses all its memory) and the head alone would save ``LIMITS.head_resolve_gain`` of
-the step as priced, it solves the MILP once more for the single pass at the plan's micro-batch and keeps whichever
-plan is predicted faster.  Measured on the H200 with a calibrated profile (which times the recompute head, the one the
-search plans with; the single pass is then priced from FLOPs): qwen2.5-7b at 80 GiB, batch 32, solved for the
-single pass: 2.703 s (553.9 model TFLOPS) against 3.087 s, predicted 2.606 against 2.951, the order right; the 3B
-plan above, predicted 1.272 against 1.236, right too.  (That recompute head ran at half speed, its chunks'
-columns unaligned, ``ir.graph.LOSS_COLUMN_ALIGN``; aligned, the 7B plans ran 2.692 s with the single pass and
-2.750 with the recompute, predicted 2.588 and 2.592: the order still right, the margin 2%.)  Its FLOPs move into
+traffic, more memory).  Alone the single pass is the faster head, but its accumulator's memory may cost the rest
+of the plan more than it saves [ledger: loss-head-single-pass].  So memory decides, and the compiler does not
+guess: ``faster_head`` takes the searched plan's decisions with the single-pass head (row chunks from the largest
+the share allows down to ``SINGLE_PASS_MIN_ROWS``) where they still fit every budget and the simulated step is
+shorter; where no chunk fits beside them (a MILP plan that uses all its memory) and the head alone would save
+``LIMITS.head_resolve_gain`` of the step as priced, it solves the MILP once more for the single pass at the plan's
+micro-batch and keeps whichever plan is predicted faster [ledger: loss-head-resolve].  Its FLOPs move into
 the head's forward, its chunk and accumulator into the head's fixed workspace.
 """
 
@@ -42,11 +35,9 @@ from .progress import log
 from .search import Search, milp_size
 from .time_limits import LIMITS
 
-#: share of the GPU budget one chunk of logits may take: at 24 GiB (21.3 GiB of budget) that is 2^27 logits,
-#: 0.75 GiB in bf16, 4096 vocabulary columns a chunk for 32 x 1024 tokens
+#: share of the GPU budget one chunk of logits may take: 1/16 (2^27 bf16 logits at 24 GiB) [ledger: loss-head-share]
 LOSS_HEAD_SHARE = 1 / 16
-#: fewest rows a single-pass chunk takes (or a micro-batch's, if fewer): 256 rows of a 152k vocabulary is the
-#: recompute's fewest columns' matmul turned around
+#: fewest rows a single-pass chunk takes (or a micro-batch's, if fewer): 256 [ledger: loss-head-single-pass]
 SINGLE_PASS_MIN_ROWS = 256
 
 

@@ -22,13 +22,10 @@ from .solvers.heuristics import HEURISTICS
 from .solvers.milp import MilpOptions, coefficients, solve
 from .time_limits import LIMITS
 
-#: MILP attempts per micro-batch that exclude an assignment found over budget in time order before the
-#: window model's budget is tightened instead: no-good cuts are exact but enumerate equal-cost
-#: assignments one by one -- many for a short chain (cheap solves), none for a long one: its identical
-#: layers give the excluded assignment's twins at the same cost and the same overshoot (llama3-8b, 48 GiB,
-#: batch 8: objective 1.6857 three times, the deadline spent, the megatrain plan at 2.549 s; tightening at
-#: once: the MILP's 1.729 s; over 45 presets x budgets x batches no row slower by more than 0.5%)
+#: no-good-cut re-solves per micro-batch before the budget is tightened: 16 short chains, 0 long
+#: [ledger: search-no-good-cuts]
 NO_GOOD_CUTS_SHORT, NO_GOOD_CUTS_LONG = 16, 0
+#: budget tightenings per micro-batch after the no-good cuts: 5 [ledger: search-tightening]
 TIGHTENINGS = 5
 def _deadline(comp, short: bool) -> Deadline:
     """The compile's planning deadline (``LIMITS.deadline_s``): the caller's, else the default unless the caller set a
