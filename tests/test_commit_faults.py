@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,7 @@ class _Faults:
 
 def _inject(monkeypatch, faults: _Faults) -> None:
     for mod, name in ((os, "replace"), (os, "rename"), (shutil, "rmtree"), (checkpoint, "save_file"),
-                      (checkpoint.tempfile, "mkdtemp")):
+                      (tempfile, "mkdtemp")):
         monkeypatch.setattr(mod, name, faults.wrap(getattr(mod, name)))
     # a kill point like the others; the flush to disk itself is skipped (durability is the kernel's, and
     # 5 ms a call on the CI disk)

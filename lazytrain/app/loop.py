@@ -23,7 +23,8 @@ import torch
 from ..util.host import cpu_cores
 from .config import TrainConfig
 from .ranks import Ranks
-from .threads import ThreadTuner
+from .session import choose_device
+from .threads import ThreadTuner, cpu_threads
 
 
 def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
@@ -90,6 +91,16 @@ def steps(cfg: TrainConfig, opt, run: Progress, flag, *, start: int, ranks: Rank
             run.interrupted, run.stop_reason = True, "interrupted"
             break
     run.train_s = time.perf_counter() - t_train
+
+
+def open_run(cfg: TrainConfig) -> tuple[torch.device, Ranks, Path, float]:
+    """What every run starts with: its device, its world of ranks (this process's place in it), the host update's
+    threads set, and its output folder; with the wall clock at that point (the run's ``wall_s`` counts from it)."""
+    dev = choose_device(cfg.device)
+    ranks = Ranks.join(dev.type)
+    if dev.type == "cpu" or ranks.size > 1:      # (torchrun sets OMP_NUM_THREADS=1: the host update's threads)
+        torch.set_num_threads(cfg.threads or ranks.cpu_threads(cpu_threads))
+    return dev, ranks, output_folder(cfg.output), time.perf_counter()
 
 
 def output_folder(path: str) -> Path:

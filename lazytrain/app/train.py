@@ -70,10 +70,9 @@ from . import runfiles
 from .config import TrainConfig
 from .finetune import is_finetune_run
 from .finetune import run as finetune
-from .loop import Progress, output_folder, start_trainer, steps, thread_tuner
+from .loop import Progress, open_run, start_trainer, steps, thread_tuner
 from .ranks import Ranks
-from .session import StopFlag, can_plot, choose_device, hardware_for, note, progress_bar
-from .threads import cpu_threads
+from .session import StopFlag, can_plot, hardware_for, note, progress_bar
 
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
 TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512, "rope": True}
@@ -214,12 +213,7 @@ def run(cfg: TrainConfig) -> dict:
         return finetune(cfg)
     cfg, prev, diff, seq = _settled(cfg)
     tok = CharTokenizer()
-    dev = choose_device(cfg.device)
-    ranks = Ranks.join(dev.type)
-    if dev.type == "cpu" or ranks.size > 1:      # (torchrun sets OMP_NUM_THREADS=1: the host update's threads)
-        torch.set_num_threads(cfg.threads or ranks.cpu_threads(cpu_threads))
-    out = output_folder(cfg.output)
-    t_start = time.perf_counter()
+    dev, ranks, out, t_start = open_run(cfg)
 
     model, desc, weights = _model(cfg, prev, seq, tok.vocab_size, ranks)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -24,8 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +34,7 @@ from safetensors.torch import save_file
 
 from ..ir import Plan, PlanError
 from ..runtime.checkpoint import read_meta
-from ..util.atomic import commit_folder, fsync_dir, fsync_file
+from ..util.atomic import fsync_file, staged_folder
 
 #: shard size: ``save_pretrained``'s default ("5GB"), so one shard is what an export holds in memory
 MAX_SHARD_BYTES = 5 * 10**9
@@ -63,9 +61,7 @@ def write_folder(target, weights: list[Weight], *, config: dict, dtype: torch.dt
     target = Path(target).absolute()
     if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / "config.json").exists())):
         raise ExportError(f"{target} exists and is not a model folder (no config.json): refusing to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.tmp-"))
-    try:
+    with staged_folder(target) as tmp:
         _write_weights(tmp, weights, dtype, max_shard_bytes)
         write_hf_json(tmp / "config.json", {**config, "dtype": str(dtype).removeprefix("torch.")})
         if generation_config is not None:
@@ -78,11 +74,6 @@ def write_folder(target, weights: list[Weight], *, config: dict, dtype: torch.dt
             os.chmod(f, 0o666 & ~umask)
             fsync_file(f)
         os.chmod(tmp, 0o777 & ~umask)
-        fsync_dir(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    commit_folder(tmp, target)
     return target
 
 

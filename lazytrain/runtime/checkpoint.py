@@ -36,8 +36,6 @@ import binascii
 import json
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +43,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..ir import Plan, PlanError
-from ..util.atomic import commit_folder, fsync_dir, fsync_file, write_synced
+from ..util.atomic import fsync_dir, fsync_file, staged_folder, write_synced
 from . import checkpoint_world
 from .manifest import (
     FORMAT,
@@ -80,19 +78,12 @@ def save(trainer, directory, extras: dict[str, bytes] | None = None) -> Path:
     if trainer.world is not None:       # every rank writes its shards, rank 0 commits (checkpoint_world)
         return checkpoint_world.save(trainer, target, extras, _write)
     trainer.flush()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.tmp-"))
-    try:
+    with staged_folder(target) as tmp:
         meta = _write(trainer, tmp)
         for name, data in sorted((extras or {}).items()):
             write_synced(tmp / name, data)
         meta["extras"] = sorted(extras or {})
         write_synced(tmp / META, json.dumps(meta, allow_nan=False).encode())
-        fsync_dir(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    commit_folder(tmp, target)
     return target
 
 

@@ -270,13 +270,16 @@ def _tag(t: TensorId, k) -> str:
     return f"{t.kind.value}{t.index}_mb{t.mb}_{k}"
 
 
-def _gpu_to_host(ctx: Step, op: Op) -> None:
-    t = op.tensor
-    ctx.begin(op, Resource.D2H)
-    payload = ctx.get(t, G)
-    with ctx.run.streams.on(Resource.D2H):
-        ctx.put(t, H, {k: _to_host(ctx, v) for k, v in payload.items()})
-    ctx.end(op, Resource.D2H)
+def _over_pcie(resource: Resource, convert: Callable) -> Callable[[Step, Op], None]:
+    """The copy of a value between the GPU and the host on the copy stream ``resource``: each of its tensors
+    converted by ``convert(ctx, tensor)`` (``_to_host``, ``_to_gpu``) on that stream."""
+    def copy_on_stream(ctx: Step, op: Op) -> None:
+        ctx.begin(op, resource)
+        payload = ctx.get(op.tensor, op.src)
+        with ctx.run.streams.on(resource):
+            ctx.put(op.tensor, op.dst, {k: convert(ctx, v) for k, v in payload.items()})
+        ctx.end(op, resource)
+    return copy_on_stream
 
 
 def _host_to_nvme(ctx: Step, op: Op) -> None:
@@ -291,15 +294,6 @@ def _host_to_nvme(ctx: Step, op: Op) -> None:
                 ctx.run.nvme.write(_tag(t, k), v.buf)
     ctx.submit(ctx.run.streams.nvme, op, write)
     ctx.put(t, N, files)
-
-
-def _host_to_gpu(ctx: Step, op: Op) -> None:
-    t = op.tensor
-    ctx.begin(op, Resource.H2D)
-    payload = ctx.get(t, H)
-    with ctx.run.streams.on(Resource.H2D):
-        ctx.put(t, G, {k: _to_gpu(ctx, v) for k, v in payload.items()})
-    ctx.end(op, Resource.H2D)
 
 
 def _nvme_to_host(ctx: Step, op: Op) -> None:
@@ -324,7 +318,8 @@ def _nvme_to_host(ctx: Step, op: Op) -> None:
 #: the runtime's copy of a value from one tier to another, keyed by (source, destination): one per copy of
 #: ``ir.tiers.COPIES`` (a test checks the two agree)
 COPIES: dict[tuple[Tier, Tier], Callable[[Step, Op], None]] = {
-    (G, H): _gpu_to_host, (H, N): _host_to_nvme, (H, G): _host_to_gpu, (N, H): _nvme_to_host}
+    (G, H): _over_pcie(Resource.D2H, _to_host), (H, N): _host_to_nvme,
+    (H, G): _over_pcie(Resource.H2D, _to_gpu), (N, H): _nvme_to_host}
 
 
 def copy(ctx: Step, op: Op) -> None:

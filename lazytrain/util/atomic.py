@@ -7,15 +7,19 @@ folder, ``/dev/null``, a FIFO -- is refused with a ``ValueError`` naming it (run
 0600), or the replaced file's; on any failure the temporary file is removed.
 
 A folder (a checkpoint, an exported model) is written the same way, one level up: its files go into a temporary
-folder beside it (``write_synced``, ``fsync_file``, ``fsync_dir``), and ``commit_folder`` renames that over it.
+folder beside it (``write_synced``, ``fsync_file``, ``fsync_dir``), and ``commit_folder`` renames that over it
+(``staged_folder`` does all three for one writer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import stat
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -116,3 +120,19 @@ def commit_folder(tmp: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
     for stale in target.parent.glob(f"{target.name}.tmp-*"):   # left by saves that were killed
         shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_folder(target: Path) -> Iterator[Path]:
+    """A new temporary folder beside ``target`` for the block to fill; when the block ends without an error it is
+    flushed (``fsync_dir``) and committed as ``target`` (``commit_folder``), on an error removed (``target`` as
+    it was)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.tmp-"))
+    try:
+        yield tmp
+        fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_folder(tmp, target)

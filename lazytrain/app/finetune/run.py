@@ -34,11 +34,9 @@ from ...hf.export import hf_config, trainer_weights, write_folder, write_hf_json
 from ...hf.model_loading import shard_loadable
 from ...hf.named import generation_config
 from ..config import FinetuneConfig, TrainConfig, recorded, resumed
-from ..loop import Progress, output_folder, start_trainer, steps, thread_tuner
-from ..ranks import Ranks
+from ..loop import Progress, open_run, start_trainer, steps, thread_tuner
 from ..runfiles import write_json
-from ..session import StopFlag, can_plot, choose_device, hardware_for, note, progress_bar
-from ..threads import cpu_threads
+from ..session import StopFlag, can_plot, hardware_for, note, progress_bar
 from .evaluation import describe, evaluate
 from .prepare import (
     Source,
@@ -110,12 +108,7 @@ def _tick(bar, stats, lr: float) -> None:
 def run(cfg: TrainConfig) -> dict:
     """Fine-tune as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
     cfg, prev = _settled(cfg)
-    dev = choose_device(cfg.device)
-    ranks = Ranks.join(dev.type)
-    if dev.type == "cpu" or ranks.size > 1:      # (torchrun sets OMP_NUM_THREADS=1: the host update's threads)
-        torch.set_num_threads(cfg.threads or ranks.cpu_threads(cpu_threads))
-    out = output_folder(cfg.output)
-    t_start = time.perf_counter()
+    dev, ranks, out, t_start = open_run(cfg)
 
     src, tok, data, model, weights, stop_ids, load_s = _inputs(cfg, prev, dev, out, main=ranks.main,
                                                                shard=ranks.size > 1)
