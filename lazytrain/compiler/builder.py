@@ -10,6 +10,7 @@ import dataclasses
 
 from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
+from ..ir.tiers import TIERS
 from .budgets import Budgets
 from .cost import CostModel
 from .lower import lower_with_effects
@@ -136,10 +137,11 @@ class Compiler:
                        else blocks[op.block].bwd_flops + (blocks[op.block].cuts[dec.cut_of(op.block)].recompute_flops
                                                           if dec.cut_of(op.block) else 0)
                        for op in ops if op.kind in work) * dec.micro_batch
+        # each tier's peak as verify walked it (the GPU's also as the simulation's timeline holds it)
+        peaks = {s.peak: getattr(rep, s.peak) for s in TIERS.values()}
+        peaks["peak_gpu_bytes"] = max(peaks["peak_gpu_bytes"], sim.peak_gpu_bytes)
         return {
-            "step_time_s": sim.step_time_s, "peak_gpu_bytes": max(rep.peak_gpu_bytes, sim.peak_gpu_bytes),
-            "peak_host_bytes": rep.peak_host_bytes, "peak_nvme_bytes": rep.peak_nvme_bytes,
-            "host_static_bytes": rep.host_static_bytes, "busy_s": sim.busy_s,
+            "step_time_s": sim.step_time_s, **peaks, "host_static_bytes": rep.host_static_bytes, "busy_s": sim.busy_s,
             "exposed_transfer_s": sim.exposed_transfer_s,
             "model_tflops": flops / sim.step_time_s / 1e12 if sim.step_time_s else 0.0,
             "model_attn_tflops": (flops + self.graph.attention_model_flops * plan.batch_size) / sim.step_time_s / 1e12
@@ -162,8 +164,7 @@ class Compiler:
     def within_budgets(self, plan: Plan) -> bool:
         """Check a plan built without budgets against them, and adopt the budgets if it fits."""
         pred, b = plan.predicted, self.budgets
-        ok = (pred["peak_gpu_bytes"] <= b.gpu_bytes and pred["peak_host_bytes"] <= b.host_bytes
-              and pred["peak_nvme_bytes"] <= (b.nvme_bytes or 0))
+        ok = all(pred[s.peak] <= (getattr(b, s.budget) or 0) for s in TIERS.values())
         if ok:
             plan.budgets = b.to_json()
         return ok
