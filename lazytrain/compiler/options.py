@@ -22,7 +22,8 @@ class Choice(str, Enum):
 
     @classmethod
     def parse(cls, value, what: str):
-        """``value`` (a member or its name) as the member, or ``ValueError`` naming ``what`` and the choices."""
+        """``value`` (a member or its name) as the member, or the ``ValueError`` "unknown WHAT ..." (as
+        ``docs/errors.md`` lists it) naming the choices."""
         try:
             return cls(value)
         except ValueError:

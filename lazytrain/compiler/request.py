@@ -16,7 +16,7 @@ from typing import Any
 from ..util.torch_free import is_dtype
 from . import gpu_update as gpu_update_rule
 from .budgets import held_host_bytes, make_budgets
-from .options import Choice, LossHead, Optimizer, Policy, Solver
+from .options import LossHead, Optimizer, Policy, Solver
 from .profiles import get_profile
 from .progress import log
 from .world import check_world
@@ -36,14 +36,6 @@ def param_dtype_name(d) -> str:
         raise ValueError(f"param_dtype must be one of {', '.join(PARAM_DTYPES)} (or the torch dtype), got {d!r}")
     return name
 
-
-def _choice(kind: type[Choice], value, unknown: str) -> Choice:
-    """``value`` as a member of ``kind``, or the ``ValueError`` that begins with ``unknown`` (as ``docs/errors.md``
-    lists it) and names the choices."""
-    try:
-        return kind(value)
-    except ValueError:
-        raise ValueError(f"{unknown} {value!r}; choose one of {', '.join(kind.names())}") from None
 
 
 def _positive(v, allow_none: bool = True) -> bool:
@@ -117,9 +109,9 @@ class CompileRequest:
                              f"got {self.loss_head!r}")
         if not isinstance(self.compile_blocks, bool):
             raise ValueError(f"compile_blocks must be True or False, got {self.compile_blocks!r}")
-        self._set("policy", _choice(Policy, self.policy, "unknown policy"))
-        self._set("optimizer", _choice(Optimizer, self.optimizer, "unknown optimizer"))
-        self._set("solver", _choice(Solver, self.solver, "unknown solver"))
+        self._set("policy", Policy.parse(self.policy, "policy"))
+        self._set("optimizer", Optimizer.parse(self.optimizer, "optimizer"))
+        self._set("solver", Solver.parse(self.solver, "solver"))
         self._set("loss_head", LossHead(self.loss_head))
         seq, mb, tile = self.seq_len, self.micro_batch, self.seq_tile
         if seq != "max" and (not isinstance(seq, int) or seq < 1):
