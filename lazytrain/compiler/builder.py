@@ -30,7 +30,7 @@ class Compiler:
                  solver: str = DEFAULT_ORDER[0], time_limit: float | None = None, resident: frozenset = frozenset(),
                  choose_resident: bool = False, world_size: int = 1, nodes: int = 1, compile_blocks: bool = False,
                  deadline: float | None = None, rule_follows: bool = False):
-        solver, optimizer = Solver.parse(solver, "solver"), Optimizer.parse(optimizer, "optimizer")
+        solver, optimizer = Solver.parse(solver, "unknown solver"), Optimizer.parse(optimizer, "unknown optimizer")
         #: the budgets (a plan's dict of them is read as the record)
         self.graph, self.hw, self.budgets = graph, hw, Budgets.of(budgets)
         #: blocks every plan of this compiler keeps on the GPU (``Decisions.resident``), and whether the

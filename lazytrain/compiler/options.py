@@ -21,13 +21,13 @@ class Choice(str, Enum):
         return tuple(m.value for m in cls)
 
     @classmethod
-    def parse(cls, value, what: str):
-        """``value`` (a member or its name) as the member, or the ``ValueError`` "unknown WHAT ..." (as
-        ``docs/errors.md`` lists it) naming the choices."""
+    def parse(cls, value, unknown: str):
+        """``value`` (a member or its name) as the member, or the ``ValueError`` that begins with ``unknown`` (the
+        words ``docs/errors.md`` lists, e.g. "unknown policy") and names the choices."""
         try:
             return cls(value)
         except ValueError:
-            raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(cls.names())}") from None
+            raise ValueError(f"{unknown} {value!r}; choose one of {', '.join(cls.names())}") from None
 
 
 class Policy(Choice):

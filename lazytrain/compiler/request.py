@@ -109,9 +109,9 @@ class CompileRequest:
                              f"got {self.loss_head!r}")
         if not isinstance(self.compile_blocks, bool):
             raise ValueError(f"compile_blocks must be True or False, got {self.compile_blocks!r}")
-        self._set("policy", Policy.parse(self.policy, "policy"))
-        self._set("optimizer", Optimizer.parse(self.optimizer, "optimizer"))
-        self._set("solver", Solver.parse(self.solver, "solver"))
+        self._set("policy", Policy.parse(self.policy, "unknown policy"))
+        self._set("optimizer", Optimizer.parse(self.optimizer, "unknown optimizer"))
+        self._set("solver", Solver.parse(self.solver, "unknown solver"))
         self._set("loss_head", LossHead(self.loss_head))
         seq, mb, tile = self.seq_len, self.micro_batch, self.seq_tile
         if seq != "max" and (not isinstance(seq, int) or seq < 1):

@@ -192,7 +192,7 @@ class Search:
     # -- any policy ------------------------------------------------------------------------------
     def best(self, policy: str, batch_size: int, micro_batch: int | None = None, tries: int = 2) -> Plan | None:
         """Best feasible plan of ``policy`` over micro-batch sizes (the given one only, if given)."""
-        policy = Policy.parse(policy, "policy").value
+        policy = Policy.parse(policy, "unknown policy").value
         key = (policy, batch_size, micro_batch, tries)
         if key not in self._memo:
             if self._depth == 0:        # a question of the caller's, not one the search asks itself
