@@ -124,10 +124,8 @@ class Search:
         #: of the caller's
         self.deadline = _deadline(comp, short)
         #: solver seconds left to this search (``LIMITS.solver_s``, in proportion where the search's part of the
-        #: deadline is shorter than the default: the micro-batches share it evenly, and a budget the deadline cuts
-        #: leaves the last micro-batch tried almost nothing -- qwen2.5-14b at 80 GiB, batch 32 with 12 s of search
-        #: and 12 of solver: 8.21 s simulated at micro-batch 32 against 7.72 at 16); unused when the caller set a
-        #: time limit
+        #: deadline is shorter than the default, so that the micro-batches' even shares fit it
+        #: [ledger: search-solver-budget]); unused when the caller set a time limit
         budget, full = ((LIMITS.short_solver_s, LIMITS.short_deadline_s) if short
                         else (LIMITS.solver_s, LIMITS.deadline_s))
         searched = self.deadline.search_seconds()
