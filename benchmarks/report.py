@@ -1,4 +1,4 @@
-"""Bench results (``lazytrain.measure.bench/1`` JSON) -> a markdown table and a PNG bar chart of model TFLOPS.
+"""Bench results (``lazytrain.bench/1`` JSON) -> a markdown table and a PNG bar chart of model TFLOPS.
 
     python benchmarks/report.py benchmarks/results/bench_qwen2.5-3b_b8_s1024_24GiB.json [-o OUT_STEM]
 

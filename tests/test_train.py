@@ -28,7 +28,7 @@ def first_run(tmp_path_factory):
 
 def test_train_writes_metrics_and_checkpoint(first_run):
     out, m = first_run
-    assert m["format"] == "lazytrain.app.train-metrics/1"
+    assert m["format"] == "lazytrain.train-metrics/1"
     assert m["steps_done"] == 3 and len(m["loss_curve"]) == 3 and m["stop_reason"] == "steps"
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in m["loss_curve"])
     assert 0.0 <= m["exact_match"] <= 1.0 and m["eval_size"] == 8

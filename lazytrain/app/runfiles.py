@@ -30,7 +30,7 @@ from ..util.jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, S
 from .config import UNIT, TrainConfig, recorded, resumed, resumed_shapes
 
 METRICS = "metrics.json"
-METRICS_FORMAT = "lazytrain.app.train-metrics/1"
+METRICS_FORMAT = "lazytrain.train-metrics/1"
 _SETTINGS = resumed_shapes(TrainConfig())
 _LOSS = Num(-math.inf, finite=False, nan=True)
 SHAPE = {

@@ -48,7 +48,7 @@ that fitted in the first phase (halving from ``--batch`` when it did not) until 
 memory, then bisect; a batch known not to fit is never retried.  The result is the row's
 ``max_batch`` (with ``max_batch_tries``).
 
-Results: ``<out-dir>/<name>.json`` (format ``lazytrain.measure.bench/1``), ``.md`` (table with the exact
+Results: ``<out-dir>/<name>.json`` (format ``lazytrain.bench/1``), ``.md`` (table with the exact
 command, date and machine) and ``.png`` (model TFLOPS per system), rendered by
 ``benchmarks/report.py``; per-system logs in ``<out-dir>/<name>.logs/``.
 """
@@ -69,7 +69,7 @@ from pathlib import Path
 
 from .bench_worker import BENCH_DIR, MAX_BATCH_LIMIT, SYSTEMS, GiB, load_bench_module, proc_meminfo_bytes
 
-FORMAT = "lazytrain.measure.bench/1"
+FORMAT = "lazytrain.bench/1"
 DEFAULT_SYSTEMS = ("lazytrain-milp", "lazytrain-megatrain", "fsdp2", "plain")
 #: with --find-max-batch, the share of the budget the rows at --batch may use (the rest: batch search)
 MAIN_SHARE = 0.5

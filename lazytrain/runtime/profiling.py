@@ -41,7 +41,7 @@ import torch
 
 from ..ir import Op, OpKind, Plan, Resource
 
-PROFILE_FORMAT = "lazytrain.measure.profile/1"
+PROFILE_FORMAT = "lazytrain.profile/1"
 
 TRANSFERS = (OpKind.LOAD, OpKind.OFFLOAD, OpKind.RELOAD, OpKind.GRAD_OFFLOAD)
 COMPUTE = (OpKind.COMPUTE, OpKind.RECOMPUTE, OpKind.BACKWARD)

@@ -50,7 +50,7 @@ from .prepare import (
     tokenizer_for,
 )
 
-FORMAT = "lazytrain.app.finetune-metrics/1"
+FORMAT = "lazytrain.finetune-metrics/1"
 
 
 def is_finetune_run(folder) -> bool:
