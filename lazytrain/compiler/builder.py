@@ -8,8 +8,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
+from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, TensorKind, verify
 from ..ir.graph import ModelGraph
+from ..ir.semantics import nvme_pairs
 from ..ir.tiers import TIERS
 from .budgets import Budgets
 from .cost import CostModel
@@ -19,6 +20,7 @@ from .paused_gc import paused_gc
 from .request import HOST_BYTES_PER_PARAM
 from .simulate import SimResult, simulate
 from .solvers.isolated import DEFAULT_ORDER
+from .state_placement import fit as state_fit
 from .time_limits import LIMITS
 
 
@@ -55,6 +57,9 @@ class Compiler:
             self.options["nodes"] = nodes
         if compile_blocks:      # the runtime compiles the block programs (``frontend/compiled.py``)
             self.options["compile_blocks"] = True
+        #: state every plan of this compiler keeps on NVMe (``Decisions.nvme_state``), chosen before the search
+        #: (``state_placement.place``); empty: all of it in the host store
+        self.nvme_state: dict[str, tuple[int, ...]] = {}
         self._costs: dict[tuple, CostModel] = {}         # ``cost``'s, by its arguments
         #: the search says its micro-batches' results (``compiler/progress.py``); not a re-solve's own search
         self.progress = True
@@ -82,18 +87,38 @@ class Compiler:
         return self.time_limit if self.time_limit is not None else LIMITS.solve_s
 
     def cost(self, micro_batch: int, resident: frozenset | None = None, cut: tuple = (),
-             gpu_updated: frozenset = frozenset()) -> CostModel:
+             gpu_updated: frozenset = frozenset(), nvme: frozenset | None = None) -> CostModel:
         """The cost model of one micro-batch and placement, built once: a search builds many plans at each
-        micro-batch, and a cost model's tables (``CostModel._block_s``, its ``Sizes``) are computed on first use."""
+        micro-batch, and a cost model's tables (``CostModel._block_s``, its ``Sizes``) are computed on first use.
+        ``nvme``: the state kept on NVMe as ``Sizes.nvme`` pairs (default: this compiler's)."""
         resident = self.resident if resident is None else resident
-        key = (micro_batch, resident, tuple(cut), gpu_updated)
+        nvme = nvme_pairs(self.nvme_state) if nvme is None else nvme
+        key = (micro_batch, resident, tuple(cut), gpu_updated, nvme)
         cost = self._costs.get(key)
         if cost is None or cost.graph is not self.graph or cost.hw is not self.hw:
             cost = self._costs[key] = CostModel(self.graph, self.hw, micro_batch, self.param_dtype,
                                                 self.optimizer == "hybrid8bit", resident=resident,
                                                 world_size=self.world_size, nodes=self.nodes, cut=cut,
-                                                gpu_updated=gpu_updated)
+                                                gpu_updated=gpu_updated, nvme=nvme,
+                                                host_bytes_per_param=self.options["host_bytes_per_param"])
         return cost
+
+    def state_on_nvme(self) -> tuple[int, int]:
+        """The host bytes the state kept on NVMe frees (less its host copies in flight) and the bytes of its files:
+        what the MILP's host and NVMe rows hold fixed (``solvers/coefficients.py``)."""
+        if not self.nvme_state:
+            return 0, 0
+        f = state_fit(self, {TensorKind(k): list(v) for k, v in self.nvme_state.items()})
+        return f.nvme_bytes - f.in_flight_bytes, f.nvme_bytes
+
+    def with_state(self, decisions):
+        """``decisions`` with this compiler's NVMe state placement (``nvme_state``), less the blocks these
+        decisions keep on the GPU or update there (their state is the host store's)."""
+        if not self.nvme_state:
+            return decisions
+        gpu = decisions.resident_blocks | decisions.gpu_updated_blocks
+        state = {k: tuple(j for j in v if j not in gpu) for k, v in self.nvme_state.items()}
+        return decisions if decisions.nvme_state == state else dataclasses.replace(decisions, nvme_state=state)
 
     def with_resident(self, decisions):
         """``decisions`` with this compiler's fixed resident blocks (policies decide the rest)."""
@@ -111,7 +136,9 @@ class Compiler:
             return self._build_simulated(decisions, batch_size, check_budget)
 
     def _build_simulated(self, decisions, batch_size: int, check_budget: bool) -> tuple[Plan, SimResult]:
-        cost = self.cost(decisions.micro_batch, decisions.resident_blocks, decisions.cut, decisions.gpu_updated_blocks)
+        decisions = self.with_state(decisions)
+        cost = self.cost(decisions.micro_batch, decisions.resident_blocks, decisions.cut, decisions.gpu_updated_blocks,
+                         nvme_pairs(decisions.nvme_state))
         if check_budget:
             self._quick_reject(decisions, cost)
         ops, effs = lower_with_effects(decisions, cost, clip=self.clip)

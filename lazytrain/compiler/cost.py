@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from ..ir import ModelGraph, TensorId, TensorKind, Tier
-from ..ir.semantics import DEVICE_STATE_BYTES, GRAD_WIRE_BYTES, Sizes
+from ..ir.semantics import DEVICE_STATE_BYTES, GRAD_WIRE_BYTES, Sizes, host_state_bytes
 from ..ir.summary import measured_blocks
 from ..ir.tiers import Copy, copy, copy_rate
 from ..util.torch_free import cuda_available
@@ -49,12 +49,17 @@ class CostModel:
     cut: tuple = ()
     #: streamed blocks updated on the GPU (``Decisions.gpu_update``): state in and out over PCIe, no host update
     gpu_updated: frozenset = frozenset()
+    #: state kept on NVMe (``Decisions.nvme_state`` as ``Sizes.nvme`` pairs), and the host store's bytes per
+    #: parameter (``options.host_bytes_per_param``), which size its host copies
+    nvme: frozenset = frozenset()
+    host_bytes_per_param: float = 8.25
 
     @cached_property
     def sizes(self) -> Sizes:
         return Sizes(self.graph, self.micro_batch, self.param_dtype, resident=self.resident,
                      device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit" if self.eight_bit else "adamw"],
-                     world_size=self.world_size, cut=tuple(self.cut), gpu_updated=frozenset(self.gpu_updated))
+                     world_size=self.world_size, cut=tuple(self.cut), gpu_updated=frozenset(self.gpu_updated),
+                     nvme=self.nvme, host_state_bytes=host_state_bytes(self.host_bytes_per_param, self.param_dtype))
 
     @property
     def sharded(self) -> bool:

@@ -33,6 +33,15 @@ one ``all_reduce`` sums the ranks' squared gradient norms.  A resident block kee
 GPU (``ir.semantics.resident_shards``): it is gathered once a step, before its forward, and after its
 backward reduce-scattered into its shard accumulator and freed.  A world of one emits none of them.
 
+State kept on NVMe (``Decisions.nvme_state``): an update of a block with any component there is emitted in the
+forward ``STATE_AHEAD`` blocks before the block's load (not at the step's start, where every placed block's state
+would be on the host at once): ``state_read`` of its gradient and optimizer state (and parameters) before it,
+``state_write`` of what it changed after it, the optimizer state freed at once and the parameters kept for the
+load that follows.  Every other load of placed parameters reads them just before it and frees them just after;
+a placed gradient goes back to its file right after its ``grad_offload``.  A ``state_read`` of a component waits
+for the ``free`` of that component ``STATE_SLOTS`` reads before it, so the host copies stay bounded in time as
+they are in program order.
+
 Dependencies: the two the schedule chooses for memory (a compute waits for the offload of the
 micro-batch two before it; a load waits for the latest parameter free), and every hazard on a value
 with an earlier op (``ir.order.HazardWalk``, from ``effects``), found as each op is emitted.
@@ -62,7 +71,13 @@ G, H = Tier.GPU, Tier.HOST
 STATE_SLOTS = 3
 
 
+#: how many blocks ahead of its load a placed block's update runs, and the host copies of one component of NVMe
+#: state that may be in flight at once (the update's read-ahead and the load's) [ledger: nvme-state-slots]
+STATE_AHEAD = 1
+NVME_STATE_SLOTS = 3
+
 _tid = tensor_id
+_PARAMS, _GRADS, _OSTATE = TensorKind.PARAMS, TensorKind.GRADS, TensorKind.OPT_STATE
 
 
 def lower(dec: Decisions, cost: CostModel, *, clip: bool = True) -> list[Op]:
@@ -103,6 +118,12 @@ class _Lowering:
         if empty:
             raise ValueError(f"blocks {empty} own no parameters: they cannot be GPU-updated (decisions.gpu_update)")
         self.updated: set[int] = set()
+        #: state kept on NVMe, as (tensor kind, block) pairs (``Sizes.nvme``); the placed host copies in program
+        #: order now, and each component's frees of them (a read waits for the one ``NVME_STATE_SLOTS`` back)
+        self.nvme = self.sizes.nvme
+        self.nvme_blocks = frozenset(j for _, j in self.nvme)
+        self.staged: set[tuple[TensorKind, int]] = set()
+        self.state_frees: dict[TensorKind, list[int]] = defaultdict(list)
         self.gathered: set[int] = set()     # resident blocks gathered this step (several ranks)
         self.param_frees: list[int] = []
         self.saved_offloads: dict[int, list[int]] = defaultdict(list)   # block -> d2h offload per micro-batch
@@ -140,7 +161,47 @@ class _Lowering:
             return
         self.updated.add(j)
         on_gpu = j in self.resident or j in self.gpu_updated
+        placed = j in self.nvme_blocks
+        if placed:
+            if self.clip:        # lagged: last step's gradient is in its file (no clip: on the host, just offloaded)
+                for r in self.sizes.readers(j):
+                    self.state_read(_GRADS, r)
+            self.state_read(_OSTATE, j)
+            self.state_read(_PARAMS, j)
         self.emit(OpKind.UPDATE, j, resource=Resource.GPU if on_gpu else Resource.CPU, seconds=self.cost.update_s(j))
+        if placed:
+            self.state_write(_OSTATE, j)
+            self.state_free(_OSTATE, j)
+            self.state_write(_PARAMS, j)
+            if not self.clip:    # a same-step update: the next load is the next step's
+                self.state_free(_PARAMS, j)
+
+    # ---- state kept on NVMe ------------------------------------------------------------------------
+    def state_read(self, kind: TensorKind, j: int) -> None:
+        """A host copy of block j's ``kind`` from its file, if it lives there and is not on the host already."""
+        if (kind, j) not in self.nvme or (kind, j) in self.staged:
+            return
+        self.staged.add((kind, j))
+        t, c = _tid(kind, j), self.cost
+        n = self.sizes.of(t, H)
+        frees = self.state_frees[kind]
+        self.emit(OpKind.STATE_READ, j, tensor=t, src=Tier.NVME, dst=H, nbytes=n, seconds=c.hw.nvme_seconds(n, False),
+                  deps=tuple(frees[-NVME_STATE_SLOTS:-NVME_STATE_SLOTS + 1]) if len(frees) >= NVME_STATE_SLOTS else ())
+
+    def state_write(self, kind: TensorKind, j: int) -> None:
+        """Block j's changed host copy of ``kind`` back into its file, if it lives there."""
+        if (kind, j) not in self.nvme:
+            return
+        t, c = _tid(kind, j), self.cost
+        n = self.sizes.of(t, H)
+        self.emit(OpKind.STATE_WRITE, j, tensor=t, src=H, dst=Tier.NVME, nbytes=n, seconds=c.hw.nvme_seconds(n, True))
+
+    def state_free(self, kind: TensorKind, j: int) -> None:
+        """Drop block j's host copy of ``kind`` kept on NVMe (its file holds it)."""
+        if (kind, j) not in self.staged:
+            return
+        self.staged.discard((kind, j))
+        self.state_frees[kind].append(self.emit(OpKind.FREE, j, tensor=_tid(kind, j), src=H))
 
     def state_load(self, k: int) -> None:
         """The k-th GPU-updated block's parameters and state host -> GPU, after the update ``STATE_SLOTS`` before
@@ -185,8 +246,12 @@ class _Lowering:
                       nbytes=c.sizes.of(_tid(TensorKind.PARAMS, j)),
                       seconds=c.all_gather_s(j))
             return
+        if j in self.nvme_blocks and self.clip:     # a placed block's lagged update comes first (it reads them)
+            self.update(j)
+        self.state_read(_PARAMS, j)
         self.emit(OpKind.LOAD, j, tensor=_tid(TensorKind.PARAMS, j), src=H, dst=G, nbytes=c.param_bytes(j),
                   seconds=c.load_s(j), deps=tuple(self.param_frees[-1:]))
+        self.state_free(_PARAMS, j)
 
     def copy(self, c: Copy, t: TensorId, nbytes: int, block: int, mb: int) -> int:
         """One hop of a move between tiers, on its resource at its bandwidth (``ir.tiers``)."""
@@ -213,9 +278,12 @@ class _Lowering:
         self.window = 0
         for j in sorted(self.resident):   # on the GPU stream, ahead of the forward that reads them
             self.update(j)
-        if self.clip:
+        if self.clip:            # (a block with state on NVMe: in the forward, ahead of its load)
             for j in range(self.L):
-                if j not in self.gpu_updated:
+                if j not in self.gpu_updated and j not in self.nvme_blocks:
+                    self.update(j)
+            for j in range(min(STATE_AHEAD, self.L)):
+                if j in self.nvme_blocks:
                     self.update(j)
         if 0 not in self.gpu_updated:
             self.load(0)
@@ -231,6 +299,9 @@ class _Lowering:
             self.window = j
             if j in self.gpu_updated:
                 self.gpu_update(j)
+            ahead = j + 1 + STATE_AHEAD
+            if self.clip and ahead < L and ahead in self.nvme_blocks:
+                self.update(ahead)
             if j + 1 < L and j + 1 not in self.gpu_updated:
                 self.load(j + 1)
             save = dec.saved[j] is not Saved.RECOMPUTE
@@ -314,6 +385,10 @@ class _Lowering:
                               seconds=c.reduce_scatter_s(j))
                 self.emit(OpKind.GRAD_OFFLOAD, j, tensor=_tid(TensorKind.GRADS, j), src=G, dst=H,
                           nbytes=c.grad_bytes(j), seconds=c.grad_offload_s(j))
+                if (_GRADS, j) in self.nvme and self.clip:      # back to its file for the next step's update
+                    self.staged.add((_GRADS, j))
+                    self.state_write(_GRADS, j)
+                    self.state_free(_GRADS, j)
                 self.param_frees.append(self.emit(OpKind.FREE, j, tensor=_tid(TensorKind.PARAMS, j), src=G))
                 for o in self.updates_after[j]:
                     self.update(o)

@@ -4,7 +4,8 @@ calibration: ``run`` calls them in order, each a function of the request and the
 1. ``resolve_graph``: the model traced, or its trace read from the cache;
 2. ``budgets_for``: the memory budgets (per rank in a world of several);
 3. ``compiler_for``: the ``Compiler`` (``compiler/builder.py``): the loss head's chunk and the measured workspaces
-   applied to the graph, the resident blocks asked for;
+   applied to the graph, the resident blocks asked for, the state kept on NVMe where the host cannot hold it
+   (``compiler/state_placement.py``);
 4. ``searched``: the best plan of the policy (``compiler/search.py``; every plan it builds is lowered, verified and
    simulated), or the ``BudgetError`` that says what memory would make one fit;
 5. ``gpu_updated``: the GPU-updated streamed blocks asked for, or the rule's (``compiler/gpu_update.py``);
@@ -28,6 +29,7 @@ from ..frontend.validate import check_compile_args
 from ..ir import Plan
 from ..ir.graph import ModelGraph
 from . import gpu_update as gpu_update_rule
+from . import state_placement
 from .budgets import Budgets, budget_error, make_budgets
 from .builder import Compiler
 from .hardware import HardwareProfile
@@ -124,6 +126,7 @@ def compiler_for(graph: ModelGraph, hw: HardwareProfile, budgets: Budgets, req: 
                     choose_resident=auto and policy == "milp" and hw.has_gpu, world_size=req.world_size,
                     nodes=req.nodes, compile_blocks=req.compile_blocks, deadline=req.deadline,
                     rule_follows=gpu_update_rule.rule_runs(req.gpu_update, policy, hw.has_gpu, req.world_size))
+    comp.nvme_state = state_placement.place(comp, req.batch_size)
     return comp
 
 

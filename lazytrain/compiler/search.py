@@ -327,7 +327,8 @@ class Search:
         budget = comp.budgets.gpu_bytes
         last = (0, 0)        # the last tightening of the rows' budget, and the excess that caused it
         n_cuts = NO_GOOD_CUTS_SHORT if comp.graph.n_blocks <= 12 else NO_GOOD_CUTS_LONG
-        coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, n_micro, comp.options["host_bytes_per_param"])
+        coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, n_micro, comp.options["host_bytes_per_param"],
+                            state_on_nvme=comp.state_on_nvme())
         for attempt in range(n_cuts + TIGHTENINGS):
             if not self.can_solve():
                 why = "the search deadline ran out" + (" before the solver found a plan in budget" if attempt else "")
@@ -373,7 +374,8 @@ class Search:
                 last = tightening(excess, last)
                 budget -= last[0]
                 coef = coefficients(comp.cost(mb, frozenset()), comp.budgets, n_micro,
-                                    comp.options["host_bytes_per_param"], gpu_bytes=budget)
+                                    comp.options["host_bytes_per_param"], gpu_bytes=budget,
+                                    state_on_nvme=comp.state_on_nvme())
         if self.ran_out:
             stats = self._stats_out_of_time(stats)
         if warm is not None and (plan is None or _step(warm) < _step(plan)):

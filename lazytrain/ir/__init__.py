@@ -15,6 +15,8 @@ Grammar of a plan (one op per line, ``#id kind tensor move bytes ms after deps``
                | state_load  ostate[j]            host->gpu (h2d): a GPU-updated block's parameters and
                                                   optimizer state, for its update and its forward
                | state_store ostate[j]            gpu->host (d2h): both back to the host store after it
+               | state_read  params|grads|ostate[j]  nvme->host (nvme): a copy of state kept on NVMe
+               | state_write params|grads|ostate[j]  host->nvme (nvme): a host copy back into its file
                | free        tensor on tier       drops one copy
                | all_gather  params[j]            reads pshard[j]; writes params[j] (net)   -- world_size > 1
                | reduce_scatter gshard[j]         reads, drops grads[j] gpu; writes gshard[j] (net)
@@ -30,6 +32,10 @@ GPU for the whole run: it has no ``load``, ``free params`` or ``grad_offload``; 
 on the GPU stream at the start of the next step, before any forward reads it.  A *GPU-updated* block
 (``Decisions.gpu_update``) streams, but its gradient accumulator stays on the GPU into the next step,
 where ``state_load``, ``update`` (gpu) and ``state_store`` replace its host update and its forward's load.
+A block whose state is kept on NVMe (``Decisions.nvme_state``: its parameters, gradients or optimizer state, each
+on its own) has one file per component; its host copy is then a plan value like an activation: ``state_read``
+makes it before the ops that read it (``load``, ``update``), ``state_write`` puts back what ``update`` or
+``grad_offload`` changed, and ``free`` drops it.
 
 A plan for ``world_size`` N > 1 (``ir.sharding``) is one rank's list, the same on every rank: a
 ``load`` copies the rank's shard (``pshard[j]``) and an ``all_gather`` assembles ``params[j]``; a

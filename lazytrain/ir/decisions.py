@@ -34,12 +34,23 @@ the block, so the remaining host updates overlap these forwards.  It costs GPU m
 accumulator, 4 bytes a parameter, for the whole gap) and H2D / D2H traffic (parameters and state,
 ~6 bytes a parameter each way with the 8-bit optimizer).  Not for a resident block, nor one sharing a
 tied parameter, nor with several ranks.
+
+``nvme_state`` keeps parts of streamed blocks' training state in files on NVMe instead of the host store, by
+component: ``params`` (the host parameters a load copies and the update rewrites), ``grads`` (the host gradient a
+``grad_offload`` fills and the next update reads) and ``ostate`` (the optimizer's master low half and moments).
+Host memory then holds them only while an op needs them (``state_read`` .. ``free``), at the price of NVMe
+traffic each step: a placed component is read before each use and written after each change.  Not for a
+resident or GPU-updated block, nor one sharing a tied parameter, nor with several ranks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+
+#: the components of a block's state ``Decisions.nvme_state`` may keep on NVMe: the tensor kinds (``TensorKind``
+#: values) of their host copies
+STATE_COMPONENTS = ("params", "grads", "ostate")
 
 
 class Place(str, Enum):
@@ -67,6 +78,17 @@ class Decisions:
     notes: dict = field(default_factory=dict)
     cut: tuple[int, ...] = ()
     gpu_update: tuple[bool, ...] = ()
+    #: component (``STATE_COMPONENTS``) -> the blocks whose copy of it lives on NVMe (sorted)
+    nvme_state: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def on_nvme(self, component: str) -> frozenset[int]:
+        """The blocks whose ``component`` (``"params"``, ``"grads"``, ``"ostate"``) lives on NVMe."""
+        return frozenset(self.nvme_state.get(component, ()))
+
+    @property
+    def nvme_state_blocks(self) -> frozenset[int]:
+        """Blocks with any component on NVMe."""
+        return frozenset(j for blocks in self.nvme_state.values() for j in blocks)
 
     def cut_of(self, j: int) -> int:
         """Block j's cut (an index into ``Block.cuts``; 0: the min-cut)."""
@@ -130,6 +152,16 @@ class Decisions:
                              "GPU already)")
         if self.cut and len(self.cut) != L:
             raise ValueError(f"cut has {len(self.cut)} entries, expected {L}")
+        for comp, blocks in self.nvme_state.items():
+            if comp not in STATE_COMPONENTS:
+                raise ValueError(f"nvme_state names {comp!r}; the components are {', '.join(STATE_COMPONENTS)}")
+            bad = sorted(j for j in blocks if not 0 <= j < L)
+            if bad:
+                raise ValueError(f"nvme_state {comp} names blocks {bad} out of range 0..{L - 1}")
+            both = sorted(set(blocks) & (self.gpu_updated_blocks | self.resident_blocks))
+            if both:
+                raise ValueError(f"blocks {both} keep {comp} on NVMe but are resident or GPU-updated (their state "
+                                 "lives on the host or the GPU)")
         for j in range(L):
             if self.cut_of(j) and self.saved[j] is Saved.RECOMPUTE:
                 raise ValueError(f"block {j} is recomputed and has cut {self.cut_of(j)}: a recomputed block "
@@ -140,7 +172,9 @@ class Decisions:
                 "boundary": [p.value for p in self.boundary], "saved": [s.value for s in self.saved],
                 "resident": [bool(r) for r in self.resident], "notes": self.notes,
                 **({"cut": list(self.cut)} if any(self.cut) else {}),
-                **({"gpu_update": [bool(g) for g in self.gpu_update]} if any(self.gpu_update) else {})}
+                **({"gpu_update": [bool(g) for g in self.gpu_update]} if any(self.gpu_update) else {}),
+                **({"nvme_state": {k: list(v) for k, v in self.nvme_state.items() if v}}
+                   if any(self.nvme_state.values()) else {})}
 
     @staticmethod
     def from_json(d: dict) -> Decisions:
@@ -148,4 +182,6 @@ class Decisions:
                          boundary=tuple(Place(x) for x in d["boundary"]),
                          saved=tuple(Saved(x) for x in d["saved"]),
                          resident=tuple(bool(x) for x in d.get("resident", ())), notes=dict(d.get("notes", {})),
-                         cut=tuple(d.get("cut", ())), gpu_update=tuple(d.get("gpu_update", ())))
+                         cut=tuple(d.get("cut", ())), gpu_update=tuple(d.get("gpu_update", ())),
+                         nvme_state={str(k): tuple(sorted(int(j) for j in v))
+                                     for k, v in dict(d.get("nvme_state", {})).items()})

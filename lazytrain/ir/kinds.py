@@ -71,6 +71,10 @@ KINDS: dict[OpKind, OpSpec] = {s.kind: s for s in (
          (_H2D,)),
     _row(OpKind.STATE_STORE, "state_store ostate[j]            gpu->host (d2h): both back to the host store after it",
          (_D2H,)),
+    _row(OpKind.STATE_READ, "state_read  params|grads|ostate[j]  nvme->host (nvme): a copy of state kept on NVMe",
+         (Resource.NVME,)),
+    _row(OpKind.STATE_WRITE, "state_write params|grads|ostate[j]  host->nvme (nvme): a host copy back into its file",
+         (Resource.NVME,)),
     _row(OpKind.FREE, "free        tensor on tier       drops one copy", (Resource.NONE,)),
     _row(OpKind.ALL_GATHER, "all_gather  params[j]            reads pshard[j]; writes params[j] (net)   -- "
          "world_size > 1", (_NET,)),

@@ -22,6 +22,8 @@ class OpKind(str, Enum):
     UPDATE = "update"              # optimizer step of block j on the host (on the GPU if resident or GPU-updated)
     STATE_LOAD = "state_load"      # a GPU-updated block's parameters and optimizer state host -> gpu
     STATE_STORE = "state_store"    # ... and back gpu -> host after its update on the GPU
+    STATE_READ = "state_read"      # a block's params / grads / ostate kept on NVMe: its file -> a host copy
+    STATE_WRITE = "state_write"    # ... and a host copy back into its file (after an update or a grad_offload)
     # memory
     FREE = "free"                  # drop one copy of a tensor on one tier
     # collectives between the ranks of a data-parallel world (``world_size > 1``; ``ir.sharding``)

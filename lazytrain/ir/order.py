@@ -191,6 +191,10 @@ def cross_period(ops: list[Op], sizes: Sizes, *, clip: bool) -> dict[int, list[i
     for op in ops:          # reads what the previous state_store wrote; the runtime starts no step before
         if op.kind is state_load:    # the previous one's device work is done, so neither does this
             extra.setdefault(op.id, []).extend(step_end)
+    writes = {op.tensor: op.id for op in ops if op.kind is OpKind.STATE_WRITE}
+    for op in ops:          # a file read back after the previous step's last write of it (FIFO on one worker)
+        if op.kind is OpKind.STATE_READ and op.tensor in writes:
+            extra.setdefault(op.id, []).append(writes[op.tensor])
     for owner, u in order.updates.items():
         if owner in sizes.gpu_updated:
             extra.setdefault(u, []).extend(step_end if clip else [op.id for op in ops if op.kind is OpKind.BACKWARD

@@ -52,6 +52,12 @@ class Sizes:
     cut: tuple[int, ...] = ()
     #: streamed blocks updated on the GPU (``Decisions.gpu_update``): their accumulator is kept across steps
     gpu_updated: frozenset = frozenset()
+    #: state kept on NVMe (``Decisions.nvme_state``), as (tensor kind, block) pairs: the host copy of each is a
+    #: plan value, its file the static copy
+    nvme: frozenset = frozenset()
+    #: host bytes per owned parameter of the optimizer state beyond the parameters and the gradient
+    #: (``ostate[j]`` on the host: the 8-bit optimizer's master low half and moments, 4.25)
+    host_state_bytes: float = 4.25
 
     @classmethod
     def of_plan(cls, plan, like: Sizes | None = None) -> Sizes:
@@ -63,7 +69,10 @@ class Sizes:
         per = DEVICE_STATE_BYTES.get(opt, None) if isinstance(opt, str) else None
         sizes = cls(plan.graph, plan.micro_batch, plan.param_dtype, resident=plan.decisions.resident_blocks,
                     device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit"] if per is None else per,
-                    world_size=plan.world_size, cut=plan.decisions.cut, gpu_updated=plan.decisions.gpu_updated_blocks)
+                    world_size=plan.world_size, cut=plan.decisions.cut, gpu_updated=plan.decisions.gpu_updated_blocks,
+                    nvme=nvme_pairs(plan.decisions.nvme_state),
+                    host_state_bytes=host_state_bytes(float(plan.options.get("host_bytes_per_param", 16.0)),
+                                                      plan.param_dtype))
         return like if like is not None and like == sizes else sizes
 
     def saved_per_sample(self, block: int, cut: int | None = None) -> int:
@@ -112,8 +121,9 @@ class Sizes:
         return {}
 
     def _bytes_of(self, t: TensorId, tier: Tier) -> int:
-        if t.kind is TensorKind.PARAMS:
-            return self._param_numel[t.index] * self.param_bytes
+        if t.kind is TensorKind.PARAMS:     # the host keeps a block's own parameters (a tied link is its owner's)
+            n = self.graph.blocks[t.index].owned_numel if tier is Tier.HOST else self._param_numel[t.index]
+            return n * self.param_bytes
         if t.kind is TensorKind.GRADS:
             per = GRAD_ACCUM_BYTES if tier is Tier.GPU else GRAD_WIRE_BYTES
             if self.param_bytes == 4:   # fp32 training keeps fp32 gradients everywhere
@@ -126,7 +136,8 @@ class Sizes:
             return self.shard_numel(t.index) * GRAD_ACCUM_BYTES
         if t.kind is TensorKind.OPT_STATE:      # what the optimizer keeps beyond the parameters (an upper bound
             # for fp32 parameters, which are their own master)
-            return int(self.graph.blocks[t.index].owned_numel * self.device_state_bytes)
+            per = self.host_state_bytes if tier is Tier.HOST else self.device_state_bytes
+            return int(self.graph.blocks[t.index].owned_numel * per)
         if t.kind in (TensorKind.ACT, TensorKind.GRAD_ACT):
             return self.graph.boundary_bytes[t.index] * self.micro_batch
         if t.kind is TensorKind.SAVED:
@@ -212,6 +223,17 @@ class Sizes:
 Value = tuple[TensorId, Tier]    # one copy of a tensor: the unit that is resident, read, written
 
 
+def host_state_bytes(host_bytes_per_param: float, param_dtype: str) -> float:
+    """Host bytes per parameter of the optimizer state beyond the load and gradient buffers (``ostate[j]``)."""
+    p = DTYPE_BYTES[param_dtype]
+    return max(0.0, host_bytes_per_param - p - (4 if p == 4 else GRAD_WIRE_BYTES))
+
+
+def nvme_pairs(nvme_state: dict) -> frozenset:
+    """``Decisions.nvme_state`` as the (tensor kind, block) pairs ``Sizes.nvme`` holds."""
+    return frozenset((TensorKind(k), j) for k, blocks in nvme_state.items() for j in blocks)
+
+
 def resident_shards(sizes: Sizes, j: int) -> tuple[Value, ...]:
     """With several ranks, what resident block j keeps on the GPU for the whole run as plan values: its
     parameter shard (``pshard[j]``, which its ``update`` changes and every ``all_gather`` of a block
@@ -252,7 +274,7 @@ def effects(op: Op, sizes: Sizes) -> Effects:
 _PARAMS, _GRADS, _ACT, _SAVED, _GRAD_ACT, _PARAM_SHARD, _GRAD_SHARD, _OPT_STATE = (
     TensorKind.PARAMS, TensorKind.GRADS, TensorKind.ACT, TensorKind.SAVED, TensorKind.GRAD_ACT, TensorKind.PARAM_SHARD,
     TensorKind.GRAD_SHARD, TensorKind.OPT_STATE)
-_GPU_TIER, _HOST_TIER = Tier.GPU, Tier.HOST
+_GPU_TIER, _HOST_TIER, _NVME_TIER = Tier.GPU, Tier.HOST, Tier.NVME
 
 
 def effects_of(k: OpKind, j: int, m: int | None, tensor: TensorId | None, src: Tier | None, dst: Tier | None,
@@ -347,6 +369,8 @@ def _update(j, m, tensor, src, dst, save, sizes) -> Effects:
         state = (tensor_id(_OPT_STATE, j), G)
         return Effects((acc, state, (params, G)), (), (acc,), mutates=(state, (params, G)))
     gs = tuple((tensor_id(_GRADS, c), _HOST_TIER) for c in sizes.readers(j))
+    if (_OPT_STATE, j) in sizes.nvme:   # ... and the optimizer state a state_read brought from NVMe
+        return Effects(gs, (), gs, mutates=((params, _HOST_TIER), (tensor_id(_OPT_STATE, j), _HOST_TIER)))
     return Effects(gs, (), gs, mutates=((params, _HOST_TIER),))
 
 
@@ -389,6 +413,16 @@ def _state_store(j, m, tensor, src, dst, save, sizes) -> Effects:
     return Effects(((params, G), (state, G)), (), ((state, G),), mutates=((params, H), (state, H)))
 
 
+def _state_read(j, m, tensor, src, dst, save, sizes) -> Effects:
+    """A host copy of state kept on NVMe, from its file (which stays)."""
+    return Effects(((tensor, _NVME_TIER),), ((tensor, _HOST_TIER),), ())
+
+
+def _state_write(j, m, tensor, src, dst, save, sizes) -> Effects:
+    """The host copy back into its file, in place (the host copy stays until its ``free``)."""
+    return Effects(((tensor, _HOST_TIER),), (), (), mutates=((tensor, _NVME_TIER),))
+
+
 #: what one kind's op touches, from the op's fields after its kind (``effects_of``'s arguments)
 EffectsFn = Callable[[int, "int | None", "TensorId | None", "Tier | None", "Tier | None", bool, Sizes], Effects]
 
@@ -398,4 +432,5 @@ EFFECTS: dict[OpKind, EffectsFn] = {
     OpKind.OFFLOAD: _copy, OpKind.RELOAD: _copy, OpKind.GRAD_OFFLOAD: _grad_offload, OpKind.UPDATE: _update,
     OpKind.STATE_LOAD: _state_load, OpKind.STATE_STORE: _state_store, OpKind.FREE: _free,
     OpKind.ALL_GATHER: _all_gather, OpKind.REDUCE_SCATTER: _reduce_scatter, OpKind.ALL_REDUCE: _all_reduce,
+    OpKind.STATE_READ: _state_read, OpKind.STATE_WRITE: _state_write,
 }

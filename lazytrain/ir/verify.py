@@ -33,11 +33,19 @@ class MemoryReport:
     gpu_curve: tuple[int, ...]     # GPU bytes after each op (program order)
 
 
-def host_static_bytes(plan: Plan) -> int:
+def host_static_bytes(plan: Plan, sizes: Sizes | None = None) -> int:
     """Host store: parameters, master weights, optimizer state and gradient buffers (one rank's shard
-    of them in a world of several)."""
+    of them in a world of several), less what the plan keeps on NVMe (``nvme_static_bytes``)."""
     per_param = float(plan.options.get("host_bytes_per_param", 16.0))
-    return int(plan.graph.total_params * per_param) // plan.world_size
+    return int(plan.graph.total_params * per_param) // plan.world_size - nvme_static_bytes(plan, sizes)
+
+
+def nvme_static_bytes(plan: Plan, sizes: Sizes | None = None) -> int:
+    """The files of the state kept on NVMe (``Decisions.nvme_state``): each the size of its host copy."""
+    if not plan.decisions.nvme_state:
+        return 0
+    sizes = Sizes.of_plan(plan, like=sizes)
+    return sum(sizes.of(TensorId(kind=k, index=j), Tier.HOST) for k, j in sizes.nvme)
 
 
 def _fail(op: Op, msg: str) -> PlanError:
@@ -54,6 +62,7 @@ def verify(plan: Plan, *, early_exit: bool = False, effs: list[Effects] | None =
     _check_ids(plan)
     _check_sharded(plan, sizes)
     order = _check_updates(plan, sizes)
+    _check_state_tier(plan, sizes)
     if effs is None:
         effs = [effects(op, sizes) for op in plan.ops]
     elif len(effs) != len(plan.ops):
@@ -218,15 +227,44 @@ def _check_gpu_update(plan: Plan, sizes: Sizes, u: Op) -> None:
                                     f"left on the GPU, not load #{first_load}")
 
 
+def _check_state_tier(plan: Plan, sizes: Sizes) -> None:
+    """State kept on NVMe (``Decisions.nvme_state``): a world of one, blocks sharing no tied parameter, and
+    ``state_read`` / ``state_write`` only of placed components, between NVMe and the host."""
+    nvme = sizes.nvme
+    if nvme:
+        if plan.world_size > 1:
+            raise PlanError(f"the plan keeps state on NVMe (decisions.nvme_state), which needs a world of one "
+                            f"(world size {plan.world_size})")
+        tied = sorted({j for _, j in nvme if tie_closure(plan.graph, {j}) != {j}})
+        if tied:
+            raise PlanError(f"blocks {tied} keep state on NVMe but share tied parameters (a tied weight stays in "
+                            "the host store)")
+    moves = {OpKind.STATE_READ: (Tier.NVME, Tier.HOST), OpKind.STATE_WRITE: (Tier.HOST, Tier.NVME)}
+    for op in plan.ops:
+        want = moves.get(op.kind)
+        if want is None:
+            continue
+        t = op.tensor
+        if t is None or (t.kind, op.block) not in nvme or t.index != op.block or t.mb is not None:
+            raise _fail(op, f"{op.kind.value} moves state kept on NVMe (decisions.nvme_state), and block "
+                            f"{op.block}'s {t.kind.value if t else 'nothing'} is not")
+        if (op.src, op.dst) != want:
+            raise _fail(op, f"{op.kind.value} moves {want[0].value}->{want[1].value}")
+        if op.resource is not Resource.NVME:
+            raise _fail(op, f"{op.kind.value} runs on nvme")
+
+
 #: kinds whose host copies are the host store, not plan memory (``_static``)
 _STATIC_HOST_KINDS = frozenset((TensorKind.GRADS, TensorKind.PARAMS, TensorKind.OPT_STATE))
 
 
-def _static(t: TensorId, tier: Tier, batch: set) -> bool:
-    """Copies that are not plan memory: host gradients and parameters (the host store), the batch on the
-    host, and resident blocks' shards on the GPU (``batch`` holds these copies: ``resident_bytes`` counts
-    the shards).  ``_walk`` inlines it."""
-    return tier is Tier.HOST and t.kind in _STATIC_HOST_KINDS or (t, tier) in batch
+def _static(t: TensorId, tier: Tier, batch: set, nvme: frozenset = frozenset()) -> bool:
+    """Copies that are not plan memory: host gradients and parameters (the host store), or their files where
+    the state is kept on NVMe (``nvme``: ``Sizes.nvme``), the batch on the host, and resident blocks' shards on
+    the GPU (``batch`` holds these copies: ``resident_bytes`` counts the shards).  ``_walk`` inlines it."""
+    if t.kind in _STATIC_HOST_KINDS and tier is not Tier.GPU:
+        return (tier is Tier.NVME) == ((t.kind, t.index) in nvme)
+    return (t, tier) in batch
 
 
 def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, early_exit: bool) -> MemoryReport:
@@ -241,8 +279,17 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
 
     # the loop below runs once per op (~10^5 for 72 micro-batches of 80 blocks): enum members as locals (a
     # class attribute of an Enum is a descriptor lookup), ``_static`` inlined, each copy's tiers looked up once
-    GPU, HOST, GRADS, UPDATE = Tier.GPU, Tier.HOST, TensorKind.GRADS, OpKind.UPDATE
+    GPU, HOST, NVME, GRADS, UPDATE = Tier.GPU, Tier.HOST, Tier.NVME, TensorKind.GRADS, OpKind.UPDATE
     host_static = _STATIC_HOST_KINDS
+    nvme = sizes.nvme
+    #: host copies of state kept on NVMe that an op changed and no state_write has put back yet
+    dirty: dict[TensorId, int] = {}
+    dirtying = (UPDATE, OpKind.GRAD_OFFLOAD)
+
+    def static(t: TensorId, tier: Tier) -> bool:
+        if t.kind in host_static and tier is not GPU:
+            return (tier is NVME) == ((t.kind, t.index) in nvme)
+        return t.kind in batch_kinds and (t, tier) in batch
     batch_kinds = {t.kind for t, _ in batch}
     use = dict.fromkeys(TIERS, 0)        # plan bytes on each tier now, and at their peak
     use[GPU] = sizes.resident_bytes() + sizes.kept_grad_bytes()
@@ -267,29 +314,48 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
                     continue
                 raise _fail(op, f"writes {t} on {tier.value}, which is already there (leak or double load)")
             at[tier] = op.id
-            if not (tier is HOST and t.kind in host_static or t.kind in batch_kinds and (t, tier) in batch):
+            if not static(t, tier):
                 use[tier] += sizes.of(t, tier)
         gpu_now = use[GPU] + eff.transient      # (a transient is GPU memory only)
         if gpu_now > peak[GPU]:
             peak[GPU] = gpu_now
         if early_exit and gpu_cap is not None and peak[GPU] > gpu_cap:
             raise _fail(op, f"GPU memory {peak[GPU] / GiB:.2f} GiB exceeds the budget of {gpu_cap / GiB:.2f} GiB")
+        if nvme:
+            _track_dirty(op, eff, dirty, nvme, dirtying)
         for t, tier in drops:
+            if t in dirty and tier is HOST:
+                raise _fail(op, f"drops {t} on the host, which #{dirty[t]} changed, before a state_write puts it "
+                                "back on NVMe (the change would be lost)")
             at = where.get(t)
             if at is None or tier not in at:
                 raise _fail(op, f"drops {t} on {tier.value}, which is not resident there")
             del at[tier]
-            if not (tier is HOST and t.kind in host_static or t.kind in batch_kinds and (t, tier) in batch):
+            if not static(t, tier):
                 use[tier] -= sizes.of(t, tier)
         for tier in off_gpu:
             if use[tier] > peak[tier]:
                 peak[tier] = use[tier]
         curve.append(use[GPU])
     start.check_end(where)
-    static_host = host_static_bytes(plan)
+    if dirty:
+        t, i = next(iter(dirty.items()))
+        raise _fail(ops[i], f"changes {t} on the host and no state_write puts it back on NVMe")
+    static_host = host_static_bytes(plan, sizes)
     peak[HOST] += static_host
+    peak[NVME] += nvme_static_bytes(plan, sizes)
     return MemoryReport(**{TIERS[tier].peak: n for tier, n in peak.items()}, host_static_bytes=static_host,
                         gpu_curve=tuple(curve))
+
+
+def _track_dirty(op: Op, eff: Effects, dirty: dict, nvme: frozenset, dirtying: tuple) -> None:
+    """Host copies of NVMe-kept state an ``update`` or a ``grad_offload`` changed, until a ``state_write``."""
+    if op.kind is OpKind.STATE_WRITE:
+        dirty.pop(op.tensor, None)
+    elif op.kind in dirtying:
+        for t, tier in (*eff.writes, *eff.mutates):
+            if tier is Tier.HOST and (t.kind, t.index) in nvme:
+                dirty.setdefault(t, op.id)
 
 
 class _StepStart:
@@ -303,16 +369,24 @@ class _StepStart:
         self.where: dict[TensorId, dict[Tier, int]] = defaultdict(dict)
         where = self.where
         self.pending = {c for o in order.lagged - resident for c in sizes.readers(o)}
+        nvme = sizes.nvme
+
+        def home(kind: TensorKind, j: int) -> Tier:        # the static copy: the host store's, or the file
+            return Tier.NVME if (kind, j) in nvme else Tier.HOST
         for b in self.pending:
-            where[TensorId(kind=TensorKind.GRADS, index=b)][Tier.HOST] = -1
+            where[TensorId(kind=TensorKind.GRADS, index=b)][home(TensorKind.GRADS, b)] = -1
         for j in range(plan.graph.n_blocks):
             if j not in resident:
-                where[TensorId(kind=TensorKind.PARAMS, index=j)][Tier.HOST] = -1
+                where[TensorId(kind=TensorKind.PARAMS, index=j)][home(TensorKind.PARAMS, j)] = -1
+        for kind, j in nvme:
+            if kind is not TensorKind.PARAMS and (kind is not TensorKind.GRADS or j not in self.pending):
+                where[TensorId(kind=kind, index=j)][Tier.NVME] = -1
         batch = {(TensorId(kind=TensorKind.ACT, index=0, mb=m), Tier.HOST) for m in range(plan.n_micro)}
         batch |= {v for j in resident for v in resident_shards(sizes, j)}
         for t, tier in batch:
             where[t][tier] = -1
         self.batch = batch
+        self.nvme = nvme
         self.kept = {TensorId(kind=TensorKind.GRADS, index=j) for j in sizes.gpu_updated}
         for j in sizes.gpu_updated:
             where[TensorId(kind=TensorKind.OPT_STATE, index=j)][Tier.HOST] = -1
@@ -327,14 +401,15 @@ class _StepStart:
             raise PlanError(f"GPU-updated blocks {missing} end the step without their gradient accumulator on the "
                             "GPU (the next step's update applies it)")
         leftovers = [f"{t} on {tier.value}" for t, tiers in where.items() for tier in tiers
-                     if not _static(t, tier, batch) and not (t in kept and tier is Tier.GPU)]
+                     if not _static(t, tier, batch, self.nvme) and not (t in kept and tier is Tier.GPU)]
         if leftovers:
             raise PlanError(f"the step ends with tensors still resident: {', '.join(leftovers[:5])}"
                             f"{' …' if len(leftovers) > 5 else ''} (every step must start from the same state)")
+        on_nvme = {j for kind, j in self.nvme if kind is TensorKind.GRADS}     # (their files always are there)
         host_grads = {t.index for t, tiers in where.items() if t.kind is TensorKind.GRADS and Tier.HOST in tiers}
-        if host_grads != self.pending:
-            raise PlanError(f"gradients of blocks {sorted(host_grads ^ self.pending)} are left pending at the end "
-                            "of the step")
+        if host_grads != self.pending - on_nvme:
+            raise PlanError(f"gradients of blocks {sorted(host_grads ^ (self.pending - on_nvme))} are left pending "
+                            "at the end of the step")
 
 
 def _update_readers(ops: list[Op], effs: list[Effects]) -> dict[TensorId, int]:

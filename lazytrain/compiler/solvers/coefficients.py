@@ -62,15 +62,18 @@ class Coefficients:
 
 
 def coefficients(cost, budgets: Budgets | dict, n_micro: int, host_bytes_per_param: float,
-                 gpu_bytes: int | None = None) -> Coefficients:
+                 gpu_bytes: int | None = None, state_on_nvme: tuple[int, int] = (0, 0)) -> Coefficients:
     """``cost``: the streamed CostModel at the solve's micro-batch (no resident blocks); ``budgets``: the compile's
-    (or a plan's dict of them)."""
+    (or a plan's dict of them).  ``state_on_nvme``: host bytes the state kept on NVMe frees, less its host copies in
+    flight, and the bytes of its files (``state_placement.StateFit``): the host row's and the NVMe row's fixed
+    terms."""
     g, hw = cost.graph, cost.hw
     budgets = Budgets.of(budgets)
     L = g.n_blocks
     cg = build_cost_graph(cost)
     per_resident = cost.sizes.resident_bytes_per_param()
-    nvme_cap = budgets.nvme_bytes or 0
+    freed, files = state_on_nvme
+    nvme_cap = max((budgets.nvme_bytes or 0) - files, 0)
     symmetric = [j for j in range(1, L - 1)
                  if (a := g.blocks[j]).kind == (b := g.blocks[j + 1]).kind == "layer"
                  and a.saved_bytes == b.saved_bytes and a.fwd_flops == b.fwd_flops]
@@ -97,7 +100,7 @@ def coefficients(cost, budgets: Budgets | dict, n_micro: int, host_bytes_per_par
         nvw_ms=hw.nvme_seconds(GiB, True) * MS, nvr_ms=hw.nvme_seconds(GiB, False) * MS,
         budget=(gpu_bytes if gpu_bytes is not None else budgets.gpu_bytes) / GiB,
         host_cap=budgets.host_bytes / GiB if budgets.host_bytes else None,
-        host_static=g.total_params * host_bytes_per_param / cost.world_size / GiB,    # one rank's shard
+        host_static=(g.total_params * host_bytes_per_param / cost.world_size - freed) / GiB,   # one rank's shard
         nvme_cap=nvme_cap / GiB, use_nvme=bool(budgets.nvme_dir) and nvme_cap > 0,
         ag=[cost.all_gather_s(j) * MS for j in range(L)] if cost.sharded else [],
         rs=[cost.reduce_scatter_s(j) * MS for j in range(L)] if cost.sharded else [],
