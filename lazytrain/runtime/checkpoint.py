@@ -96,7 +96,8 @@ def _write(trainer, tmp: Path, suffix: str = "") -> dict:
         for j, lay in enumerate(trainer.store.layouts):
             if not lay.owned_numel:
                 continue
-            state = dict(opt.state_tensors(j))
+            with trainer._installed(j):     # (state kept on NVMe: read in for the copy)
+                state = dict(opt.state_tensors(j))
             master = state.pop("master").reshape(-1)
             tensors = {f"param.{s.name}": master[s.offset:s.offset + s.numel].reshape(s.shape if not suffix
                                                                                        else (s.numel,)).clone()
@@ -291,10 +292,13 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None, verbo
     except PlanError as e:
         raise CheckpointError(f"checkpoint {folder} does not fit this model: {e}") from None
     _check_steps(meta, folder / META)
+    def load_block(opt, j: int, *args, **kw) -> None:      # into the files of state kept on NVMe, if any
+        with trainer._installed(j, write_back=True):
+            _load_block(opt, j, *args, **kw)
     if trainer.world is not None or "world" in meta:      # shards, or another world size's checkpoint
-        checkpoint_world.load_blocks(trainer, folder, meta, _load_block)
+        checkpoint_world.load_blocks(trainer, folder, meta, load_block)
     else:
-        _load_dense(trainer, folder, meta)
+        _load_dense(trainer, folder, meta, load_block)
     trainer.steps = meta["step"]
     tr, g = trainer.ctx.tracker, meta["grad_norm"]
     tr.consecutive_nonfinite, tr.total_nonfinite = g["consecutive_nonfinite"], g["total_nonfinite"]
@@ -306,7 +310,7 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None, verbo
     return trainer
 
 
-def _load_dense(trainer, folder: Path, meta: dict) -> None:
+def _load_dense(trainer, folder: Path, meta: dict, load_block) -> None:
     """Every block's file of a one-process checkpoint into a one-process trainer."""
     blocks = [j for j, lay in enumerate(trainer.store.layouts) if lay.owned_numel]
     names = {j: f"block_{j:04d}.safetensors" for j in blocks}
@@ -318,8 +322,8 @@ def _load_dense(trainer, folder: Path, meta: dict) -> None:
         for i, j in enumerate(blocks):
             if i + 1 < len(blocks):
                 pending[blocks[i + 1]] = hash_async(pool, folder / names[blocks[i + 1]])
-            _load_block(trainer.optimizer, j, trainer.store.layouts[j], folder / names[j], meta["files"][names[j]],
-                        pending.pop(j))
+            load_block(trainer.optimizer, j, trainer.store.layouts[j], folder / names[j], meta["files"][names[j]],
+                       pending.pop(j))
 
 
 def _check_steps(meta: dict, where: Path) -> None:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ..frontend.program import BlockProgram
     from .distributed import World
     from .interpreter import Schedule
+    from .nvme_state import NvmeState
     from .saved import SavedRecord
     from .updates import Updates
 
@@ -97,6 +98,8 @@ class Run:
     #: with several ranks, a resident block's shard of its parameters on the GPU (its optimizer updates
     #: it in place; ``all_gather`` reads it every step); ``resident`` is then empty
     resident_shards: dict = field(default_factory=dict)
+    #: the state the plan keeps on NVMe (``nvme_state.NvmeState``); None where it keeps none
+    nvme_state: NvmeState | None = None
 
     @property
     def L(self) -> int:

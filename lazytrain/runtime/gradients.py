@@ -9,7 +9,7 @@ import torch
 
 from ..ir import Op, Resource, TensorKind
 from ..ir.ops import tensor_id
-from .context import G, Step
+from .context import G, H, Step
 from .optim import ckernel
 from .optim.clipping import squared_norm
 from .store import HostStore
@@ -26,6 +26,10 @@ def grad_offload(ctx: Step, op: Op) -> None:
     ctx.begin(op, Resource.D2H)
     acc = ctx.take(tensor_id(TensorKind.GRAD_SHARD if run.world else TensorKind.GRADS, j), G)
     host = run.store.grad[j]
+    if run.nvme_state is not None and run.nvme_state.has(TensorKind.GRADS, j):    # a host copy, for its state_write
+        payload = run.nvme_state.empty_copy(TensorKind.GRADS, j)
+        ctx.put(tensor_id(TensorKind.GRADS, j), H, payload)
+        host = payload["buf"].tensor
     with run.streams.on(Resource.D2H):
         run.streams.keep_alive(acc, Resource.D2H)
         plain = acc[:lay.plain_numel]

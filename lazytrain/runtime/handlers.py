@@ -49,8 +49,11 @@ def load(ctx: Step, op: Op) -> None:
     j = op.block
     run = ctx.run
     ctx.begin(op, Resource.H2D)       # after the updates writing these host buffers (re-raises a failed one)
+    owned = run.store.load
+    if run.nvme_state is not None and run.nvme_state.has(TensorKind.PARAMS, j):    # the host copy state_read made
+        owned = {j: ctx.get(tensor_id(TensorKind.PARAMS, j), H)["buf"].tensor}
     with run.streams.on(Resource.H2D):
-        flat = assemble(run.store.layouts[j], run.store.load, run.device, run.store.param_dtype)
+        flat = assemble(run.store.layouts[j], owned, run.device, run.store.param_dtype)
     if op.tensor is not None and op.tensor.kind is TensorKind.PARAM_SHARD:
         run.streams.keep_alive(flat, Resource.NET)
         ctx.put(op.tensor, G, flat)

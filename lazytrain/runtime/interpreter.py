@@ -37,6 +37,7 @@ from . import collectives as coll
 from . import gpu_update as gu
 from . import gradients as gr
 from . import handlers as h
+from . import nvme_state
 from .context import Step, describe
 from .updates import Updates, update
 
@@ -57,6 +58,8 @@ HANDLERS: dict[OpKind, Callable[[Step, Op], None]] = {
     OpKind.ALL_REDUCE: coll.all_reduce,
     OpKind.STATE_LOAD: gu.state_load,
     OpKind.STATE_STORE: gu.state_store,
+    OpKind.STATE_READ: nvme_state.state_read,
+    OpKind.STATE_WRITE: nvme_state.state_write,
 }
 
 
@@ -92,7 +95,7 @@ def _worker_tier(t: Tier | None) -> bool:
 def on_worker(op: Op) -> bool:
     """Does the op run on a host worker (its completion handle is a ``Future``)?"""
     k = op.kind
-    return ((k is OpKind.UPDATE and op.resource is not Resource.GPU)
+    return ((k is OpKind.UPDATE and op.resource is not Resource.GPU) or op.resource is Resource.NVME
             or (k in COPY_KINDS and (_worker_tier(op.src) or _worker_tier(op.dst)))
             or (k is OpKind.FREE and _worker_tier(op.src)))
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ir import GiB, ModelGraph
+from ..ir import GiB, ModelGraph, TensorKind
 from .pinned import host_empty
 from .streams import Streams
 
@@ -127,15 +127,18 @@ class HostStore:
 
     def __init__(self, lays: list[BlockLayout], param_dtype: torch.dtype, *, pin: bool,
                  optimizer_bytes_per_param: float = 12.0, activation_bytes: int = 0,
-                 resident: frozenset = frozenset(), announce=None):
+                 resident: frozenset = frozenset(), placed: frozenset = frozenset(), announce=None):
         self.layouts = lays
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype(param_dtype)
         self.pin = pin
         #: blocks that live on the GPU: no host buffers (their parameters never cross PCIe)
         self.resident = frozenset(resident)
+        #: state kept on NVMe, as (tensor kind, block) pairs (``ir.semantics.Sizes.nvme``): no host buffer
+        #: (``runtime/nvme_state.py`` makes its host copies; the plan's host peak, in ``activation_bytes``, has them)
+        self.placed = frozenset(placed)
         need = self.estimate([lay for lay in lays if lay.index not in self.resident], param_dtype,
-                             optimizer_bytes_per_param, activation_bytes)
+                             optimizer_bytes_per_param, activation_bytes, self.placed)
         avail = mem_available()
         line = (f"lazytrain: host memory estimate {need['total'] / GiB:.2f} GiB (parameter and gradient buffers "
                 f"{need['buffers'] / GiB:.2f}, optimizer {need['optimizer'] / GiB:.2f}, offloaded activations "
@@ -149,18 +152,20 @@ class HostStore:
                 f"{need['buffers'] / GiB:.2f} GiB, optimizer master and state {need['optimizer'] / GiB:.2f} GiB, "
                 f"offloaded activations {need['activations'] / GiB:.2f} GiB) but only {avail / GiB:.2f} GiB is "
                 f"available (MemAvailable): use an 8-bit optimizer, offload activations to NVMe, or free memory")
-        def host(n: int, dtype: torch.dtype, j: int) -> torch.Tensor:
-            return host_empty(0 if j in self.resident else n, dtype, pin=pin)
-        self.load = [host(lay.owned_numel, param_dtype, lay.index) for lay in lays]
-        self.grad = [host(lay.numel, self.grad_dtype, lay.index) for lay in lays]
+        def host(n: int, dtype: torch.dtype, j: int, kind: TensorKind) -> torch.Tensor:
+            return host_empty(0 if j in self.resident or (kind, j) in self.placed else n, dtype, pin=pin)
+        self.load = [host(lay.owned_numel, param_dtype, lay.index, TensorKind.PARAMS) for lay in lays]
+        self.grad = [host(lay.numel, self.grad_dtype, lay.index, TensorKind.GRADS) for lay in lays]
 
     @staticmethod
     def estimate(lays: list[BlockLayout], param_dtype: torch.dtype, optimizer_bytes_per_param: float,
-                 activation_bytes: int) -> dict[str, int]:
+                 activation_bytes: int, placed: frozenset = frozenset()) -> dict[str, int]:
+        """Host bytes of the buffers, the optimizer and the offloaded activations, less the state on NVMe."""
         pb = torch.empty((), dtype=param_dtype).element_size()
         gb = torch.empty((), dtype=grad_dtype(param_dtype)).element_size()
-        owned = sum(lay.owned_numel for lay in lays)
-        buffers = sum(lay.owned_numel * pb + lay.numel * gb for lay in lays)
+        owned = sum(lay.owned_numel for lay in lays if (TensorKind.OPT_STATE, lay.index) not in placed)
+        buffers = sum(lay.owned_numel * pb * ((TensorKind.PARAMS, lay.index) not in placed)
+                      + lay.numel * gb * ((TensorKind.GRADS, lay.index) not in placed) for lay in lays)
         opt = int(owned * optimizer_bytes_per_param)
         return {"buffers": buffers, "optimizer": opt, "activations": int(activation_bytes),
                 "total": buffers + opt + int(activation_bytes)}

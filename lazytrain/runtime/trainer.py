@@ -18,6 +18,7 @@ which draws them for the whole batch at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -48,6 +49,7 @@ from .distributed import World, global_tokens
 from .gpu_update import pin_state
 from .interpreter import Schedule
 from .nvme import NvmeStore
+from .nvme_state import NvmeState
 from .optim.clipping import GradNormTracker
 from .optim.torch_adamw import TorchAdamW
 from .profiling import Profiler, StepProfile
@@ -129,7 +131,11 @@ class Trainer:
             lays = layouts(plan.graph, _canonical_names(model))
         self._gathered = gathered
         resident = plan.decisions.resident_blocks
-        self.store = _host_store(plan, lays, param_dtype, optimizer, pin=self.device.type == "cuda", verbose=verbose)
+        placed = Sizes.of_plan(plan).nvme if self.world is None else frozenset()
+        self.store = _host_store(plan, lays, param_dtype, optimizer, pin=self.device.type == "cuda", verbose=verbose,
+                                 placed=placed)
+        pool = HostPool(self.device.type == "cuda")
+        nvme_state = NvmeState(nvme, placed, self.store, optimizer, pool) if placed else None
         # a resident block's "load buffer" is its parameters on the GPU: the optimizer keeps its state
         # next to it and updates it in place there
         gpu_params = {j: torch.empty(lay.owned_numel, dtype=param_dtype, device=self.device)
@@ -141,7 +147,7 @@ class Trainer:
             params, targets = {}, {}
             grads = {j: torch.zeros(lays[j].owned_numel, dtype=torch.float32, device=self.device) for j in gpu_params}
         else:
-            _init_parameters(weights, lays, optimizer, buffers)
+            _init_parameters(weights, lays, optimizer, buffers, nvme_state)
             params, targets, grads = _resident(lays, gpu_params, self.device)
         streams = Streams(self.device, collectives=self.world is not None)
         tracker = GradNormTracker(optimizer.max_grad_norm)
@@ -149,11 +155,12 @@ class Trainer:
         updates = Updates(order, streams=streams, optimizer=optimizer, tracker=tracker, store=self.store,
                           resident_grad=grads, gpu_updated=plan.decisions.gpu_updated_blocks)
         updates.world = self.world
+        updates.nvme_state = nvme_state
         rg = frozenset(t.name for b in self.program.graph.blocks for t in (*b.inputs, *b.outputs) if t.requires_grad)
         #: what compiling the block programs did (``frontend/compiled.py``); None when the plan runs them eager
         self.compile_report = _compile_blocks(self.program, plan, self.device, param_dtype, frozen, rg, verbose)
         self.ctx = Run(plan=plan, program=self.program, device=self.device, streams=streams, store=self.store,
-                       pool=HostPool(self.device.type == "cuda"), nvme=nvme, optimizer=optimizer, tracker=tracker,
+                       pool=pool, nvme=nvme, nvme_state=nvme_state, optimizer=optimizer, tracker=tracker,
                        requires_grad=rg, frozen=frozen, resident=params, resident_targets=targets, updates=updates,
                        schedule=Schedule(plan, updates), world=self.world, gpu_layouts=gathered,
                        resident_shards=gpu_params if self.world is not None else {})
@@ -299,11 +306,18 @@ class Trainer:
         for j, lay in enumerate(self.store.layouts):
             if not lay.owned_numel:
                 continue
-            master = self.optimizer.master(j)
-            for s in lay.segments:
-                if s.offset < lay.owned_numel:
-                    out[s.name] = master[s.offset:s.offset + s.numel].view(s.shape).clone()
+            with self._installed(j):        # (state kept on NVMe: brought in for the read)
+                master = self.optimizer.master(j)
+                for s in lay.segments:
+                    if s.offset < lay.owned_numel:
+                        out[s.name] = master[s.offset:s.offset + s.numel].view(s.shape).clone()
         return out
+
+    def _installed(self, j: int, write_back: bool = False):
+        """Block j's state in the host store and the optimizer while the ``with`` lasts, wherever it lives
+        (``nvme_state.NvmeState.installed``)."""
+        ns = self.ctx.nvme_state
+        return contextlib.nullcontext() if ns is None else ns.installed(j, write_back=write_back)
 
     def sync_to_model(self, keep: bool = True) -> None:
         """Write the current master weights into the model's parameters (after ``flush``); a model built on
@@ -352,7 +366,7 @@ def _nvme_store(plan: Plan, nvme_dir, rank: int | None) -> NvmeStore | None:
     """The NVMe folder, checked (writable, room for the plan's NVMe peak) before anything is allocated.  Each
     of several ranks writes into its own ``rankRRRR`` folder in it: they run one plan, so they would name
     their files alike."""
-    if not any(Tier.NVME in (op.src, op.dst) for op in plan.ops):
+    if not any(Tier.NVME in (op.src, op.dst) for op in plan.ops) and not plan.decisions.nvme_state:
         return None
     root = nvme_dir or plan.budgets.get("nvme_dir")
     if root is not None and rank is not None:
@@ -426,20 +440,23 @@ def _frozen(model: torch.nn.Module, optimizer) -> frozenset[str]:
 
 
 def _host_store(plan: Plan, lays: list[BlockLayout], param_dtype: torch.dtype, optimizer, *, pin: bool,
-                verbose: bool) -> HostStore:
-    """The host buffers, sized for the optimizer and the plan's offloaded activations (checked first)."""
+                verbose: bool, placed: frozenset = frozenset()) -> HostStore:
+    """The host buffers, sized for the optimizer and the plan's offloaded activations (and host copies of the state
+    it keeps on NVMe, ``placed``), checked first."""
     pred = plan.predicted
     act_bytes = max(0, int(pred.get("peak_host_bytes", 0)) - int(pred.get("host_static_bytes", 0)))
     pb = torch.empty((), dtype=param_dtype).element_size()
     opt_bpp = max(0.0, float(getattr(optimizer, "host_bytes_per_param", 16.0)) - 2 * min(pb, 2))
     return HostStore(lays, param_dtype, pin=pin, optimizer_bytes_per_param=opt_bpp, activation_bytes=act_bytes,
-                     resident=plan.decisions.resident_blocks,
+                     resident=plan.decisions.resident_blocks, placed=placed,
                      announce=(lambda line: print(line, file=sys.stderr)) if verbose else None)
 
 
-def _init_parameters(weights, lays: list[BlockLayout], optimizer, buffers: dict[int, torch.Tensor]):
+def _init_parameters(weights, lays: list[BlockLayout], optimizer, buffers: dict[int, torch.Tensor],
+                     nvme_state: NvmeState | None = None):
     """Each block's owned parameters (``weights.piece``) into its load buffer (``buffers``: host, or a
-    resident block's GPU buffer), and the optimizer's state for it."""
+    resident block's GPU buffer), and the optimizer's state for it; a block with state kept on NVMe gets a load
+    buffer for its set-up only, and its placed state goes to its files (one block's state in memory at a time)."""
     for j, lay in enumerate(lays):
         if not lay.owned_numel:
             continue
@@ -448,8 +465,14 @@ def _init_parameters(weights, lays: list[BlockLayout], optimizer, buffers: dict[
             if s.offset >= lay.owned_numel:
                 break
             init[s.offset:s.offset + s.numel].copy_(weights.piece(s.name, 0, s.numel))
-        buffers[j].copy_(init)
-        optimizer.setup(j, init, buffers[j], lay.opt_segments())
+        buf = buffers[j]
+        placed = nvme_state is not None and j in nvme_state.blocks
+        if placed and nvme_state.has(TensorKind.PARAMS, j):
+            buf = nvme_state.store.load[j] = torch.empty(lay.owned_numel, dtype=buf.dtype)
+        buf.copy_(init)
+        optimizer.setup(j, init, buf, lay.opt_segments())
+        if placed:
+            nvme_state.take_block(j)
 
 
 def _resident(lays: list[BlockLayout], gpu_params: dict[int, torch.Tensor], device: torch.device):

@@ -34,7 +34,7 @@ import torch
 from ..ir import Op, PlanError, Resource, TensorKind
 from ..ir.ops import tensor_id
 from ..ir.order import UpdateOrder
-from .context import G, Step
+from .context import G, H, Step
 from .gradients import TiedGrads
 from .optim.base import HostOptimizer
 from .optim.clipping import GradNormTracker, squared_norm
@@ -65,6 +65,8 @@ class Updates:
         self.kept: dict[int, torch.Tensor] = {}   # ... their accumulators between two steps
         #: the data-parallel world (``distributed.World``): the norm is then summed over its ranks
         self.world = None
+        #: the state the plan keeps on NVMe (``nvme_state.NvmeState``), set by the trainer; None: none
+        self.nvme_state = None
         # ---- carried across steps
         self.pending: set[int] = set()            # owners whose last-step gradients await their lagged update
         self.pending_coef: float | None = None
@@ -119,19 +121,51 @@ class Updates:
             self._resident_step(o, self.pending_coef if apply else None, self.pending_lr)
             step.end(op, Resource.GPU)
             return
+        placed = self.nvme_state is not None and o in self.nvme_state.blocks
+        grads = step.take(tensor_id(TensorKind.GRADS, o), H) if placed and self.nvme_state.has(TensorKind.GRADS, o) \
+            else None                             # a host copy of a gradient kept on NVMe: the update drops it
         if o in self.lagged:
             if o not in self.pending:             # first step, a skipped step, or after flush(): nothing to apply
-                step.done[op.id] = None
+                self._skip(step, op, grads)
                 return
             self.pending.discard(o)
             coef, lr = self.pending_coef, self.pending_lr
         else:
             coef, lr = (self.coefficient(step) if self.norm_first else 1.0), self.step_lr
         if coef is None:                          # non-finite gradient norm: the step is skipped
-            step.done[op.id] = None
+            self._skip(step, op, grads)
             return
-        step.submit(self.streams.cpu, op, lambda: self.optimizer.step(o, self.tied.grad(o), coef, lr))
+        if placed:
+            work = self._placed_work(step, o, grads, coef, lr)
+        else:
+            def work():
+                self.optimizer.step(o, self.tied.grad(o), coef, lr)
+        step.submit(self.streams.cpu, op, work)
         self._futures[op.id] = step.done[op.id]
+        if grads is not None:
+            self.nvme_state.pool.release(grads["buf"].buf, [step.done[op.id]])
+
+    def _skip(self, step: Step, op: Op, grads: dict | None) -> None:
+        """An update with nothing to apply; a placed gradient's host copy goes back to the pool after its read.  A
+        block with state on NVMe completes only after its dependencies, its state reads: the ops after it wait for
+        them through it (a load of the parameters depends on the update that last changed them, not on the read)."""
+        if self.nvme_state is not None and op.block in self.nvme_state.blocks:
+            step.submit(self.streams.cpu, op, lambda: None)
+        else:
+            step.done[op.id] = None
+        if grads is not None:
+            self.nvme_state.pool.release(grads["buf"].buf, [step.done[op.id], *step.dep_handles(op)])
+
+    def _placed_work(self, step: Step, o: int, grads: dict | None, coef: float, lr: float | None):
+        """The host work of an update of a block with state on NVMe: ``step_streamed`` on the host copies the
+        plan's ``state_read`` ops made (the host store's own tensors for a component not placed)."""
+        ns, opt = self.nvme_state, self.optimizer
+        grad = grads["buf"].tensor[:self.store.layouts[o].owned_numel] if grads is not None else self.tied.grad(o)
+        params = step.get(tensor_id(TensorKind.PARAMS, o), H)["buf"].tensor if ns.has(TensorKind.PARAMS, o) \
+            else self.store.load[o]
+        state = step.get(tensor_id(TensorKind.OPT_STATE, o), H)["state"] if ns.has(TensorKind.OPT_STATE, o) \
+            else opt.streamed_state(o)
+        return lambda: opt.step_streamed(o, grad, params, state, coef, lr)
 
     def coefficient(self, step: Step) -> float | None:
         """The step's clip coefficient (its global gradient norm, taken once): device norms plus tied
@@ -200,6 +234,8 @@ class Updates:
                         futures.append(self.streams.cpu.submit(self._kept_step, o, kept[o].to("cpu"), coef, lr))
                 elif o in self.resident_grad:
                     self._resident_step(o, coef, lr)
+                elif self.nvme_state is not None and o in self.nvme_state.blocks:     # one block at a time
+                    self._placed_flush(o, coef, lr)
                 else:
                     futures.append(self.streams.cpu.submit(self._host_step, o, coef, lr))
             self.streams.synchronize()
@@ -216,6 +252,15 @@ class Updates:
     def _host_step(self, o: int, coef: float, lr: float | None) -> None:
         try:
             self.optimizer.step(o, self.tied.grad(o), coef, lr)
+        except Exception as e:
+            raise RuntimeError(f"while applying block {o}'s pending update (flush): {e}") from e
+
+    def _placed_flush(self, o: int, coef: float, lr: float | None) -> None:
+        """A pending update of a block with state on NVMe, between steps: its state brought in, updated, written
+        back."""
+        try:
+            with self.nvme_state.installed(o, write_back=True, grads=True):
+                self.optimizer.step(o, self.tied.grad(o), coef, lr)
         except Exception as e:
             raise RuntimeError(f"while applying block {o}'s pending update (flush): {e}") from e
 

@@ -80,10 +80,17 @@ class HostOptimizer(ABC):
         ``state_store`` back.  Their contents are the block's state: the host and GPU paths share them."""
         raise NotImplementedError(f"{type(self).__name__} does not support GPU-updated streamed blocks")
 
+    def set_streamed_state(self, block: int, state: dict[str, torch.Tensor], load: torch.Tensor | None = None) -> None:
+        """Make ``state`` (the keys, dtypes and shapes of ``streamed_state(block)``) the block's state, and ``load``
+        (if given) its load buffer, without copying: the runtime moves a block's state into page-locked buffers
+        (``pin_streamed_state``), and out to NVMe and back (``runtime/nvme_state.py``: empty placeholders while
+        the state is only in its files)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support streamed state")
+
     def pin_streamed_state(self, block: int, alloc) -> None:
         """Move ``streamed_state(block)`` into buffers from ``alloc(numel, dtype)`` (page-locked, so the copies
         to and from the GPU run asynchronously at full PCIe rate)."""
-        raise NotImplementedError(f"{type(self).__name__} does not support GPU-updated streamed blocks")
+        self.set_streamed_state(block, self.pinned_copies(block, alloc))
 
     def pinned_copies(self, block: int, alloc) -> dict[str, torch.Tensor]:
         """``streamed_state(block)`` copied into buffers from ``alloc(numel, dtype)``, by name (for

@@ -31,10 +31,12 @@ class Streamed8bit:
         st = self._blocks[block]
         return {k: getattr(st, k) for k in STREAMED if getattr(st, k) is not None}
 
-    def pin_streamed_state(self, block: int, alloc) -> None:
+    def set_streamed_state(self, block: int, state: dict[str, torch.Tensor], load: torch.Tensor | None = None) -> None:
         st = self._blocks[block]
-        for k, pinned in self.pinned_copies(block, alloc).items():
-            setattr(st, k, pinned)
+        for k, t in state.items():
+            setattr(st, k, t)
+        if load is not None:
+            st.load = load
 
     def step_streamed(self, block: int, grad: torch.Tensor, params: torch.Tensor, state: dict[str, torch.Tensor],
                       clip_coef: float = 1.0, lr: float | None = None) -> None:

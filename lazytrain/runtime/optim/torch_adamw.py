@@ -150,12 +150,17 @@ class TorchAdamW(HostOptimizer):
         own = {} if b.master is b.load else {"master": b.master}
         return {**own, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "steps": steps}
 
-    def pin_streamed_state(self, block: int, alloc) -> None:
+    def set_streamed_state(self, block: int, state: dict[str, torch.Tensor], load: torch.Tensor | None = None) -> None:
         b = self._blocks[block]
-        new = self.pinned_copies(block, alloc)
-        self._flat_state[block] = (new["exp_avg"], new["exp_avg_sq"], new["steps"])
-        self._blocks[block] = self._bind(b.load, new.get("master", b.load), new["exp_avg"], new["exp_avg_sq"],
-                                         new["steps"], b.device)
+        state = {**self.streamed_state(block), **state}     # (the keys not given stay as they are)
+        load = b.load if load is None else load
+        master = state.get("master", load)      # (an fp32 load buffer is its own master)
+        self._flat_state[block] = (state["exp_avg"], state["exp_avg_sq"], state["steps"])
+        if master.numel() and state["exp_avg"].numel():
+            self._blocks[block] = self._bind(load, master, state["exp_avg"], state["exp_avg_sq"], state["steps"],
+                                             b.device)
+        else:       # state only in its files (``runtime/nvme_state.py``): no chunks to update
+            self._blocks[block] = _Block(load, master, None, [], b.device)
 
     def step_streamed(self, block: int, grad: torch.Tensor, params: torch.Tensor, state: dict[str, torch.Tensor],
                       clip_coef: float = 1.0, lr: float | None = None) -> None:
@@ -266,5 +271,5 @@ class TorchAdamW(HostOptimizer):
         self.weight_decay = hp.get("weight_decay", self.weight_decay)
         self.max_grad_norm = hp.get("max_grad_norm", self.max_grad_norm)
         for b in self._blocks.values():
-            for g in b.opt.param_groups:
+            for g in b.opt.param_groups if b.opt is not None else ():
                 g.update(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
