@@ -9,11 +9,12 @@ import math
 import warnings
 from collections.abc import Mapping
 
-from ..ir import GiB, Plan, PlanError
+from ..ir import GiB, Plan, PlanError, TensorKind
 from ..util.torch_free import is_module
 from ..util.units import format_size, parse_size
 from .progress import caller_stacklevel
 from .solvers.heuristics import HEURISTICS
+from .state_placement import fit, fullest
 
 
 class BudgetError(PlanError):
@@ -169,16 +170,40 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 100 else format_size(n)
 
 
+def state_error(comp) -> BudgetError | None:
+    """Why the training state (parameters, gradients, optimizer state) does not fit the host budget with what the
+    compile keeps on NVMe (``compiler/state_placement.py``), naming the smallest host memory and NVMe that would
+    hold it; None where it fits."""
+    b, n = comp.budgets, comp.graph.total_params
+    per = comp.options["host_bytes_per_param"]
+    need = fit(comp, {TensorKind(k): list(v) for k, v in comp.nvme_state.items()})
+    if need.host_bytes <= b.host_bytes and need.nvme_bytes <= (b.nvme_bytes or 0):
+        return None
+    least = fullest(comp)
+    what = (f"the parameters and optimizer state of {_count(n)} parameters ({per} bytes each, "
+            f"{_gib(int(n * per) // comp.world_size)})")
+    if least.host_bytes > b.host_bytes or comp.world_size > 1:
+        on_nvme = (f"; with all of it that can go to NVMe there ({_gib(least.nvme_bytes)} of --nvme-memory), "
+                   f"{_gib(least.host_bytes)} of host memory" if least.nvme_bytes and comp.world_size == 1 else "")
+        return BudgetError(f"needs at least {_gib(int(n * per) // comp.world_size)} of host memory for {what}"
+                           f"{on_nvme}; the host budget is {_gib(b.host_bytes)}: raise --host-memory")
+    if not b.nvme_dir or not b.nvme_bytes:
+        return BudgetError(f"needs at least {_gib(int(n * per) // comp.world_size)} of host memory for {what}; the "
+                           f"budget is {_gib(b.host_bytes)}. With state on NVMe it fits: give --nvme-dir (a folder on "
+                           f"a fast drive) and --nvme-memory of at least {_gib(least.nvme_bytes)} (the least host "
+                           f"memory that can hold the rest is {_gib(least.host_bytes)})")
+    return BudgetError(f"{what} does not fit {_gib(b.host_bytes)} of host memory with {_gib(b.nvme_bytes)} of "
+                       f"NVMe: keeping enough of it on NVMe takes {_gib(need.nvme_bytes)} there; raise --nvme-memory "
+                       f"(up to {_gib(least.nvme_bytes)} holds all of it that can go there) or --host-memory")
+
+
 def budget_error(search, batch_size: int, micro_batch: int | None, policy: str = "milp") -> BudgetError:
     """Why no plan of ``policy`` fits the budgets at this batch (``search``: the ``search.Search`` that found none),
     with the memory that would make one fit where that can be said."""
     comp = search.comp
-    host_need = int(comp.graph.total_params * comp.options["host_bytes_per_param"]) // comp.world_size
-    if host_need > comp.budgets.host_bytes:    # the host store alone does not fit: say that first
-        return BudgetError(
-            f"needs at least {_gib(host_need)} of host memory for the parameters and optimizer state of "
-            f"{_count(comp.graph.total_params)} parameters ({comp.options['host_bytes_per_param']} bytes "
-            f"each); the budget is {_gib(comp.budgets.host_bytes)}")
+    state = state_error(comp)
+    if state is not None:        # the state alone does not fit the host and NVMe budgets: say that first
+        return state
     mb = micro_batch or 1
     leanest = search.leanest(batch_size, mb)
     need = leanest.predicted["peak_gpu_bytes"]
