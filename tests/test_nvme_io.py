@@ -304,3 +304,13 @@ def test_a_missing_folder_is_created_and_bad_settings_are_refused(tmp_path):
         NvmeStore(tmp_path, request_bytes=1000)
     with pytest.raises(ValueError, match="queue_depth"):
         NvmeStore(tmp_path, queue_depth=0)
+
+
+def test_disk_rates_measure_through_the_tier_and_leave_nothing(tmp_path):
+    from lazytrain.measure.disk import disk_rates
+    rates = disk_rates(tmp_path, 4 << 20, request_bytes=1 << 20, queue_depth=2, repeats=2)
+    assert {k for k, v in rates.items() if k.endswith("_gbps") and v > 0} == \
+        {"nvme_read_gbps", "nvme_write_gbps", "nvme_both_gbps"}
+    assert (rates["nvme_queue_depth"], rates["nvme_request_bytes"]) == (2, 1 << 20)
+    assert rates["direct"] == NvmeStore(tmp_path / "probe").direct
+    assert not [p for p in tmp_path.iterdir() if p.name != "probe"]
