@@ -23,7 +23,10 @@ what cloud instances give: 16 cores, 128 GiB). - ``rtx3090``: 24 GB GDDR6X, 71 T
 with fp32 accumulate (NVIDIA Ampere GA102 whitepaper), PCIe gen4; consumer host (8 cores, 64 GiB,
 dual-channel DDR4, consumer NVMe). - ``rtx4090``: 24 GB GDDR6X, 165 TFLOP/s dense bf16 with fp32
 accumulate (Ada AD102 whitepaper), PCIe gen4; consumer host (16 cores, 64 GiB, dual-channel DDR5,
-gen4 NVMe). - Host figures other than H200's (pageable copies, CPU AdamW, NVMe) are estimates: fused
+gen4 NVMe). - ``workstation``: the ``rtx4090`` GPU on a 128 GiB, 16-core host whose state tier is one
+datacenter PCIe 4.0 NVMe drive (6.5/3.5 GB/s, 5 both at once, Samsung PM9A3 spec); ``workstation-4nvme``: four
+such drives in RAID 0 (22/12/16 GB/s); the ``source`` of each says where every figure comes from. - Host figures
+other than H200's (pageable copies, CPU AdamW, NVMe) are estimates: fused
 AdamW reads and writes ~28 bytes per parameter, so its rate follows host memory bandwidth and cores;
 pageable copies run at ~1/5 (H2D) and ~1/3 (D2H) of pinned. The 8-bit optimizer rate of every built-in
 but ``h200`` is assumed equal to the fp32 rate (the optimizer's target); a measured profile overrides it
