@@ -12,7 +12,8 @@ QWEN3B_LAYER_PARAMS = 77_076_992  # Qwen2.5-3B decoder layer: hidden 2048, 16 q 
 
 
 def test_builtins_exist_and_are_named_by_their_key():
-    assert {"h200", "h100", "h800", "a100-80g", "rtx3090", "rtx4090", "cpu"} <= set(PROFILES)
+    assert {"h200", "h100", "h800", "a100-80g", "rtx3090", "rtx4090", "workstation", "workstation-4nvme",
+            "cpu"} <= set(PROFILES)
     for key, profile in PROFILES.items():
         assert profile.name == key
         assert profile.source
@@ -108,6 +109,36 @@ def test_from_json_rejects_unknown_missing_and_bad_fields():
         HardwareProfile.from_json([1, 2])
     # JSON writes 16.0 for an int field and 55 for a float one: both are read back
     assert HardwareProfile.from_json({**good, "cpu_cores": 16.0, "h2d_gbps": 55}).cpu_cores == 16
+
+
+def test_nvme_fields_round_trip_and_old_files_without_them_load(tmp_path):
+    p = dataclasses.replace(PROFILES["h200"], nvme_both_gbps=2.5, nvme_queue_depth=8, nvme_request_bytes=8 << 20)
+    path = tmp_path / "hw.json"
+    p.save(path)
+    assert HardwareProfile.load(path) == p and p.nvme_mixed_gbps() == 2.5
+    old = PROFILES["rtx4090"].to_json()
+    for k in ("nvme_both_gbps", "nvme_queue_depth", "nvme_request_bytes"):
+        del old[k]
+    loaded = HardwareProfile.from_json(old)
+    assert (loaded.nvme_both_gbps, loaded.nvme_queue_depth, loaded.nvme_request_bytes) == (0.0, 0, 0)
+    assert loaded.nvme_mixed_gbps() == max(loaded.nvme_read_gbps, loaded.nvme_write_gbps) == 6.0
+    with pytest.raises(ValueError, match="nvme_queue_depth must be a whole number"):
+        HardwareProfile.from_json({**p.to_json(), "nvme_queue_depth": 2.5})
+    with pytest.raises(ValueError, match="nvme_both_gbps must be positive"):
+        HardwareProfile.from_json({**p.to_json(), "nvme_both_gbps": -1.0})
+
+
+def test_workstation_profiles_are_an_rtx4090_on_a_128_gib_host_with_one_or_four_drives():
+    one, four, gpu = PROFILES["workstation"], PROFILES["workstation-4nvme"], PROFILES["rtx4090"]
+    for p in (one, four):
+        assert (p.gpu_name, p.gpu_memory_bytes, p.bf16_tflops, p.h2d_gbps) == \
+            (gpu.gpu_name, gpu.gpu_memory_bytes, gpu.bf16_tflops, gpu.h2d_gbps)
+        assert (p.host_memory_bytes, p.cpu_cores) == (128 * GiB, 16)
+        assert (p.nvme_queue_depth, p.nvme_request_bytes) == (8, 8 << 20)
+        serial = 2 / (1 / p.nvme_read_gbps + 1 / p.nvme_write_gbps)
+        assert serial <= p.nvme_mixed_gbps() <= p.nvme_read_gbps + p.nvme_write_gbps
+    assert (one.nvme_read_gbps, one.nvme_write_gbps, one.nvme_both_gbps) == (6.5, 3.5, 5.0)
+    assert (four.nvme_read_gbps, four.nvme_write_gbps, four.nvme_both_gbps) == (22.0, 12.0, 16.0)
 
 
 def test_profile_is_frozen():

@@ -101,6 +101,12 @@ class HardwareProfile:
     #: ``lazytrain.measure.step_rates`` measures them in a plan's own step
     step_forward_scale: float = 1.0
     step_backward_scale: float = 1.0
+    #: the NVMe tier's disk reading and writing at once, GB/s of both together (0: unknown, ``nvme_mixed_gbps``
+    #: takes the faster direction alone); the requests in flight and the bytes of one request the three disk rates
+    #: were measured at, as the runtime issues them (``runtime/nvme.py``; 0: unknown)
+    nvme_both_gbps: float = 0.0
+    nvme_queue_depth: int = 0
+    nvme_request_bytes: int = 0
     #: measured block programs (``BlockTiming``); the cost model prefers them to the figures above
     calibration: tuple = ()
 
@@ -120,7 +126,8 @@ class HardwareProfile:
             if field.type == "int" and not isinstance(value, int):
                 raise ValueError(f"hardware profile field {field.name} must be a whole number, got {value!r}")
             if field.name in ("kernel_overhead_s", "op_dispatch_s", "op_dispatch_bwd_s", "attn_fwd_tflops",
-                              "attn_bwd_tflops", "attn_half_len", "param_load_gbps", "grad_offload_gbps"):
+                              "attn_bwd_tflops", "attn_half_len", "param_load_gbps", "grad_offload_gbps",
+                              "nvme_both_gbps", "nvme_queue_depth", "nvme_request_bytes"):
                 ok = value >= 0
             else:
                 ok = value > 0
@@ -211,6 +218,11 @@ class HardwareProfile:
     def nvme_seconds(self, nbytes: float, write: bool) -> float:
         return nbytes / ((self.nvme_write_gbps if write else self.nvme_read_gbps) * 1e9)
 
+    def nvme_mixed_gbps(self) -> float:
+        """GB/s of the disk reading and writing at once, both directions together: ``nvme_both_gbps`` where known,
+        else the faster direction alone (an unmeasured drive is not assumed to overlap the two)."""
+        return self.nvme_both_gbps or max(self.nvme_read_gbps, self.nvme_write_gbps)
+
     def collective_seconds(self, nbytes: float, world_size: int, nodes: int = 1, *, all_reduce: bool = False) -> float:
         """A ring all-gather or reduce-scatter whose gathered buffer is ``nbytes`` (each rank sends and
         receives ``(N - 1) / N`` of it, one latency per ring step); an all-reduce is both.  Across hosts
@@ -290,4 +302,7 @@ class HardwareProfile:
             f"host {self.cpu_cores} cores {self.host_memory_bytes / GiB:.0f} GiB, "
             f"AdamW {self.cpu_adam_gparams:.3g} G params/s, "
             f"disk {self.nvme_read_gbps:.3g}/{self.nvme_write_gbps:.3g} GB/s"
+            + (f" ({self.nvme_both_gbps:.3g} both)" if self.nvme_both_gbps else "")
+            + (f" at {self.nvme_queue_depth} x {self.nvme_request_bytes / MiB:.3g} MiB"
+               if self.nvme_queue_depth else "")
         )

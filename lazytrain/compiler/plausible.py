@@ -87,7 +87,7 @@ def problems(f: dict) -> list[str]:
     if "collective_latency_s" in f:
         need(0 <= f["collective_latency_s"] < 10e-3,
              f"collective_latency_s {f['collective_latency_s']:.3g} is outside [0, 10 ms)")
-    for k in ("cpu_adam_gparams", "nvme_read_gbps", "nvme_write_gbps"):
+    for k in ("cpu_adam_gparams", "nvme_read_gbps", "nvme_write_gbps", "nvme_both_gbps"):
         if k in f:
             need(f[k] > 0, f"{k} {f[k]:.3g} is not positive")
     return out

@@ -23,7 +23,10 @@ what cloud instances give: 16 cores, 128 GiB). - ``rtx3090``: 24 GB GDDR6X, 71 T
 with fp32 accumulate (NVIDIA Ampere GA102 whitepaper), PCIe gen4; consumer host (8 cores, 64 GiB,
 dual-channel DDR4, consumer NVMe). - ``rtx4090``: 24 GB GDDR6X, 165 TFLOP/s dense bf16 with fp32
 accumulate (Ada AD102 whitepaper), PCIe gen4; consumer host (16 cores, 64 GiB, dual-channel DDR5,
-gen4 NVMe). - Host figures other than H200's (pageable copies, CPU AdamW, NVMe) are estimates: fused
+gen4 NVMe). - ``workstation``: the ``rtx4090`` GPU on a 128 GiB, 16-core host whose state tier is one
+datacenter PCIe 4.0 NVMe drive (6.5/3.5 GB/s, 5 both at once, Samsung PM9A3 spec); ``workstation-4nvme``: four
+such drives in RAID 0 (22/12/16 GB/s); the ``source`` of each says where every figure comes from. - Host figures
+other than H200's (pageable copies, CPU AdamW, NVMe) are estimates: fused
 AdamW reads and writes ~28 bytes per parameter, so its rate follows host memory bandwidth and cores;
 pageable copies run at ~1/5 (H2D) and ~1/3 (D2H) of pinned. The 8-bit optimizer rate of every built-in
 but ``h200`` is assumed equal to the fp32 rate (the optimizer's target); a measured profile overrides it
@@ -164,6 +167,31 @@ PROFILES: dict[str, HardwareProfile] = {
     ),
     "cpu": _cpu_profile(),
 }
+
+#: one datacenter PCIe 4.0 drive (Samsung PM9A3 U.2 spec: 6.5 GB/s read, 3.5 write), both at once
+_PM9A3 = {"nvme_read_gbps": 6.5, "nvme_write_gbps": 3.5, "nvme_both_gbps": 5.0}
+#: the requests the NVMe tier keeps in flight and the bytes of each (``runtime/nvme.py``)
+_NVME_IO = {"nvme_queue_depth": 8, "nvme_request_bytes": 8 * MiB}
+_WORKSTATION = dataclasses.replace(
+    PROFILES["rtx4090"], name="workstation", host_memory_bytes=128 * GiB, cpu_cores=16, **_PM9A3, **_NVME_IO,
+    source="built-in: the rtx4090 profile's GPU and PCIe 4.0 figures (RTX 4090, 24 GB) on a 16-core host with "
+    "128 GiB of RAM and one datacenter PCIe 4.0 x4 NVMe drive for the state tier: Samsung PM9A3 (U.2) spec sheet "
+    "6.5 GB/s sequential read, 3.5 GB/s sequential write (heise and ComputerBase on Samsung's data sheet, 2020); an "
+    "enterprise drive's write figure is steady state, where a consumer drive's 5-7 GB/s holds only until its SLC "
+    "cache fills (TechPowerUp: 200-400 GB, then 1.4-2 GB/s) and a step rewrites more state than that; both at once "
+    "5.0 GB/s: a little above one direction after the other (4.55 GB/s), as flash dies serve one operation at a time; "
+    "measured at 8 requests of 8 MiB in flight, as the runtime issues them; " + _AS_CALIBRATED,
+)
+PROFILES["workstation"] = _WORKSTATION
+PROFILES["workstation-4nvme"] = dataclasses.replace(
+    _WORKSTATION, name="workstation-4nvme", nvme_read_gbps=22.0, nvme_write_gbps=12.0, nvme_both_gbps=16.0,
+    source="built-in: the workstation profile with its state tier on a RAID 0 of four PM9A3-class PCIe 4.0 x4 drives "
+    "(a 4-slot x16 carrier card, 31.5 GB/s of link, so the drives limit): 4 x 6.5 = 26 GB/s read and 4 x 3.5 = 14 "
+    "GB/s write at perfect striping, taken at ~85% (22 and 12 GB/s) for the striping layer and the CPU's I/O path, "
+    "as reviews of four PCIe 4.0 drives in RAID 0 measure 16-26 GB/s sequential (Hardwareluxx: four WD_Black SN850 on "
+    "an ASUS Hyper M.2 x16 Gen4, 2021); both at once 16 GB/s: four times the one drive's 5.0 at the same ~80%; "
+    + _AS_CALIBRATED,
+)
 
 
 def get_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:

@@ -16,9 +16,10 @@ several repeats after a warm-up:
   embeddings, so it is a little more efficient than a real layer;
 - fused fp32 AdamW on the host (``torch.optim.AdamW(fused=True)``, else ``foreach``) over 48M
   parameters (12M with ``quick``); the 8-bit rate is taken equal to it (no 8-bit kernel is measured);
-- sequential write (with fsync) and read of a 256 MB temp file (64 MB with ``quick``) in
-  ``disk_dir`` (default: the temp directory); the page cache is dropped for the file before reading
-  (``posix_fadvise``), so the read is the disk's, best effort;
+- the disk as the NVMe tier uses it (``disk.disk_rates``): a 256 MiB state file (64 MiB with ``quick``) in
+  ``disk_dir`` (default: the temp directory) overwritten in place (with fsync), read back with its page cache
+  dropped, and one read while another is written, in the runtime's requests (8 MiB, 8 in flight), ``O_DIRECT``
+  where the file system takes it; read, write, both at once and the request size and depth go in the profile;
 - CPU cores (affinity), host memory (physical or the cgroup limit), GPU memory;
 - with more than one GPU visible, the collectives between them (``profile_collectives``: ring all-gather
   and reduce-scatter over NCCL, fitted to the cost model's ``collective_gbps`` and
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -57,6 +57,7 @@ from ..models.gpt import GPT, GPTConfig
 from ..runtime.optim.torch_adamw import TorchAdamW
 from ..runtime.trainer import Trainer
 from ..util.host import cpu_cores, host_memory_bytes
+from .disk import disk_rates
 from .profile_collectives import GPU_SIZES, measure_collectives
 
 __all__ = ["measure"]
@@ -292,28 +293,10 @@ def _adam_gparams(n_params: int, repeats: int) -> tuple[float, str]:
     return sum(p.numel() for p in params) / seconds / 1e9, kind
 
 
-def _disk_gbps(directory: str | None, nbytes: int) -> tuple[float, float]:
-    """(read, write) GB/s of one file of ``nbytes``, written with fsync, read after dropping its cache."""
-    chunk = os.urandom(min(nbytes, 16 * 2**20))
-    fd, path = tempfile.mkstemp(prefix="lazytrain-disk-", dir=directory)
-    try:
-        t0 = time.perf_counter()
-        written = 0
-        while written < nbytes:
-            written += os.write(fd, chunk)
-        os.fsync(fd)
-        write_s = time.perf_counter() - t0
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.lseek(fd, 0, os.SEEK_SET)
-        t0 = time.perf_counter()
-        while os.read(fd, len(chunk)):
-            pass
-        read_s = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return written / 1e9 / read_s, written / 1e9 / write_s
+def _disk(directory: str | None, nbytes: int, repeats: int) -> dict:
+    """Read, write and both at once through the NVMe tier's own I/O path, at its request size and queue depth
+    (``disk.disk_rates``); the ``HardwareProfile`` fields, and ``direct``."""
+    return disk_rates(directory, nbytes, repeats=repeats)
 
 
 def _collectives(on_gpu: bool, repeats: int, log) -> tuple[dict, str]:
@@ -391,9 +374,12 @@ def measure(device: str | torch.device | None = None, quick: bool = False, disk_
     log(f"  {adam:.2f} G params/s ({adam_kind})")
 
     disk_bytes = (64 if quick else 256) * 2**20
-    log(f"disk, {disk_bytes >> 20} MB file in {disk_dir or tempfile.gettempdir()} ...")
-    disk_read, disk_write = _disk_gbps(disk_dir, disk_bytes)
-    log(f"  read {disk_read:.2f} GB/s, write {disk_write:.2f} GB/s")
+    log(f"disk, {disk_bytes >> 20} MiB files in {disk_dir or tempfile.gettempdir()} ...")
+    disk = measure_checked("disk", lambda: _disk(disk_dir, disk_bytes, 1 if quick else 3), log)
+    direct = disk.pop("direct")
+    log(f"  read {disk['nvme_read_gbps']:.2f} GB/s, write {disk['nvme_write_gbps']:.2f} GB/s, both at once "
+        f"{disk['nvme_both_gbps']:.2f} GB/s ({disk['nvme_queue_depth']} x {disk['nvme_request_bytes'] >> 20} MiB "
+        f"requests, {'direct' if direct else 'buffered'} I/O)")
 
     collectives, coll_note = _collectives(on_gpu, repeats, log)
     where = (f"measured on {gpu_name}" if on_gpu else
@@ -401,10 +387,10 @@ def measure(device: str | torch.device | None = None, quick: bool = False, disk_
     profile = HardwareProfile(
         name="measured", gpu_name=gpu_name, gpu_memory_bytes=int(gpu_memory), host_memory_bytes=int(host_memory),
         cpu_cores=cores, bf16_tflops=tflops, **fit, **rates, **attention, **dispatch, **collectives,
-        cpu_adam_gparams=adam, cpu_adam8_gparams=adam, nvme_read_gbps=disk_read, nvme_write_gbps=disk_write,
+        cpu_adam_gparams=adam, cpu_adam8_gparams=adam, **disk,
         source=f"{where} by lazytrain profile{' (quick)' if quick else ''}, torch {torch.__version__}; "
         f"{adam_kind} AdamW; 8-bit optimizer rate assumed equal to fp32 (not measured); "
-        f"disk = {disk_dir or tempfile.gettempdir()}; {coll_note}",
+        f"disk = {disk_dir or tempfile.gettempdir()} ({'direct' if direct else 'buffered'} I/O); {coll_note}",
     )
     log(str(profile))
     return profile

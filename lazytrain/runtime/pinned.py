@@ -75,3 +75,23 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 def host_empty(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
     """``pinned_empty`` when ``pin``, else plain pageable memory (CPU mode: nothing crosses PCIe)."""
     return pinned_empty(numel, dtype) if pin and numel else torch.empty(numel, dtype=dtype)
+
+
+def aligned_empty(nbytes: int, *, pin: bool) -> torch.Tensor:
+    """An uninitialised uint8 host tensor of ``nbytes`` whose address is a multiple of ``PAGE`` (4096), so the NVMe
+    tier can move it with direct I/O (``runtime/nvme.py``): page-locked (``host_empty``) when ``pin``, else pageable.
+
+    Large pinned buffers are page-aligned already (``_registered``), and so are the CUDA caching allocator's blocks;
+    a buffer that is not (another allocator) is taken again ``PAGE`` bytes larger and sliced at its first page."""
+    if nbytes < 0:
+        raise ValueError(f"a buffer holds a whole, non-negative number of bytes, got {nbytes}")
+    if pin:
+        t = host_empty(nbytes, torch.uint8, pin=True)
+        if t.data_ptr() % PAGE == 0 or not nbytes:
+            return t
+        t = host_empty(nbytes + PAGE, torch.uint8, pin=True)
+        start = (-t.data_ptr()) % PAGE
+        return t[start:start + nbytes]
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    start = (-raw.ctypes.data) % PAGE
+    return torch.from_numpy(raw[start:start + nbytes])      # the tensor's storage keeps ``raw`` alive
