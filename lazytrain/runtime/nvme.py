@@ -180,34 +180,6 @@ class NvmeStore:
         self._transfer(f.path, view, into.data_ptr(), write=False, flags=os.O_RDONLY | _NOFOLLOW)
         self._count(read=f.nbytes)
 
-    def preallocate(self, tag: str, nbytes: int) -> NvmeFile:
-        """A file of ``nbytes`` for ``write_into``, its blocks reserved now (a full disk fails here, not mid-run)."""
-        path = self.path(tag)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | _NOFOLLOW, 0o600)
-        try:
-            if nbytes:
-                os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            raise NvmeError(f"NVMe folder {self.root}: cannot reserve {nbytes / 2**30:.2f} GiB for {tag} "
-                            f"({e.strerror or e}, {shutil.disk_usage(self.root).free / 2**30:.2f} GiB free)") from None
-        finally:
-            os.close(fd)
-        return NvmeFile(path, nbytes)
-
-    def write_into(self, f: NvmeFile, host: torch.Tensor) -> None:
-        """Overwrite the file ``f`` in place with a contiguous host tensor's bytes (runs on the NVMe thread)."""
-        view = memoryview(host.contiguous().view(-1).view(torch.uint8).numpy())
-        if len(view) != f.nbytes:
-            raise ValueError(f"{f.path}: holds {f.nbytes} bytes, the buffer {len(view)}")
-        fd = os.open(f.path, os.O_WRONLY | _NOFOLLOW)
-        try:
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], done)
-        finally:
-            os.close(fd)
-        self.bytes_written += len(view)
-
     @staticmethod
     def delete(f: NvmeFile) -> None:
         try:
