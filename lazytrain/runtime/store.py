@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ir import GiB, ModelGraph, TensorKind
-from .pinned import host_empty
+from .pinned import aligned_empty, host_empty
 from .streams import Streams
 
 log = logging.getLogger("lazytrain")
@@ -204,7 +204,7 @@ class HostPool:
             return pick[0]
         with self._lock:
             self.allocated_bytes += nbytes
-        return host_empty(nbytes, torch.uint8, pin=self.pin)
+        return aligned_empty(nbytes, pin=self.pin)    # (page-aligned: NVMe moves it with direct I/O)
 
     def release(self, buf: torch.Tensor, after=()) -> None:
         with self._lock:
