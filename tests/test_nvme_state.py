@@ -145,8 +145,8 @@ def test_checkpoint_resumes_across_placements(first, second, tmp_path):
     t.save_checkpoint(tmp_path / "ckpt")
     t.close()
     m2 = copy.deepcopy(model)
-    t2 = Trainer.load_checkpoint(tmp_path / "ckpt", m2, plan=plans[second], optimizer=_optimizer("hybrid8bit"), device="cpu",
-                      verbose=False)
+    t2 = Trainer.load_checkpoint(tmp_path / "ckpt", m2, plan=plans[second], optimizer=_optimizer("hybrid8bit"),
+                                 device="cpu", verbose=False)
     losses += [t2.step(b).loss for b in batches[2:]]
     t2.sync_to_model()
     t2.close()

@@ -7,7 +7,7 @@ from collections import Counter
 
 from .decisions import Place, Saved
 from .graph import loss_chunk_columns, padded_row
-from .ops import GiB, OpKind
+from .ops import GiB, OpKind, TensorId, TensorKind, Tier
 from .semantics import Sizes
 from .tiers import TIERS
 
@@ -228,6 +228,38 @@ def _budget_rows(budgets: dict) -> list[list[str]]:
 _TIER_LABELS = " / ".join(spec.label for spec in TIERS.values())
 
 
+#: the summary's name of each resource's busy time (``predicted["busy_s"]``)
+_RESOURCE_NAMES = {"gpu": "GPU compute", "h2d": "PCIe to the GPU", "d2h": "PCIe from the GPU",
+                   "cpu": "host optimizer", "nvme": "NVMe", "net": "collectives"}
+
+
+def _state_text(plan) -> str:
+    """Where the parameters, gradients and optimizer state live: the host store, and what is kept on NVMe."""
+    placed = plan.decisions.nvme_state
+    if not placed:
+        return "all in host memory (the host store)"
+    sizes = Sizes.of_plan(plan)
+    names = {"ostate": "optimizer state", "grads": "gradients", "params": "parameters"}
+    parts = [f"{names[k]} of {len(v)} blocks" for k, v in placed.items() if v]
+    on = sum(sizes.of(TensorId(kind=TensorKind(k), index=j), Tier.HOST) for k, v in placed.items() for j in v)
+    static = plan.predicted.get("host_static_bytes") if plan.predicted else None
+    host = f"; {static / GiB:.2f} GiB stays in host memory" if static is not None else ""
+    return f"on NVMe: {', '.join(parts)} ({on / GiB:.2f} GiB in {plan.budgets.get('nvme_dir')}){host}"
+
+
+def _pace_text(pred: dict) -> str:
+    """The resource busiest over the step, against the step: what a faster one would speed up."""
+    busy = {r: t for r, t in pred.get("busy_s", {}).items() if t}
+    step = pred.get("step_time_s", 0)
+    if not busy or not step:
+        return "-"
+    order = sorted(busy, key=busy.get, reverse=True)
+    top = order[0]
+    rest = ", ".join(f"{_RESOURCE_NAMES.get(r, r)} {busy[r]:.3g} s" for r in order[1:])
+    head = f"{_RESOURCE_NAMES.get(top, top)}: busy {busy[top]:.3g} s of the {step:.3g} s step ({busy[top] / step:.0%})"
+    return head + (f"; then {rest}" if rest else "")
+
+
 def summary_rows(plan) -> list[list]:
     d = plan.decisions
     pred = plan.predicted
@@ -243,6 +275,7 @@ def summary_rows(plan) -> list[list]:
         ["resident on the GPU", _resident_text(plan)],
         *([["updated on the GPU (streamed)", _gpu_update_text(plan)]]
           if plan.decisions.gpu_update or "gpu_update" in plan.decisions.notes else []),
+        ["training state", _state_text(plan)],
         ["ops", f"{len(plan.ops)} ({', '.join(f'{k.value} {plan.count(k)}' for k in OpKind if plan.count(k))})"],
     ]
     if pred:
@@ -257,6 +290,7 @@ def summary_rows(plan) -> list[list]:
             ["busy s (gpu h2d d2h cpu nvme)", " ".join(f"{pred.get('busy_s', {}).get(r, 0):.3f}"
                                                        for r in ("gpu", "h2d", "d2h", "cpu", "nvme"))],
             ["exposed transfer s", f"{pred.get('exposed_transfer_s', 0):.4f}"],
+            ["what paces the step", _pace_text(pred)],
         ]
         if plan.world_size > 1:
             rows.append(["world (ranks, collective busy s)", f"{plan.world_size}, "

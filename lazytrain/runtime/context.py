@@ -15,6 +15,7 @@ import torch
 from ..ir import Op, Plan, Resource, TensorId, TensorKind, Tier
 from ..ir.ops import tensor_id
 from .nvme import NvmeFile, NvmeStore
+from .nvme_state import NvmeState
 from .optim.base import HostOptimizer
 from .optim.clipping import GradNormTracker
 from .profiling import Profiler
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from ..frontend.program import BlockProgram
     from .distributed import World
     from .interpreter import Schedule
-    from .nvme_state import NvmeState
     from .saved import SavedRecord
     from .updates import Updates
 
@@ -47,12 +47,6 @@ class GpuParams:
     @property
     def flats(self) -> tuple[torch.Tensor, ...]:
         return (self.flat, *self.extra)
-
-
-@dataclass
-class HostCopy:
-    buf: torch.Tensor            # pooled uint8 buffer
-    tensor: torch.Tensor         # typed view of it
 
 
 @dataclass

@@ -36,10 +36,11 @@ from ..ir import Op, OpKind, Resource, TensorId, TensorKind, Tier
 from ..ir.ops import tensor_id
 from ..ir.tiers import COPIES as TIER_COPIES
 from . import compiled_block
-from .context import G, GpuParams, H, HostCopy, N, NvmeCopy, Payload, Step
+from .context import G, GpuParams, H, N, NvmeCopy, Payload, Step
 from .nvme import NvmeFile
 from .rng import replaying, rng_state
 from .saved import Packer, SavedRecord
+from .store import HostCopy
 
 
 # ---- parameters ---------------------------------------------------------------------------------
@@ -356,6 +357,22 @@ def _free_nvme(ctx: Step, op: Op, payload) -> None:
             if isinstance(v, NvmeCopy):
                 ctx.run.nvme.delete(v.file)
     ctx.submit(ctx.run.streams.nvme, op, delete)
+
+
+# ---- state kept on NVMe (``nvme_state.py``) ---------------------------------------------------------
+def state_read(ctx: Step, op: Op) -> None:
+    """A host copy of placed state from its file, in a pooled buffer, on the NVMe worker."""
+    state, t = ctx.run.nvme_state, op.tensor
+    payload = state.empty_copy(t.kind, op.block)
+    ctx.submit(ctx.run.streams.nvme, op, lambda: state.read(t.kind, op.block, payload))
+    ctx.put(t, H, payload)
+
+
+def state_write(ctx: Step, op: Op) -> None:
+    """A host copy of placed state back into its file, on the NVMe worker (the copy stays until its ``free``)."""
+    state, t = ctx.run.nvme_state, op.tensor
+    payload = ctx.get(t, H)
+    ctx.submit(ctx.run.streams.nvme, op, lambda: state.write(t.kind, op.block, payload))
 
 
 #: how a copy on each tier is dropped, keyed by tier (a test checks every tier has one)

@@ -37,7 +37,6 @@ from . import collectives as coll
 from . import gpu_update as gu
 from . import gradients as gr
 from . import handlers as h
-from . import nvme_state
 from .context import Step, describe
 from .updates import Updates, update
 
@@ -58,8 +57,8 @@ HANDLERS: dict[OpKind, Callable[[Step, Op], None]] = {
     OpKind.ALL_REDUCE: coll.all_reduce,
     OpKind.STATE_LOAD: gu.state_load,
     OpKind.STATE_STORE: gu.state_store,
-    OpKind.STATE_READ: nvme_state.state_read,
-    OpKind.STATE_WRITE: nvme_state.state_write,
+    OpKind.STATE_READ: h.state_read,
+    OpKind.STATE_WRITE: h.state_write,
 }
 
 

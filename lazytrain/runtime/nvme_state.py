@@ -30,11 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ir import Op, TensorKind
-from .context import H, HostCopy, Step
+from ..ir import TensorKind
 from .nvme import NvmeFile, NvmeStore
 from .optim.base import HostOptimizer
-from .store import HostPool, HostStore
+from .store import HostCopy, HostPool, HostStore
 
 _PARAMS, _GRADS, _OSTATE = TensorKind.PARAMS, TensorKind.GRADS, TensorKind.OPT_STATE
 #: the byte alignment of each tensor in an ``ostate`` file (every dtype's)
@@ -186,18 +185,3 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-
-# ---- the handlers ---------------------------------------------------------------------------------
-def state_read(ctx: Step, op: Op) -> None:
-    """A host copy of placed state from its file, in a pooled buffer, on the NVMe worker."""
-    state, t = ctx.run.nvme_state, op.tensor
-    payload = state.empty_copy(t.kind, op.block)
-    ctx.submit(ctx.run.streams.nvme, op, lambda: state.read(t.kind, op.block, payload))
-    ctx.put(t, H, payload)
-
-
-def state_write(ctx: Step, op: Op) -> None:
-    """A host copy of placed state back into its file, on the NVMe worker (the copy stays until its ``free``)."""
-    state, t = ctx.run.nvme_state, op.tensor
-    payload = ctx.get(t, H)
-    ctx.submit(ctx.run.streams.nvme, op, lambda: state.write(t.kind, op.block, payload))

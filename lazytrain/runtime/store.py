@@ -35,6 +35,14 @@ class HostMemoryError(MemoryError):
 
 
 @dataclass
+class HostCopy:
+    """A host copy of a plan value in a pooled buffer (``HostPool``): the buffer, and the typed view of it."""
+
+    buf: torch.Tensor            # pooled uint8 buffer
+    tensor: torch.Tensor         # typed view of it
+
+
+@dataclass
 class Segment:
     name: str
     offset: int

@@ -44,7 +44,7 @@ from .batch import (
     token_limits,
 )
 from .compute_device import compute_device, device_type
-from .context import GpuParams, H, HostCopy, Run, Step
+from .context import GpuParams, H, Run, Step
 from .distributed import World, global_tokens
 from .gpu_update import pin_state
 from .interpreter import Schedule
@@ -54,7 +54,7 @@ from .optim.clipping import GradNormTracker
 from .optim.torch_adamw import TorchAdamW
 from .profiling import Profiler, StepProfile
 from .shards import gathered_layouts, gathered_masters, init_shards, shard_layouts
-from .store import BlockLayout, HostPool, HostStore, layouts
+from .store import BlockLayout, HostCopy, HostPool, HostStore, layouts
 from .streams import Streams
 from .updates import Updates, check_clipping
 from .validate import check_trainer_args
