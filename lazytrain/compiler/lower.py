@@ -37,10 +37,11 @@ State kept on NVMe (``Decisions.nvme_state``): an update of a block with any com
 forward ``STATE_AHEAD`` blocks before the block's load (not at the step's start, where every placed block's state
 would be on the host at once): ``state_read`` of its gradient and optimizer state (and parameters) before it,
 ``state_write`` of what it changed after it, the optimizer state freed at once and the parameters kept for the
-load that follows.  Every other load of placed parameters reads them just before it and frees them just after;
-a placed gradient goes back to its file right after its ``grad_offload``.  A ``state_read`` of a component waits
-for the ``free`` of that component ``STATE_SLOTS`` reads before it, so the host copies stay bounded in time as
-they are in program order.
+load that follows; the reads of the next such block come before this one's update, so the NVMe worker (FIFO)
+reads while the host updates, not after the writes that wait for the update.  Every other load of placed
+parameters reads them just before it and frees them just after; a placed gradient goes back to its file right
+after its ``grad_offload``.  A ``state_read`` of a component waits for the ``free`` of that component
+``NVME_STATE_SLOTS`` reads before it, so the host copies stay bounded in time as they are in program order.
 
 Dependencies: the two the schedule chooses for memory (a compute waits for the offload of the
 micro-batch two before it; a load waits for the latest parameter free), and every hazard on a value
@@ -159,15 +160,11 @@ class _Lowering:
     def update(self, j: int) -> None:
         if not self.owns[j] or j in self.updated:
             return
-        self.updated.add(j)
-        on_gpu = j in self.resident or j in self.gpu_updated
         placed = j in self.nvme_blocks
         if placed:
-            if self.clip:        # lagged: last step's gradient is in its file (no clip: on the host, just offloaded)
-                for r in self.sizes.readers(j):
-                    self.state_read(_GRADS, r)
-            self.state_read(_OSTATE, j)
-            self.state_read(_PARAMS, j)
+            self.update_reads(j)
+        self.updated.add(j)
+        on_gpu = j in self.resident or j in self.gpu_updated
         self.emit(OpKind.UPDATE, j, resource=Resource.GPU if on_gpu else Resource.CPU, seconds=self.cost.update_s(j))
         if placed:
             self.state_write(_OSTATE, j)
@@ -177,6 +174,18 @@ class _Lowering:
                 self.state_free(_PARAMS, j)
 
     # ---- state kept on NVMe ------------------------------------------------------------------------
+    def update_reads(self, j: int) -> None:
+        """What block j's update reads of its state kept on NVMe (with clipping, lagged: last step's gradient is in
+        its file; without, on the host, just offloaded), unless read already (the forward reads one block ahead of
+        the update, so the NVMe worker reads the next block's state while the host updates this one)."""
+        if j not in self.nvme_blocks or not self.owns[j] or j in self.updated:
+            return
+        if self.clip:
+            for r in self.sizes.readers(j):
+                self.state_read(_GRADS, r)
+        self.state_read(_OSTATE, j)
+        self.state_read(_PARAMS, j)
+
     def state_read(self, kind: TensorKind, j: int) -> None:
         """A host copy of block j's ``kind`` from its file, if it lives there and is not on the host already."""
         if (kind, j) not in self.nvme or (kind, j) in self.staged:
@@ -282,7 +291,10 @@ class _Lowering:
             for j in range(self.L):
                 if j not in self.gpu_updated and j not in self.nvme_blocks:
                     self.update(j)
-            for j in range(min(STATE_AHEAD, self.L)):
+            first = min(STATE_AHEAD + 1, self.L)    # the placed blocks the forward's windows come too late for
+            for j in range(min(first + 1, self.L)):
+                self.update_reads(j)
+            for j in range(first):
                 if j in self.nvme_blocks:
                     self.update(j)
         if 0 not in self.gpu_updated:
@@ -300,6 +312,8 @@ class _Lowering:
             if j in self.gpu_updated:
                 self.gpu_update(j)
             ahead = j + 1 + STATE_AHEAD
+            if self.clip and ahead + 1 < L:      # the next one's reads first: they run while the host updates
+                self.update_reads(ahead + 1)
             if self.clip and ahead < L and ahead in self.nvme_blocks:
                 self.update(ahead)
             if j + 1 < L and j + 1 not in self.gpu_updated:
