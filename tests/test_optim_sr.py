@@ -202,6 +202,7 @@ def test_state_loads_into_the_exact_optimizer_and_back():
         exact.step(0, g)
     s_sr, s_exact = sr.state_tensors(0), exact.state_tensors(0)
     assert s_sr.keys() == s_exact.keys()
+    assert torch.equal(s_sr["master"], load_sr.float())
     assert {k: (v.dtype, v.shape) for k, v in s_sr.items()} == {k: (v.dtype, v.shape) for k, v in s_exact.items()}
     other = _opt(False, sr=False)
     _setup(other, torch.zeros(N))
