@@ -222,7 +222,7 @@ def test_device_blocks_are_refused():
     opt = _opt(False)
     opt._force_device = True
     with pytest.raises(PlanError, match="hybrid8bit-sr\\) updates on the host only: compile the plan with "
-                                        "resident='none'"):
+                                        "resident='none'.* \\(block 0 is GPU-resident\\)"):
         _setup(opt, torch.zeros(N))
     with pytest.raises(NotImplementedError):
         opt.device_bytes_per_param(2)

@@ -137,7 +137,7 @@ class CompileRequest:
         and asking for some is an error."""
         for name, none in (("resident", (None, "none", "auto", 0, [], ())), ("gpu_update", ("none", "auto", 0, ()))):
             if getattr(self, name) not in none:
-                raise ValueError(f"optimizer {self.optimizer} updates on the host only: {name}="
+                raise ValueError(f"optimizer hybrid8bit-sr updates on the host only: {name}="   # (the one host_only)
                                  f"{getattr(self, name)!r} asks for blocks updated on the GPU; use {name}='none' "
                                  f"(or 'auto', which chooses none for it)")
             self._set(name, "none")

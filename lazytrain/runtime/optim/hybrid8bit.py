@@ -205,7 +205,7 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
         st.device = dev.type != "cpu" or self._force_device
         st.block = block
         if st.device and self.stochastic_rounding:
-            raise PlanError(f"block {block} is GPU-resident but {NO_DEVICE_SR}")
+            raise PlanError(f"{NO_DEVICE_SR} (block {block} is GPU-resident)")
         init = init.reshape(-1).to(device=dev, dtype=torch.float32)
         st.load = load_buffer
         st.lo = st.own_master = None
