@@ -73,7 +73,7 @@ static inline uint32_t sr_bits(uint32_t idx, uint32_t key)
         lo[i] = (int16_t)(uint16_t)bits;                                                               \
         hi[i] = (uint16_t)((bits + 0x8000u) >> 16);                                                    \
     } else if (MODE == 2) {                                                                            \
-        hi[i] = (uint16_t)((f2u(p) + sr_bits((uint32_t)(idx0 + i), key)) >> 16);                       \
+        hi[i] = (uint16_t)((f2u(p) + sr_bits((uint32_t)idx0 + (uint32_t)i, key)) >> 16);                \
     } else {                                                                                           \
         p32[i] = p;                                                                                    \
     }
