@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=None, help="Hybrid8bitAdamW chunk_numel")
     ap.add_argument("--only", choices=["torch", "8bit"], default=None)
     ap.add_argument("--no-kernel", action="store_true", help="Hybrid8bitAdamW: the torch-ops path, not the C kernel")
+    ap.add_argument("--sr", action="store_true", help="Hybrid8bitAdamW with the stochastic-rounding bf16 master too "
+                                                      "(hybrid8bit-sr), after the exact one")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     print(f"block of {a.numel / 1e6:.1f}M params, bf16 load buffer and grads, {a.threads} threads")
@@ -63,9 +65,11 @@ def main() -> None:
     if a.only in (None, "8bit"):
         kw = {"chunk_numel": a.chunk} if a.chunk else {}
         kw["kernel"] = False if a.no_kernel else None
-        r, b = rate(Hybrid8bitAdamW(lr=1e-4, weight_decay=0.1, num_threads=a.threads, **kw), a.numel, a.steps)
         path = "torch ops" if a.no_kernel else "C kernel"
-        print(f"Hybrid8bitAdamW  {r:6.3f} G params/s   {b:.3f} B/param   ({path})")
+        for sr in (False, True) if a.sr else (False,):
+            opt = Hybrid8bitAdamW(lr=1e-4, weight_decay=0.1, num_threads=a.threads, stochastic_rounding=sr, **kw)
+            r, b = rate(opt, a.numel, a.steps)
+            print(f"Hybrid8bitAdamW{'-sr' if sr else '   '}  {r:6.3f} G params/s   {b:.3f} B/param   ({path})")
 
 
 if __name__ == "__main__":

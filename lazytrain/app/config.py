@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from ..compiler.options import Policy
+from ..compiler.options import Optimizer, Policy
 from ..ir.limits import MAX_BATCH, MAX_SEQ_LEN
-from ..util.jsonshape import Either, Int, ListOf, Num, OneOf
+from ..util.jsonshape import Either, Int, ListOf, Num, OneOf, Opt
 from . import cli_types
 
 
@@ -96,6 +96,8 @@ _MODEL_HELP = ("'task' (a small GPT sized for the task, default), a preset ({pre
                "(config.json and *.safetensors: fine-tune its weights; config.json alone: random init), a "
                "config.json, or package.module:factory (imports and calls it: runs code, so name only code you "
                "trust)")
+#: the host optimizers a run may use: the Hybrid 8-bit AdamW, with its exact master or the stochastic-rounding one
+OPTIMIZERS = (Optimizer.HYBRID8BIT.value, Optimizer.HYBRID8BIT_SR.value)
 _RESIDENT_HELP = ("keep blocks on the GPU for the whole run (parameters, optimizer state, gradients; their update runs "
                   "on the GPU): auto lets the compiler choose how many of the first blocks (milp policy, on a GPU), "
                   "N keeps the first N (tied groups whole) (default {d.resident})")
@@ -135,6 +137,13 @@ class TrainConfig:
     policy: Policy = setting(Policy.MILP, "how the plan is chosen: the MILP solver, or a fixed heuristic (default "
                                           "{d.policy})", choices=Policy.names, resumed=_KEPT,
                              shape=OneOf(*Policy.names()))
+    #: a run folder written before this setting existed has none: it resumed with the default (``Opt``)
+    optimizer: Optimizer = setting(
+        Optimizer.HYBRID8BIT, "host optimizer: Hybrid 8-bit AdamW with its exact fp32 master (8.25 bytes a parameter "
+                              "in host memory) or hybrid8bit-sr, a bf16 master rounded stochastically (6.25 bytes; "
+                              "updates on the host only, no GPU-resident blocks; its accuracy cost: "
+                              "benchmarks/results/issue41_bytes_per_param) (default {d.optimizer})",
+        choices=OPTIMIZERS, resumed=_KEPT, shape=Opt(OneOf(*OPTIMIZERS)))
     #: blocks kept on the GPU (``compile_model``'s ``resident``): "auto", "none", the first N, or these indices
     resident: Literal["auto", "none"] | int | list[int] = setting(
         "auto", _RESIDENT_HELP, type=cli_types.resident, metavar="none|auto|N|i,j,..", resumed=_KEPT,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..compiler.options import Optimizer
 from ..util.host import cpu_cores
 from .config import TrainConfig
 from .ranks import Ranks
@@ -129,7 +130,8 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
     from ..runtime.trainer import Trainer
     ranks = ranks or Ranks()
     opt = Hybrid8bitAdamW(lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-                          num_threads=torch.get_num_threads() if dev.type == "cpu" else None)
+                          num_threads=torch.get_num_threads() if dev.type == "cpu" else None,
+                          stochastic_rounding=cfg.optimizer == Optimizer.HYBRID8BIT_SR, seed=cfg.seed)
     t = time.perf_counter()
     plan = None
     if resumed:
@@ -158,7 +160,7 @@ def _shared_plan(cfg: TrainConfig, model, ranks: Ranks, *, seq_len: int, hardwar
 
     def compiled() -> dict:
         plan = compile_model(model, batch_size=batch, seq_len=seq_len, hardware=hardware, gpu_memory=cfg.gpu_memory,
-                             host_memory=cfg.host_memory, policy=cfg.policy, optimizer="hybrid8bit",
+                             host_memory=cfg.host_memory, policy=cfg.policy, optimizer=cfg.optimizer,
                              param_dtype=param_dtype, resident=cfg.resident, packed=packed, world_size=ranks.size,
                              nodes=ranks.nodes)
         return hint_uncalibrated(plan, model).to_json()     # as ``lazytrain.compile`` does

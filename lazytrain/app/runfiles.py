@@ -108,7 +108,7 @@ def _take_settings(cfg: TrainConfig, saved: dict, src: Path) -> None:
     silently ignored (a default value counts as not asked for)."""
     default = TrainConfig()
     for k in resumed(default):
-        v, asked = saved[k], getattr(cfg, k)
+        v, asked = saved.get(k, getattr(default, k)), getattr(cfg, k)     # (a setting newer than the run)
         if asked != v and asked != getattr(default, k) and not (k == "model" and _same_model(asked, v)):
             flag, theirs = f"--{k.replace('_', '-')} {asked}", f"{k} ({v})"
             if k == "loss_on_prompt":

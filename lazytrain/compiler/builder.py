@@ -97,7 +97,7 @@ class Compiler:
         cost = self._costs.get(key)
         if cost is None or cost.graph is not self.graph or cost.hw is not self.hw:
             cost = self._costs[key] = CostModel(self.graph, self.hw, micro_batch, self.param_dtype,
-                                                self.optimizer == "hybrid8bit", resident=resident,
+                                                Optimizer(self.optimizer).eight_bit, resident=resident,
                                                 world_size=self.world_size, nodes=self.nodes, cut=cut,
                                                 gpu_updated=gpu_updated, nvme=nvme,
                                                 host_bytes_per_param=self.options["host_bytes_per_param"])

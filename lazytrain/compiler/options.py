@@ -54,4 +54,17 @@ class LossHead(Choice):
 class Optimizer(Choice):
     """The host optimizer a plan's host memory is priced for."""
     HYBRID8BIT = "hybrid8bit"
+    #: the 8-bit optimizer with a bf16 master rounded stochastically (no master low half: 2 B/param less);
+    #: updates on the host only, so the compiler plans no GPU-resident or GPU-updated block for it
+    HYBRID8BIT_SR = "hybrid8bit-sr"
     ADAMW = "adamw"
+
+    @property
+    def eight_bit(self) -> bool:
+        """Block-wise 8-bit moments (the host update's rate and the GPU's state bytes are the 8-bit ones)."""
+        return self in (Optimizer.HYBRID8BIT, Optimizer.HYBRID8BIT_SR)
+
+    @property
+    def host_only(self) -> bool:
+        """Updates only on the host: no GPU-resident or GPU-updated blocks."""
+        return self is Optimizer.HYBRID8BIT_SR

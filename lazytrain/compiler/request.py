@@ -24,7 +24,7 @@ from .world import check_world
 #: the profile a compile plans for when the caller names none (said once per request, ``CompileRequest.of``)
 DEFAULT_HARDWARE = "h200"
 #: host bytes per parameter by optimizer (load buffer + grad buffer + master + states)
-HOST_BYTES_PER_PARAM = {Optimizer.HYBRID8BIT: 8.25, Optimizer.ADAMW: 16.0}
+HOST_BYTES_PER_PARAM = {Optimizer.HYBRID8BIT: 8.25, Optimizer.HYBRID8BIT_SR: 6.25, Optimizer.ADAMW: 16.0}
 #: the dtypes a plan keeps its parameters in on the GPU (bf16 on a GPU; fp32 for CPU runs, eager's references)
 PARAM_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -129,6 +129,18 @@ class CompileRequest:
                              f"there)")
         if self.world_size != 1 or self.nodes != 1:
             check_world(self.world_size, self.nodes)
+        if self.optimizer.host_only:
+            self._host_updates_only()
+
+    def _host_updates_only(self) -> None:
+        """An optimizer that updates on the host only: "auto" chooses no GPU-resident and no GPU-updated block,
+        and asking for some is an error."""
+        for name, none in (("resident", (None, "none", "auto", 0, [], ())), ("gpu_update", ("none", "auto", 0, ()))):
+            if getattr(self, name) not in none:
+                raise ValueError(f"optimizer hybrid8bit-sr updates on the host only: {name}="   # (the one host_only)
+                                 f"{getattr(self, name)!r} asks for blocks updated on the GPU; use {name}='none' "
+                                 f"(or 'auto', which chooses none for it)")
+            self._set(name, "none")
 
     def _set(self, name: str, value) -> None:
         """A field normalised in ``__post_init__`` (the dataclass is frozen to everyone else)."""

@@ -50,6 +50,7 @@ from ..compiler.block_timing import BlockTiming, CutTiming
 from ..compiler.budgets import BudgetError
 from ..compiler.fixed import calibrating
 from ..compiler.hardware import HardwareProfile
+from ..compiler.options import Optimizer
 from ..compiler.profiles import get_profile
 from ..compiler.request import CompileRequest
 from ..frontend.presets import build_model
@@ -200,7 +201,8 @@ def measure(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch:
                   f"{micro_batch}, seq {seq_len}, {repeats} steps of {n_micro} micro-batch(es) after {WARMUP}")
     kinds = {OpKind.COMPUTE: "forward_s", OpKind.BACKWARD: "backward_s", OpKind.RECOMPUTE: "recompute_s"}
     batches = _Batches(plan, _vocab(tm))
-    opt = Hybrid8bitAdamW(lr=0.0) if optimizer == "hybrid8bit" else TorchAdamW(lr=0.0)
+    opt = (Hybrid8bitAdamW(lr=0.0, stochastic_rounding=optimizer == Optimizer.HYBRID8BIT_SR)
+           if optimizer in (Optimizer.HYBRID8BIT, Optimizer.HYBRID8BIT_SR) else TorchAdamW(lr=0.0))
     trainer = Trainer(tm, plan, optimizer=opt, device=device, profile=True, verbose=False)
     profiles: list = []
     try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..compiler.hardware import HardwareProfile
+from ..compiler.options import Optimizer
 from ..ir import OpKind, Plan, Resource
 from ..ir.summary import measured_blocks
 
@@ -33,7 +34,7 @@ _COMPUTE = {OpKind.COMPUTE: "forwards", OpKind.RECOMPUTE: "forwards", OpKind.BAC
 
 def rate_field(optimizer: str) -> str:
     """The hardware profile's field of ``optimizer``'s host rate."""
-    return "cpu_adam8_gparams" if optimizer == "hybrid8bit" else "cpu_adam_gparams"
+    return "cpu_adam8_gparams" if optimizer in (Optimizer.HYBRID8BIT, Optimizer.HYBRID8BIT_SR) else "cpu_adam_gparams"
 
 
 def with_host_rate(hw: HardwareProfile, gparams: float, optimizer: str,

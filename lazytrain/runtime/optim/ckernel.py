@@ -47,13 +47,45 @@ static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 #define UNSIGNED_TOP_BITS (255u << 19)
 #define MAXB 4096
 
+/* The 16 random bits that round element idx of a block stochastically at the update whose key is
+   key (``sr_key`` in Python: a hash of seed, block and step): idx * golden ratio xor key, then the
+   "lowbias32" integer finaliser (a bijection of uint32 with full avalanche), high half kept. */
+static inline uint32_t sr_bits(uint32_t idx, uint32_t key)
+{
+    uint32_t x = (idx * 0x9E3779B9u) ^ key;
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x >> 16;
+}
+
+/* A master value read from its layout: bf16 high half + int16 low half (HILO), bf16 alone (SR) or fp32. */
+#define LOAD_P(MODE, i) (MODE == 1 ? u2f(((uint32_t)hi[i] << 16) + (uint32_t)(int32_t)lo[i])             \
+                                   : MODE == 2 ? u2f((uint32_t)hi[i] << 16) : p32[i])
+/* ... and written back: split exactly (HILO), rounded stochastically to bf16 (SR: adding 16 uniform bits
+   below the bf16 mantissa and truncating rounds up with probability equal to the dropped fraction, so
+   the expected bf16 value is p exactly), or stored. */
+#define STORE_P(MODE, i, p)                                                                            \
+    if (MODE == 1) {                                                                                   \
+        uint32_t bits = f2u(p);                                                                        \
+        lo[i] = (int16_t)(uint16_t)bits;                                                               \
+        hi[i] = (uint16_t)((bits + 0x8000u) >> 16);                                                    \
+    } else if (MODE == 2) {                                                                            \
+        hi[i] = (uint16_t)((f2u(p) + sr_bits((uint32_t)idx0 + (uint32_t)i, key)) >> 16);                \
+    } else {                                                                                           \
+        p32[i] = p;                                                                                    \
+    }
+
 /* The update of one quantization block, specialised at compile time on the gradient dtype (BF16G)
-   and on the master layout (HILO: bf16 high half in the load buffer + int16 low half; else fp32). */
-#define BLOCK_FN(NAME, BF16G, HILO)                                                                  \
+   and on the master layout (MODE 1: bf16 high half in the load buffer + int16 low half; 2: the bf16
+   load buffer alone, rounded stochastically with key and the element's block index idx0 + i; 0: fp32). */
+#define BLOCK_FN(NAME, BF16G, MODE)                                                                  \
 static void NAME(int64_t bs, const void *restrict grad_, uint16_t *restrict hi, int16_t *restrict lo, \
                  float *restrict p32, uint8_t *restrict mq, uint8_t *restrict vq,                     \
                  float *restrict m_am, float *restrict v_am, const float *restrict hp,               \
-                 float *restrict mbuf, float *restrict sbuf)                                          \
+                 float *restrict mbuf, float *restrict sbuf, uint32_t key, int64_t idx0)              \
 {                                                                                                     \
     const float gm = hp[0], gv = hp[1], decay = hp[2], inv_bc2 = hp[3], step = hp[4], eps = hp[5];   \
     const float m_pre = hp[6], v_pre = hp[7];                                                         \
@@ -74,18 +106,12 @@ static void NAME(int64_t bs, const void *restrict grad_, uint16_t *restrict hi, 
         s = s * s;                                                                                    \
         s = s + (gv * g) * g;                                                                         \
         s = sqrtf(s);                                                                                 \
-        float p = HILO ? u2f(((uint32_t)hi[i] << 16) + (uint32_t)(int32_t)lo[i]) : p32[i];            \
+        float p = LOAD_P(MODE, i);                                                                    \
         p = p * decay;                                                                                \
         float d = s * inv_bc2;                                                                        \
         d = d + eps;                                                                                  \
         p = p + (step * m) / d;                                                                       \
-        if (HILO) {                                                                                   \
-            uint32_t bits = f2u(p);                                                                   \
-            lo[i] = (int16_t)(uint16_t)bits;                                                          \
-            hi[i] = (uint16_t)((bits + 0x8000u) >> 16);                                               \
-        } else {                                                                                      \
-            p32[i] = p;                                                                               \
-        }                                                                                             \
+        STORE_P(MODE, i, p)                                                                           \
         mbuf[i] = m;                                                                                  \
         sbuf[i] = s;                                                                                  \
         uint32_t am = f2u(m) & 0x7FFFFFFFu, as = f2u(s);                                              \
@@ -108,36 +134,43 @@ static void NAME(int64_t bs, const void *restrict grad_, uint16_t *restrict hi, 
 }
 
 BLOCK_FN(block_bf16_hilo, 1, 1)
+BLOCK_FN(block_bf16_sr, 1, 2)
 BLOCK_FN(block_bf16_f32, 1, 0)
 BLOCK_FN(block_f32_hilo, 0, 1)
+BLOCK_FN(block_f32_sr, 0, 2)
 BLOCK_FN(block_f32_f32, 0, 0)
 
 /* One chunk of nblocks quantization blocks of bs (<= MAXB) elements.  grad: fp32, or bf16 bits when
-   grad_bf16.  Master: hi (bf16 bits = the load buffer) + lo (int16), or p32 (fp32) when hi is NULL.
-   hp: gm, gv, decay, 1/sqrt(bc2), -lr/bc1, eps, m_pre, v_pre, m_ratio, v_ratio. */
+   grad_bf16.  Master: hi (bf16 bits = the load buffer) + lo (int16); hi alone (lo NULL: bf16 rounded
+   stochastically with key, idx0 being the chunk's first element's index in its block); or p32 (fp32)
+   when hi is NULL.  hp: gm, gv, decay, 1/sqrt(bc2), -lr/bc1, eps, m_pre, v_pre, m_ratio, v_ratio. */
 int hybrid8_chunk(int64_t nblocks, int64_t bs, const void *grad, int grad_bf16,
                   uint16_t *hi, int16_t *lo, float *p32, uint8_t *mq, uint8_t *vq,
-                  float *m_am, float *v_am, const float *hp)
+                  float *m_am, float *v_am, const float *hp, uint32_t key, int64_t idx0)
 {
     float mbuf[MAXB], sbuf[MAXB];
     if (bs > MAXB) return -1;
     const int64_t gsz = grad_bf16 ? 2 : 4;
     for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t o = b * bs;
+        const int64_t o = b * bs, x = idx0 + o;
         const void *g = (const char *)grad + o * gsz;
         uint8_t *q = mq + o, *r = vq + o;
-        if (grad_bf16 && hi) block_bf16_hilo(bs, g, hi + o, lo + o, 0, q, r, m_am + b, v_am + b, hp, mbuf, sbuf);
-        else if (grad_bf16) block_bf16_f32(bs, g, 0, 0, p32 + o, q, r, m_am + b, v_am + b, hp, mbuf, sbuf);
-        else if (hi) block_f32_hilo(bs, g, hi + o, lo + o, 0, q, r, m_am + b, v_am + b, hp, mbuf, sbuf);
-        else block_f32_f32(bs, g, 0, 0, p32 + o, q, r, m_am + b, v_am + b, hp, mbuf, sbuf);
+        float *ma = m_am + b, *va = v_am + b;
+        if (grad_bf16 && hi && lo) block_bf16_hilo(bs, g, hi + o, lo + o, 0, q, r, ma, va, hp, mbuf, sbuf, key, x);
+        else if (grad_bf16 && hi) block_bf16_sr(bs, g, hi + o, 0, 0, q, r, ma, va, hp, mbuf, sbuf, key, x);
+        else if (grad_bf16) block_bf16_f32(bs, g, 0, 0, p32 + o, q, r, ma, va, hp, mbuf, sbuf, key, x);
+        else if (hi && lo) block_f32_hilo(bs, g, hi + o, lo + o, 0, q, r, ma, va, hp, mbuf, sbuf, key, x);
+        else if (hi) block_f32_sr(bs, g, hi + o, 0, 0, q, r, ma, va, hp, mbuf, sbuf, key, x);
+        else block_f32_f32(bs, g, 0, 0, p32 + o, q, r, ma, va, hp, mbuf, sbuf, key, x);
     }
     return 0;
 }
 
 /* Plain fp32 AdamW over n elements (the small tensors, whose m and v stay fp32); hp as above plus
-   hp[10] = b1, hp[11] = b2.  Mirrors Hybrid8bitAdamW._small. */
+   hp[10] = b1, hp[11] = b2; the master as in hybrid8_chunk (hi and lo, hi alone, or p32), idx0 the
+   first element's index in its block.  Mirrors Hybrid8bitAdamW._small. */
 int adamw32_range(int64_t n, const void *grad, int grad_bf16, uint16_t *hi, int16_t *lo, float *p32,
-                  float *m32, float *v32, const float *hp)
+                  float *m32, float *v32, const float *hp, uint32_t key, int64_t idx0)
 {
     const float gm = hp[0], gv = hp[1], decay = hp[2], inv_bc2 = hp[3], step = hp[4], eps = hp[5];
     const float b1 = hp[10], b2 = hp[11];
@@ -148,18 +181,13 @@ int adamw32_range(int64_t n, const void *grad, int grad_bf16, uint16_t *hi, int1
         v = v + (gv * g) * g;
         m32[i] = m;
         v32[i] = v;
-        float p = hi ? u2f(((uint32_t)hi[i] << 16) + (uint32_t)(int32_t)lo[i]) : p32[i];
+        const int mode = hi ? (lo ? 1 : 2) : 0;
+        float p = LOAD_P(mode, i);
         p = p * decay;
         float d = sqrtf(v) * inv_bc2;
         d = d + eps;
         p = p + (step * m) / d;
-        if (hi) {
-            uint32_t bits = f2u(p);
-            lo[i] = (int16_t)(uint16_t)bits;
-            hi[i] = (uint16_t)((bits + 0x8000u) >> 16);
-        } else {
-            p32[i] = p;
-        }
+        STORE_P(mode, i, p)
     }
     return 0;
 }
@@ -202,7 +230,7 @@ double sum2_sq(int64_t n, const void *a, int a_bf16, const void *b, int b_bf16, 
    nitems rows of (off, numel, nblocks, qoff, soff) into the block's flat buffers. */
 int hybrid8_run(int64_t nitems, const int64_t *items, const void *grad, int grad_bf16,
                 uint16_t *hi, int16_t *lo, float *p32, uint8_t *mq, uint8_t *vq,
-                float *m_am, float *v_am, const float *hp)
+                float *m_am, float *v_am, const float *hp, uint32_t key)
 {
     const int64_t gsz = grad_bf16 ? 2 : 4;
     for (int64_t k = 0; k < nitems; k++) {
@@ -210,7 +238,7 @@ int hybrid8_run(int64_t nitems, const int64_t *items, const void *grad, int grad
         const int64_t off = it[0], n = it[1], rows = it[2], qoff = it[3], soff = it[4];
         int rc = hybrid8_chunk(rows, n / rows, (const char *)grad + off * gsz, grad_bf16,
                                hi ? hi + off : 0, lo ? lo + off : 0, p32 ? p32 + off : 0,
-                               mq + qoff, vq + qoff, m_am + soff, v_am + soff, hp);
+                               mq + qoff, vq + qoff, m_am + soff, v_am + soff, hp, key, off);
         if (rc) return rc;
     }
     return 0;
@@ -323,13 +351,15 @@ def load():
             p = ctypes.c_void_p
             lib.hybrid8_max.argtypes = [ctypes.c_void_p, ctypes.c_int64]
             lib.hybrid8_max.restype = ctypes.c_float
-            lib.adamw32_range.argtypes = [ctypes.c_int64, p, ctypes.c_int] + [p] * 6
+            lib.adamw32_range.argtypes = [ctypes.c_int64, p, ctypes.c_int] + [p] * 6 + [ctypes.c_uint32, ctypes.c_int64]
             lib.adamw32_range.restype = ctypes.c_int
             lib.sum2_sq.argtypes = [ctypes.c_int64, p, ctypes.c_int, p, ctypes.c_int, p]
             lib.sum2_sq.restype = ctypes.c_double
             for fn in (lib.hybrid8_chunk, lib.hybrid8_run):
                 fn.argtypes = [ctypes.c_int64, ctypes.c_int64 if fn is lib.hybrid8_chunk else p, p, ctypes.c_int]
-                fn.argtypes += [p] * 8
+                fn.argtypes += [p] * 8 + [ctypes.c_uint32]
+                if fn is lib.hybrid8_chunk:
+                    fn.argtypes.append(ctypes.c_int64)
                 fn.restype = ctypes.c_int
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError):

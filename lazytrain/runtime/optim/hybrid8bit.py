@@ -8,6 +8,14 @@ gradient buffer (2 B), the optimizer adds per parameter
   2 extra bytes instead of 4 and there is no drift between master and load buffer.
 - 1 B: m, signed code;  1 B: sqrt(v), unsigned code (see ``quant.py`` for the codes and why);
 - 8 B per ``block_size`` parameters: one fp32 absmax for m and one for sqrt(v).
+With ``stochastic_rounding=True`` (the ``hybrid8bit-sr`` optimizer choice) a bf16 load buffer is the
+whole master: the update computes the new fp32 value from it and writes it back rounded
+stochastically (``sr.py``: unbiased, with random bits hashed from (seed, block, step, element), so runs
+and resumes repeat bit for bit), and there is no ``lo`` (6.25 instead of 8.25 B/param with the
+runtime's buffers).  It runs on the host only: GPU-resident and GPU-updated blocks are refused
+(``NO_DEVICE_SR``; the compiler plans none for it).  Its checkpoint keys are the same (``master`` is
+the bf16 master as fp32), so a checkpoint of either master loads into the other (a split master's low
+half is then rounded to nearest).
 Tensors (segments) with fewer than ``min_8bit_numel`` elements (norms, biases) keep fp32 m and v:
 they are a negligible fraction of the parameters and the most sensitive to quantization.
 Total ~8.004 B/param for a transformer layer; ``host_bytes_per_param`` reports the exact figure
@@ -54,14 +62,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ...ir import PlanError
 from . import ckernel
 from . import quant as Q
 from . import triton_kernel as TK
 from .base import HostOptimizer, Segment
+from .sr import round_sr_, sr_key
 from .streamed import Streamed8bit, device_tables
 
 log = logging.getLogger(__name__)
 _TWO_112 = 2.0**112
+#: why a stochastic-rounding master refuses GPU-resident blocks (``setup``) and GPU-updated ones (``streamed.py``)
+NO_DEVICE_SR = ("the stochastic-rounding master (optimizer hybrid8bit-sr) updates on the host only: compile the plan "
+                "with resident='none' and gpu_update='none' (the compiler does for optimizer='hybrid8bit-sr')")
 #: device blocks' state tensors beyond the load buffer (what ``device_bytes_per_param`` counts)
 _DEVICE_STATE = ("lo", "own_master", "mq", "vq", "m_absmax", "v_absmax", "m32", "v32", "table", "small_index")
 
@@ -71,6 +84,8 @@ class _BlockState:
         self.lock = threading.Lock()
         self.step = 0
         self.device = False  # a GPU-resident block: state on the load buffer's device
+        self.sr = False  # the master is the bf16 load buffer alone, rounded stochastically
+        self.block = 0
         self.table = self.small_index = None  # device blocks: the Triton kernels' index tables
 
 
@@ -105,9 +120,13 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
         chunk_numel: int = 16384,
         num_threads: int | None = None,
         kernel: bool | None = None,
+        stochastic_rounding: bool = False,
+        seed: int = 0,
     ):
         if block_size <= 0 or chunk_numel % block_size:
             raise ValueError(f"chunk_numel ({chunk_numel}) must be a multiple of block_size ({block_size})")
+        #: a bf16 load buffer is the whole master, rounded stochastically (``sr.py``): no low half (-2 B/param)
+        self.stochastic_rounding, self.seed = bool(stochastic_rounding), int(seed)
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.max_grad_norm = max_grad_norm
         self.block_size, self.min_8bit_numel, self.chunk_numel = block_size, min_8bit_numel, chunk_numel
@@ -139,7 +158,7 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
         """Host memory per parameter of the host-resident blocks (device blocks keep none)."""
         host = [st for st in self._blocks.values() if not st.device]
         if not host:  # estimate for an all-8-bit block with bf16 buffers
-            return 2 + 2 + 2 + 1 + 1 + 8 / self.block_size
+            return 2 + 2 + (0 if self.stochastic_rounding else 2) + 1 + 1 + 8 / self.block_size
         numel = total = 0
         for st in host:
             numel += st.load.numel()
@@ -161,7 +180,10 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
         Small segments cost more (fp32 m and v + an 8-byte index: 16 B each) and a short last block
         a whole table entry: a slight underestimate for real blocks, which the measured figure
         (no argument, after ``setup``) includes.  The torch fallback's transient scratch (5 x 4 B x
-        ``_dev_chunk`` per step, from the caching allocator) is not counted."""
+        ``_dev_chunk`` per step, from the caching allocator) is not counted.  The stochastic-rounding master
+        has no device path: it raises, as ``HostOptimizer``'s does."""
+        if self.stochastic_rounding:
+            raise NotImplementedError(NO_DEVICE_SR)
         dev = [st for st in self._blocks.values() if st.device]
         if param_bytes is not None or not dev:
             master = 0 if param_bytes == 4 else 2
@@ -181,12 +203,18 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
         n = load_buffer.numel()
         st = _BlockState()
         st.device = dev.type != "cpu" or self._force_device
+        st.block = block
+        if st.device and self.stochastic_rounding:
+            raise PlanError(f"{NO_DEVICE_SR} (block {block} is GPU-resident)")
         init = init.reshape(-1).to(device=dev, dtype=torch.float32)
         st.load = load_buffer
         st.lo = st.own_master = None
         if load_buffer.dtype == torch.float32:
             if init.data_ptr() != load_buffer.data_ptr():
                 load_buffer.copy_(init)
+        elif load_buffer.dtype == torch.bfloat16 and self.stochastic_rounding:
+            st.sr = True  # the initial master rounded to nearest: deterministic, and exact for bf16 weights
+            load_buffer.copy_(init)
         elif load_buffer.dtype == torch.bfloat16:
             st.lo = torch.empty(n, dtype=torch.int16, device=dev)
             _split_master_(init, load_buffer.view(torch.int16), st.lo)
@@ -227,13 +255,17 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
     def _get(self, st, off: int, n: int) -> torch.Tensor:
         if st.lo is not None:
             return _join_master(st.load.view(torch.int16)[off : off + n], st.lo[off : off + n])
+        if st.sr:
+            return st.load[off : off + n].to(torch.float32)
         if st.own_master is not None:
             return st.own_master[off : off + n]
         return st.load[off : off + n]
 
-    def _put(self, st, off: int, n: int, p: torch.Tensor) -> None:
+    def _put(self, st, off: int, n: int, p: torch.Tensor, key: int = 0) -> None:
         if st.lo is not None:
             _split_master_(p, st.load.view(torch.int16)[off : off + n], st.lo[off : off + n])
+        elif st.sr:
+            round_sr_(p, st.load.view(torch.int16)[off : off + n], off, key)
         elif st.own_master is not None:
             st.load[off : off + n].copy_(p)
 
@@ -291,11 +323,13 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
             inv_bc2_sqrt=1 / math.sqrt(1 - b2**t),
             step_size=-lr / (1 - b1**t),
             eps=self.eps,
+            key=sr_key(self.seed, st.block, t),
         )
         if st.device:
             self._step_device(st, grad, c)
             return
         use_c = self._lib is not None and st.own_master is None and grad.dtype in (torch.bfloat16, torch.float32)
+        hp_key = ctypes.c_uint32(c["key"])
         if use_c:  # no torch op over the whole block here: it could wake torch's spinning OpenMP team
             m_max = self._lib.hybrid8_max(st.m_absmax.data_ptr(), st.m_absmax.numel())
             v_max = self._lib.hybrid8_max(st.v_absmax.data_ptr(), st.v_absmax.numel())
@@ -310,7 +344,7 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
             items = st.items_tensor
             k = max(1, -(-items.shape[0] // self.num_threads))  # one contiguous run per worker
             runs = [items[i : i + k] for i in range(0, items.shape[0], k)]
-            self._pool_map(lambda run: self._run_c(st, grad, run, hp), runs)
+            self._pool_map(lambda run: self._run_c(st, grad, run, hp, hp_key), runs)
         else:
             c["m_dec"], c["v_dec"] = st.m_absmax * m_ratio, st.v_absmax * v_ratio
             k = max(1, -(-len(st.items) // self.num_threads))  # one contiguous run per worker
@@ -318,7 +352,7 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
             self._pool_map(lambda run: [self._chunk8(st, grad, it, c) for it in run], runs)
         for off, n, s32 in st.small:
             if use_c:
-                self._small_c(st, grad, off, n, s32, hp)
+                self._small_c(st, grad, off, n, s32, hp, hp_key)
             else:
                 self._small(st, grad, off, n, s32, c)
 
@@ -366,22 +400,23 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
             bufs = self._tls.bufs = [torch.empty(self.chunk_numel, dtype=torch.int32) for _ in range(5)]
         return bufs
 
-    def _run_c(self, st, grad, items: torch.Tensor, hp) -> None:
+    def _run_c(self, st, grad, items: torch.Tensor, hp, key) -> None:
         """One C call for a run of chunks: the GIL is released once, for the whole run."""
-        lo = st.lo is not None
+        lo, hi = st.lo is not None, st.lo is not None or st.sr  # the bf16 buffer: high half, or all (sr)
         rc = self._lib.hybrid8_run(
             items.shape[0],
             items.data_ptr(),
             grad.data_ptr(),
             int(grad.dtype == torch.bfloat16),
-            st.load.data_ptr() if lo else None,
+            st.load.data_ptr() if hi else None,
             st.lo.data_ptr() if lo else None,
-            None if lo else st.load.data_ptr(),
+            None if hi else st.load.data_ptr(),
             st.mq.data_ptr(),
             st.vq.data_ptr(),
             st.m_absmax.data_ptr(),
             st.v_absmax.data_ptr(),
             hp,
+            key,
         )
         if rc:
             raise RuntimeError(f"hybrid8 kernel failed ({rc})")
@@ -406,6 +441,10 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
             P.bitwise_left_shift_(16)
             P.add_(lo)
             p = P.view(f32)
+        elif st.sr:
+            P.copy_(st.load.view(torch.int16)[off : off + n].view(rows, -1))
+            P.bitwise_left_shift_(16)
+            p = P.view(f32)
         else:
             p = self._get(st, off, n).view(rows, -1)
         if c["decay"] != 1.0:
@@ -419,25 +458,27 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
             T.bitwise_right_shift_(16)
             hi.copy_(T)
         else:
-            self._put(st, off, n, p.view(-1))
+            self._put(st, off, n, p.view(-1), c["key"])
         torch.maximum(m.amax(dim=1), m.amin(dim=1).neg_(), out=m_am)
         torch.amax(s, dim=1, out=v_am)
         Q.encode_signed_(m, Q.encode_factor(m_am, Q.SIGNED_TOP)[:, None], mq, tmp=T)
         Q.encode_unsigned_(s, Q.encode_factor(v_am, Q.UNSIGNED_TOP)[:, None], vq)
 
-    def _small_c(self, st, grad, off, n, s32, hp) -> None:
-        lo = st.lo is not None
+    def _small_c(self, st, grad, off, n, s32, hp, key) -> None:
+        lo, hi = st.lo is not None, st.lo is not None or st.sr
         el = grad.element_size()
         self._lib.adamw32_range(
             n,
             grad.data_ptr() + off * el,
             int(grad.dtype == torch.bfloat16),
-            st.load.data_ptr() + off * 2 if lo else None,
+            st.load.data_ptr() + off * 2 if hi else None,
             st.lo.data_ptr() + off * 2 if lo else None,
-            None if lo else st.load.data_ptr() + off * 4,
+            None if hi else st.load.data_ptr() + off * 4,
             st.m32.data_ptr() + s32 * 4,
             st.v32.data_ptr() + s32 * 4,
             hp,
+            key,
+            off,
         )
 
     def _small(self, st, grad, off, n, s32, c) -> None:
@@ -450,7 +491,7 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
             p.mul_(c["decay"])
         denom = v.sqrt().mul_(c["inv_bc2_sqrt"]).add_(c["eps"])
         p.addcdiv_(m, denom, value=c["step_size"])
-        self._put(st, off, n, p)
+        self._put(st, off, n, p, c["key"])
 
     # -- checkpoints ---------------------------------------------------------------------------------
     _STATE = ("mq", "vq", "m_absmax", "v_absmax", "m32", "v32")
@@ -473,6 +514,8 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
             master = tensors["master"].to(device=st.load.device, dtype=torch.float32).reshape(-1)
             if st.lo is not None:
                 _split_master_(master.contiguous(), st.load.view(torch.int16), st.lo)
+            elif st.sr:  # a split master's low half is dropped: rounded to nearest, as at setup
+                st.load.copy_(master)
             else:
                 (st.own_master if st.own_master is not None else st.load).copy_(master)
                 st.load.copy_(master[:n])
@@ -489,6 +532,8 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
             "max_grad_norm": self.max_grad_norm,
             "block_size": self.block_size,
             "min_8bit_numel": self.min_8bit_numel,
+            "stochastic_rounding": self.stochastic_rounding,
+            "seed": self.seed,
             "step": max((st.step for st in self._blocks.values()), default=0),
         }
 

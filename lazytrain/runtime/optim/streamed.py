@@ -25,9 +25,12 @@ def device_tables(st, bs: int, dev: torch.device) -> tuple[torch.Tensor, torch.T
 
 class Streamed8bit:
     """The ``HostOptimizer`` methods for GPU-updated streamed blocks (``base.py``), mixed into
-    ``Hybrid8bitAdamW``, whose ``_blocks``, ``_update`` and ``_force_device`` they use."""
+    ``Hybrid8bitAdamW``, whose ``_blocks``, ``_update``, ``_force_device`` and ``stochastic_rounding`` they use."""
 
     def streamed_state(self, block: int) -> dict[str, torch.Tensor]:
+        if self.stochastic_rounding:    # no device path for it (``hybrid8bit.NO_DEVICE_SR``)
+            raise NotImplementedError("the stochastic-rounding master (optimizer hybrid8bit-sr) updates on the "
+                                      "host only")
         st = self._blocks[block]
         return {k: getattr(st, k) for k in STREAMED if getattr(st, k) is not None}
 
