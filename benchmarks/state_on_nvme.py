@@ -1,5 +1,6 @@
 """What a workstation trains with its state on NVMe: compiles (no GPU needed) of 32B-72B models on a 24 GiB GPU
-with 64-128 GiB of host memory and 1 TiB of NVMe, on one drive and on a 4-drive array; per row the predicted step,
+(the profiles' RTX 4090, its whole memory) with 64-128 GiB of host memory and 1 TiB of NVMe, on one drive and on
+a 4-drive array; per row the predicted step,
 model TFLOPS, where the state lives, what paces the step, the peaks and the compile's wall time.
 
     python benchmarks/state_on_nvme.py -o benchmarks/results/issue41_state_on_nvme
@@ -30,7 +31,7 @@ GiB = 2**30
 def compile_row(model: str, host: str, batch: int, hardware: str, folder: Path) -> dict:
     out = folder / f"{model}_{hardware}_b{batch}.json"
     cmd = [sys.executable, "-m", "lazytrain", "compile", model, "--batch", str(batch), "--seq", "1024",
-           "--gpu-memory", "24GiB", "--host-memory", host, "--nvme-dir", str(folder / "nvme"), "--nvme-memory",
+           "--host-memory", host, "--nvme-dir", str(folder / "nvme"), "--nvme-memory",
            "1TiB", "--hardware", hardware, "-o", str(out), "--progress", "off"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)

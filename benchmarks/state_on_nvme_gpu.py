@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--disk-bytes", default="2GiB", help="the size of the disk measurement's file")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script (the cpu profile)")
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args()
     out = Path(a.out)
@@ -70,8 +71,9 @@ def main() -> None:
     disk = disk_rates(a.nvme_dir, parse_size(a.disk_bytes))
     result["disk"] = {**disk, "seconds": round(time.perf_counter() - t, 1)}
     print("disk", result["disk"], flush=True)
-    name = torch.cuda.get_device_name()
-    base = get_profile("h200" if "H200" in name else "h100")
+    cuda = a.device == "cuda"
+    name = torch.cuda.get_device_name() if cuda else ""
+    base = get_profile("cpu" if not cuda else "h200" if "H200" in name else "h100")
     hw = dataclasses.replace(base, name=f"{base.name}+disk", nvme_read_gbps=disk["nvme_read_gbps"],
                              nvme_write_gbps=disk["nvme_write_gbps"], nvme_both_gbps=disk["nvme_both_gbps"],
                              source=base.source + f"; disk measured at {a.nvme_dir} by benchmarks/state_on_nvme_gpu.py")
@@ -95,9 +97,11 @@ def main() -> None:
 
     torch.manual_seed(0)
     model, weights = random_init(a.model, torch.bfloat16)
-    torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(a.gpu_memory) / torch.cuda.mem_get_info()[1]))
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(a.gpu_memory) / torch.cuda.mem_get_info()[1]))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     t = time.perf_counter()
-    trainer = Trainer(model, plan, optimizer=Hybrid8bitAdamW(lr=1e-5, max_grad_norm=1.0), device="cuda",
+    trainer = Trainer(model, plan, optimizer=Hybrid8bitAdamW(lr=1e-5, max_grad_norm=1.0), device=a.device,
                       weights=weights, nvme_dir=a.nvme_dir, verbose=True)
     result["setup_s"] = round(time.perf_counter() - t, 1)
     result["rss_after_setup_gib"] = peak_rss_bytes() / GiB
@@ -107,17 +111,17 @@ def main() -> None:
     times, losses = [], []
     for i in range(a.warmup + a.steps):
         ids = torch.randint(0, vocab, (a.batch, a.seq), generator=g)
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         stats = trainer.step({"input_ids": ids, "labels": ids})
-        torch.cuda.synchronize()
+        sync()
         dt = time.perf_counter() - t
         losses.append(stats.loss)
         if i >= a.warmup:
             times.append(dt)
         print(f"step {i}: {dt:.2f} s, loss {stats.loss:.4f}, peak RSS {peak_rss_bytes() / GiB:.2f} GiB", flush=True)
         result["measured"] = {"step_s": times, "losses": losses, "peak_rss_gib": peak_rss_bytes() / GiB,
-                              "peak_gpu_gib": torch.cuda.max_memory_allocated() / GiB,
+                              "peak_gpu_gib": torch.cuda.max_memory_allocated() / GiB if cuda else None,
                               "nvme_bytes_read": trainer.ctx.nvme.bytes_read,
                               "nvme_bytes_written": trainer.ctx.nvme.bytes_written}
         save()

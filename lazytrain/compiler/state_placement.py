@@ -10,7 +10,7 @@ placement moves optimizer state first, then gradients, then parameters, block by
 
     host store left + host copies in flight + activation headroom <= host budget
 
-where the host copies in flight are ``lower.NVME_STATE_SLOTS`` blocks' worth of each placed component and the
+where the host copies in flight are the ``lower.NVME_STATE_SLOTS`` largest placed blocks' of each component and the
 headroom is what the search may offload to the host (every boundary of the batch, at most ``ACT_SHARE`` of the
 budget).  Blocks are taken evenly spread, so the NVMe traffic interleaves with the blocks whose state stays.
 
@@ -77,7 +77,7 @@ def fit(comp, placed: dict[TensorKind, list[int]]) -> StateFit:
     for kind, blocks in placed.items():
         each = [sizes.of(TensorId(kind=kind, index=j), Tier.HOST) for j in blocks]
         on_nvme += sum(each)
-        in_flight += NVME_STATE_SLOTS * max(each, default=0)
+        in_flight += sum(sorted(each)[-NVME_STATE_SLOTS:])     # (at most that many of them at once)
     return StateFit(placed={k.value: tuple(sorted(v)) for k, v in placed.items() if v},
                     host_store_bytes=total - on_nvme, in_flight_bytes=in_flight, nvme_bytes=on_nvme)
 
