@@ -47,8 +47,11 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="GPU budget, e.g. 24GiB (default: the hardware profile's GPU memory)")
     p.add_argument("--host-memory", type=size, default=None,
                    help="host budget (default: the hardware profile's host memory less a reserve)")
-    p.add_argument("--nvme-dir", default=None, help="folder for the NVMe tier")
-    p.add_argument("--nvme-memory", type=size, default=None, help="NVMe budget, e.g. 200GiB")
+    p.add_argument("--nvme-dir", default=None,
+                   help="folder on a fast drive for the NVMe tier: activations the plan spills, and the training "
+                        "state (optimizer state, gradients, parameters) that does not fit --host-memory")
+    p.add_argument("--nvme-memory", type=size, default=None,
+                   help="NVMe budget, e.g. 1TiB (compile names what the state needs when it is short)")
     p.add_argument("--hardware", default=None, help="built-in profile name or a file from `lazytrain profile` "
                                                     "(default: the h200 profile, said on stderr)")
     p.add_argument("--policy", default=Policy.MILP.value, choices=Policy.names())
