@@ -263,3 +263,24 @@ def test_compile_names_the_host_and_nvme_a_state_needs(tmp_path):
         lazytrain.compile(model, host_memory=state // 2, nvme_dir=str(tmp_path), nvme_memory=state // 20, **common)
     with pytest.raises(BudgetError, match="with all of it that can go to NVMe there .* raise --host-memory"):
         lazytrain.compile(model, host_memory=state // 50, nvme_dir=str(tmp_path), nvme_memory="1GiB", **common)
+
+
+def test_lazytrain_train_keeps_state_on_nvme_and_resumes_in_another_folder(tmp_path):
+    """``lazytrain train`` with a host budget below the task model's state: its state goes to ``--nvme-dir``, the
+    files go when the run ends, and ``--resume`` rebuilds them in another folder."""
+    import json
+
+    from lazytrain.app.cli import main
+    tiny = ["--batch", "4", "--no-eval", "--policy", "recompute-all", "--no-progress", "--device", "cpu",
+            "--time-limit-min", "0", "--threads", "1", "--host-memory", "6MiB", "--nvme-memory", "1GiB"]
+    out = tmp_path / "run"
+    assert main(["train", *tiny, "--steps", "2", "--output", str(out), "--nvme-dir", str(tmp_path / "a")]) == 0
+    plan = json.loads((out / "checkpoint" / "checkpoint.json").read_text())["plan"]
+    assert plan["decisions"]["nvme_state"]
+    assert not list((tmp_path / "a").iterdir())          # scratch: removed with the trainer
+    assert main(["train", *tiny, "--steps", "3", "--output", str(out), "--resume", str(out),
+                 "--nvme-dir", str(tmp_path / "b")]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps_done"] == 3
+    assert main(["train", *tiny, "--steps", "2", "--output", str(tmp_path / "bad"), "--nvme-dir", "",
+                 "--nvme-memory", "1GiB"]) == 2

@@ -134,6 +134,13 @@ class TrainConfig:
                                      metavar="SIZE", resumed=_KEPT, shape=_SIZE)      # bytes
     host_memory: int | None = setting(None, "host budget, e.g. 64GiB (default: the host's)", type=cli_types.size,
                                       metavar="SIZE", resumed=_KEPT, shape=_SIZE)     # bytes
+    #: where state and activations that do not fit the host budget go; a resumed run may name another folder (its
+    #: files are scratch, rebuilt from the checkpoint)
+    nvme_dir: str | None = setting(None, "folder on a fast drive for the training state (optimizer state, gradients, "
+                                         "parameters) and activations that do not fit the host budget (default: "
+                                         "none)", metavar="DIR", recorded=Runs.NONE)
+    nvme_memory: int | None = setting(None, "NVMe budget with --nvme-dir, e.g. 1TiB (default: none)",
+                                      type=cli_types.size, metavar="SIZE", resumed=_KEPT, shape=_SIZE)
     policy: Policy = setting(Policy.MILP, "how the plan is chosen: the MILP solver, or a fixed heuristic (default "
                                           "{d.policy})", choices=Policy.names, resumed=_KEPT,
                              shape=OneOf(*Policy.names()))

@@ -144,9 +144,10 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
                             packed=packed)
     if resumed:
         trainer = Trainer.load_checkpoint(Path(cfg.resume) / "checkpoint", model, optimizer=opt, device=dev, plan=plan,
-                                          verbose=ranks.main, weights=weights)
+                                          verbose=ranks.main, weights=weights, nvme_dir=cfg.nvme_dir)
     else:
-        trainer = Trainer(model, plan, optimizer=opt, device=dev, verbose=ranks.main, weights=weights)
+        trainer = Trainer(model, plan, optimizer=opt, device=dev, verbose=ranks.main, weights=weights,
+                          nvme_dir=cfg.nvme_dir)
     ranks.world = trainer.world
     return trainer, opt, time.perf_counter() - t
 
@@ -160,7 +161,8 @@ def _shared_plan(cfg: TrainConfig, model, ranks: Ranks, *, seq_len: int, hardwar
 
     def compiled() -> dict:
         plan = compile_model(model, batch_size=batch, seq_len=seq_len, hardware=hardware, gpu_memory=cfg.gpu_memory,
-                             host_memory=cfg.host_memory, policy=cfg.policy, optimizer=cfg.optimizer,
+                             host_memory=cfg.host_memory, nvme_dir=cfg.nvme_dir, nvme_memory=cfg.nvme_memory,
+                             policy=cfg.policy, optimizer=cfg.optimizer,
                              param_dtype=param_dtype, resident=cfg.resident, packed=packed, world_size=ranks.size,
                              nodes=ranks.nodes)
         return hint_uncalibrated(plan, model).to_json()     # as ``lazytrain.compile`` does

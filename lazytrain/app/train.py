@@ -194,6 +194,8 @@ def check_config(cfg: TrainConfig, diff, seq: int) -> None:
         raise ValueError(f"--profile STEP counts from 1, got {cfg.profile}")
     if cfg.eval_every < 0 or cfg.warmup < 0:
         raise ValueError("--eval-every and --warmup must be >= 0")
+    if cfg.nvme_memory and not cfg.nvme_dir:
+        raise ValueError("--nvme-memory needs --nvme-dir (the folder for what does not fit the host budget)")
     if not 0 < cfg.lr < math.inf:
         raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
     if cfg.time_limit_min is not None and cfg.time_limit_min <= 0:

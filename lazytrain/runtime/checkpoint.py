@@ -267,7 +267,8 @@ def _optimizer(opt, saved: dict, where: Path):
     return opt
 
 
-def load(cls, directory, model, *, optimizer=None, device=None, plan=None, verbose: bool = True, weights=None):
+def load(cls, directory, model, *, optimizer=None, device=None, plan=None, verbose: bool = True, weights=None,
+         nvme_dir=None):
     """A ``cls`` (Trainer) for ``model`` in the state saved at ``directory``.  ``weights``: the trainer's initial
     parameters before the checkpoint's overwrite them (``weights.CheckpointFilled`` for a meta-device model)."""
     folder, meta = read_meta(directory)
@@ -288,7 +289,8 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None, verbo
     _check_model(plan, model, folder)
     optimizer = _optimizer(optimizer, meta["optimizer"], folder)
     try:
-        trainer = cls(model, plan, optimizer=optimizer, device=device, verbose=verbose, weights=weights)
+        trainer = cls(model, plan, optimizer=optimizer, device=device, verbose=verbose, weights=weights,
+                      nvme_dir=nvme_dir)
     except PlanError as e:
         raise CheckpointError(f"checkpoint {folder} does not fit this model: {e}") from None
     _check_steps(meta, folder / META)

@@ -338,12 +338,13 @@ class Trainer:
 
     @classmethod
     def load_checkpoint(cls, directory, model: torch.nn.Module, *, optimizer=None, device=None,
-                        plan: Plan | None = None, verbose: bool = True, weights=None) -> Trainer:
+                        plan: Plan | None = None, verbose: bool = True, weights=None, nvme_dir=None) -> Trainer:
         """A trainer for ``model`` resumed from ``directory`` (parameters, optimizer state, step, RNGs).
         ``optimizer``: default, rebuilt from the checkpoint; ``plan``: default, the checkpoint's own; ``weights``:
-        ``weights.CheckpointFilled`` for a model on the meta device (nothing of it is read)."""
+        ``weights.CheckpointFilled`` for a model on the meta device (nothing of it is read); ``nvme_dir``: the NVMe
+        folder, default the plan's (state kept there is rebuilt from the checkpoint)."""
         return checkpoint.load(cls, directory, model, optimizer=optimizer, device=device, plan=plan, verbose=verbose,
-                               weights=weights)
+                               weights=weights, nvme_dir=nvme_dir)
 
     def close(self) -> None:
         self.flush()
@@ -351,6 +352,8 @@ class Trainer:
         if self.world is not None:
             self.world.close()
         self.ctx.updates.close()
+        if self.ctx.nvme_state is not None:     # scratch: a checkpoint holds what they held
+            self.ctx.nvme_state.close()
         if self.ctx.nvme is not None:
             self.ctx.nvme.close()
 
