@@ -284,3 +284,19 @@ def test_lazytrain_train_keeps_state_on_nvme_and_resumes_in_another_folder(tmp_p
     assert metrics["steps_done"] == 3
     assert main(["train", *tiny, "--steps", "2", "--output", str(tmp_path / "bad"), "--nvme-dir", "",
                  "--nvme-memory", "1GiB"]) == 2
+
+
+def test_a_slow_drive_is_said_before_training(tmp_path, monkeypatch):
+    """A drive measured at a tenth of the plan's rates: a warning with the NVMe time it implies; at the plan's rates,
+    none."""
+    from lazytrain.app import disk_check
+    plan = _placed_plan(_model(), "hybrid8bit", "recompute-all", tmp_path)
+    want = plan.hardware["nvme_read_gbps"], plan.hardware["nvme_write_gbps"]
+    monkeypatch.setattr("lazytrain.measure.disk.disk_rates", lambda folder, nbytes: {
+        "nvme_read_gbps": want[0] / 10, "nvme_write_gbps": want[1] / 10})
+    warning = disk_check.slow_disk_warning(plan, str(tmp_path))
+    assert warning is not None and "lazytrain profile --disk-dir" in warning and "s a step instead of" in warning
+    monkeypatch.setattr("lazytrain.measure.disk.disk_rates", lambda folder, nbytes: {
+        "nvme_read_gbps": want[0], "nvme_write_gbps": want[1]})
+    assert disk_check.slow_disk_warning(plan, str(tmp_path)) is None
+    assert disk_check.slow_disk_warning(_in_ram(plan, "hybrid8bit"), str(tmp_path)) is None

@@ -13,6 +13,7 @@ Also shared by both: the output folder, the optimizer and Trainer (compiled or r
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import torch
 from ..compiler.options import Optimizer
 from ..util.host import cpu_cores
 from .config import TrainConfig
+from .disk_check import slow_disk_warning
 from .ranks import Ranks
 from .session import choose_device
 from .threads import ThreadTuner, cpu_threads
@@ -149,6 +151,10 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
         trainer = Trainer(model, plan, optimizer=opt, device=dev, verbose=ranks.main, weights=weights,
                           nvme_dir=cfg.nvme_dir)
     ranks.world = trainer.world
+    if ranks.main and trainer.ctx.nvme_state is not None:       # a drive slower than planned: said before step 1
+        warning = slow_disk_warning(trainer.plan, str(trainer.ctx.nvme.root))
+        if warning:
+            print(warning, file=sys.stderr)
     return trainer, opt, time.perf_counter() - t
 
 
