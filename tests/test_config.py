@@ -45,7 +45,7 @@ def test_one_list_of_settings_a_resume_keeps():
     size (which picks its training examples), not the task's difficulty."""
     task, data = set(resumed(TrainConfig())), set(resumed(FinetuneConfig()))
     shared = {"model", "batch", "seq", "seed", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "policy",
-              "gpu_memory", "host_memory", "resident", "optimizer"}
+              "gpu_memory", "host_memory", "nvme_memory", "resident", "optimizer"}
     assert task == shared | {"difficulty", "loss_on_prompt"}
     assert data == shared | {"tokenizer", "data", "eval_data", "loss_on", "truncate", "pack", "eval_size",
                              "answer_regex", "epochs"}

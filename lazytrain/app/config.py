@@ -138,7 +138,7 @@ class TrainConfig:
     #: files are scratch, rebuilt from the checkpoint)
     nvme_dir: str | None = setting(None, "folder on a fast drive for the training state (optimizer state, gradients, "
                                          "parameters) and activations that do not fit the host budget (default: "
-                                         "none)", metavar="DIR", recorded=Runs.NONE)
+                                         "none)", metavar="DIR")
     nvme_memory: int | None = setting(None, "NVMe budget with --nvme-dir, e.g. 1TiB (default: none)",
                                       type=cli_types.size, metavar="SIZE", resumed=_KEPT, shape=_SIZE)
     policy: Policy = setting(Policy.MILP, "how the plan is chosen: the MILP solver, or a fixed heuristic (default "

@@ -186,7 +186,7 @@ def state_error(comp) -> BudgetError | None:
         on_nvme = (f"; with all of it that can go to NVMe there ({_gib(least.nvme_bytes)} of --nvme-memory), "
                    f"{_gib(least.host_bytes)} of host memory" if least.nvme_bytes and comp.world_size == 1 else "")
         return BudgetError(f"needs at least {_gib(int(n * per) // comp.world_size)} of host memory for {what}"
-                           f"{on_nvme}; the host budget is {_gib(b.host_bytes)}: raise --host-memory")
+                           f"{on_nvme}; the budget is {_gib(b.host_bytes)}: raise --host-memory")
     if not b.nvme_dir or not b.nvme_bytes:
         return BudgetError(f"needs at least {_gib(int(n * per) // comp.world_size)} of host memory for {what}; the "
                            f"budget is {_gib(b.host_bytes)}. With state on NVMe it fits: give --nvme-dir (a folder on "
