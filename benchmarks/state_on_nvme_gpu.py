@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 import lazytrain
+from lazytrain.compiler.budgets import BudgetError
 from lazytrain.compiler.profiles import get_profile
 from lazytrain.frontend.random_init import random_init
 from lazytrain.ir import GiB
@@ -50,7 +52,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--gpu-memory", default="24GiB")
-    ap.add_argument("--host-memory", default="64GiB")
+    ap.add_argument("--host-memory", default="64GiB",
+                    help="host budgets to try in order, comma-separated: the first whose NVMe need fits the disk")
     ap.add_argument("--nvme-dir", required=True)
     ap.add_argument("--nvme-memory", default="56GiB")
     ap.add_argument("--steps", type=int, default=2)
@@ -81,10 +84,25 @@ def main() -> None:
     save()
 
     t = time.perf_counter()
-    plan = lazytrain.compile(a.model, batch_size=a.batch, seq_len=a.seq, gpu_memory=a.gpu_memory,
-                             host_memory=a.host_memory, nvme_dir=a.nvme_dir, nvme_memory=a.nvme_memory,
-                             hardware=str(out / "hardware.json"))
+    free = shutil.disk_usage(a.nvme_dir).free
+    nvme = min(parse_size(a.nvme_memory), int(0.9 * free))     # what this disk can hold
+    plan, tried = None, []
+    for host in a.host_memory.split(","):       # the first host budget whose state fits this machine's disk
+        try:
+            plan = lazytrain.compile(a.model, batch_size=a.batch, seq_len=a.seq, gpu_memory=a.gpu_memory,
+                                     host_memory=host, nvme_dir=a.nvme_dir, nvme_memory=nvme,
+                                     hardware=str(out / "hardware.json"))
+            a.host_memory = host
+            break
+        except BudgetError as e:
+            tried.append({"host_memory": host, "nvme_memory_gib": nvme / GiB, "error": str(e)})
+            print("no plan:", host, e, flush=True)
+    result["tried"], result["disk_free_gib"] = tried, free / GiB
+    if plan is None:
+        save()
+        raise SystemExit("no host budget of --host-memory fits this disk")
     plan.save(out / "plan.json")
+    result["host_budget_gib"] = parse_size(a.host_memory) / GiB
     pred = plan.predicted
     result["compile_s"] = round(time.perf_counter() - t, 1)
     result["predicted"] = {"step_s": pred["step_time_s"], "peak_host_gib": pred["peak_host_bytes"] / GiB,
@@ -129,7 +147,6 @@ def main() -> None:
         med = statistics.median(times)
         result["measured"]["median_step_s"] = med
         result["predicted_over_measured"] = pred["step_time_s"] / med
-    result["host_budget_gib"] = parse_size(a.host_memory) / GiB
     result["state_files_gib"] = sum(f.stat().st_size for f in Path(trainer.ctx.nvme.root).glob("state_*")) / GiB
     trainer.close()
     save()
