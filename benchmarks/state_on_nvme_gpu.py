@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--disk-bytes", default="2GiB", help="the size of the disk measurement's file")
+    ap.add_argument("--profile", action="store_true", help="then one profiled step: the drive's in-step rates")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script (the cpu profile)")
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args()
@@ -147,6 +148,23 @@ def main() -> None:
         med = statistics.median(times)
         result["measured"]["median_step_s"] = med
         result["predicted_over_measured"] = pred["step_time_s"] / med
+    if a.profile:       # one more step, every op timed: the rates the drive reached inside the step
+        trainer.profile = True
+        ids = torch.randint(0, vocab, (a.batch, a.seq), generator=g)
+        trainer.step({"input_ids": ids, "labels": ids})
+        prof = trainer.last_profile
+        (out / "profile.json").write_text(json.dumps(prof.to_json(plan)) + "\n")
+        ops = {op.id: op for op in plan.ops}
+        moved: dict[str, list[float]] = {"state_read": [0.0, 0.0], "state_write": [0.0, 0.0]}
+        for op_id, _res, start, end in prof.trace:
+            kind = ops[op_id].kind.value
+            if kind in moved:
+                moved[kind][0] += ops[op_id].nbytes
+                moved[kind][1] += end - start
+        result["profiled"] = {"step_s": prof.step_s, "busy_s": prof.busy_s,
+                              **{f"{k}_gbps": b / t / 1e9 for k, (b, t) in moved.items() if t}}
+        print("profiled", result["profiled"], flush=True)
+        save()
     result["state_files_gib"] = sum(f.stat().st_size for f in Path(trainer.ctx.nvme.root).glob("state_*")) / GiB
     trainer.close()
     save()

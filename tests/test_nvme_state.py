@@ -300,3 +300,28 @@ def test_a_slow_drive_is_said_before_training(tmp_path, monkeypatch):
         "nvme_read_gbps": want[0], "nvme_write_gbps": want[1]})
     assert disk_check.slow_disk_warning(plan, str(tmp_path)) is None
     assert disk_check.slow_disk_warning(_in_ram(plan, "hybrid8bit"), str(tmp_path)) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["recompute-all", "milp"])
+def test_state_on_nvme_on_the_gpu_trains_bit_for_bit(policy, tmp_path):
+    """On the GPU (page-locked staging buffers, the real streams and workers): the same bits as all state in RAM."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = _model()
+    plan = lazytrain.compile(model, batch_size=B, seq_len=SEQ, micro_batch=MB, hardware="h100", param_dtype="bfloat16",
+                             optimizer="hybrid8bit", policy=policy, gpu_memory="8GiB",
+                             host_memory=int(_state_bytes(model, "hybrid8bit") * 0.4), nvme_dir=str(tmp_path),
+                             nvme_memory="1GiB", resident="none", gpu_update="none")
+    assert set(plan.decisions.nvme_state) == {"params", "grads", "ostate"}
+    ram = _in_ram(plan, "hybrid8bit")
+    batches = _batches(4)
+
+    def run(p):
+        m = copy.deepcopy(model)
+        t = Trainer(m, p, optimizer=_optimizer("hybrid8bit"), device="cuda", verbose=False)
+        losses = [t.step(b).loss for b in batches]
+        t.sync_to_model()
+        t.close()
+        return losses, {k: v.detach().clone() for k, v in m.named_parameters()}
+    _assert_same(run(plan), run(ram))
