@@ -280,3 +280,12 @@ def test_a_training_run_its_checkpoint_and_the_other_width_refused(tmp_path):
     with pytest.raises(CheckpointError, match="the optimizer's moment_bits is 8, the state was saved with "
                                               "moment_bits=4"):
         trainer(8, ckpt=tmp_path / "ckpt")
+
+
+def test_resharding_is_refused():
+    """Two codes a byte: a rank's piece of a tensor need not start at a byte, so a checkpoint of 4-bit moments
+    resumes only at the world size it was saved with."""
+    from lazytrain.runtime.reshard import check_reshardable
+    check_reshardable(Hybrid8bitAdamW(lr=LR))
+    with pytest.raises(CheckpointError, match="4-bit moments cannot be resharded"):
+        check_reshardable(_opt(False))
