@@ -7,7 +7,8 @@ buffer to find its absmax, and writes codes, scales and master once: ~14 bytes o
 per parameter, every loop auto-vectorized by gcc (integer max for the absmax, no FMA contraction
 except where torch's own kernels fuse).  The codes and formats are those of ``quant.py`` and the
 float operations follow the torch path's order, so the two paths agree to fp32 rounding (a value on
-a rounding boundary may get the neighbouring code) and their states are interchangeable.
+a rounding boundary may get the neighbouring code) and their states are interchangeable.  ``hybrid4_run`` is
+the same update with ``quant4.py``'s 4-bit codes, two a byte (the block function is compiled once per width).
 
 How it is built: the source below is compiled with the system C compiler (``cc -O3 -march=native
 -fPIC -shared -ffp-contract=off``) on first use and loaded with ctypes; calls release the GIL, so a

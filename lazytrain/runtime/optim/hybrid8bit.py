@@ -16,6 +16,11 @@ runtime's buffers).  It runs on the host only: GPU-resident and GPU-updated bloc
 (``NO_DEVICE_SR``; the compiler plans none for it).  Its checkpoint keys are the same (``master`` is
 the bf16 master as fp32), so a checkpoint of either master loads into the other (a split master's low
 half is then rounded to nearest).
+With ``moment_bits=4`` (the ``hybrid4bit`` / ``hybrid4bit-sr`` choices) the codes are ``quant4.py``'s, two a
+byte, over 128-element quantization blocks: 0.5 + 0.5 B instead of 1 + 1 and 8 B of absmax per 128 parameters
+(7.06 / 5.06 B/param with the runtime's buffers, the exact / stochastic master).  Host updates only, as for
+``-sr`` (``NO_DEVICE_4BIT``); a state of one width does not load into the other (``load_hyperparameters``,
+``load_state_tensors``: the codes are not converted).
 Tensors (segments) with fewer than ``min_8bit_numel`` elements (norms, biases) keep fp32 m and v:
 they are a negligible fraction of the parameters and the most sensitive to quantization.
 Total ~8.004 B/param for a transformer layer; ``host_bytes_per_param`` reports the exact figure
