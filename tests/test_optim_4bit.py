@@ -26,8 +26,8 @@ N1, N2, NS = 3 * 2048 + 301, 5000, 50
 SEGS = [("w", 0, N1, (N1,)), ("u", N1, N2, (N2,)), ("b", N1 + N2, NS, (NS,))]
 N = N1 + N2 + NS
 #: the codes' magnitudes, as fractions of the block absmax
-M_TABLE = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.float64) / 12
-V_TABLE = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28], dtype=torch.float64) / 28
+M_TABLE = torch.tensor([0, 0.5, 1, 2, 3, 5, 7, 11], dtype=torch.float64) / 11
+V_TABLE = torch.tensor([0, 0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 9, 11, 13], dtype=torch.float64) / 13
 LR, B1, B2, EPS, WD = 1e-2, 0.9, 0.99, 1e-8, 0.1
 
 

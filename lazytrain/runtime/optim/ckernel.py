@@ -46,23 +46,31 @@ static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 #define SIGNED_TOP_BITS (127u << 20)
 #define UNSIGNED_TOP_BITS (255u << 19)
-#define SIGNED4_TOP_BITS (7u << 22)
-#define UNSIGNED4_TOP_BITS (15u << 21)
+#define ONE_BITS 0x3F800000u
 #define MAXB 4096
 
 /* 4-bit codes (quant4.py), two a byte: element i is the low nibble of byte i/2 when i is even, else the high
-   one.  Signed: sign (0x8) + 2 exponent + 1 mantissa bits at fp32 bits 22..; unsigned: 4 bits at bits 21... */
-#define NIB(q, i) (((uint32_t)(q)[(i) >> 1] >> (((i) & 1) << 2)) & 15u)
+   one.  A code is the bits of 1 + r above ONE_BITS (r: the value scaled so the block absmax is 11 or 13), so
+   no operand is ever an fp32 subnormal.  Signed: sign (0x8) + 2 exponent + 1 mantissa bits at bit 22;
+   unsigned: 2 + 2 bits at bit 21. */
+static inline float dec_m4(uint32_t c)
+{
+    float r = u2f(((c & 7u) << 22) + ONE_BITS) - 1.0f;
+    return u2f(f2u(r) | ((c & 8u) << 28));
+}
+static inline float dec_v4(uint32_t c) { return u2f((c << 21) + ONE_BITS) - 1.0f; }
 static inline uint32_t enc_m4(float y)
 {
     uint32_t x = f2u(y);
-    uint32_t mag = ((x & 0x7FFFFFFFu) + (1u << 21)) >> 22;
+    float r = u2f(x & 0x7FFFFFFFu) + 1.0f;
+    uint32_t mag = (f2u(r) - (ONE_BITS - (1u << 21))) >> 22;
     mag = mag > 7u ? 7u : mag;
     return mag | ((x >> 28) & 8u);
 }
 static inline uint32_t enc_v4(float y)
 {
-    uint32_t t = (f2u(y) + (1u << 20)) >> 21;
+    float r = y + 1.0f;
+    uint32_t t = (f2u(r) - (ONE_BITS - (1u << 20))) >> 21;
     return t < 1u ? 1u : (t > 15u ? 15u : t);
 }
 
@@ -109,20 +117,28 @@ static void NAME(int64_t bs, const void *restrict grad_, uint16_t *restrict hi, 
 {                                                                                                     \
     const float gm = hp[0], gv = hp[1], decay = hp[2], inv_bc2 = hp[3], step = hp[4], eps = hp[5];   \
     const float m_pre = hp[6], v_pre = hp[7];                                                         \
-    const float signed_top = u2f(BITS == 8 ? SIGNED_TOP_BITS : SIGNED4_TOP_BITS);                     \
-    const float unsigned_top = u2f(BITS == 8 ? UNSIGNED_TOP_BITS : UNSIGNED4_TOP_BITS);               \
+    const float signed_top = BITS == 8 ? u2f(SIGNED_TOP_BITS) : 11.0f;                                \
+    const float unsigned_top = BITS == 8 ? u2f(UNSIGNED_TOP_BITS) : 13.0f;                            \
     const float mf = m_am[0] * hp[8], vf = v_am[0] * hp[9];                                           \
     uint32_t mmax = 0, smax = 0;                                                                      \
+    uint8_t cm[BITS == 4 ? MAXB + 2 : 1], cv[BITS == 4 ? MAXB + 2 : 1]; /* 4-bit codes, a byte each */    \
+    if (BITS == 4) {                                                                                  \
+        for (int64_t j = 0; j < (bs + 1) / 2; j++) {                                                  \
+            cm[2 * j] = mq[j] & 15u;                                                                  \
+            cm[2 * j + 1] = mq[j] >> 4;                                                               \
+            cv[2 * j] = vq[j] & 15u;                                                                  \
+            cv[2 * j + 1] = vq[j] >> 4;                                                               \
+        }                                                                                             \
+    }                                                                                                 \
     for (int64_t i = 0; i < bs; i++) {                                                                \
         float g = BF16G ? u2f((uint32_t)((const uint16_t *)grad_)[i] << 16)                           \
                         : ((const float *)grad_)[i];                                                  \
-        uint32_t c = BITS == 8 ? mq[i] : NIB(mq, i);                                                  \
-        float m = BITS == 8 ? u2f(((c & 0x7Fu) << 20) | ((c & 0x80u) << 24))                          \
-                            : u2f(((c & 7u) << 22) | ((c & 8u) << 28));                               \
+        uint32_t c = BITS == 8 ? mq[i] : cm[i];                                                       \
+        float m = BITS == 8 ? u2f(((c & 0x7Fu) << 20) | ((c & 0x80u) << 24)) : dec_m4(c);             \
         m = m * m_pre;                                                                                \
         m = m * mf;                                                                                   \
         m = fmaf(g, gm, m); /* torch's add_(alpha=) is a fused multiply-add */                        \
-        float s = BITS == 8 ? u2f((uint32_t)vq[i] << 19) : u2f(NIB(vq, i) << 21);                     \
+        float s = BITS == 8 ? u2f((uint32_t)vq[i] << 19) : dec_v4(cv[i]);                             \
         s = s * v_pre;                                                                                \
         s = s * vf;                                                                                   \
         s = s * s;                                                                                    \
@@ -155,13 +171,16 @@ static void NAME(int64_t bs, const void *restrict grad_, uint16_t *restrict hi, 
             vq[i] = (uint8_t)y;                                                                       \
         }                                                                                             \
     } else {                                                                                          \
-        for (int64_t i = 0; i + 1 < bs; i += 2) {                                                     \
-            mq[i >> 1] = (uint8_t)(enc_m4(mbuf[i] * me) | (enc_m4(mbuf[i + 1] * me) << 4));           \
-            vq[i >> 1] = (uint8_t)(enc_v4(sbuf[i] * se) | (enc_v4(sbuf[i + 1] * se) << 4));           \
+        for (int64_t i = 0; i < bs; i++) {                                                            \
+            cm[i] = (uint8_t)enc_m4(mbuf[i] * me);                                                    \
+            cv[i] = (uint8_t)enc_v4(sbuf[i] * se);                                                    \
         }                                                                                             \
-        if (bs & 1) { /* a tensor's odd last element: the high nibble is the tensor's padding */      \
-            mq[bs >> 1] = (uint8_t)enc_m4(mbuf[bs - 1] * me);                                         \
-            vq[bs >> 1] = (uint8_t)enc_v4(sbuf[bs - 1] * se);                                         \
+        if (bs > 0 && (bs & 1)) { /* a tensor's odd last element: the high nibble is its padding */  \
+            cm[bs] = cv[bs] = 0;                                                                      \
+        }                                                                                             \
+        for (int64_t j = 0; j < (bs + 1) / 2; j++) {                                                  \
+            mq[j] = (uint8_t)(cm[2 * j] | (cm[2 * j + 1] << 4));                                      \
+            vq[j] = (uint8_t)(cv[2 * j] | (cv[2 * j + 1] << 4));                                      \
         }                                                                                             \
     }                                                                                                 \
 }
