@@ -1,7 +1,8 @@
 """Accuracy of the fewer-bytes optimizer options against the exact default, on the built-in task (issue #41, point 4).
 
     PYTHONPATH=. python benchmarks/bytes_per_param.py [--steps 300] [--batch 32] [--lr 3e-3] [--seed 0]
-        [--difficulty tiny-pad-carry] [--eval-size 500] [--threads 2] [--options hybrid8bit,hybrid8bit-sr]
+        [--difficulty tiny-pad-carry] [--eval-size 500] [--threads 2]
+        [--options hybrid8bit,hybrid8bit-sr,hybrid4bit,hybrid4bit-sr]
 
 What ``lazytrain train`` does (its task GPT, batches, warm-up + cosine schedule, betas (0.9, 0.98), clip 1.0,
 exact match on the held-out problems), with one difference: the parameters are bf16 on the CPU too (the run
@@ -26,15 +27,18 @@ import lazytrain
 from lazytrain.app.config import TrainConfig
 from lazytrain.app.loop import lr_at
 from lazytrain.app.train import build_task_model, logits_fn
+from lazytrain.compiler.options import Optimizer
 from lazytrain.runtime.optim import Hybrid8bitAdamW
 from lazytrain.runtime.trainer import Trainer
 from lazytrain.tasks import CharTokenizer, eval_examples, exact_match, get_difficulty, train_batches
 
 
 def _optimizer(option: str, cfg: TrainConfig) -> Hybrid8bitAdamW:
+    choice = Optimizer(option)
     return Hybrid8bitAdamW(lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay,
                            max_grad_norm=cfg.max_grad_norm, num_threads=torch.get_num_threads(),
-                           stochastic_rounding=option == "hybrid8bit-sr", seed=cfg.seed)
+                           stochastic_rounding=choice.stochastic_rounding, moment_bits=choice.moment_bits,
+                           seed=cfg.seed)
 
 
 @torch.no_grad()
@@ -88,7 +92,7 @@ def main() -> None:
     ap.add_argument("--difficulty", default=TrainConfig.difficulty)
     ap.add_argument("--eval-size", type=int, default=500)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--options", default="hybrid8bit,hybrid8bit-sr")
+    ap.add_argument("--options", default="hybrid8bit,hybrid8bit-sr,hybrid4bit,hybrid4bit-sr")
     ap.add_argument("--out", default="benchmarks/results/issue41_bytes_per_param/task.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

@@ -1,6 +1,6 @@
 """Host optimizer throughput (G params/s) on one transformer-layer-sized block.
 
-    python benchmarks/optim_rate.py [--numel 77100000] [--threads N] [--steps 3]
+    python benchmarks/optim_rate.py [--numel 77100000] [--threads N] [--steps 3] [--sr] [--bits4]
 
 A block of ``--numel`` parameters (default: one Qwen2.5-3B decoder layer, 77.1M) with a bf16 load
 buffer and bf16 gradients, as the runtime hands them over.  Reports the median step time of
@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--no-kernel", action="store_true", help="Hybrid8bitAdamW: the torch-ops path, not the C kernel")
     ap.add_argument("--sr", action="store_true", help="Hybrid8bitAdamW with the stochastic-rounding bf16 master too "
                                                       "(hybrid8bit-sr), after the exact one")
+    ap.add_argument("--bits4", action="store_true", help="Hybrid8bitAdamW with 4-bit moments too (hybrid4bit, and "
+                                                         "hybrid4bit-sr with --sr), after the 8-bit ones")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     print(f"block of {a.numel / 1e6:.1f}M params, bf16 load buffer and grads, {a.threads} threads")
@@ -66,10 +68,13 @@ def main() -> None:
         kw = {"chunk_numel": a.chunk} if a.chunk else {}
         kw["kernel"] = False if a.no_kernel else None
         path = "torch ops" if a.no_kernel else "C kernel"
-        for sr in (False, True) if a.sr else (False,):
-            opt = Hybrid8bitAdamW(lr=1e-4, weight_decay=0.1, num_threads=a.threads, stochastic_rounding=sr, **kw)
-            r, b = rate(opt, a.numel, a.steps)
-            print(f"Hybrid8bitAdamW{'-sr' if sr else '   '}  {r:6.3f} G params/s   {b:.3f} B/param   ({path})")
+        for bits in (8, 4) if a.bits4 else (8,):
+            for sr in (False, True) if a.sr else (False,):
+                opt = Hybrid8bitAdamW(lr=1e-4, weight_decay=0.1, num_threads=a.threads, stochastic_rounding=sr,
+                                      moment_bits=bits, **kw)
+                r, b = rate(opt, a.numel, a.steps)
+                name = f"hybrid{bits}bit{'-sr' if sr else ''}"
+                print(f"{name:15s}  {r:6.3f} G params/s   {b:.3f} B/param   ({path})")
 
 
 if __name__ == "__main__":

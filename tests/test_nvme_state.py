@@ -20,7 +20,9 @@ import torch
 import lazytrain
 from lazytrain.compiler.budgets import BudgetError
 from lazytrain.compiler.builder import Compiler
+from lazytrain.compiler.options import Optimizer
 from lazytrain.compiler.profiles import get_profile
+from lazytrain.compiler.request import HOST_BYTES_PER_PARAM
 from lazytrain.frontend.presets import build_from_config
 from lazytrain.ir import Op, OpKind, PlanError, TensorKind, verify
 from lazytrain.runtime.nvme import NvmeError
@@ -34,6 +36,8 @@ CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "nu
 B, SEQ, MB = 4, 16, 2
 #: (plan dtype, optimizer): fp32 AdamW on fp32 parameters, the 8-bit optimizer on bf16
 OPTIMIZERS = {"adamw": "float32", "hybrid8bit": "bfloat16"}
+#: the host-only options (stochastic-rounding master, 4-bit moments): their state on NVMe too, bf16 parameters
+HOST_ONLY = ("hybrid8bit-sr", "hybrid4bit", "hybrid4bit-sr")
 
 
 def _model(layers: int = CONFIG["num_hidden_layers"]) -> torch.nn.Module:
@@ -44,7 +48,9 @@ def _model(layers: int = CONFIG["num_hidden_layers"]) -> torch.nn.Module:
 def _optimizer(name: str, clip: float | None = 1.0):
     if name == "adamw":
         return TorchAdamW(lr=1e-3, eps=1e-6, max_grad_norm=clip)
-    return Hybrid8bitAdamW(lr=1e-3, max_grad_norm=clip)
+    choice = Optimizer(name)
+    return Hybrid8bitAdamW(lr=1e-3, max_grad_norm=clip, stochastic_rounding=choice.stochastic_rounding,
+                           moment_bits=choice.moment_bits)
 
 
 def _batches(n: int):
@@ -59,14 +65,14 @@ def _batches(n: int):
 
 
 def _state_bytes(model, opt: str) -> int:
-    per = {"adamw": 16.0, "hybrid8bit": 8.25}[opt]
+    per = HOST_BYTES_PER_PARAM[Optimizer(opt)]
     return int(sum(p.numel() for p in model.parameters()) * per)
 
 
 def _placed_plan(model, opt: str, policy: str, nvme_dir, *, share: float = 0.6, clip: bool = True):
     """A plan compiled with a host budget of ``share`` of the state's bytes: the compile keeps the rest on NVMe."""
     return lazytrain.compile(model, batch_size=B, seq_len=SEQ, micro_batch=MB, hardware="cpu",
-                             param_dtype=OPTIMIZERS[opt], optimizer=opt, policy=policy, clip=clip,
+                             param_dtype=OPTIMIZERS.get(opt, "bfloat16"), optimizer=opt, policy=policy, clip=clip,
                              gpu_memory="8GiB", host_memory=int(_state_bytes(model, opt) * share),
                              nvme_dir=str(nvme_dir), nvme_memory="1GiB")
 
@@ -103,6 +109,17 @@ def test_state_on_nvme_trains_bit_for_bit(policy, opt, tmp_path):
     assert plan.predicted["peak_host_bytes"] <= plan.budgets["host_bytes"]
     kinds = {op.kind for op in plan.ops}
     assert {OpKind.STATE_READ, OpKind.STATE_WRITE} <= kinds
+    batches = _batches(4)
+    _assert_same(_train(model, plan, opt, batches), _train(model, _in_ram(plan, opt), opt, batches))
+
+
+@pytest.mark.parametrize("opt", HOST_ONLY)
+def test_host_only_optimizers_state_on_nvme_trains_bit_for_bit(opt, tmp_path):
+    """Their ``streamed_state`` (no lo with -sr; 4-bit codes half the 8-bit ones) in the files, ``step_streamed`` on
+    the host copies: the same losses and parameters as with the state in RAM."""
+    model = _model()
+    plan = _placed_plan(model, opt, "recompute-all", tmp_path, share=0.55)
+    assert plan.decisions.nvme_state.get("ostate") and not plan.decisions.resident_blocks
     batches = _batches(4)
     _assert_same(_train(model, plan, opt, batches), _train(model, _in_ram(plan, opt), opt, batches))
 

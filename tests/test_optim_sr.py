@@ -228,8 +228,10 @@ def test_device_blocks_are_refused():
         opt.device_bytes_per_param(2)
     host = _opt(False)
     _setup(host, torch.zeros(N))
-    with pytest.raises(NotImplementedError, match="updates on the host only"):
-        host.streamed_state(0)
+    state = host.streamed_state(0)             # (the NVMe state tier's host copies are fine)
+    host._force_device = True
+    with pytest.raises(NotImplementedError, match="updates on the host only.*\\(block 0 is GPU-updated\\)"):
+        host.step_streamed(0, torch.zeros(N), torch.zeros(N, dtype=torch.bfloat16), state)
 
 
 def test_the_compiler_plans_host_updates_only_and_prices_6_25_bytes():

@@ -96,8 +96,10 @@ _MODEL_HELP = ("'task' (a small GPT sized for the task, default), a preset ({pre
                "(config.json and *.safetensors: fine-tune its weights; config.json alone: random init), a "
                "config.json, or package.module:factory (imports and calls it: runs code, so name only code you "
                "trust)")
-#: the host optimizers a run may use: the Hybrid 8-bit AdamW, with its exact master or the stochastic-rounding one
-OPTIMIZERS = (Optimizer.HYBRID8BIT.value, Optimizer.HYBRID8BIT_SR.value)
+#: the host optimizers a run may use: the Hybrid 8-bit AdamW, with its exact master or the stochastic-rounding one,
+#: with 8-bit or 4-bit moments
+OPTIMIZERS = tuple(o.value for o in (Optimizer.HYBRID8BIT, Optimizer.HYBRID8BIT_SR, Optimizer.HYBRID4BIT,
+                                     Optimizer.HYBRID4BIT_SR))
 _RESIDENT_HELP = ("keep blocks on the GPU for the whole run (parameters, optimizer state, gradients; their update runs "
                   "on the GPU): auto lets the compiler choose how many of the first blocks (milp policy, on a GPU), "
                   "N keeps the first N (tied groups whole) (default {d.resident})")
@@ -147,9 +149,10 @@ class TrainConfig:
     #: a run folder written before this setting existed has none: it resumed with the default (``Opt``)
     optimizer: Optimizer = setting(
         Optimizer.HYBRID8BIT, "host optimizer: Hybrid 8-bit AdamW with its exact fp32 master (8.25 bytes a parameter "
-                              "in host memory) or hybrid8bit-sr, a bf16 master rounded stochastically (6.25 bytes; "
-                              "updates on the host only, no GPU-resident blocks; its accuracy cost: "
-                              "benchmarks/results/issue41_bytes_per_param) (default {d.optimizer})",
+                              "in host memory); hybrid8bit-sr, a bf16 master rounded stochastically (6.25 bytes); "
+                              "hybrid4bit, 4-bit moments (7.25 bytes); hybrid4bit-sr, both (5.25 bytes).  All but "
+                              "the first update on the host only, no GPU-resident blocks; their accuracy cost: "
+                              "benchmarks/results/issue41_bytes_per_param (default {d.optimizer})",
         choices=OPTIMIZERS, resumed=_KEPT, shape=Opt(OneOf(*OPTIMIZERS)))
     #: blocks kept on the GPU (``compile_model``'s ``resident``): "auto", "none", the first N, or these indices
     resident: Literal["auto", "none"] | int | list[int] = setting(

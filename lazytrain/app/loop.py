@@ -133,7 +133,8 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
     ranks = ranks or Ranks()
     opt = Hybrid8bitAdamW(lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                           num_threads=torch.get_num_threads() if dev.type == "cpu" else None,
-                          stochastic_rounding=cfg.optimizer == Optimizer.HYBRID8BIT_SR, seed=cfg.seed)
+                          stochastic_rounding=Optimizer(cfg.optimizer).stochastic_rounding, seed=cfg.seed,
+                          moment_bits=Optimizer(cfg.optimizer).moment_bits)
     t = time.perf_counter()
     plan = None
     if resumed:

@@ -57,14 +57,29 @@ class Optimizer(Choice):
     #: the 8-bit optimizer with a bf16 master rounded stochastically (no master low half: 2 B/param less);
     #: updates on the host only, so the compiler plans no GPU-resident or GPU-updated block for it
     HYBRID8BIT_SR = "hybrid8bit-sr"
+    #: the same optimizer with block-wise 4-bit moments (1 B/param less), with the exact master or the
+    #: stochastic-rounding one; host updates only, as for hybrid8bit-sr
+    HYBRID4BIT = "hybrid4bit"
+    HYBRID4BIT_SR = "hybrid4bit-sr"
     ADAMW = "adamw"
 
     @property
     def eight_bit(self) -> bool:
-        """Block-wise 8-bit moments (the host update's rate and the GPU's state bytes are the 8-bit ones)."""
-        return self in (Optimizer.HYBRID8BIT, Optimizer.HYBRID8BIT_SR)
+        """Block-wise quantized moments, 8-bit or 4-bit: the Hybrid 8-bit AdamW (the host update's rate and the
+        GPU's state bytes are the 8-bit ones)."""
+        return self is not Optimizer.ADAMW
 
     @property
     def host_only(self) -> bool:
         """Updates only on the host: no GPU-resident or GPU-updated blocks."""
-        return self is Optimizer.HYBRID8BIT_SR
+        return self in (Optimizer.HYBRID8BIT_SR, Optimizer.HYBRID4BIT, Optimizer.HYBRID4BIT_SR)
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """A bf16 master rounded stochastically (``Hybrid8bitAdamW(stochastic_rounding=True)``)."""
+        return self in (Optimizer.HYBRID8BIT_SR, Optimizer.HYBRID4BIT_SR)
+
+    @property
+    def moment_bits(self) -> int:
+        """The width of the quantized moments' codes (``Hybrid8bitAdamW(moment_bits=)``); 32 for AdamW."""
+        return 4 if self in (Optimizer.HYBRID4BIT, Optimizer.HYBRID4BIT_SR) else 8 if self.eight_bit else 32

@@ -24,7 +24,8 @@ from .world import check_world
 #: the profile a compile plans for when the caller names none (said once per request, ``CompileRequest.of``)
 DEFAULT_HARDWARE = "h200"
 #: host bytes per parameter by optimizer (load buffer + grad buffer + master + states)
-HOST_BYTES_PER_PARAM = {Optimizer.HYBRID8BIT: 8.25, Optimizer.HYBRID8BIT_SR: 6.25, Optimizer.ADAMW: 16.0}
+HOST_BYTES_PER_PARAM = {Optimizer.HYBRID8BIT: 8.25, Optimizer.HYBRID8BIT_SR: 6.25, Optimizer.HYBRID4BIT: 7.25,
+                        Optimizer.HYBRID4BIT_SR: 5.25, Optimizer.ADAMW: 16.0}
 #: the dtypes a plan keeps its parameters in on the GPU (bf16 on a GPU; fp32 for CPU runs, eager's references)
 PARAM_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -137,7 +138,7 @@ class CompileRequest:
         and asking for some is an error."""
         for name, none in (("resident", (None, "none", "auto", 0, [], ())), ("gpu_update", ("none", "auto", 0, ()))):
             if getattr(self, name) not in none:
-                raise ValueError(f"optimizer hybrid8bit-sr updates on the host only: {name}="   # (the one host_only)
+                raise ValueError(f"optimizer {self.optimizer.value} updates on the host only: {name}="
                                  f"{getattr(self, name)!r} asks for blocks updated on the GPU; use {name}='none' "
                                  f"(or 'auto', which chooses none for it)")
             self._set(name, "none")

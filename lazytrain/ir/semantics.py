@@ -19,7 +19,8 @@ GRAD_WIRE_BYTES = 2    # and cross PCIe / live on the host in bf16 (the clip nor
 #: GPU bytes per parameter the optimizer keeps for a resident block beyond the parameters: the 8-bit
 #: optimizer's low master half (2), two 1-byte moment codes, block scales and kernel table; fp32 AdamW's fp32
 #: master (0 when the parameters are fp32) and two fp32 moments
-DEVICE_STATE_BYTES = {"hybrid8bit": 4.02, "hybrid8bit-sr": 2.02, "adamw": 12.0}
+DEVICE_STATE_BYTES = {"hybrid8bit": 4.02, "hybrid8bit-sr": 2.02, "hybrid4bit": 3.25, "hybrid4bit-sr": 1.25,
+                      "adamw": 12.0}
 
 
 def tie_closure(graph: ModelGraph, blocks) -> frozenset[int]:

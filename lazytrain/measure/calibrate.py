@@ -201,8 +201,9 @@ def measure(model: nn.Module, hw: HardwareProfile, *, seq_len: int, micro_batch:
                   f"{micro_batch}, seq {seq_len}, {repeats} steps of {n_micro} micro-batch(es) after {WARMUP}")
     kinds = {OpKind.COMPUTE: "forward_s", OpKind.BACKWARD: "backward_s", OpKind.RECOMPUTE: "recompute_s"}
     batches = _Batches(plan, _vocab(tm))
-    opt = (Hybrid8bitAdamW(lr=0.0, stochastic_rounding=optimizer == Optimizer.HYBRID8BIT_SR)
-           if optimizer in (Optimizer.HYBRID8BIT, Optimizer.HYBRID8BIT_SR) else TorchAdamW(lr=0.0))
+    choice = Optimizer(optimizer)
+    opt = (Hybrid8bitAdamW(lr=0.0, stochastic_rounding=choice.stochastic_rounding, moment_bits=choice.moment_bits)
+           if choice.eight_bit else TorchAdamW(lr=0.0))
     trainer = Trainer(tm, plan, optimizer=opt, device=device, profile=True, verbose=False)
     profiles: list = []
     try:

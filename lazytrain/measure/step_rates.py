@@ -34,7 +34,7 @@ _COMPUTE = {OpKind.COMPUTE: "forwards", OpKind.RECOMPUTE: "forwards", OpKind.BAC
 
 def rate_field(optimizer: str) -> str:
     """The hardware profile's field of ``optimizer``'s host rate."""
-    return "cpu_adam8_gparams" if optimizer in (Optimizer.HYBRID8BIT, Optimizer.HYBRID8BIT_SR) else "cpu_adam_gparams"
+    return "cpu_adam8_gparams" if Optimizer(optimizer).eight_bit else "cpu_adam_gparams"
 
 
 def with_host_rate(hw: HardwareProfile, gparams: float, optimizer: str,

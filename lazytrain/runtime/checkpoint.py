@@ -61,8 +61,8 @@ from .optim.torch_adamw import TorchAdamW
 __all__ = ["FORMAT", "META", "CheckpointError", "load", "read_extra", "read_meta", "resolve", "save", "write_extra"]
 #: constructor arguments saved to rebuild an optimizer; of those, the ones that fix the layout of its
 #: state tensors must match to load them (all of them for a class not listed)
-_CONFIG_ATTRS = ("chunk_numel", "block_size", "min_8bit_numel")
-_LAYOUT_ATTRS = {"TorchAdamW": ("chunk_numel",), "Hybrid8bitAdamW": ("block_size", "min_8bit_numel")}
+_CONFIG_ATTRS = ("moment_bits", "chunk_numel", "block_size", "min_8bit_numel")      # (in the order they are checked)
+_LAYOUT_ATTRS = {"TorchAdamW": ("chunk_numel",), "Hybrid8bitAdamW": ("moment_bits", "block_size", "min_8bit_numel")}
 
 
 # ---- saving -------------------------------------------------------------------------------------------

@@ -49,6 +49,9 @@ def check_reshardable(opt) -> None:
     if cls not in KINDS:
         raise CheckpointError(f"the state of optimizer {cls} cannot be resharded to another world size (only "
                               f"{', '.join(KINDS)}): resume with the world size it was saved with")
+    if getattr(opt, "moment_bits", 8) == 4:
+        raise CheckpointError("4-bit moments cannot be resharded to another world size (two codes a byte: a "
+                              "piece's codes need not start at a byte): resume with the world size it was saved with")
     bs = getattr(opt, "block_size", None)
     if bs is not None and ALIGN % bs:
         raise CheckpointError(f"Hybrid8bitAdamW block_size {bs} does not divide the shard alignment {ALIGN}: its "

@@ -7,7 +7,8 @@ buffer to find its absmax, and writes codes, scales and master once: ~14 bytes o
 per parameter, every loop auto-vectorized by gcc (integer max for the absmax, no FMA contraction
 except where torch's own kernels fuse).  The codes and formats are those of ``quant.py`` and the
 float operations follow the torch path's order, so the two paths agree to fp32 rounding (a value on
-a rounding boundary may get the neighbouring code) and their states are interchangeable.
+a rounding boundary may get the neighbouring code) and their states are interchangeable.  ``hybrid4_run`` is
+the same update with ``quant4.py``'s 4-bit codes, two a byte (the block function is compiled once per width).
 
 How it is built: the source below is compiled with the system C compiler (``cc -O3 -march=native
 -fPIC -shared -ffp-contract=off``) on first use and loaded with ctypes; calls release the GIL, so a
@@ -45,7 +46,33 @@ static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 #define SIGNED_TOP_BITS (127u << 20)
 #define UNSIGNED_TOP_BITS (255u << 19)
+#define ONE_BITS 0x3F800000u
 #define MAXB 4096
+
+/* 4-bit codes (quant4.py), two a byte: element i is the low nibble of byte i/2 when i is even, else the high
+   one.  A code is the bits of 1 + r above ONE_BITS (r: the value scaled so the block absmax is 11 or 13), so
+   no operand is ever an fp32 subnormal.  Signed: sign (0x8) + 2 exponent + 1 mantissa bits at bit 22;
+   unsigned: 2 + 2 bits at bit 21. */
+static inline float dec_m4(uint32_t c)
+{
+    float r = u2f(((c & 7u) << 22) + ONE_BITS) - 1.0f;
+    return u2f(f2u(r) | ((c & 8u) << 28));
+}
+static inline float dec_v4(uint32_t c) { return u2f((c << 21) + ONE_BITS) - 1.0f; }
+static inline uint32_t enc_m4(float y)
+{
+    uint32_t x = f2u(y);
+    float r = u2f(x & 0x7FFFFFFFu) + 1.0f;
+    uint32_t mag = (f2u(r) - (ONE_BITS - (1u << 21))) >> 22;
+    mag = mag > 7u ? 7u : mag;
+    return mag | ((x >> 28) & 8u);
+}
+static inline uint32_t enc_v4(float y)
+{
+    float r = y + 1.0f;
+    uint32_t t = (f2u(r) - (ONE_BITS - (1u << 20))) >> 21;
+    return t < 1u ? 1u : (t > 15u ? 15u : t);
+}
 
 /* The 16 random bits that round element idx of a block stochastically at the update whose key is
    key (``sr_key`` in Python: a hash of seed, block and step): idx * golden ratio xor key, then the
@@ -78,10 +105,11 @@ static inline uint32_t sr_bits(uint32_t idx, uint32_t key)
         p32[i] = p;                                                                                    \
     }
 
-/* The update of one quantization block, specialised at compile time on the gradient dtype (BF16G)
-   and on the master layout (MODE 1: bf16 high half in the load buffer + int16 low half; 2: the bf16
-   load buffer alone, rounded stochastically with key and the element's block index idx0 + i; 0: fp32). */
-#define BLOCK_FN(NAME, BF16G, MODE)                                                                  \
+/* The update of one quantization block, specialised at compile time on the gradient dtype (BF16G),
+   on the master layout (MODE 1: bf16 high half in the load buffer + int16 low half; 2: the bf16
+   load buffer alone, rounded stochastically with key and the element's block index idx0 + i; 0: fp32)
+   and on the moments' code width (BITS 8: a byte each; 4: two a byte, mq/vq at the block's first pair). */
+#define BLOCK_FN(NAME, BF16G, MODE, BITS)                                                                \
 static void NAME(int64_t bs, const void *restrict grad_, uint16_t *restrict hi, int16_t *restrict lo, \
                  float *restrict p32, uint8_t *restrict mq, uint8_t *restrict vq,                     \
                  float *restrict m_am, float *restrict v_am, const float *restrict hp,               \
@@ -89,18 +117,28 @@ static void NAME(int64_t bs, const void *restrict grad_, uint16_t *restrict hi, 
 {                                                                                                     \
     const float gm = hp[0], gv = hp[1], decay = hp[2], inv_bc2 = hp[3], step = hp[4], eps = hp[5];   \
     const float m_pre = hp[6], v_pre = hp[7];                                                         \
-    const float signed_top = u2f(SIGNED_TOP_BITS), unsigned_top = u2f(UNSIGNED_TOP_BITS);             \
+    const float signed_top = BITS == 8 ? u2f(SIGNED_TOP_BITS) : 11.0f;                                \
+    const float unsigned_top = BITS == 8 ? u2f(UNSIGNED_TOP_BITS) : 13.0f;                            \
     const float mf = m_am[0] * hp[8], vf = v_am[0] * hp[9];                                           \
     uint32_t mmax = 0, smax = 0;                                                                      \
+    uint8_t cm[BITS == 4 ? MAXB + 2 : 1], cv[BITS == 4 ? MAXB + 2 : 1]; /* 4-bit codes, a byte each */    \
+    if (BITS == 4) {                                                                                  \
+        for (int64_t j = 0; j < (bs + 1) / 2; j++) {                                                  \
+            cm[2 * j] = mq[j] & 15u;                                                                  \
+            cm[2 * j + 1] = mq[j] >> 4;                                                               \
+            cv[2 * j] = vq[j] & 15u;                                                                  \
+            cv[2 * j + 1] = vq[j] >> 4;                                                               \
+        }                                                                                             \
+    }                                                                                                 \
     for (int64_t i = 0; i < bs; i++) {                                                                \
         float g = BF16G ? u2f((uint32_t)((const uint16_t *)grad_)[i] << 16)                           \
                         : ((const float *)grad_)[i];                                                  \
-        uint32_t c = mq[i];                                                                           \
-        float m = u2f(((c & 0x7Fu) << 20) | ((c & 0x80u) << 24));                                    \
+        uint32_t c = BITS == 8 ? mq[i] : cm[i];                                                       \
+        float m = BITS == 8 ? u2f(((c & 0x7Fu) << 20) | ((c & 0x80u) << 24)) : dec_m4(c);             \
         m = m * m_pre;                                                                                \
         m = m * mf;                                                                                   \
         m = fmaf(g, gm, m); /* torch's add_(alpha=) is a fused multiply-add */                        \
-        float s = u2f((uint32_t)vq[i] << 19);                                                         \
+        float s = BITS == 8 ? u2f((uint32_t)vq[i] << 19) : dec_v4(cv[i]);                             \
         s = s * v_pre;                                                                                \
         s = s * vf;                                                                                   \
         s = s * s;                                                                                    \
@@ -122,48 +160,79 @@ static void NAME(int64_t bs, const void *restrict grad_, uint16_t *restrict hi, 
     m_am[0] = mx;                                                                                     \
     v_am[0] = sx;                                                                                     \
     const float me = mx > 0 ? signed_top / mx : 0.0f, se = sx > 0 ? unsigned_top / sx : 0.0f;         \
-    for (int64_t i = 0; i < bs; i++) {                                                                \
-        uint32_t x = f2u(mbuf[i] * me);                                                               \
-        uint32_t mag = ((x & 0x7FFFFFFFu) + (1u << 19)) >> 20;                                        \
-        mag = mag > 127u ? 127u : mag;                                                                \
-        mq[i] = (uint8_t)(mag | ((x >> 24) & 0x80u));                                                 \
-        uint32_t y = (f2u(sbuf[i] * se) + (1u << 18)) >> 19;                                          \
-        y = y < 1u ? 1u : (y > 255u ? 255u : y);                                                      \
-        vq[i] = (uint8_t)y;                                                                           \
+    if (BITS == 8) {                                                                                  \
+        for (int64_t i = 0; i < bs; i++) {                                                            \
+            uint32_t x = f2u(mbuf[i] * me);                                                           \
+            uint32_t mag = ((x & 0x7FFFFFFFu) + (1u << 19)) >> 20;                                    \
+            mag = mag > 127u ? 127u : mag;                                                            \
+            mq[i] = (uint8_t)(mag | ((x >> 24) & 0x80u));                                             \
+            uint32_t y = (f2u(sbuf[i] * se) + (1u << 18)) >> 19;                                      \
+            y = y < 1u ? 1u : (y > 255u ? 255u : y);                                                  \
+            vq[i] = (uint8_t)y;                                                                       \
+        }                                                                                             \
+    } else {                                                                                          \
+        for (int64_t i = 0; i < bs; i++) {                                                            \
+            cm[i] = (uint8_t)enc_m4(mbuf[i] * me);                                                    \
+            cv[i] = (uint8_t)enc_v4(sbuf[i] * se);                                                    \
+        }                                                                                             \
+        if (bs > 0 && (bs & 1)) { /* a tensor's odd last element: the high nibble is its padding */  \
+            cm[bs] = cv[bs] = 0;                                                                      \
+        }                                                                                             \
+        for (int64_t j = 0; j < (bs + 1) / 2; j++) {                                                  \
+            mq[j] = (uint8_t)(cm[2 * j] | (cm[2 * j + 1] << 4));                                      \
+            vq[j] = (uint8_t)(cv[2 * j] | (cv[2 * j + 1] << 4));                                      \
+        }                                                                                             \
     }                                                                                                 \
 }
 
-BLOCK_FN(block_bf16_hilo, 1, 1)
-BLOCK_FN(block_bf16_sr, 1, 2)
-BLOCK_FN(block_bf16_f32, 1, 0)
-BLOCK_FN(block_f32_hilo, 0, 1)
-BLOCK_FN(block_f32_sr, 0, 2)
-BLOCK_FN(block_f32_f32, 0, 0)
+BLOCK_FN(block_bf16_hilo, 1, 1, 8)
+BLOCK_FN(block_bf16_sr, 1, 2, 8)
+BLOCK_FN(block_bf16_f32, 1, 0, 8)
+BLOCK_FN(block_f32_hilo, 0, 1, 8)
+BLOCK_FN(block_f32_sr, 0, 2, 8)
+BLOCK_FN(block_f32_f32, 0, 0, 8)
+BLOCK_FN(block4_bf16_hilo, 1, 1, 4)
+BLOCK_FN(block4_bf16_sr, 1, 2, 4)
+BLOCK_FN(block4_bf16_f32, 1, 0, 4)
+BLOCK_FN(block4_f32_hilo, 0, 1, 4)
+BLOCK_FN(block4_f32_sr, 0, 2, 4)
+BLOCK_FN(block4_f32_f32, 0, 0, 4)
+
+typedef void (*block_fn)(int64_t, const void *, uint16_t *, int16_t *, float *, uint8_t *, uint8_t *, float *,
+                         float *, const float *, float *, float *, uint32_t, int64_t);
+/* by [bits == 4][grad_bf16][master layout: 0 fp32, 1 hi + lo, 2 hi alone] */
+static const block_fn BLOCKS[2][2][3] = {
+    {{block_f32_f32, block_f32_hilo, block_f32_sr}, {block_bf16_f32, block_bf16_hilo, block_bf16_sr}},
+    {{block4_f32_f32, block4_f32_hilo, block4_f32_sr}, {block4_bf16_f32, block4_bf16_hilo, block4_bf16_sr}},
+};
 
 /* One chunk of nblocks quantization blocks of bs (<= MAXB) elements.  grad: fp32, or bf16 bits when
    grad_bf16.  Master: hi (bf16 bits = the load buffer) + lo (int16); hi alone (lo NULL: bf16 rounded
    stochastically with key, idx0 being the chunk's first element's index in its block); or p32 (fp32)
-   when hi is NULL.  hp: gm, gv, decay, 1/sqrt(bc2), -lr/bc1, eps, m_pre, v_pre, m_ratio, v_ratio. */
+   when hi is NULL.  hp: gm, gv, decay, 1/sqrt(bc2), -lr/bc1, eps, m_pre, v_pre, m_ratio, v_ratio.
+   bits: 8 (a code a byte) or 4 (two a byte: mq/vq point at the chunk's first pair, bs even but in a
+   tensor's last, single block). */
+static int chunk(int bits, int64_t nblocks, int64_t bs, const void *grad, int grad_bf16,
+                 uint16_t *hi, int16_t *lo, float *p32, uint8_t *mq, uint8_t *vq,
+                 float *m_am, float *v_am, const float *hp, uint32_t key, int64_t idx0)
+{
+    float mbuf[MAXB], sbuf[MAXB];
+    if (bs > MAXB || (bits == 4 && nblocks > 1 && (bs & 1))) return -1;
+    const int64_t gsz = grad_bf16 ? 2 : 4;
+    const block_fn fn = BLOCKS[bits == 4][grad_bf16 != 0][hi ? (lo ? 1 : 2) : 0];
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t o = b * bs, qo = bits == 4 ? o / 2 : o;
+        fn(bs, (const char *)grad + o * gsz, hi ? hi + o : 0, lo ? lo + o : 0, hi ? 0 : p32 + o, mq + qo, vq + qo,
+           m_am + b, v_am + b, hp, mbuf, sbuf, key, idx0 + o);
+    }
+    return 0;
+}
+
 int hybrid8_chunk(int64_t nblocks, int64_t bs, const void *grad, int grad_bf16,
                   uint16_t *hi, int16_t *lo, float *p32, uint8_t *mq, uint8_t *vq,
                   float *m_am, float *v_am, const float *hp, uint32_t key, int64_t idx0)
 {
-    float mbuf[MAXB], sbuf[MAXB];
-    if (bs > MAXB) return -1;
-    const int64_t gsz = grad_bf16 ? 2 : 4;
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t o = b * bs, x = idx0 + o;
-        const void *g = (const char *)grad + o * gsz;
-        uint8_t *q = mq + o, *r = vq + o;
-        float *ma = m_am + b, *va = v_am + b;
-        if (grad_bf16 && hi && lo) block_bf16_hilo(bs, g, hi + o, lo + o, 0, q, r, ma, va, hp, mbuf, sbuf, key, x);
-        else if (grad_bf16 && hi) block_bf16_sr(bs, g, hi + o, 0, 0, q, r, ma, va, hp, mbuf, sbuf, key, x);
-        else if (grad_bf16) block_bf16_f32(bs, g, 0, 0, p32 + o, q, r, ma, va, hp, mbuf, sbuf, key, x);
-        else if (hi && lo) block_f32_hilo(bs, g, hi + o, lo + o, 0, q, r, ma, va, hp, mbuf, sbuf, key, x);
-        else if (hi) block_f32_sr(bs, g, hi + o, 0, 0, q, r, ma, va, hp, mbuf, sbuf, key, x);
-        else block_f32_f32(bs, g, 0, 0, p32 + o, q, r, ma, va, hp, mbuf, sbuf, key, x);
-    }
-    return 0;
+    return chunk(8, nblocks, bs, grad, grad_bf16, hi, lo, p32, mq, vq, m_am, v_am, hp, key, idx0);
 }
 
 /* Plain fp32 AdamW over n elements (the small tensors, whose m and v stay fp32); hp as above plus
@@ -227,21 +296,39 @@ double sum2_sq(int64_t n, const void *a, int a_bf16, const void *b, int b_bf16, 
 }
 
 /* A run of chunks in one call (so a worker thread releases the GIL once per step): items holds
-   nitems rows of (off, numel, nblocks, qoff, soff) into the block's flat buffers. */
-int hybrid8_run(int64_t nitems, const int64_t *items, const void *grad, int grad_bf16,
-                uint16_t *hi, int16_t *lo, float *p32, uint8_t *mq, uint8_t *vq,
-                float *m_am, float *v_am, const float *hp, uint32_t key)
+   nitems rows of (off, numel, nblocks, qoff, soff) into the block's flat buffers (qoff in codes: an even
+   one with 4-bit codes, whose byte is qoff / 2). */
+static int run(int bits, int64_t nitems, const int64_t *items, const void *grad, int grad_bf16,
+               uint16_t *hi, int16_t *lo, float *p32, uint8_t *mq, uint8_t *vq,
+               float *m_am, float *v_am, const float *hp, uint32_t key)
 {
     const int64_t gsz = grad_bf16 ? 2 : 4;
     for (int64_t k = 0; k < nitems; k++) {
         const int64_t *it = items + 5 * k;
-        const int64_t off = it[0], n = it[1], rows = it[2], qoff = it[3], soff = it[4];
-        int rc = hybrid8_chunk(rows, n / rows, (const char *)grad + off * gsz, grad_bf16,
-                               hi ? hi + off : 0, lo ? lo + off : 0, p32 ? p32 + off : 0,
-                               mq + qoff, vq + qoff, m_am + soff, v_am + soff, hp, key, off);
+        const int64_t off = it[0], n = it[1], rows = it[2], soff = it[4];
+        const int64_t qoff = bits == 4 ? it[3] / 2 : it[3];
+        if (bits == 4 && (it[3] & 1)) return -2;
+        int rc = chunk(bits, rows, n / rows, (const char *)grad + off * gsz, grad_bf16,
+                       hi ? hi + off : 0, lo ? lo + off : 0, p32 ? p32 + off : 0,
+                       mq + qoff, vq + qoff, m_am + soff, v_am + soff, hp, key, off);
         if (rc) return rc;
     }
     return 0;
+}
+
+int hybrid8_run(int64_t nitems, const int64_t *items, const void *grad, int grad_bf16,
+                uint16_t *hi, int16_t *lo, float *p32, uint8_t *mq, uint8_t *vq,
+                float *m_am, float *v_am, const float *hp, uint32_t key)
+{
+    return run(8, nitems, items, grad, grad_bf16, hi, lo, p32, mq, vq, m_am, v_am, hp, key);
+}
+
+/* The same with 4-bit moments (two codes a byte, quant4.py). */
+int hybrid4_run(int64_t nitems, const int64_t *items, const void *grad, int grad_bf16,
+                uint16_t *hi, int16_t *lo, float *p32, uint8_t *mq, uint8_t *vq,
+                float *m_am, float *v_am, const float *hp, uint32_t key)
+{
+    return run(4, nitems, items, grad, grad_bf16, hi, lo, p32, mq, vq, m_am, v_am, hp, key);
 }
 """
 
@@ -355,7 +442,7 @@ def load():
             lib.adamw32_range.restype = ctypes.c_int
             lib.sum2_sq.argtypes = [ctypes.c_int64, p, ctypes.c_int, p, ctypes.c_int, p]
             lib.sum2_sq.restype = ctypes.c_double
-            for fn in (lib.hybrid8_chunk, lib.hybrid8_run):
+            for fn in (lib.hybrid8_chunk, lib.hybrid8_run, lib.hybrid4_run):
                 fn.argtypes = [ctypes.c_int64, ctypes.c_int64 if fn is lib.hybrid8_chunk else p, p, ctypes.c_int]
                 fn.argtypes += [p] * 8 + [ctypes.c_uint32]
                 if fn is lib.hybrid8_chunk:

@@ -16,6 +16,11 @@ runtime's buffers).  It runs on the host only: GPU-resident and GPU-updated bloc
 (``NO_DEVICE_SR``; the compiler plans none for it).  Its checkpoint keys are the same (``master`` is
 the bf16 master as fp32), so a checkpoint of either master loads into the other (a split master's low
 half is then rounded to nearest).
+With ``moment_bits=4`` (the ``hybrid4bit`` / ``hybrid4bit-sr`` choices) the codes are ``quant4.py``'s, two a
+byte, over 128-element quantization blocks: 0.5 + 0.5 B instead of 1 + 1 and 8 B of absmax per 128 parameters
+(7.06 / 5.06 B/param with the runtime's buffers, the exact / stochastic master).  Host updates only, as for
+``-sr`` (``NO_DEVICE_4BIT``); a state of one width does not load into the other (``load_hyperparameters``,
+``load_state_tensors``: the codes are not converted).
 Tensors (segments) with fewer than ``min_8bit_numel`` elements (norms, biases) keep fp32 m and v:
 they are a negligible fraction of the parameters and the most sensitive to quantization.
 Total ~8.004 B/param for a transformer layer; ``host_bytes_per_param`` reports the exact figure
@@ -63,8 +68,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ...ir import PlanError
+from ..manifest import CheckpointError
 from . import ckernel
 from . import quant as Q
+from . import quant4 as Q4
 from . import triton_kernel as TK
 from .base import HostOptimizer, Segment
 from .sr import round_sr_, sr_key
@@ -75,6 +82,11 @@ _TWO_112 = 2.0**112
 #: why a stochastic-rounding master refuses GPU-resident blocks (``setup``) and GPU-updated ones (``streamed.py``)
 NO_DEVICE_SR = ("the stochastic-rounding master (optimizer hybrid8bit-sr) updates on the host only: compile the plan "
                 "with resident='none' and gpu_update='none' (the compiler does for optimizer='hybrid8bit-sr')")
+#: why 4-bit moments refuse GPU-resident blocks (``setup``) and GPU-updated ones (``streamed.py``)
+NO_DEVICE_4BIT = ("4-bit moments (optimizer hybrid4bit or hybrid4bit-sr) update on the host only: compile the plan "
+                  "with resident='none' and gpu_update='none' (the compiler does for optimizer='hybrid4bit')")
+#: the quantization block of each moment width when none is given: 4-bit codes need short blocks (``quant4.py``)
+DEFAULT_BLOCK = {8: 2048, 4: 128}
 #: device blocks' state tensors beyond the load buffer (what ``device_bytes_per_param`` counts)
 _DEVICE_STATE = ("lo", "own_master", "mq", "vq", "m_absmax", "v_absmax", "m32", "v32", "table", "small_index")
 
@@ -115,14 +127,22 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         max_grad_norm: float | None = None,
-        block_size: int = 2048,
+        block_size: int | None = None,
         min_8bit_numel: int = 4096,
         chunk_numel: int = 16384,
         num_threads: int | None = None,
         kernel: bool | None = None,
         stochastic_rounding: bool = False,
         seed: int = 0,
+        moment_bits: int = 8,
     ):
+        if moment_bits not in DEFAULT_BLOCK:
+            raise ValueError(f"moment_bits must be 8 or 4, got {moment_bits!r}")
+        #: the width of the moments' codes: 8 (``quant.py``) or 4 (``quant4.py``: two a byte, host updates only)
+        self.moment_bits = moment_bits
+        block_size = DEFAULT_BLOCK[moment_bits] if block_size is None else block_size
+        if moment_bits == 4 and block_size % 2:
+            raise ValueError(f"block_size must be even with 4-bit moments (two codes a byte), got {block_size}")
         if block_size <= 0 or chunk_numel % block_size:
             raise ValueError(f"chunk_numel ({chunk_numel}) must be a multiple of block_size ({block_size})")
         #: a bf16 load buffer is the whole master, rounded stochastically (``sr.py``): no low half (-2 B/param)
@@ -152,13 +172,22 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
         self._no_triton = False
         self._warned_slow = False
 
+    @property
+    def host_only(self) -> bool:
+        """No device path: the stochastic-rounding master and the 4-bit moments update on the host only."""
+        return self.stochastic_rounding or self.moment_bits == 4
+
+    def _no_device(self) -> str:
+        """Why a device block is refused (``host_only``), naming the fix."""
+        return NO_DEVICE_4BIT if self.moment_bits == 4 else NO_DEVICE_SR
+
     # -- memory --------------------------------------------------------------------------------------
     @property
     def host_bytes_per_param(self) -> float:
         """Host memory per parameter of the host-resident blocks (device blocks keep none)."""
         host = [st for st in self._blocks.values() if not st.device]
-        if not host:  # estimate for an all-8-bit block with bf16 buffers
-            return 2 + 2 + (0 if self.stochastic_rounding else 2) + 1 + 1 + 8 / self.block_size
+        if not host:  # estimate for an all-quantized block with bf16 buffers
+            return 2 + 2 + (0 if self.stochastic_rounding else 2) + self.moment_bits / 4 + 8 / self.block_size
         numel = total = 0
         for st in host:
             numel += st.load.numel()
@@ -181,9 +210,9 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
         a whole table entry: a slight underestimate for real blocks, which the measured figure
         (no argument, after ``setup``) includes.  The torch fallback's transient scratch (5 x 4 B x
         ``_dev_chunk`` per step, from the caching allocator) is not counted.  The stochastic-rounding master
-        has no device path: it raises, as ``HostOptimizer``'s does."""
-        if self.stochastic_rounding:
-            raise NotImplementedError(NO_DEVICE_SR)
+        has no device path, nor have 4-bit moments: they raise, as ``HostOptimizer``'s does."""
+        if self.host_only:
+            raise NotImplementedError(self._no_device())
         dev = [st for st in self._blocks.values() if st.device]
         if param_bytes is not None or not dev:
             master = 0 if param_bytes == 4 else 2
@@ -204,8 +233,8 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
         st = _BlockState()
         st.device = dev.type != "cpu" or self._force_device
         st.block = block
-        if st.device and self.stochastic_rounding:
-            raise PlanError(f"{NO_DEVICE_SR} (block {block} is GPU-resident)")
+        if st.device and self.host_only:
+            raise PlanError(f"{self._no_device()} (block {block} is GPU-resident)")
         init = init.reshape(-1).to(device=dev, dtype=torch.float32)
         st.load = load_buffer
         st.lo = st.own_master = None
@@ -240,11 +269,12 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
                 st.items.append((off + a, k, k // bs, q + a, s + a // bs))
             if numel > full:  # a last, shorter quantization block
                 st.items.append((off + full, numel - full, 1, q + full, s + full // bs))
-            q += numel
+            q += numel + (numel & 1 if self.moment_bits == 4 else 0)  # 4-bit: a tensor's codes start at a byte
             s += -(-numel // bs)
         st.items_tensor = torch.tensor(st.items, dtype=torch.int64).reshape(-1, 5)
-        st.mq = torch.zeros(q, dtype=torch.uint8, device=dev)
-        st.vq = torch.zeros(q, dtype=torch.uint8, device=dev)
+        nq = q // 2 if self.moment_bits == 4 else q
+        st.mq = torch.zeros(nq, dtype=torch.uint8, device=dev)
+        st.vq = torch.zeros(nq, dtype=torch.uint8, device=dev)
         st.m_absmax, st.v_absmax = torch.zeros(s, device=dev), torch.zeros(s, device=dev)
         st.m32, st.v32 = torch.zeros(s32, device=dev), torch.zeros(s32, device=dev)
         if st.device:
@@ -335,8 +365,9 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
             v_max = self._lib.hybrid8_max(st.v_absmax.data_ptr(), st.v_absmax.numel())
         else:
             m_max, v_max = st.m_absmax, st.v_absmax
-        m_ratio, c["m_pre"] = Q.decode_ratio(m_max, Q.SIGNED_TOP, b1)
-        v_ratio, c["v_pre"] = Q.decode_ratio(v_max, Q.UNSIGNED_TOP, math.sqrt(b2))
+        code = Q4 if self.moment_bits == 4 else Q
+        m_ratio, c["m_pre"] = Q.decode_ratio(m_max, code.SIGNED_TOP, b1)
+        v_ratio, c["v_pre"] = Q.decode_ratio(v_max, code.UNSIGNED_TOP, math.sqrt(b2))
         if use_c:
             keys = ("gm", "gv", "decay", "inv_bc2_sqrt", "step_size", "eps", "m_pre", "v_pre")
             hp = (ctypes.c_float * 12)(*[c[k] for k in keys], m_ratio, v_ratio, b1, b2)
@@ -403,7 +434,7 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
     def _run_c(self, st, grad, items: torch.Tensor, hp, key) -> None:
         """One C call for a run of chunks: the GIL is released once, for the whole run."""
         lo, hi = st.lo is not None, st.lo is not None or st.sr  # the bf16 buffer: high half, or all (sr)
-        rc = self._lib.hybrid8_run(
+        rc = (self._lib.hybrid4_run if self.moment_bits == 4 else self._lib.hybrid8_run)(
             items.shape[0],
             items.data_ptr(),
             grad.data_ptr(),
@@ -419,19 +450,26 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
             key,
         )
         if rc:
-            raise RuntimeError(f"hybrid8 kernel failed ({rc})")
+            raise RuntimeError(f"hybrid{self.moment_bits} kernel failed ({rc})")
 
     def _chunk8(self, st, grad, item, c, bufs: list[torch.Tensor] | None = None) -> None:
         off, n, rows, qoff, soff = item
         f32 = torch.float32
-        G, M, S, P, T = (b[:n].view(rows, -1) for b in (bufs if bufs is not None else self._scratch()))
+        raw = bufs if bufs is not None else self._scratch()
+        G, M, S, P, T = (b[:n].view(rows, -1) for b in raw)
         g = G.view(f32)
         g.copy_(grad[off : off + n].view(rows, -1))
         m_am, v_am = st.m_absmax[soff : soff + rows], st.v_absmax[soff : soff + rows]
-        mq, vq = st.mq[qoff : qoff + n].view(rows, -1), st.vq[qoff : qoff + n].view(rows, -1)
-        m = Q.decode_signed(mq, c["m_dec"][soff : soff + rows, None], c["m_pre"], out=M, tmp=T)  # b1 * m
+        m_dec, v_dec = c["m_dec"][soff : soff + rows, None], c["v_dec"][soff : soff + rows, None]
+        if self.moment_bits == 4:  # unpacked into the scratch (a short last block may take n + 1 of it)
+            mq, vq = (t[qoff // 2 : qoff // 2 + Q4.packed_bytes(n)] for t in (st.mq, st.vq))
+            m = Q4.decode_signed(Q4.unpack(mq, n, out=raw[1]).view(rows, -1), m_dec, c["m_pre"], tmp=T)  # b1 * m
+            s = Q4.decode_unsigned(Q4.unpack(vq, n, out=raw[2]).view(rows, -1), v_dec, c["v_pre"])  # sqrt(b2 * v)
+        else:
+            mq, vq = st.mq[qoff : qoff + n].view(rows, -1), st.vq[qoff : qoff + n].view(rows, -1)
+            m = Q.decode_signed(mq, m_dec, c["m_pre"], out=M, tmp=T)  # b1 * m
+            s = Q.decode_unsigned(vq, v_dec, c["v_pre"], out=S)  # sqrt(b2 * v)
         m.add_(g, alpha=c["gm"])
-        s = Q.decode_unsigned(vq, c["v_dec"][soff : soff + rows, None], c["v_pre"], out=S)  # sqrt(b2 * v)
         s.mul_(s)
         s.addcmul_(g, g, value=c["gv"])
         s.sqrt_()
@@ -461,6 +499,10 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
             self._put(st, off, n, p.view(-1), c["key"])
         torch.maximum(m.amax(dim=1), m.amin(dim=1).neg_(), out=m_am)
         torch.amax(s, dim=1, out=v_am)
+        if self.moment_bits == 4:
+            Q4.pack_(Q4.encode_signed(m, Q.encode_factor(m_am, Q4.SIGNED_TOP)[:, None], tmp=T).view(-1), mq)
+            Q4.pack_(Q4.encode_unsigned(s, Q.encode_factor(v_am, Q4.UNSIGNED_TOP)[:, None]).view(-1), vq)
+            return
         Q.encode_signed_(m, Q.encode_factor(m_am, Q.SIGNED_TOP)[:, None], mq, tmp=T)
         Q.encode_unsigned_(s, Q.encode_factor(v_am, Q.UNSIGNED_TOP)[:, None], vq)
 
@@ -509,7 +551,12 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
         st = self._blocks[block]
         with st.lock:
             for k in self._STATE:
-                getattr(st, k).copy_(tensors[k])
+                have, given = getattr(st, k), tensors[k]
+                if given.shape != have.shape:  # (copy_ would broadcast a 1-element tensor)
+                    raise ValueError(f"state {k} has shape {list(given.shape)}, this optimizer's layout "
+                                     f"({self.moment_bits}-bit moments, block_size {self.block_size}) holds "
+                                     f"{list(have.shape)}")
+                have.copy_(given)
             n = st.load.numel()
             master = tensors["master"].to(device=st.load.device, dtype=torch.float32).reshape(-1)
             if st.lo is not None:
@@ -534,10 +581,18 @@ class Hybrid8bitAdamW(Streamed8bit, HostOptimizer):
             "min_8bit_numel": self.min_8bit_numel,
             "stochastic_rounding": self.stochastic_rounding,
             "seed": self.seed,
+            "moment_bits": self.moment_bits,
             "step": max((st.step for st in self._blocks.values()), default=0),
         }
 
     def load_hyperparameters(self, hp: dict) -> None:
+        """Restore ``hp``; a state of the other moment width is refused (its codes do not convert: the checkpoint
+        loader checks the shapes only after this)."""
+        bits = hp.get("moment_bits", 8)  # (saved before 4-bit moments existed: 8)
+        if bits != self.moment_bits:
+            raise CheckpointError(f"the checkpoint's optimizer state has {bits}-bit moments, this optimizer "
+                                  f"{self.moment_bits}-bit ones: resume with --optimizer "
+                                  f"{'hybrid4bit' if bits == 4 else 'hybrid8bit'} (or -sr), or start a new run")
         self.lr = hp.get("lr", self.lr)
         self.betas = tuple(hp.get("betas", self.betas))
         self.eps = hp.get("eps", self.eps)

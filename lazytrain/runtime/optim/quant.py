@@ -46,7 +46,10 @@ def decode_ratio(absmax: torch.Tensor | float, top: float, extra: float = 1.0) -
     """(ratio, pre) with ``value = code_float * pre * (absmax * ratio)``: ``pre`` is 1.0 unless the
     one-step factor ``absmax * extra / top`` overflows fp32 for some block.  ``absmax`` may be given
     as its maximum (a float)."""
-    amax = float(absmax.max()) if isinstance(absmax, torch.Tensor) and absmax.numel() else float(absmax or 0.0)
+    if isinstance(absmax, torch.Tensor):  # (an empty one: a block with no quantized tensor)
+        amax = float(absmax.max()) if absmax.numel() else 0.0
+    else:
+        amax = float(absmax or 0.0)
     if math.isfinite(float(torch.tensor(amax, dtype=torch.float32) * torch.tensor(extra / top, dtype=torch.float32))):
         return extra / top, 1.0
     return extra / (top * _TWO_112), _TWO_112

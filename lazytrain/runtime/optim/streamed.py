@@ -25,12 +25,11 @@ def device_tables(st, bs: int, dev: torch.device) -> tuple[torch.Tensor, torch.T
 
 class Streamed8bit:
     """The ``HostOptimizer`` methods for GPU-updated streamed blocks (``base.py``), mixed into
-    ``Hybrid8bitAdamW``, whose ``_blocks``, ``_update``, ``_force_device`` and ``stochastic_rounding`` they use."""
+    ``Hybrid8bitAdamW``, whose ``_blocks``, ``_update``, ``_force_device``, ``host_only`` and ``_no_device`` they use.
+    A host-only optimizer (stochastic-rounding master, 4-bit moments) has them too: the NVMe state tier writes
+    ``streamed_state`` to its files and runs ``step_streamed`` on host copies; only a device copy is refused."""
 
     def streamed_state(self, block: int) -> dict[str, torch.Tensor]:
-        if self.stochastic_rounding:    # no device path for it (``hybrid8bit.NO_DEVICE_SR``)
-            raise NotImplementedError("the stochastic-rounding master (optimizer hybrid8bit-sr) updates on the "
-                                      "host only")
         st = self._blocks[block]
         return {k: getattr(st, k) for k in STREAMED if getattr(st, k) is not None}
 
@@ -44,13 +43,16 @@ class Streamed8bit:
     def step_streamed(self, block: int, grad: torch.Tensor, params: torch.Tensor, state: dict[str, torch.Tensor],
                       clip_coef: float = 1.0, lr: float | None = None) -> None:
         st = self._blocks[block]
+        device = params.device.type != "cpu" or self._force_device
+        if device and self.host_only:       # no device path (``hybrid8bit.NO_DEVICE_SR`` / ``NO_DEVICE_4BIT``)
+            raise NotImplementedError(f"{self._no_device()} (block {block} is GPU-updated)")
         with st.lock:
             st.step += 1
             view = copy.copy(st)
             view.load = params
             for k, t in state.items():
                 setattr(view, k, t)
-            view.device = params.device.type != "cpu" or self._force_device
+            view.device = device
             if view.device:
                 cached = getattr(st, "streamed_tables", None)
                 if cached is None or cached[0].device != params.device:
