@@ -72,6 +72,19 @@ def test_a_link_in_the_run_folder_is_refused_on_resume(finished, tmp_path, capsy
     _untouched(f, d)
 
 
+def test_hard_links_in_the_run_folder_are_replaced_not_written(finished, tmp_path):
+    """A hard link is no symbolic link to refuse: every file the run writes is a new one renamed over the name, so
+    the file the hard link shares stays as it was (matplotlib writing ``loss.png`` in place would truncate it)."""
+    f, d = _decoys(tmp_path)
+    out = _copy(finished, tmp_path)
+    for name in ("metrics.json", "loss.png"):
+        (out / name).unlink()
+        os.link(f, out / name)
+    assert _train(out, "--resume", str(out), "--steps", "3") == 0
+    assert json.loads((out / "metrics.json").read_text())["steps_done"] == 3
+    _untouched(f, d)
+
+
 def test_a_link_in_a_new_run_folder_is_refused(tmp_path, capsys):
     f, d = _decoys(tmp_path)
     out = tmp_path / "new"
@@ -129,6 +142,21 @@ def test_writers_replace_a_link_never_its_target(tmp_path):
     with pytest.raises(FileExistsError):
         atomic.write_synced(run / "link", b"x")
     _untouched(f, d)
+
+
+def test_commit_two_never_writes_into_a_linked_checkpoint(finished, tmp_path):
+    """``checkpoint/`` swapped for a link to a checkpoint elsewhere between the run's two commits: the metrics'
+    rewrite (``write_extra``) refuses, the other checkpoint stays as it was."""
+    from lazytrain.runtime.checkpoint import write_extra
+    from lazytrain.runtime.manifest import CheckpointError
+    out = _copy(finished, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(out / "checkpoint", elsewhere)
+    (out / "checkpoint").symlink_to(elsewhere)
+    before = (elsewhere / "metrics.json").read_bytes()
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        write_extra(out / "checkpoint", "metrics.json", b"{}")
+    assert (elsewhere / "metrics.json").read_bytes() == before
 
 
 def test_a_second_run_on_a_locked_folder_is_refused(finished, tmp_path, capsys):

@@ -133,6 +133,9 @@ def write_extra(directory, name: str, data: bytes) -> None:
     """Replace the extra file ``name`` of the checkpoint at ``directory`` atomically (temporary file,
     fsync, rename, fsync of the folder): a crash leaves the old contents or the new, never a mix."""
     folder, meta = read_meta(directory)
+    if folder.is_symlink():         # (its files are replaced in place: never in a folder elsewhere)
+        raise CheckpointError(f"{folder} is a symbolic link; a checkpoint's files are read only from its own folder, "
+                              f"and written only there")
     if name not in meta["extras"]:
         raise CheckpointError(f"{folder / META} lists no extra file {name!r} (it has {meta['extras']})")
     replace_file(folder / name, data)
