@@ -95,6 +95,18 @@ def test_a_link_in_a_new_run_folder_is_refused(tmp_path, capsys):
     _untouched(f, d)
 
 
+@pytest.mark.parametrize("name, kind", [("metrics.json", "folder"), ("checkpoint", "file")])
+def test_a_name_of_the_wrong_kind_is_refused_before_training(tmp_path, capsys, name, kind):
+    """``metrics.json/`` a folder or ``checkpoint`` a file: refused at the start, not after the training (a rename
+    over it would fail only then)."""
+    out = tmp_path / "new"
+    out.mkdir()
+    (out / name).mkdir() if kind == "folder" else (out / name).write_text(DECOY)
+    assert _train(out, "--steps", "1", "--overwrite") == 2
+    cap = capsys.readouterr()
+    assert "the run keeps its" in cap.err and "Traceback" not in cap.err and "model task" not in cap.out
+
+
 def test_a_link_inside_the_checkpoint_is_refused_by_every_reader(finished, tmp_path, capsys):
     """A checkpoint's file replaced by a link (its metrics: then they would be read from outside): refused on
     resume and by the checkpoint's reader (``read_meta``: ``lazytrain export``, ``Trainer.load_checkpoint``)."""

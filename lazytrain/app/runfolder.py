@@ -32,6 +32,8 @@ NAMES = ("metrics.json", "loss.png", "checkpoint", "checkpoint.old", "source", "
          "trace.json", "memory.png", LOCK)
 #: the folders among them whose files are read back (--resume, lazytrain export)
 _READ = ("checkpoint", "checkpoint.old", "source")
+#: the folders among them (the others are files)
+_FOLDERS = (*_READ, "model")
 
 
 @contextlib.contextmanager
@@ -90,7 +92,7 @@ def _lock(out: Path) -> int:
 
 def refuse_links(folder: Path, flag: str) -> None:
     """``ValueError`` when a name the run uses in ``folder``, or a file of the folders it reads back, is a symbolic
-    link."""
+    link, or a folder where the run writes a file (or the reverse): refused before any work, not after training."""
     if not folder.is_dir():
         return
     for name in NAMES:
@@ -101,6 +103,9 @@ def refuse_links(folder: Path, flag: str) -> None:
         if links:
             raise ValueError(f"{flag} {folder}: {links[0]} is a symbolic link; a run reads and writes only the files "
                              f"in its own folder, never through a link (remove the link)")
+        if not links and os.path.lexists(path) and path.is_dir() != (name in _FOLDERS):
+            raise ValueError(f"{flag} {folder}: {path} is a {'folder' if path.is_dir() else 'file'}; the run keeps its "
+                             f"{'folder' if name in _FOLDERS else 'file'} of that name there (move it)")
 
 
 def _refuse_replacing(out: Path, cfg: TrainConfig) -> None:
