@@ -214,6 +214,9 @@ def test_a_run_that_fails_first_leaves_no_folder(tmp_path, capsys):
     (tmp_path / "mine").mkdir()
     assert _train(tmp_path / "mine", "--seq", "1") == 2
     assert (tmp_path / "mine").is_dir()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    assert _train(tmp_path / "dangling", "--steps", "1") == 2
+    assert "a symbolic link to nothing" in capsys.readouterr().err and not (tmp_path / "nothing").exists()
 
 
 def test_staging_folders_of_a_killed_save_are_removed_at_the_next_start(finished, tmp_path, capsys):

@@ -42,7 +42,8 @@ def claim(cfg: TrainConfig, main: bool = True) -> Iterator[Path]:
     that locks it (rank 0 of several)."""
     out = Path(cfg.output)
     if os.path.lexists(out) and not out.is_dir():
-        raise ValueError(f"--output {out}: a file of that name exists; --output is a folder")
+        what = "a symbolic link to nothing" if not out.exists() else "a file of that name exists"
+        raise ValueError(f"--output {out}: {what}; --output is a folder")
     created = _create(out)
     fd = None
     try:
