@@ -72,6 +72,32 @@ def test_a_link_in_the_run_folder_is_refused_on_resume(finished, tmp_path, capsy
     _untouched(f, d)
 
 
+def test_links_planted_while_the_run_runs_are_replaced(tmp_path, monkeypatch):
+    """After the start's check: links planted at every name the run writes (files, ``checkpoint/`` and
+    ``checkpoint.old``) before the ``--profile`` files and before the commit are replaced by the run's files;
+    the run finishes and the decoys stay."""
+    from lazytrain.app import runfiles, train
+    f, d = _decoys(tmp_path)
+    out = tmp_path / "run"
+
+    def plant(names):
+        for name in names:
+            if not os.path.lexists(out / name):
+                (out / name).symlink_to(d if name.startswith("checkpoint") else f)
+
+    real_profile, real_commit = train._report_profile, runfiles.commit
+    monkeypatch.setattr(train, "_report_profile", lambda trainer, o, bar: (
+        plant(["profile.json", "plan.json", "trace.json", "memory.png"]), real_profile(trainer, o, bar)))
+    monkeypatch.setattr(runfiles, "commit", lambda *a, **k: (
+        plant(["metrics.json", "loss.png", "checkpoint", "checkpoint.old"]), real_commit(*a, **k))[1])
+    assert _train(out, "--steps", "2", "--profile", "1") == 0
+    for name in ("metrics.json", "loss.png", "profile.json", "plan.json", "trace.json", "memory.png"):
+        assert (out / name).is_file() and not (out / name).is_symlink(), name
+    assert (out / "checkpoint").is_dir() and not (out / "checkpoint").is_symlink()
+    assert not os.path.lexists(out / "checkpoint.old")
+    _untouched(f, d)
+
+
 def test_hard_links_in_the_run_folder_are_replaced_not_written(finished, tmp_path):
     """A hard link is no symbolic link to refuse: every file the run writes is a new one renamed over the name, so
     the file the hard link shares stays as it was (matplotlib writing ``loss.png`` in place would truncate it)."""

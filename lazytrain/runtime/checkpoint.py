@@ -71,7 +71,8 @@ def save(trainer, directory, extras: dict[str, bytes] | None = None) -> Path:
     if trainer._broken is not None:
         raise RuntimeError("cannot checkpoint a trainer whose last step failed (its state is inconsistent)")
     target = Path(directory).absolute()
-    if target.exists() and not (target / META).is_file() and any(target.iterdir()):
+    # (a symbolic link there is replaced by the new folder, never followed: ``commit_folder``)
+    if not target.is_symlink() and target.exists() and not (target / META).is_file() and any(target.iterdir()):
         raise CheckpointError(f"{target} exists and is not a LazyTrain checkpoint (no {META}): refusing to "
                               f"replace it")
     if trainer.world is not None:       # every rank writes its shards, rank 0 commits (checkpoint_world)
