@@ -262,3 +262,33 @@ def test_staging_folders_of_a_killed_save_are_removed_at_the_next_start(finished
     assert not any(os.path.lexists(s) for s in stale)
     assert (out / "model.tmp-k3k3k3k3").is_symlink() and (out / "notes.tmp-mine").is_dir()
     _untouched(f, d)
+
+
+def test_a_data_run_owns_its_folder_too(tmp_path, capsys):
+    """``--data`` runs: a second fresh run over the folder is refused (``--overwrite`` replaces it), a link in its
+    ``source/`` (read back on resume) or at ``model/`` (the export) is refused."""
+    pytest.importorskip("transformers")
+    from ft_fixtures import chat, tiny_folder, write_jsonl
+    f, d = _decoys(tmp_path)
+    folder = tiny_folder(tmp_path / "hf")
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(f"{i}+{i % 7}=?", f"{i + i % 7}") for i in range(40)])
+    out = tmp_path / "run"
+    args = ["train", *TINY, "--model", str(folder), "--data", str(data), "--steps", "1", "--output", str(out)]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 2 and "holds a run" in capsys.readouterr().err
+    assert main([*args, "--overwrite"]) == 0
+    resume = ["train", "--resume", str(out), "--output", str(out), "--steps", "2", "--no-progress", "--device", "cpu",
+              "--threads", "1", "--time-limit-min", "0"]
+    for name, target in (("source/config.json", f), ("model", d)):
+        kept = tmp_path / "kept"
+        (out / name).rename(kept)
+        (out / name).symlink_to(target)
+        capsys.readouterr()
+        assert main(resume) == 2
+        err = capsys.readouterr().err
+        assert "symbolic link" in err and name in err and "Traceback" not in err
+        (out / name).unlink()
+        kept.rename(out / name)
+    assert main(resume) == 0
+    _untouched(f, d)
