@@ -32,7 +32,8 @@ Choices, written down so the next person sees them:
   usual (marked ``interrupted``) and the final eval is skipped; twice: stop now, write nothing.
   During the final eval (the state is already committed) one Ctrl-C stops it at once.
 - *Files.* Checkpoint and metrics are one commit (``runfiles.py``): a kill at any moment leaves the
-  previous complete state or the new one.
+  previous complete state or the new one.  The run owns its output folder (``runfolder.py``): locked, a run over
+  another run refused without ``--overwrite``, nothing in it read or written through a link.
 - *Task.* ``--difficulty`` is a preset of ``tasks/arith.py``, optionally in answer formats
   (``tiny-pad-rev``, ``tasks/formats.py``): the same problems and split, the worked answer written so the
   arithmetic is easier for a small model; exact match reads the final number in that format.
