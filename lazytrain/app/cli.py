@@ -280,6 +280,7 @@ def _has_cuda() -> bool:
 
 
 def cmd_train(a) -> int:
+    from .session import stop_status
     from .train import run
     n = a.gpus or a.nproc
     if n:
@@ -292,8 +293,12 @@ def cmd_train(a) -> int:
         a.device = wanted
         if n > 1 and check_launch(n):
             return launch(a.argv, n, gpus=bool(a.gpus))
-    run(config_from_args(a))
-    return 0
+    cfg = config_from_args(a)
+    metrics = run(cfg)
+    if metrics.get("stopped_by"):
+        print(f"lazytrain train: stopped by {metrics['stopped_by']} after step {metrics['steps_done']}, checkpoint and "
+              f"metrics saved: continue with --resume {cfg.output}", file=sys.stderr)
+    return stop_status(metrics)
 
 
 def config_from_args(a: argparse.Namespace):
