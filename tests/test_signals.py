@@ -49,13 +49,30 @@ def _committed(out: Path) -> dict:
     return m
 
 
+def _not_ignored() -> None:
+    """The run's signals at their defaults (a test runner under ``nohup`` ignores SIGHUP, and so would its child)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@pytest.fixture
+def unhandled():
+    """SIGTERM and SIGHUP fail the test unless a ``StopFlag`` takes them (and never kill the test runner)."""
+    def fail(signum, frame):
+        raise AssertionError(f"{signal.Signals(signum).name} reached the handler outside the StopFlag")
+    prev = {sig: signal.signal(sig, fail) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    yield fail
+    for sig, handler in prev.items():
+        signal.signal(sig, handler)
+
+
 def _stop_after_first_step(args: list[str], sig: signal.Signals) -> tuple[int, str]:
     """``python -m lazytrain train ARGS`` sent ``sig`` once its first step is reported (``--eval-every 1``: a line
     ``step N: ...``, N > 0); (exit status, its output).  (``--time-limit-min``: a run that ignored it still ends.)"""
     p = subprocess.Popen([sys.executable, "-m", "lazytrain", "train", *args, "--eval-every", "1",
                           "--time-limit-min", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=_not_ignored)
     seen = []
     try:
         while not seen or not re.match(r"step [1-9]\d*:", seen[-1]):
@@ -111,13 +128,13 @@ def test_a_signal_stops_a_data_run_after_the_step_and_saves(tmp_path):
     assert r["steps_done"] == m["steps_done"] + 1 and r["loss_curve"][:m["steps_done"]] == m["loss_curve"]
 
 
-def test_a_second_signal_stops_at_once():
+def test_a_second_signal_stops_at_once(unhandled):
     with StopFlag() as flag:
         os.kill(os.getpid(), signal.SIGTERM)
         assert flag.set and flag.signal == signal.SIGTERM
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGHUP)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is unhandled
     with StopFlag() as flag:        # the final eval (the state committed): the first one stops it at once
         flag.immediate = True
         with pytest.raises(KeyboardInterrupt):
@@ -125,7 +142,7 @@ def test_a_second_signal_stops_at_once():
         assert flag.signal == signal.SIGHUP
 
 
-def test_an_ignored_signal_stays_ignored():
+def test_an_ignored_signal_stays_ignored(unhandled):
     """Under ``nohup`` SIGHUP is ignored: closing the terminal must not stop the run."""
     prev = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
@@ -230,3 +247,25 @@ def test_a_full_disk_is_one_line_and_keeps_the_committed_state(tmp_path, monkeyp
     assert not [f for f in out.rglob("*") if ".tmp" in f.name]
     assert main(["train", *TASK, "--no-eval", "--resume", str(out), "--output", str(out), "--steps", "4"]) == 0
     assert _committed(out)["steps_done"] == 4
+
+
+def test_a_signal_during_the_export_stops_it_with_the_state_committed(tmp_path, monkeypatch, unhandled):
+    """After commit 1 (the final eval, the export: minutes for a large model) the first signal stops at once."""
+    pytest.importorskip("transformers")
+    from ft_fixtures import chat, tiny_folder, write_jsonl
+
+    finetune = importlib.import_module("lazytrain.app.finetune.run")
+    folder = tiny_folder(tmp_path / "hf")
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(f"{i}+1=?", f"{i + 1}") for i in range(40)])
+    out = tmp_path / "run"
+
+    def export(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        pytest.fail("the export went on after SIGTERM")
+    monkeypatch.setattr(finetune, "_export", export)
+    args = [a for a in DATA if a != "--no-export"]
+    assert main(["train", *args, "--no-eval", "--model", str(folder), "--data", str(data), "--steps", "2",
+                 "--output", str(out)]) == 128 + signal.SIGTERM
+    m = _committed(out)
+    assert m["steps_done"] == 2 and m["stopped_by"] == "SIGTERM" and m["interrupted"] and m["export"] is None
+    assert json.loads((out / "metrics.json").read_text()) == m

@@ -2,12 +2,16 @@
 generation, and export it as a Hugging Face folder.
 
     model + tokenizer (prepare.py) -> examples (data/) -> plan (packed with --pack) -> Trainer + Hybrid
-    8-bit AdamW (warm-up + cosine) -> eval before -> train (eval every --eval-every) -> checkpoint ->
-    eval after -> OUTPUT/model/ (export.py) + metrics.json + loss.png
+    8-bit AdamW (warm-up + cosine) -> eval before -> train (eval every --eval-every) -> commit 1 (checkpoint +
+    metrics, final eval pending) -> eval after -> OUTPUT/model/ (export.py) -> commit 2 (the metrics with them) +
+    loss.png
+
+A run killed at any point resumes from its last commit (``runfiles``: the metrics that count are the copy inside
+the checkpoint, checked against its step), never with a loss curve missing steps.
 
 What is shared with the built-in task's ``train.py``: the settings (``config.py``), the device, progress bar and
-Ctrl-C handling (``session.py``), the thread choice (and the thread tuner on the CPU) and the learning-rate
-schedule (by steps and by time, whichever is further: ``loop.py``), atomic writes (``runfiles.py``).  What
+signals (``session.py``), the thread choice (and the thread tuner on the CPU) and the learning-rate
+schedule (by steps and by time, whichever is further: ``loop.py``), the commits (``runfiles.py``).  What
 differs: the data is a file, one epoch by default (``--epochs``); the evaluation generates replies with the
 model's tokenizer and stop tokens; the result is also a model folder anyone can load.  A resumed run
 (``--resume OUTPUT``) takes its settings, tokenizer and config from the run (``OUTPUT/source/``) and refuses data
@@ -191,17 +195,23 @@ def run(cfg: TrainConfig) -> dict:
         # commit 1: checkpoint + metrics in one (``runfiles``): a kill before commit 2 resumes from here
         metrics = metrics_now(None, "skipped (interrupted)" if run.interrupted else "pending")
         runfiles.commit(trainer, out, metrics, main=ranks.main)
-        exported = None
+        exported, final_eval = None, "skipped (interrupted)"
         if not run.interrupted:
-            if flag.set:            # a signal during commit 1: stop here, committed
+            flag.immediate = True       # committed: a signal stops the final eval or the export at once
+            try:
+                if flag.set:            # (one during commit 1)
+                    raise KeyboardInterrupt
+                if data.eval:
+                    evals.append(run_eval(run.step))
+                    print(describe(evals[-1], run.step))
+                final_eval = "done" if data.eval else "skipped (--no-eval)"
+                if cfg.export and ranks.main:
+                    exported = _export(cfg, src, param_dtype, out / "model", trainer, model, tok, stop_ids, ckpt)
+            except KeyboardInterrupt:
                 run.stop(flag)
-            elif data.eval:
-                evals.append(run_eval(run.step))
-                print(describe(evals[-1], run.step))
-            if cfg.export and not run.interrupted and ranks.main:
-                exported = _export(cfg, src, param_dtype, out / "model", trainer, model, tok, stop_ids, ckpt)
-            metrics = metrics_now(exported, "skipped (interrupted)" if run.interrupted else
-                                  "done" if data.eval else "skipped (--no-eval)")
+                print("final eval or export interrupted: the checkpoint and metrics are committed without it")
+            flag.immediate = False
+            metrics = metrics_now(exported, final_eval)
             if ranks.main:
                 runfiles.update_metrics(out, metrics)       # commit 2: with the final eval and the export
         if ranks.main:
