@@ -209,7 +209,7 @@ def test_lr_schedule_warms_up_then_anneals():
 
 def test_ctrl_c_stops_after_the_step_and_saves(tmp_path):
     """SIGINT once: the step in flight finishes, checkpoint and metrics are written (marked
-    interrupted), nothing half-written is left behind, and the exit status is 0."""
+    interrupted), nothing half-written is left behind, and the exit status is 130 (128 + SIGINT: stopped, saved)."""
     import os
     import signal
     import subprocess
@@ -227,9 +227,10 @@ def test_ctrl_c_stops_after_the_step_and_saves(tmp_path):
             pytest.fail("no 'step 1: ...' line:\n" + "".join(seen) + p.communicate()[0])
     p.send_signal(signal.SIGINT)
     rest = p.communicate(timeout=120)[0]
-    assert p.returncode == 0, rest
+    assert p.returncode == 128 + signal.SIGINT, rest
     m = json.loads((out / "metrics.json").read_text())
-    assert m["interrupted"] and m["stop_reason"] == "interrupted" and m["exact_match"] is None
+    assert m["stopped_by"] == "SIGINT" and m["interrupted"] and m["stop_reason"] == "interrupted"
+    assert m["exact_match"] is None
     assert 1 <= m["steps_done"] < 100000
     ckpt = json.loads((out / "checkpoint" / "checkpoint.json").read_text())
     assert ckpt["step"] == m["steps_done"]

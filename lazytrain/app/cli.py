@@ -280,6 +280,8 @@ def _has_cuda() -> bool:
 
 
 def cmd_train(a) -> int:
+    from ..runtime.distributed import env_world_size
+    from .session import stop_status
     from .train import run
     n = a.gpus or a.nproc
     if n:
@@ -292,8 +294,14 @@ def cmd_train(a) -> int:
         a.device = wanted
         if n > 1 and check_launch(n):
             return launch(a.argv, n, gpus=bool(a.gpus))
-    run(config_from_args(a))
-    return 0
+    cfg = config_from_args(a)
+    metrics = run(cfg)
+    if env_world_size() > 1:        # a rank: the launcher reports the run (a rank's non-zero status is a failure)
+        return 0
+    if metrics.get("stopped_by"):
+        print(f"lazytrain train: stopped by {metrics['stopped_by']} after step {metrics['steps_done']}, checkpoint and "
+              f"metrics saved: continue with --resume {cfg.output}", file=sys.stderr)
+    return stop_status(metrics)
 
 
 def config_from_args(a: argparse.Namespace):
@@ -405,8 +413,9 @@ def _train_parser(sub, with_flags: bool) -> None:
                        description="Train on generated arithmetic word problems: build the model, compile a plan "
                                    "for this machine (CUDA when there is a GPU, else the CPU), train until --steps or "
                                    "--time-limit-min, report exact match on held-out problems, and write "
-                                   "metrics.json, loss.png and checkpoint/ into --output. Ctrl-C stops after the "
-                                   "step in flight and saves; twice stops at once.")
+                                   "metrics.json, loss.png and checkpoint/ into --output. Ctrl-C, SIGTERM or SIGHUP "
+                                   "stops after the step in flight and saves (exit status 128 + the signal); twice "
+                                   "stops at once.")
     if with_flags:
         _add_train_args(p)
     p.set_defaults(fn=cmd_train)

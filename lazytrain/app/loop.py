@@ -55,8 +55,15 @@ class Progress:
     history: list[dict] = field(default_factory=list)
     stop_reason: str = "steps"
     interrupted: bool = False
+    #: the signal that stopped it (``StopFlag.signal``'s name: SIGINT, SIGTERM, SIGHUP), None when none did
+    stopped_by: str | None = None
     #: seconds of this invocation's loop (set when it ends)
     train_s: float = 0.0
+
+    def stop(self, flag) -> None:
+        """Stopped by a signal (``flag``: the ``StopFlag``; with several ranks another rank's may have been)."""
+        self.interrupted, self.stop_reason = True, "interrupted"
+        self.stopped_by = flag.signal.name if getattr(flag, "signal", None) else "SIGINT"
 
     def record(self, stats, lr: float, t_start: float, *, tokens: bool = False) -> None:
         """One step done: its loss, learning rate, gradient norm and time on the loss curve (with its
@@ -83,7 +90,7 @@ def steps(cfg: TrainConfig, opt, run: Progress, flag, *, start: int, ranks: Rank
         if world:
             lr, over, stop = ranks.agree(lr, over, flag.set)
             if stop:
-                run.interrupted, run.stop_reason = True, "interrupted"
+                run.stop(flag)
                 break
         if over:
             run.stop_reason = "time limit"
@@ -91,7 +98,7 @@ def steps(cfg: TrainConfig, opt, run: Progress, flag, *, start: int, ranks: Rank
         opt.lr = lr
         yield run.step
         if flag.set and not world:
-            run.interrupted, run.stop_reason = True, "interrupted"
+            run.stop(flag)
             break
     run.train_s = time.perf_counter() - t_train
 

@@ -1,6 +1,6 @@
 """What a ``lazytrain train`` run needs around its loop, for the built-in task (``train.py``) and a data file
 (``finetune/run.py``) alike: the device and its hardware profile, the progress bar and notes printed beside it,
-Ctrl-C handling, whether plots can be drawn."""
+Ctrl-C and a scheduler's SIGTERM (``StopFlag``), whether plots can be drawn."""
 
 from __future__ import annotations
 
@@ -55,28 +55,54 @@ def can_plot() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-class StopFlag:
-    """First SIGINT: ask the loop to stop after the step in flight; second: raise KeyboardInterrupt.
-    Once ``immediate`` (the state is committed: the final eval), the first one raises at once."""
+#: the signals that stop a run after the step in flight, as Ctrl-C does: a scheduler's (SLURM, Kubernetes, a
+#: preemptible VM: SIGTERM) and a closed terminal's (SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def __init__(self):
+
+class StopFlag:
+    """The first of ``signals`` (default ``STOP_SIGNALS``): ask the loop to stop after the step in flight (``set``;
+    ``signal`` names it); a second: raise KeyboardInterrupt.  Once ``immediate`` (the state is committed: the final
+    eval), the first one raises at once.  Outside the main thread, and where a signal is ignored (``nohup``'s SIGHUP, a
+background job's SIGINT), the signals keep their behaviour."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
         self.set = False
         self.immediate = False
-        self._prev = None
+        self.signal: signal.Signals | None = None
+        self._signals = signals
+        self._prev: dict = {}
 
     def __enter__(self):
-        try:
-            self._prev = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:          # not the main thread: Ctrl-C keeps its default behaviour
-            self._prev = None
+        for s in self._signals:
+            try:
+                if signal.getsignal(s) is not signal.SIG_IGN:      # ignored (``nohup``: SIGHUP) stays ignored
+                    self._prev[s] = signal.signal(s, self._handle)
+            except ValueError:          # not the main thread
+                break
         return self
 
     def _handle(self, signum, frame):
-        if self.set or self.immediate:
-            self.set = True
+        first, self.set = not self.set, True
+        if first:
+            self.signal = signal.Signals(signum)
+        if not first or self.immediate:
             raise KeyboardInterrupt
-        self.set = True
 
     def __exit__(self, *exc):
-        if self._prev is not None:
-            signal.signal(signal.SIGINT, self._prev)
+        for s, prev in self._prev.items():
+            signal.signal(s, prev)
+        self._prev = {}
+
+
+def stop_signals(world_size: int) -> tuple[signal.Signals, ...]:
+    """``STOP_SIGNALS`` for a run of one process; SIGINT alone for a rank of several: torchrun ends the ranks of a
+    run one of which failed with SIGTERM, and a rank waiting in a collective for the failed one must end then."""
+    return STOP_SIGNALS if world_size == 1 else (signal.SIGINT,)
+
+
+def stop_status(metrics: dict) -> int:
+    """The exit status of a finished run: 0, or for a run a signal stopped (saved, resumable) 128 + its number, as a
+    shell reports a process that signal ended (130 for Ctrl-C, 143 for SIGTERM): a scheduler sees it did not finish."""
+    name = metrics.get("stopped_by")
+    return 128 + signal.Signals[name].value if name else 0

@@ -75,7 +75,7 @@ from .finetune import run as finetune
 from .loop import Progress, open_run, start_trainer, steps, thread_tuner
 from .ranks import Ranks
 from .runfolder import claim
-from .session import StopFlag, can_plot, hardware_for, note, progress_bar
+from .session import StopFlag, can_plot, hardware_for, note, progress_bar, stop_signals
 
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
 TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512, "rope": True}
@@ -249,7 +249,7 @@ def _run_task(cfg: TrainConfig) -> dict:
     em_curve = list(prev["eval_curve"]) if prev else []
     run = Progress(start, tokens=int(prev["tokens"]) if prev else 0, history=list(prev["loss_curve"]) if prev else [])
     tuner = thread_tuner(dev, cfg, opt) if ranks.size == 1 else None
-    with StopFlag() as flag:
+    with StopFlag(stop_signals(ranks.size)) as flag:
         _train(cfg, trainer, opt, run, flag, batches, evals, em_curve, start=start, dev=dev, ranks=ranks, tuner=tuner,
                out=out, t_start=t_start)
         metrics = _metrics(cfg, seq, run, desc=desc, n_params=n_params, dev=dev, tuner=tuner, hardware=hardware,
@@ -336,6 +336,7 @@ def _metrics(cfg: TrainConfig, seq: int, run: Progress, *, desc, n_params: int, 
                  "n_ops": len(plan.ops), "predicted_step_s": plan.predicted.get("step_time_s"),
                  "resident_blocks": sorted(plan.decisions.resident_blocks), "compile_s": round(compile_s, 2)},
         "steps_done": run.step, "tokens": run.tokens, "stop_reason": run.stop_reason, "interrupted": run.interrupted,
+        "stopped_by": run.stopped_by,
         "exact_match": None, "final_eval": "skipped (interrupted)" if run.interrupted else "pending",
         "eval_size": len(evals), "eval_curve": em_curve, "loss_curve": run.history,
         "final_loss": sum(h["loss"] for h in recent) / len(recent) if recent else None,
@@ -356,7 +357,8 @@ def _commit(trainer, out: Path, metrics: dict, run: Progress, evals: list | None
     if evals is not None and not run.interrupted:         # (a Ctrl-C during commit 1 skips the eval too)
         em = None if flag.set else _final_eval(trainer, evals, dev, flag, ranks)
         if em is None:
-            metrics.update(final_eval="skipped (interrupted)", interrupted=True)
+            metrics.update(final_eval="skipped (interrupted)", interrupted=True,
+                           stopped_by=flag.signal.name if flag.signal else "SIGINT")
         else:
             em_curve.append({"step": run.step, "exact_match": em, "n": len(evals)})
             metrics.update(exact_match=em, final_eval="done")

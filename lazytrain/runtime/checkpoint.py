@@ -20,7 +20,9 @@ the new folder to ``<dir>``, and ``<dir>.old`` is removed (``util.atomic.commit_
 point leaves a complete checkpoint at ``<dir>`` or, between the two renames, at ``<dir>.old``, which ``load``
 then uses.  An extra file may be replaced later by ``write_extra`` (temporary file, fsync, rename): one atomic
 step.
-One writer per target at a time.
+One writer per target at a time.  A disk with no room for the new checkpoint is a ``DiskFullError`` naming the
+folder and the space it needs (the previous checkpoint's size, else what the files written so far take per element),
+and the previous checkpoint stays.
 
 Loading reads JSON and safetensors only (no code runs), checks the manifest's shape, the format
 version (a checkpoint of an older version, without checksums, is refused with a message that says
@@ -34,15 +36,19 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
+import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from ..ir import Plan, PlanError
-from ..util.atomic import fsync_file, replace_file, staged_folder, write_synced
+from ..util.atomic import DISK_FULL, DiskFullError, fsync_file, replace_file, staged_folder, write_synced
 from . import checkpoint_world
 from .manifest import (
     FORMAT,
@@ -79,12 +85,37 @@ def save(trainer, directory, extras: dict[str, bytes] | None = None) -> Path:
         return checkpoint_world.save(trainer, target, extras, _write)
     trainer.flush()
     with staged_folder(target) as tmp:
-        meta = _write(trainer, tmp)
-        for name, data in sorted((extras or {}).items()):
-            write_synced(tmp / name, data)
-        meta["extras"] = sorted(extras or {})
-        write_synced(tmp / META, json.dumps(meta, allow_nan=False).encode())
+        tensors_done = False
+        try:
+            meta = _write(trainer, tmp)
+            tensors_done = True
+            for name, data in sorted((extras or {}).items()):
+                write_synced(tmp / name, data)
+            meta["extras"] = sorted(extras or {})
+            write_synced(tmp / META, json.dumps(meta, allow_nan=False).encode())
+        except OSError as e:
+            if e.errno not in DISK_FULL or isinstance(e, DiskFullError):
+                raise
+            kept = "the previous checkpoint is kept" if target.exists() else ""
+            raise DiskFullError(target.parent, f"a checkpoint ({target.name}/)",
+                                _space_needed(trainer, target, tmp, extras, tensors_done), kept) from None
     return target
+
+
+def _space_needed(trainer, target: Path, tmp: Path, extras: dict[str, bytes] | None, tensors_done: bool) -> int:
+    """The bytes a checkpoint of ``trainer`` takes: the previous one's (the same state); else the tensor files
+    written to ``tmp`` (the last one partial unless ``tensors_done``) scaled to every block's elements, at least
+    the fp32 masters, with the extras."""
+    if target.is_dir():
+        return sum(f.stat().st_size for f in target.iterdir() if f.is_file())
+    owned = {f"block_{j:04d}.safetensors": lay.owned_numel for j, lay in enumerate(trainer.store.layouts)
+             if lay.owned_numel}
+    written = sorted(f.name for f in tmp.iterdir() if f.name in owned)
+    complete = written if tensors_done else written[:-1]
+    numel, nbytes = sum(owned[n] for n in complete), sum((tmp / n).stat().st_size for n in complete)
+    total = sum(owned.values())
+    per_element = nbytes / numel if numel else 4
+    return math.ceil(total * per_element) + sum(len(d) for d in (extras or {}).values())
 
 
 def _write(trainer, tmp: Path, suffix: str = "") -> dict:
@@ -108,7 +139,13 @@ def _write(trainer, tmp: Path, suffix: str = "") -> dict:
             name = f"block_{j:04d}{suffix}.safetensors"
             # one metadata entry: safetensors writes several in a random order, and the same state should
             # be the same bytes (the same SHA-256) whenever it is saved
-            save_file(tensors, str(tmp / name), metadata={"format": FORMAT})
+            try:
+                save_file(tensors, str(tmp / name), metadata={"format": FORMAT})
+            except SafetensorError as e:        # its writer's I/O error (a full disk), as the OSError it is
+                code = re.search(r"\(os error (\d+)\)", str(e))
+                if code is None:
+                    raise
+                raise OSError(int(code[1]), os.strerror(int(code[1])), str(tmp / name)) from None
             fsync_file(tmp / name)
             digests[name] = hash_async(pool, tmp / name)
             files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": None, "tensors": describe(tensors)}
@@ -139,7 +176,12 @@ def write_extra(directory, name: str, data: bytes) -> None:
                               f"and written only there")
     if name not in meta["extras"]:
         raise CheckpointError(f"{folder / META} lists no extra file {name!r} (it has {meta['extras']})")
-    replace_file(folder / name, data)
+    try:
+        replace_file(folder / name, data)
+    except OSError as e:
+        if e.errno in DISK_FULL and not isinstance(e, DiskFullError):
+            raise DiskFullError(folder, name, len(data), f"the previous {name} is kept") from None
+        raise
 
 
 def read_extra(folder: Path, meta: dict, name: str) -> bytes:

@@ -15,11 +15,16 @@ followed: ``staged_files`` writes files into a new private folder inside it and 
 rename replaces a symbolic link at that name, never the file the link points to (``commit_folder`` likewise moves a
 linked folder's link aside and deletes the link, not what it names).  Every staging folder is named
 ``<name>.tmp-<8 random characters>`` (``STAGED``); those a killed writer left are removed by ``remove_staged``.
+
+A write the disk has no room for (``ENOSPC``, or a quota's ``EDQUOT``) is a ``DiskFullError``: one line naming the
+folder, the space the write needs and the space free, not a bare ``[Errno 28]``; the file or folder it replaces is
+left as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
@@ -28,6 +33,30 @@ import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+#: errors meaning "the disk is full" (a quota counts as full)
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class DiskFullError(OSError):
+    """No room on the disk for ``what`` in ``folder``: it needs ``need`` bytes (``kept``: what stays as it was).  The
+    free space is measured when the message is shown: after the partial write was removed."""
+
+    def __init__(self, folder: str | os.PathLike, what: str, need: int, kept: str = ""):
+        super().__init__(errno.ENOSPC, f"no space left on the disk of {folder} to write {what}")
+        self.folder, self.need, self.kept = folder, need, kept
+
+    def __str__(self) -> str:
+        try:
+            free = shutil.disk_usage(self.folder).free
+        except OSError:
+            free = 0
+        return (f"{self.strerror}: it needs {_size(self.need)} and {_size(free)} are free; free space or give another "
+                f"folder" + (f" ({self.kept})" if self.kept else ""))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n} bytes)" if n >= 2**30 else f"{n / 2**20:.1f} MiB ({n} bytes)"
 
 
 def output_path(path: str | os.PathLike, what: str = "output") -> Path:
@@ -59,20 +88,24 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, what: str = "output
         mode = stat.S_IMODE(target.stat().st_mode)
     except FileNotFoundError:
         mode = None             # a new file: the umask's mode, as ``open`` gives it
+    payload = data.encode() if isinstance(data, str) else data
     tmp, fd = _new_file(target)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError) and e.errno in DISK_FULL and not isinstance(e, DiskFullError):
+            raise DiskFullError(target.parent, target.name, len(payload), f"the previous {target.name} is kept"
+                                if mode is not None else "") from None
         raise
     return target
 

@@ -2,12 +2,16 @@
 generation, and export it as a Hugging Face folder.
 
     model + tokenizer (prepare.py) -> examples (data/) -> plan (packed with --pack) -> Trainer + Hybrid
-    8-bit AdamW (warm-up + cosine) -> eval before -> train (eval every --eval-every) -> checkpoint ->
-    eval after -> OUTPUT/model/ (export.py) + metrics.json + loss.png
+    8-bit AdamW (warm-up + cosine) -> eval before -> train (eval every --eval-every) -> commit 1 (checkpoint +
+    metrics, final eval pending) -> eval after -> OUTPUT/model/ (export.py) -> commit 2 (the metrics with them) +
+    loss.png
+
+A run killed at any point resumes from its last commit (``runfiles``: the metrics that count are the copy inside
+the checkpoint, checked against its step), never with a loss curve missing steps.
 
 What is shared with the built-in task's ``train.py``: the settings (``config.py``), the device, progress bar and
-Ctrl-C handling (``session.py``), the thread choice (and the thread tuner on the CPU) and the learning-rate
-schedule (by steps and by time, whichever is further: ``loop.py``), atomic writes (``runfiles.py``).  What
+signals (``session.py``), the thread choice (and the thread tuner on the CPU) and the learning-rate
+schedule (by steps and by time, whichever is further: ``loop.py``), the commits (``runfiles.py``).  What
 differs: the data is a file, one epoch by default (``--epochs``); the evaluation generates replies with the
 model's tokenizer and stop tokens; the result is also a model folder anyone can load.  A resumed run
 (``--resume OUTPUT``) takes its settings, tokenizer and config from the run (``OUTPUT/source/``) and refuses data
@@ -32,11 +36,14 @@ from ...frontend.random_init import random_init
 from ...hf.export import hf_config, trainer_weights, write_folder, write_hf_json
 from ...hf.model_loading import shard_loadable
 from ...hf.named import generation_config
+from ...runtime.checkpoint import read_extra, read_meta
+from ...runtime.manifest import CheckpointError
 from ...util.atomic import staged_folder
+from .. import runfiles
 from ..config import FinetuneConfig, TrainConfig, recorded, resumed
 from ..loop import Progress, open_run, start_trainer, steps, thread_tuner
-from ..runfiles import plot_into, write_json
-from ..session import StopFlag, can_plot, hardware_for, note, progress_bar
+from ..runfiles import plot_into
+from ..session import StopFlag, can_plot, hardware_for, note, progress_bar, stop_signals
 from .evaluation import describe, evaluate
 from .prepare import (
     Source,
@@ -55,20 +62,37 @@ FORMAT = "lazytrain.finetune-metrics/1"
 
 def is_finetune_run(folder) -> bool:
     """Is ``folder`` the output of a ``--data`` run (its metrics say so)?"""
-    m = Path(folder or "", "metrics.json")
     try:
-        return bool(folder) and json.loads(m.read_text()).get("format") == FORMAT
-    except (OSError, ValueError):
+        return bool(folder) and _committed(Path(folder))[0].get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
         return False
+
+
+def _committed(src: Path) -> tuple[dict, int | None]:
+    """(the metrics committed with the checkpoint of the run folder ``src``, the checkpoint's step): the copy inside
+    the checkpoint (``runfiles.commit``); the folder's own for a checkpoint saved without it (an older run, whose
+    step is then checked against the checkpoint's), with step None when there is no checkpoint."""
+    try:
+        folder, meta = read_meta(src / "checkpoint")
+    except CheckpointError:
+        return json.loads((src / runfiles.METRICS).read_text()), None
+    if runfiles.METRICS in meta["extras"]:
+        return json.loads(read_extra(folder, meta, runfiles.METRICS).decode("utf-8")), meta["step"]
+    return json.loads((src / runfiles.METRICS).read_text()), meta["step"]
 
 
 def _resume(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict]:
     src = Path(cfg.resume)
     try:
-        prev = json.loads((src / "metrics.json").read_text())
+        prev, at = _committed(src)
         saved, done = prev["settings"], int(prev["steps_done"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        curve = [h["step"] for h in prev["loss_curve"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"--resume {src}: not the output folder of a `lazytrain train --data` run ({e})") from None
+    if at is None or done != at or curve != list(range(1, done + 1)):
+        raise ValueError(f"--resume {src}: its metrics record {done} steps and a loss curve of {len(curve)}, its "
+                         f"checkpoint {'is missing' if at is None else f'step {at}'}: the files do not belong "
+                         f"together (edited, or written by a run killed between its checkpoint and its metrics)")
     defaults = (FinetuneConfig(), TrainConfig())
     for k in resumed(cfg):
         asked = getattr(cfg, k)
@@ -150,7 +174,7 @@ def run(cfg: TrainConfig) -> dict:
         evals.append(run_eval(0))
         print(describe(evals[-1], 0))
     bar = progress_bar(cfg.steps, start, cfg.progress and ranks.main)
-    with StopFlag() as flag:
+    with StopFlag(stop_signals(ranks.size)) as flag:
         for step in steps(cfg, opt, run, flag, start=start, ranks=ranks):
             stats = trainer.step(batches.batch(step))
             if tuner is not None:
@@ -162,19 +186,36 @@ def run(cfg: TrainConfig) -> dict:
                 note(bar, describe(evals[-1], run.step))
         if bar is not None:
             bar.close()
-        ckpt = trainer.save_checkpoint(out / "checkpoint") or out / "checkpoint"
-        if not run.interrupted and data.eval:
-            evals.append(run_eval(run.step))
-            print(describe(evals[-1], run.step))
-        exported = None
-        if cfg.export and not run.interrupted and ranks.main:
-            exported = _export(cfg, src, param_dtype, out / "model", trainer, model, tok, stop_ids, ckpt)
-        metrics = _metrics(cfg, run, src=src, model=model, n_params=n_params, dev=dev, hardware=hardware,
-                           param_dtype=param_dtype, data=data, batches=batches, pad=pad, stop_ids=stop_ids,
-                           n_new=n_new, plan=plan, compile_s=compile_s, evals=evals, prev=prev, t_start=t_start,
-                           ckpt=ckpt, exported=exported)
+        ckpt = out / "checkpoint"
+
+        def metrics_now(exported: str | None, final_eval: str) -> dict:
+            return _metrics(cfg, run, src=src, model=model, n_params=n_params, dev=dev, hardware=hardware,
+                            param_dtype=param_dtype, data=data, batches=batches, pad=pad, stop_ids=stop_ids,
+                            n_new=n_new, plan=plan, compile_s=compile_s, evals=evals, prev=prev, t_start=t_start,
+                            ckpt=ckpt, exported=exported, final_eval=final_eval)
+        # commit 1: checkpoint + metrics in one (``runfiles``): a kill before commit 2 resumes from here
+        metrics = metrics_now(None, "skipped (interrupted)" if run.interrupted else "pending")
+        runfiles.commit(trainer, out, metrics, main=ranks.main)
+        exported, final_eval = None, "skipped (interrupted)"
+        if not run.interrupted:
+            flag.immediate = True       # committed: a signal stops the final eval or the export at once
+            try:
+                if flag.set:            # (one during commit 1)
+                    raise KeyboardInterrupt
+                if data.eval:
+                    evals.append(run_eval(run.step))
+                    print(describe(evals[-1], run.step))
+                final_eval = "done" if data.eval else "skipped (--no-eval)"
+                if cfg.export and ranks.main:
+                    exported = _export(cfg, src, param_dtype, out / "model", trainer, model, tok, stop_ids, ckpt)
+            except KeyboardInterrupt:
+                run.stop(flag)
+                print("final eval or export interrupted: the checkpoint and metrics are committed without it")
+            flag.immediate = False
+            metrics = metrics_now(exported, final_eval)
+            if ranks.main:
+                runfiles.update_metrics(out, metrics)       # commit 2: with the final eval and the export
         if ranks.main:
-            write_json(out / "metrics.json", metrics)
             _plot(out / "loss.png", run.history, evals, src.spec)
     trainer.close()
     print(f"wrote {out / 'metrics.json'}, {ckpt}" + (f" and {exported}" if exported else ""))
@@ -199,8 +240,8 @@ def _say_start(cfg: FinetuneConfig, src: Source, data, batches, pad: dict, plan,
 
 def _metrics(cfg: FinetuneConfig, run: Progress, *, src: Source, model, n_params: int, dev: torch.device, hardware,
              param_dtype: str, data, batches, pad: dict, stop_ids: list[int], n_new: int, plan, compile_s: float,
-             evals: list, prev: dict | None, t_start: float, ckpt: Path, exported: str | None) -> dict:
-    """metrics.json of the run."""
+             evals: list, prev: dict | None, t_start: float, ckpt: Path, exported: str | None, final_eval: str) -> dict:
+    """metrics.json of the run; ``final_eval``: pending (commit 1), done, or skipped (interrupted)."""
     return {
         "format": FORMAT,
         "settings": recorded(cfg),
@@ -214,9 +255,9 @@ def _metrics(cfg: FinetuneConfig, run: Progress, *, src: Source, model, n_params
                  "packed": bool(plan.graph.meta.get("packed")),
                  "predicted_step_s": plan.predicted.get("step_time_s"), "compile_s": round(compile_s, 2)},
         "steps_done": run.step, "tokens": run.tokens, "stop_reason": run.stop_reason,
-        "interrupted": run.interrupted,
+        "interrupted": run.interrupted, "stopped_by": run.stopped_by, "final_eval": final_eval,
         "exact_match_before": next((e["exact_match"] for e in evals if e["step"] == 0), None),
-        "exact_match": evals[-1]["exact_match"] if evals and not run.interrupted else None,
+        "exact_match": evals[-1]["exact_match"] if evals and final_eval == "done" else None,
         "eval_curve": evals, "loss_curve": run.history,
         "train_s": round(run.train_s + (prev["train_s"] if prev else 0.0), 2),
         "wall_s": round(time.perf_counter() - t_start, 2), "load_average": list(os.getloadavg()),
