@@ -207,24 +207,15 @@ def _full_disk_in_the_metrics(mp):
 
 
 def _full_disk_in_the_copy(mp):
-    """The folder's metrics.json (written by an atomic rename) finds no room: flushing its new file fails."""
-    import types
-
+    """The folder's metrics.json (staged, then renamed over its name) finds no room: writing its new file fails."""
     from lazytrain.util import atomic
-    real, full = atomic._new_file, set()
+    real = atomic.write_synced
 
-    def new_file(target):
-        tmp, fd = real(target)
-        if target.name == runfiles.METRICS:
-            full.add(fd)
-        return tmp, fd
-
-    def fsync(fd):
-        if fd in full:
+    def write_synced(path, data):
+        if Path(path).name == runfiles.METRICS and atomic.STAGED.match(Path(path).parent.name):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        os.fsync(fd)
-    mp.setattr(atomic, "_new_file", new_file)
-    mp.setattr(atomic, "os", types.SimpleNamespace(**{**vars(os), "fsync": fsync}))
+        real(path, data)
+    mp.setattr(atomic, "write_synced", write_synced)
 
 
 @pytest.mark.parametrize("fault", [_full_disk_in_tensors, _full_disk_in_the_metrics, _full_disk_in_the_copy])

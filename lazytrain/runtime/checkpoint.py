@@ -176,12 +176,7 @@ def write_extra(directory, name: str, data: bytes) -> None:
                               f"and written only there")
     if name not in meta["extras"]:
         raise CheckpointError(f"{folder / META} lists no extra file {name!r} (it has {meta['extras']})")
-    try:
-        replace_file(folder / name, data)
-    except OSError as e:
-        if e.errno in DISK_FULL and not isinstance(e, DiskFullError):
-            raise DiskFullError(folder, name, len(data), f"the previous {name} is kept") from None
-        raise
+    replace_file(folder / name, data)       # (a full disk: ``DiskFullError``, the previous file kept)
 
 
 def read_extra(folder: Path, meta: dict, name: str) -> bytes:

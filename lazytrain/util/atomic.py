@@ -239,5 +239,11 @@ def staged_files(folder: Path, what: str = "files") -> Iterator[Path]:
 def replace_file(path: Path, data: str | bytes) -> None:
     """``path`` replaced atomically by a new regular file holding ``data``; a link at ``path`` is replaced, the file
     it names is not touched (``staged_files``)."""
-    with staged_files(path.parent, path.name) as tmp:
-        write_synced(tmp / path.name, data.encode() if isinstance(data, str) else data)
+    payload = data.encode() if isinstance(data, str) else data
+    try:
+        with staged_files(path.parent, path.name) as tmp:
+            write_synced(tmp / path.name, payload)
+    except OSError as e:        # (the staging folder is gone with its half-written file: the old one stays)
+        if e.errno in DISK_FULL and not isinstance(e, DiskFullError):
+            raise DiskFullError(path.parent, path.name, len(payload), f"the previous {path.name} is kept") from None
+        raise
