@@ -133,19 +133,7 @@ def read_verified(path: Path, entry: dict, expected: dict[str, tuple[torch.dtype
     """The tensors of ``path`` after checking its size, sha256 and every tensor's dtype and shape against
     the manifest ``entry`` and against ``expected`` (what the model and optimizer hold).  The file is
     hashed, then mapped: a checkpoint's files are never rewritten in place (a save writes a new folder)."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing, the checkpoint recorded {entry['bytes']} bytes")
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise CheckpointError(f"{path}: {size} bytes, the checkpoint recorded {entry['bytes']}: truncated or "
-                              f"corrupted")
-    try:
-        digest = pending.result()
-    except OSError as e:
-        raise CheckpointError(f"{path} cannot be read: {e.strerror or e}") from None
-    if digest != entry["sha256"]:
-        raise CheckpointError(f"{path}: sha256 {digest[:16]}... differs from the {entry['sha256'][:16]}... the "
-                              f"checkpoint recorded: the file is corrupted (or was edited)")
+    check_file(path, entry, pending)
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
@@ -159,6 +147,32 @@ def read_verified(path: Path, entry: dict, expected: dict[str, tuple[torch.dtype
             raise CheckpointError(f"{path}: tensor {bad[0]} is {_show(got, bad[0])} in {what}, this model and "
                                   f"optimizer hold {_show(expected, bad[0])}{more}")
     return tensors
+
+
+def check_files(folder: Path, meta: dict) -> None:
+    """Every tensor file the manifest ``meta`` lists has its recorded size and SHA-256: what a reader that
+    maps the files itself (``hf.export.checkpoint_weights``) checks before it reads a tensor."""
+    with hashing_pool() as pool:
+        pending = {name: hash_async(pool, folder / name) for name in sorted(meta["files"])}
+        for name, digest in pending.items():
+            check_file(folder / name, meta["files"][name], digest)
+
+
+def check_file(path: Path, entry: dict, pending: Future) -> None:
+    """``path``'s size and SHA-256 (``pending``: ``hash_async``'s) are the ones the manifest ``entry`` records."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing, the checkpoint recorded {entry['bytes']} bytes")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{path}: {size} bytes, the checkpoint recorded {entry['bytes']}: truncated or "
+                              f"corrupted")
+    try:
+        digest = pending.result()
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read: {e.strerror or e}") from None
+    if digest != entry["sha256"]:
+        raise CheckpointError(f"{path}: sha256 {digest[:16]}... differs from the {entry['sha256'][:16]}... the "
+                              f"checkpoint recorded: the file is corrupted (or was edited)")
 
 
 def _show(specs: dict, key: str) -> str:
