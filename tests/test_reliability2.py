@@ -8,6 +8,7 @@ Each test here failed (a hang caught by ``within``, a traceback, or silent accep
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SMALL_GPT, small_gpt
+from run_edits import write_committed_metrics
 from timeouts import within
 
 import lazytrain
@@ -268,11 +270,11 @@ def test_ctrl_c_during_the_final_eval_stops_it_at_once(monkeypatch):
     assert time.perf_counter() - t < 2
 
 
-def _edit_metrics(run: Path, edit) -> None:
-    path = run / "checkpoint" / "metrics.json"       # the copy committed with the checkpoint
-    m = json.loads(path.read_text())
+def _edit_metrics(run: Path, edit, digest: bool = True) -> None:
+    """Edit the copy committed with the checkpoint (``digest``: and its SHA-256 in the manifest)."""
+    m = json.loads((run / "checkpoint" / "metrics.json").read_text())
     edit(m)
-    path.write_text(json.dumps(m))
+    write_committed_metrics(run, json.dumps(m), digest=digest)
 
 
 def test_resume_never_imports_a_factory_unless_allowed(run_dir, tmp_path, capsys, monkeypatch):
@@ -303,6 +305,43 @@ def test_edited_metrics_are_one_line_errors(run_dir, tmp_path, capsys, edit, mes
     _edit_metrics(run, edit)
     assert message in _error(["train", *TINY, "--steps", "3", "--resume", str(run), "--output", str(tmp_path / "o")],
                              capsys)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m.update(final_loss=16.05),
+    lambda m: m["loss_curve"][0].update(loss=float("nan")),
+    lambda m: m["loss_curve"][1].update(loss=m["loss_curve"][1]["loss"] * 2),
+])
+def test_metrics_edited_behind_the_checkpoints_back_are_refused(run_dir, tmp_path, capsys, edit):
+    """The metrics committed with a checkpoint are checked against the SHA-256 its manifest records (as its
+    tensor files are): an edited final loss or a NaN put into the curve does not come back in the resumed
+    run's metrics."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    _edit_metrics(run, edit, digest=False)
+    err = _error(["train", *TINY, "--steps", "3", "--resume", str(run), "--output", str(tmp_path / "o")], capsys)
+    assert "metrics.json: sha256" in err and "the file is corrupted (or was edited)" in err
+
+
+def test_a_loss_that_is_not_finite_is_written_as_null_and_resumed(run_dir, tmp_path, monkeypatch):
+    """A diverged loss (NaN, infinity) is kept, written as JSON's null (never a bare NaN that strict readers
+    refuse), and a resume reads it back as NaN."""
+    import lazytrain.app.runfiles as runfiles
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    m = json.loads((run / "checkpoint" / "metrics.json").read_text())
+    m["loss_curve"][0].update(loss=float("nan"), grad_norm=float("inf"))
+    runfiles.write_json(tmp_path / "m.json", m)
+    strict = json.loads((tmp_path / "m.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    assert strict["loss_curve"][0]["loss"] is None and strict["loss_curve"][0]["grad_norm"] is None
+    write_committed_metrics(run, (tmp_path / "m.json").read_text())
+    from lazytrain.app.config import TrainConfig
+    _cfg, prev = runfiles.load_resume(TrainConfig(resume=str(run), steps=3))
+    assert math.isnan(prev["loss_curve"][0]["loss"]) and math.isnan(prev["loss_curve"][0]["grad_norm"])
+    assert main(["train", *TINY, "--steps", "3", "--resume", str(run), "--output", str(tmp_path / "o"),
+                 "--no-eval"]) == 0
+    out = (tmp_path / "o" / "checkpoint" / "metrics.json").read_text()
+    assert "NaN" not in out and json.loads(out)["loss_curve"][0]["loss"] is None
 
 
 def test_the_factory_form_is_documented_as_running_code():

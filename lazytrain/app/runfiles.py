@@ -26,13 +26,13 @@ from ..runtime import checkpoint
 from ..runtime.checkpoint import read_extra, read_meta, resolve
 from ..runtime.manifest import CheckpointError
 from ..util.atomic import write_atomic
-from ..util.jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape
+from ..util.jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape, dumps
 from .config import UNIT, TrainConfig, recorded, resumed, resumed_shapes
 
 METRICS = "metrics.json"
 METRICS_FORMAT = "lazytrain.train-metrics/1"
 _SETTINGS = resumed_shapes(TrainConfig())
-_LOSS = Num(-math.inf, finite=False, nan=True)
+_LOSS = Either(None, Num(-math.inf, finite=False, nan=True))     # null: not finite (``jsonshape.dumps``)
 SHAPE = {
     "format": OneOf(METRICS_FORMAT),
     "settings": _SETTINGS,
@@ -48,7 +48,7 @@ SHAPE = {
 
 def write_json(path: Path, data: dict) -> None:
     """``path`` replaced atomically (temporary file, fsync, rename): never half-written."""
-    write_atomic(path, json.dumps(data, indent=1), what=path.name)
+    write_atomic(path, dumps(data, indent=1), what=path.name)
 
 
 def commit(trainer, out: Path, metrics: dict, *, main: bool = True) -> Path:
@@ -67,7 +67,7 @@ def update_metrics(out: Path, metrics: dict) -> None:
 
 
 def _encode(metrics: dict) -> bytes:
-    return json.dumps(metrics, indent=1).encode()
+    return dumps(metrics, indent=1).encode()
 
 
 def load_resume(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
@@ -91,6 +91,8 @@ def load_resume(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
     if done != meta["step"] or [h["step"] for h in curve] != list(range(1, done + 1)):
         raise ValueError(f"--resume {src}: {mpath} records {done} steps and a loss curve of {len(curve)}, the "
                          f"checkpoint step {meta['step']}: the files were edited, they do not belong together")
+    for h in curve:                         # a loss that was not finite, as the run held it
+        h.update({k: math.nan for k in ("loss", "grad_norm") if h[k] is None})
     _take_settings(cfg, prev["settings"], src)
     if cfg.steps < done:
         raise ValueError(f"--resume {src}: the run is already at step {done}; --steps is the total to reach, "

@@ -49,8 +49,10 @@ from .manifest import (
     FORMAT,
     META,
     CheckpointError,
+    check_extra,
     check_manifest,
     describe,
+    extra_digests,
     hash_async,
     hashing_pool,
     read_verified,
@@ -82,7 +84,7 @@ def save(trainer, directory, extras: dict[str, bytes] | None = None) -> Path:
         meta = _write(trainer, tmp)
         for name, data in sorted((extras or {}).items()):
             write_synced(tmp / name, data)
-        meta["extras"] = sorted(extras or {})
+        meta["extras"], meta["extra_sha256"] = sorted(extras or {}), extra_digests(extras or {})
         write_synced(tmp / META, json.dumps(meta, allow_nan=False).encode())
     return target
 
@@ -131,11 +133,23 @@ def _write(trainer, tmp: Path, suffix: str = "") -> dict:
 
 
 def write_extra(directory, name: str, data: bytes) -> None:
-    """Replace the extra file ``name`` of the checkpoint at ``directory`` atomically (temporary file,
-    fsync, rename, fsync of the folder): a crash leaves the old contents or the new, never a mix."""
+    """Replace the extra file ``name`` of the checkpoint at ``directory`` atomically, and its SHA-256 in the
+    manifest: the manifest first accepts the old digest and the new, then the file is replaced, then the
+    manifest keeps the new one (each step a temporary file, fsync, rename): a crash leaves the old contents
+    or the new, never a mix, and always one the manifest accepts."""
     folder, meta = read_meta(directory)
     if name not in meta["extras"]:
         raise CheckpointError(f"{folder / META} lists no extra file {name!r} (it has {meta['extras']})")
+    new = extra_digests({name: data})[name]
+    digests = meta.setdefault("extra_sha256", {})
+    digests[name] = digests.get(name, [])[-1:] + new
+    _replace(folder, META, json.dumps(meta, allow_nan=False).encode())
+    _replace(folder, name, data)
+    digests[name] = new
+    _replace(folder, META, json.dumps(meta, allow_nan=False).encode())
+
+
+def _replace(folder: Path, name: str, data: bytes) -> None:
     tmp = folder / f".{name}.tmp"
     write_synced(tmp, data)
     os.replace(tmp, folder / name)
@@ -148,10 +162,11 @@ def read_extra(folder: Path, meta: dict, name: str) -> bytes:
         raise CheckpointError(f"{folder / META} lists no extra file {name!r}: the checkpoint was not written "
                               f"by `lazytrain train`")
     try:
-        return (folder / name).read_bytes()
+        data = (folder / name).read_bytes()
     except OSError as e:
         raise CheckpointError(f"{folder / name}: cannot read it ({e.strerror or e}): the checkpoint is damaged") \
             from None
+    return check_extra(folder / name, data, meta)
 
 
 # ---- RNG states as JSON -------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ SHAPE = {
     "model": {"name": str, "fingerprint": str},
     "files": MapOf(_FILE),
     "extras": ListOf(str),
+    #: each extra file's SHA-256: one, or two while ``write_extra`` replaces it (the old and the new)
+    "extra_sha256": Opt(MapOf(ListOf(str))),
     "optimizer": {"class": str, "hyperparameters": _HYPER, "config": MapOf(Int(1)), "block_steps": MapOf(int)},
     "grad_norm": {"consecutive_nonfinite": int, "total_nonfinite": int, "last_norm": Either(None, str)},
     "rng": _RNG,
@@ -90,7 +92,26 @@ def check_manifest(meta, path: Path) -> dict:
     for name in meta["extras"]:
         if not re.fullmatch(r"[a-z_]+\.json", name):
             raise CheckpointError(f"{path}: malformed checkpoint manifest: extra file {name!r}")
+    for name, digests in meta.get("extra_sha256", {}).items():
+        if name not in meta["extras"] or not all(re.fullmatch(_SHA256, d) for d in digests):
+            raise CheckpointError(f"{path}: malformed checkpoint manifest: extra_sha256 entry {name!r} (an extra "
+                                  f"file and 64-digit hexadecimal sha256s)")
     return meta
+
+
+def check_extra(path: Path, data: bytes, meta: dict) -> bytes:
+    """``data``, the extra file ``path`` of the checkpoint whose manifest is ``meta``, if its SHA-256 is one the
+    manifest records (a manifest without ``extra_sha256`` records none to check)."""
+    digests = meta.get("extra_sha256", {}).get(path.name)
+    if digests is not None and hashlib.sha256(data).hexdigest() not in digests:
+        raise CheckpointError(f"{path}: sha256 {hashlib.sha256(data).hexdigest()[:16]}... differs from the "
+                              f"{digests[-1][:16]}... the checkpoint recorded: the file is corrupted (or was edited)")
+    return data
+
+
+def extra_digests(extras: dict[str, bytes]) -> dict[str, list[str]]:
+    """The manifest's ``extra_sha256`` of the extra files ``extras`` (name -> contents)."""
+    return {name: [hashlib.sha256(data).hexdigest()] for name, data in sorted(extras.items())}
 
 
 # ---- hashing ------------------------------------------------------------------------------------------
