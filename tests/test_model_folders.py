@@ -39,6 +39,10 @@ def _damage(folder, how: str) -> str:
         header[name]["data_offsets"][1] += 1 << 20
         hb = json.dumps(header).encode()
         st.write_bytes(struct.pack("<Q", len(hb)) + hb + data[8 + n:])
+    elif how == "empty index":
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+        st.unlink()
+        return "maps no weights"
     else:                   # an index over two shards: "no shard" of them there, or "one shard" of two
         header = json.loads(data[8:8 + n])
         names = sorted(k for k in header if k != "__metadata__")
@@ -53,7 +57,8 @@ def _damage(folder, how: str) -> str:
     return "model.safetensors"
 
 
-DAMAGES = ["truncated", "empty", "random", "header 2**62", "offsets past the end", "no shard", "one shard"]
+DAMAGES = ["truncated", "empty", "random", "header 2**62", "offsets past the end", "no shard", "one shard",
+           "empty index"]
 
 
 @pytest.mark.parametrize("how", DAMAGES)

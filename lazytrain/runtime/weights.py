@@ -114,6 +114,8 @@ def check_index(folder: Path) -> dict[str, str]:
                 raise TypeError("weight_map is not an object of file names")
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise ValueError(f"{index}: not a weight index ({type(e).__name__}: {e})") from None
+        if not wmap:
+            raise ValueError(f"{index} maps no weights: the model folder is damaged")
         outside = sorted({f for f in wmap.values() if Path(f).name != f or f in (".", "..")})
         if outside:
             raise ValueError(f"{index} names files outside its folder ({', '.join(outside[:3])}): the model folder "
