@@ -5,6 +5,7 @@ are kept, shards are written one by one, and a folder that is not a model is nev
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from lazytrain.hf.export import ExportError, Weight, hf_config, trainer_weights,
 
 pytest.importorskip("transformers")
 from ft_fixtures import tiny_folder, tiny_tokenizer  # noqa: E402
+from timeouts import within  # noqa: E402
 
 
 def _trained(folder, steps: int = 2):
@@ -128,7 +130,7 @@ def test_a_sharded_checkpoints_tensors_are_joined_from_their_pieces(tmp_path):
         _sharded_weights(tmp_path, meta)
 
 
-@pytest.mark.parametrize("damage", ["flipped bit", "truncated", "header"])
+@pytest.mark.parametrize("damage", ["flipped bit", "truncated", "header", "fifo"])
 def test_a_damaged_checkpoint_is_not_exported(tmp_path, capsys, damage):
     """Export reads a checkpoint through the checks a resume makes (every file's size and SHA-256, its
     tensors against the manifest's): a flipped bit in a weight, a truncated block file or a header edited
@@ -144,6 +146,9 @@ def test_a_damaged_checkpoint_is_not_exported(tmp_path, capsys, damage):
         block.write_bytes(bytes(data))
     elif damage == "truncated":
         block.write_bytes(bytes(data[:len(data) // 2]))
+    elif damage == "fifo":
+        block.unlink()
+        os.mkfifo(block)
     else:                               # a tensor renamed, the file's size and sha256 recorded anew
         import hashlib
         header = data[8:8 + int.from_bytes(data[:8], "little")]
@@ -154,8 +159,10 @@ def test_a_damaged_checkpoint_is_not_exported(tmp_path, capsys, damage):
         meta = json.loads(meta_path.read_text())
         meta["files"][block.name]["sha256"] = hashlib.sha256(data).hexdigest()
         meta_path.write_text(json.dumps(meta))
-    assert main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out"), "--config", str(src)]) == 2
+    with within(60):
+        assert main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out"), "--config", str(src)]) == 2
     err = capsys.readouterr().err.split("lazytrain export: error: ")[-1]
     assert block.name in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert {"flipped bit": "sha256", "truncated": "truncated", "header": "not the ones"}[damage] in err
+    assert {"flipped bit": "sha256", "truncated": "truncated", "header": "not the ones",
+            "fifo": "not a regular file"}[damage] in err
     assert not (tmp_path / "out").exists()

@@ -141,10 +141,12 @@ def hash_async(pool: ThreadPoolExecutor, path: Path) -> Future:
     read into the page cache once, and the load that follows maps them without another copy."""
     done: Future = Future()
     try:
+        if not path.is_file():      # missing, or a FIFO or device that opening would block on or read forever
+            raise FileNotFoundError(f"{path} is not a regular file")
         if path.stat().st_size > _CHUNK:
             return pool.submit(sha256_file, path)
         done.set_result(sha256_file(path))
-    except OSError as e:            # a missing file: read_verified says so, naming it
+    except OSError as e:            # a missing file: check_file says so, naming it
         done.set_exception(e)
     return done
 
@@ -182,7 +184,8 @@ def check_files(folder: Path, meta: dict) -> None:
 def check_file(path: Path, entry: dict, pending: Future) -> None:
     """``path``'s size and SHA-256 (``pending``: ``hash_async``'s) are the ones the manifest ``entry`` records."""
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing, the checkpoint recorded {entry['bytes']} bytes")
+        what = "not a regular file" if path.exists() else "missing"
+        raise CheckpointError(f"{path}: {what}, the checkpoint recorded {entry['bytes']} bytes")
     size = path.stat().st_size
     if size != entry["bytes"]:
         raise CheckpointError(f"{path}: {size} bytes, the checkpoint recorded {entry['bytes']}: truncated or "
