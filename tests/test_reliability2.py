@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -321,6 +322,15 @@ def test_metrics_edited_behind_the_checkpoints_back_are_refused(run_dir, tmp_pat
     _edit_metrics(run, edit, digest=False)
     err = _error(["train", *TINY, "--steps", "3", "--resume", str(run), "--output", str(tmp_path / "o")], capsys)
     assert "metrics.json: sha256" in err and "the file is corrupted (or was edited)" in err
+
+
+def test_committed_metrics_that_are_not_a_file_are_refused_unread(run_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "checkpoint" / "metrics.json").unlink()
+    os.mkfifo(run / "checkpoint" / "metrics.json")
+    err = _error(["train", *TINY, "--steps", "3", "--resume", str(run), "--output", str(tmp_path / "o")], capsys)
+    assert "metrics.json: not a regular file" in err
 
 
 def test_a_loss_that_is_not_finite_is_written_as_null_and_resumed(run_dir, tmp_path, monkeypatch):

@@ -161,6 +161,8 @@ def read_extra(folder: Path, meta: dict, name: str) -> bytes:
     if name not in meta["extras"]:
         raise CheckpointError(f"{folder / META} lists no extra file {name!r}: the checkpoint was not written "
                               f"by `lazytrain train`")
+    if (folder / name).exists() and not (folder / name).is_file():     # a FIFO would block the read forever
+        raise CheckpointError(f"{folder / name}: not a regular file: the checkpoint is damaged")
     try:
         data = (folder / name).read_bytes()
     except OSError as e:
