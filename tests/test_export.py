@@ -166,3 +166,21 @@ def test_a_damaged_checkpoint_is_not_exported(tmp_path, capsys, damage):
     assert {"flipped bit": "sha256", "truncated": "truncated", "header": "not the ones",
             "fifo": "not a regular file"}[damage] in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_runs_config_comes_from_the_metrics_committed_with_its_checkpoint(tmp_path, capsys):
+    """``lazytrain export RUN`` takes the model's config from the metrics committed with the checkpoint (their
+    SHA-256 checked), not from the run folder's copy: a FIFO there is not read, an edited commit is refused."""
+    src = tiny_folder(tmp_path / "src", tokenizer=False)
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(src), "--batch", "4", "--steps", "1", "--policy", "keep-all", "--no-progress",
+                 "--device", "cpu", "--threads", "1", "--no-eval", "--output", str(run)]) == 0
+    (run / "metrics.json").unlink()
+    os.mkfifo(run / "metrics.json")
+    with within(60):
+        assert main(["export", str(run), "-o", str(tmp_path / "out")]) == 0
+    committed = run / "checkpoint" / "metrics.json"
+    committed.write_text(committed.read_text().replace('"hidden_size": 32', '"hidden_size": 64'))
+    capsys.readouterr()
+    assert main(["export", str(run), "-o", str(tmp_path / "out2")]) == 2
+    assert "metrics.json: sha256" in capsys.readouterr().err
