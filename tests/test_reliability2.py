@@ -361,3 +361,24 @@ def test_the_factory_form_is_documented_as_running_code():
     assert "calls the factory: it runs code" in readme
     helps = build_parser()._subparsers._group_actions[0].choices
     assert "runs code" in helps["compile"].format_help().replace("\n", " ").replace("  ", " ")
+
+
+def test_a_data_run_with_a_loss_that_was_not_finite_resumes(tmp_path):
+    """A ``--data`` run's metrics keep a diverged loss as null; its resume reads it back as NaN (the loss plot and
+    the curve go on), and writes it as null again."""
+    pytest.importorskip("transformers")
+    from ft_fixtures import chat, tiny_folder, write_jsonl
+    folder = tiny_folder(tmp_path / "hf")
+    data = write_jsonl(tmp_path / "d.jsonl", [chat(f"{i}+1", f"{i + 1}") for i in range(8)])
+    args = ["--batch", "4", "--eval-size", "4", "--policy", "keep-all", "--no-progress", "--device", "cpu",
+            "--threads", "1", "--time-limit-min", "0", "--no-eval", "--no-export"]
+    out = tmp_path / "o"
+    assert main(["train", *args, "--model", str(folder), "--data", str(data), "--steps", "2", "--output",
+                 str(out)]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    m["loss_curve"][0]["loss"] = None            # as a NaN loss is written
+    (out / "metrics.json").write_text(json.dumps(m))
+    assert main(["train", *args, "--resume", str(out), "--output", str(out), "--steps", "3"]) == 0
+    text = (out / "metrics.json").read_text()
+    curve = json.loads(text)["loss_curve"]
+    assert "NaN" not in text and curve[0]["loss"] is None and len(curve) == 3

@@ -91,8 +91,7 @@ def load_resume(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
     if done != meta["step"] or [h["step"] for h in curve] != list(range(1, done + 1)):
         raise ValueError(f"--resume {src}: {mpath} records {done} steps and a loss curve of {len(curve)}, the "
                          f"checkpoint step {meta['step']}: the files were edited, they do not belong together")
-    for h in curve:                         # a loss that was not finite, as the run held it
-        h.update({k: math.nan for k in ("loss", "grad_norm") if h[k] is None})
+    nan_losses(curve)
     _take_settings(cfg, prev["settings"], src)
     if cfg.steps < done:
         raise ValueError(f"--resume {src}: the run is already at step {done}; --steps is the total to reach, "
@@ -102,6 +101,15 @@ def load_resume(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
                          f"resuming would import and run it (code named in {mpath}); pass --allow-factory if you "
                          f"trust this run folder")
     return cfg, prev
+
+
+def nan_losses(curve: list) -> list:
+    """A loss curve as read from metrics.json with its nulls (``jsonshape.dumps``: a loss or gradient norm that
+    was not finite) NaN again, as the run held them; in place."""
+    for h in curve:
+        if isinstance(h, dict):
+            h.update({k: math.nan for k in ("loss", "grad_norm") if k in h and h[k] is None})
+    return curve
 
 
 def _take_settings(cfg: TrainConfig, saved: dict, src: Path) -> None:

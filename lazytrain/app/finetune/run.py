@@ -35,7 +35,7 @@ from ...hf.model_loading import shard_loadable
 from ...hf.named import generation_config
 from ..config import FinetuneConfig, TrainConfig, recorded, resumed
 from ..loop import Progress, open_run, start_trainer, steps, thread_tuner
-from ..runfiles import write_json
+from ..runfiles import nan_losses, write_json
 from ..session import StopFlag, can_plot, hardware_for, note, progress_bar
 from .evaluation import describe, evaluate
 from .prepare import (
@@ -67,6 +67,7 @@ def _resume(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict]:
     try:
         prev = json.loads((src / "metrics.json").read_text())
         saved, done = prev["settings"], int(prev["steps_done"])
+        nan_losses(prev["loss_curve"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--resume {src}: not the output folder of a `lazytrain train --data` run ({e})") from None
     defaults = (FinetuneConfig(), TrainConfig())
