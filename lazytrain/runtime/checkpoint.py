@@ -5,7 +5,8 @@ Layout of a checkpoint folder (format ``"lazytrain.checkpoint/2"``)::
     checkpoint.json          the manifest (``manifest.py``): step, RNG states, optimizer class /
                              hyper-parameters / per-block steps, grad-norm tracker counters, the plan
                              (plan.to_json()) and its model fingerprint, every tensor file's size,
-                             SHA-256 and per-tensor dtype and shape, and the names of the extra files
+                             SHA-256 and per-tensor dtype and shape, and the names and SHA-256 of the
+                             extra files
     block_0000.safetensors   one file per block that owns parameters:
                                param.<name>  fp32 master weight of each owned parameter, shaped
                                state.<key>   the rest of HostOptimizer.state_tensors(block)
@@ -19,14 +20,15 @@ the target, every file and the folder are fsynced, then ``<dir>`` (if any) is re
 the new folder to ``<dir>``, and ``<dir>.old`` is removed (``util.atomic.commit_folder``).  A crash at any
 point leaves a complete checkpoint at ``<dir>`` or, between the two renames, at ``<dir>.old``, which ``load``
 then uses.  An extra file may be replaced later by ``write_extra`` (temporary file, fsync, rename): one atomic
-step.
+step, its SHA-256 in the manifest moved around it so that every state a crash leaves matches.
 One writer per target at a time.
 
 Loading reads JSON and safetensors only (no code runs), checks the manifest's shape, the format
 version (a checkpoint of an older version, without checksums, is refused with a message that says
 so), the plan's and the model's fingerprint, every file's size and SHA-256 and every tensor's dtype and
 shape against what this model and optimizer hold, and raises :class:`CheckpointError` naming what
-does not match.  It restores the global RNGs (torch CPU and CUDA, Python ``random``, numpy).
+does not match; ``read_extra`` checks an extra file's SHA-256, and ``hf.export`` every file's before it
+maps one (``manifest.check_files``).  It restores the global RNGs (torch CPU and CUDA, Python ``random``, numpy).
 """
 
 from __future__ import annotations
