@@ -196,7 +196,6 @@ def test_killed_save_keeps_the_previous_checkpoint(tmp_path):
 
 
 def test_crash_between_renames_loads_the_old_checkpoint(tmp_path, monkeypatch):
-    from lazytrain.runtime import checkpoint
     model = _model()
     trainer = Trainer(model, _plan(model), optimizer=OPTIMIZERS["adamw"](), device="cpu")
     batches = _batches(2)
@@ -216,7 +215,7 @@ def test_crash_between_renames_loads_the_old_checkpoint(tmp_path, monkeypatch):
             raise Killed
         real(a, b)
 
-    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(Killed):
         trainer.save_checkpoint(ck)
     monkeypatch.undo()

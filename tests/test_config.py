@@ -51,9 +51,11 @@ def test_one_list_of_settings_a_resume_keeps():
                              "answer_regex", "epochs"}
 
 
-def test_metrics_settings_are_every_field_but_the_progress_bar():
-    assert set(recorded(TrainConfig())) == {f.name for f in fields(TrainConfig)} - {"progress"}
-    assert set(recorded(FinetuneConfig())) == {f.name for f in fields(FinetuneConfig)} - {"progress", "extra"}
+def test_metrics_settings_are_every_field_but_the_progress_bar_and_overwrite():
+    """(``--overwrite`` is how a run took its folder, not what the run is.)"""
+    assert set(recorded(TrainConfig())) == {f.name for f in fields(TrainConfig)} - {"progress", "overwrite"}
+    assert set(recorded(FinetuneConfig())) == {f.name for f in fields(FinetuneConfig)} - {"progress", "extra",
+                                                                                            "overwrite"}
 
 
 def test_every_setting_a_task_resume_reads_has_a_shape_to_check():

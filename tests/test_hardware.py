@@ -1,6 +1,5 @@
 import dataclasses
 import json
-import time
 
 import pytest
 
@@ -167,9 +166,7 @@ def test_get_profile_names_and_errors(tmp_path):
 def test_measure_quick_on_cpu(tmp_path):
     from lazytrain.measure.profile import measure
 
-    start = time.perf_counter()
     profile = measure(device="cpu", quick=True, disk_dir=str(tmp_path), verbose=False)
-    assert time.perf_counter() - start < 30
     assert profile.gpu_name == "CPU (no GPU)" and "without CUDA" in profile.source
     for field in dataclasses.fields(profile):
         value = getattr(profile, field.name)

@@ -87,11 +87,14 @@ def test_every_distinct_eval_problem_can_be_asked_for():
     (["train", *TINY, "--batch", "100000000"], "at most 65,536"),
     (["train", *TINY, "--seq", "10000000"], "tokens a step"),
 ])
-def test_absurd_sizes_are_refused_before_any_work(args, message, capsys, tmp_path):
-    t = time.perf_counter()
+def test_absurd_sizes_are_refused_before_any_work(args, message, capsys, tmp_path, monkeypatch):
+    def work(*a, **k):      # refused before any trace or search: these would run for minutes at such sizes
+        raise AssertionError("the command started work before refusing the size")
+    monkeypatch.setattr("lazytrain.compiler.pipeline.run", work)
+    monkeypatch.setattr("lazytrain.frontend.trace_cache.trace_and_store", work)
     out = ["--hardware", "cpu", "-o", str(tmp_path / "p.json")] if args[0] == "compile" else ["--output", str(tmp_path)]
-    err = _error([*args, *out], capsys, 10)
-    assert message in err and time.perf_counter() - t < 5, err
+    err = _error([*args, *out], capsys, 60)
+    assert message in err, err
 
 
 def test_micro_batch_candidates_are_found_without_a_loop_to_the_batch():
@@ -264,11 +267,9 @@ def test_ctrl_c_during_the_final_eval_stops_it_at_once(monkeypatch):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(10)
     monkeypatch.setattr(train, "evaluate", slow_eval)
-    t = time.perf_counter()
     from lazytrain.app.session import StopFlag
-    with StopFlag() as flag, within(8):
+    with StopFlag() as flag, within(8):     # (the eval sleeps 10 s unless Ctrl-C stops it)
         assert train._final_eval(None, [], torch.device("cpu"), flag) is None
-    assert time.perf_counter() - t < 2
 
 
 def _edit_metrics(run: Path, edit, digest: bool = True) -> None:

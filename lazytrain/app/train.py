@@ -32,7 +32,8 @@ Choices, written down so the next person sees them:
   usual (marked ``interrupted``) and the final eval is skipped; twice: stop now, write nothing.
   During the final eval (the state is already committed) one Ctrl-C stops it at once.
 - *Files.* Checkpoint and metrics are one commit (``runfiles.py``): a kill at any moment leaves the
-  previous complete state or the new one.
+  previous complete state or the new one.  The run owns its output folder (``runfolder.py``): locked, a run over
+  another run refused without ``--overwrite``, nothing in it read or written through a link.
 - *Task.* ``--difficulty`` is a preset of ``tasks/arith.py``, optionally in answer formats
   (``tiny-pad-rev``, ``tasks/formats.py``): the same problems and split, the worked answer written so the
   arithmetic is easier for a small model; exact match reads the final number in that format.
@@ -57,7 +58,7 @@ import torch
 from tabulate import tabulate
 
 from ..compiler.progress import on_stderr
-from ..compiler.timeline import plot_loss, write_step
+from ..compiler.timeline import write_step
 from ..frontend.presets import PRESETS, build_from_config, build_model, read_config
 from ..frontend.validate import check_positions, check_sizes
 from ..hf.generate import placement
@@ -65,6 +66,7 @@ from ..hf.model_loading import from_pretrained as _from_pretrained
 from ..hf.model_loading import is_hf_folder as _is_hf_folder
 from ..hf.model_loading import meta_weights, shard_loadable
 from ..tasks import CharTokenizer, check_eval_size, eval_examples, exact_match, get_difficulty, train_batches
+from ..util.atomic import staged_files
 from ..util.host import cpu_cores
 from . import runfiles
 from .config import TrainConfig
@@ -72,6 +74,7 @@ from .finetune import is_finetune_run
 from .finetune import run as finetune
 from .loop import Progress, open_run, start_trainer, steps, thread_tuner
 from .ranks import Ranks
+from .runfolder import claim
 from .session import StopFlag, can_plot, hardware_for, note, progress_bar
 
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
@@ -210,9 +213,15 @@ def check_config(cfg: TrainConfig, diff, seq: int) -> None:
 
 
 def run(cfg: TrainConfig) -> dict:
-    """Train as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
-    if getattr(cfg, "data", None) or is_finetune_run(cfg.resume):    # --data FILE: fine-tune on it (finetune/)
-        return finetune(cfg)
+    """Train as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``).  The run owns its
+    output folder while it lasts (``runfolder.claim``: locked, never written through a link)."""
+    with claim(cfg, main=int(os.environ.get("RANK", "0")) == 0):      # (the launcher's rank: Ranks.join reads it)
+        if getattr(cfg, "data", None) or is_finetune_run(cfg.resume):    # --data FILE: fine-tune on it (finetune/)
+            return finetune(cfg)
+        return _run_task(cfg)
+
+
+def _run_task(cfg: TrainConfig) -> dict:
     cfg, prev, diff, seq = _settled(cfg)
     tok = CharTokenizer()
     dev, ranks, out, t_start = open_run(cfg)
@@ -380,12 +389,14 @@ def _report_profile(trainer, out: Path, bar) -> None:
     rows.append(["update (host)", f"{prof.update_s * 1e3:.1f}",
                  f"{100 * (1 - prof.exposed_update_s / prof.update_s):.0f}%" if prof.update_s else "-"])
     text = tabulate(rows, headers=["work", "busy ms", "hidden under compute"], tablefmt="plain")
-    prof.save(out / "profile.json", trainer.plan)
-    trainer.plan.save(out / "plan.json")      # the pair `lazytrain profile --step` reads
-    notes = [f"profiled step: {prof.step_s * 1e3:.1f} ms", text,
-             f"wrote {out / 'profile.json'} and {out / 'plan.json'}"]
-    plot = out / "memory.png" if can_plot() else None
-    notes += write_step(trainer.plan, out / "trace.json", plot=plot, profile=prof)
+    with staged_files(out, "profile") as tmp:        # renamed into the run folder: never written through a link
+        prof.save(tmp / "profile.json", trainer.plan)
+        trainer.plan.save(tmp / "plan.json")      # the pair `lazytrain profile --step` reads
+        notes = [f"profiled step: {prof.step_s * 1e3:.1f} ms", text,
+                 f"wrote {out / 'profile.json'} and {out / 'plan.json'}"]
+        plot = tmp / "memory.png" if can_plot() else None
+        notes += [n.replace(str(tmp), str(out)) for n in write_step(trainer.plan, tmp / "trace.json", plot=plot,
+                                                                     profile=prof)]
     note(bar, "\n".join(notes))
 
 
@@ -396,4 +407,4 @@ def _plot_loss(path: Path, history: list[dict], em_curve: list[dict], cfg: Train
     last = em_curve[-1] if em_curve else None
     title = f"model {cfg.model}, task {cfg.difficulty}, batch {cfg.batch}" + (
         f": exact match {last['exact_match']:.1%} at step {last['step']}" if last else "")
-    plot_loss(path, {"train loss": [(h["step"], h["loss"]) for h in history]}, title=title)
+    runfiles.plot_into(path, {"train loss": [(h["step"], h["loss"]) for h in history]}, title=title)

@@ -239,14 +239,16 @@ def _attention_rates(device: torch.device, dtype: torch.dtype, tokens: int, leng
     intercept = 1 / rates[long_][0] - slope / long_
     half = max(0.0, slope / intercept) if intercept > 0 else math.inf
     if rates[long_][0] * (long_ + half) / long_ > matmul_tflops:
-        half = long_ * (matmul_tflops / rates[long_][0] - 1)
+        # (never negative: on a loaded machine the long length may time faster than the matmul did)
+        half = max(0.0, long_ * (matmul_tflops / rates[long_][0] - 1))
     if device.type == "cpu":
         # a CPU's attention is far from its matmul peak at every length, so the line through two
         # points extrapolates the length term from noise (1,254 at keys of 256 on a loaded 2-core
         # machine): bound it to a rate at the longer length of at least a fifth of the fitted peak
         half = min(half, CPU_MAX_HALF_LEN_RATIO * long_)
     scale = (long_ + half) / long_
-    return {"attn_fwd_tflops": rates[long_][0] * scale, "attn_bwd_tflops": min(rates[long_][1] * scale, matmul_tflops),
+    return {"attn_fwd_tflops": min(rates[long_][0] * scale, matmul_tflops),
+            "attn_bwd_tflops": min(rates[long_][1] * scale, matmul_tflops),
             "attn_half_len": half}
 
 

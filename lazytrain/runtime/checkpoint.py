@@ -36,7 +36,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import os
 import random
 from pathlib import Path
 
@@ -45,7 +44,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..ir import Plan, PlanError
-from ..util.atomic import fsync_dir, fsync_file, staged_folder, write_synced
+from ..util.atomic import fsync_file, replace_file, staged_folder, write_synced
 from . import checkpoint_world
 from .manifest import (
     FORMAT,
@@ -76,7 +75,8 @@ def save(trainer, directory, extras: dict[str, bytes] | None = None) -> Path:
     if trainer._broken is not None:
         raise RuntimeError("cannot checkpoint a trainer whose last step failed (its state is inconsistent)")
     target = Path(directory).absolute()
-    if target.exists() and not (target / META).is_file() and any(target.iterdir()):
+    # (a symbolic link there is replaced by the new folder, never followed: ``commit_folder``)
+    if not target.is_symlink() and target.exists() and not (target / META).is_file() and any(target.iterdir()):
         raise CheckpointError(f"{target} exists and is not a LazyTrain checkpoint (no {META}): refusing to "
                               f"replace it")
     if trainer.world is not None:       # every rank writes its shards, rank 0 commits (checkpoint_world)
@@ -140,22 +140,18 @@ def write_extra(directory, name: str, data: bytes) -> None:
     manifest keeps the new one (each step a temporary file, fsync, rename): a crash leaves the old contents
     or the new, never a mix, and always one the manifest accepts."""
     folder, meta = read_meta(directory)
+    if folder.is_symlink():         # (its files are replaced in place: never in a folder elsewhere)
+        raise CheckpointError(f"{folder} is a symbolic link; a checkpoint's files are read only from its own folder, "
+                              f"and written only there")
     if name not in meta["extras"]:
         raise CheckpointError(f"{folder / META} lists no extra file {name!r} (it has {meta['extras']})")
     new = extra_digests({name: data})[name]
     digests = meta.setdefault("extra_sha256", {})
     digests[name] = digests.get(name, [])[-1:] + new
-    _replace(folder, META, json.dumps(meta, allow_nan=False).encode())
-    _replace(folder, name, data)
+    replace_file(folder / META, json.dumps(meta, allow_nan=False).encode())
+    replace_file(folder / name, data)
     digests[name] = new
-    _replace(folder, META, json.dumps(meta, allow_nan=False).encode())
-
-
-def _replace(folder: Path, name: str, data: bytes) -> None:
-    tmp = folder / f".{name}.tmp"
-    write_synced(tmp, data)
-    os.replace(tmp, folder / name)
-    fsync_dir(folder)
+    replace_file(folder / META, json.dumps(meta, allow_nan=False).encode())
 
 
 def read_extra(folder: Path, meta: dict, name: str) -> bytes:
@@ -228,13 +224,23 @@ def resolve(directory) -> Path:
     """The folder to load: ``directory``, or ``directory.old`` when a save died between its renames."""
     target = Path(directory).absolute()
     if (target / META).is_file():
-        return target
+        return _unlinked(target)
     old = target.with_name(target.name + ".old")
     if not target.exists() and (old / META).is_file():
-        return old
+        return _unlinked(old)
     if target.exists():
         raise CheckpointError(f"{target} is not a LazyTrain checkpoint (no {META})")
     raise CheckpointError(f"no checkpoint at {target}")
+
+
+def _unlinked(folder: Path) -> Path:
+    """``folder``, refused when a file in it is a symbolic link: a checkpoint is read from its own files only (a
+    save never writes a link, and a run folder may come from anyone)."""
+    links = sorted(p.name for p in folder.iterdir() if p.is_symlink())
+    if links:
+        raise CheckpointError(f"{folder}: {links[0]} is a symbolic link; a checkpoint's files are read only from its "
+                              f"own folder (replace the link by the file)")
+    return folder
 
 
 def read_meta(directory) -> tuple[Path, dict]:

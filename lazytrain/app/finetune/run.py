@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from ...compiler.timeline import plot_loss
 from ...data.batches import Batches
 from ...data.encode import Encoder
 from ...frontend.presets import build_model
@@ -33,9 +32,10 @@ from ...frontend.random_init import random_init
 from ...hf.export import hf_config, trainer_weights, write_folder, write_hf_json
 from ...hf.model_loading import shard_loadable
 from ...hf.named import generation_config
+from ...util.atomic import staged_folder
 from ..config import FinetuneConfig, TrainConfig, recorded, resumed
 from ..loop import Progress, open_run, start_trainer, steps, thread_tuner
-from ..runfiles import nan_losses, write_json
+from ..runfiles import nan_losses, plot_into, write_json
 from ..session import StopFlag, can_plot, hardware_for, note, progress_bar
 from .evaluation import describe, evaluate
 from .prepare import (
@@ -305,10 +305,10 @@ def _source(cfg: FinetuneConfig, prev: dict | None) -> Source:
 
 def _write_source(folder: Path, model, tok, stop_ids: list[int]) -> None:
     """Config, tokenizer and generation config of the run (for resume and ``lazytrain export``)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    write_hf_json(folder / "config.json", hf_config_dict(model))
-    tok.save_pretrained(folder)
-    generation_config(model, stop_ids, tok).save_pretrained(folder)
+    with staged_folder(folder) as tmp:        # committed by renames: nothing written through a link in the run folder
+        write_hf_json(tmp / "config.json", hf_config_dict(model))
+        tok.save_pretrained(tmp)
+        generation_config(model, stop_ids, tok).save_pretrained(tmp)
 
 
 def _export_dtype(cfg: FinetuneConfig, src: Source, param_dtype: str) -> torch.dtype:
@@ -338,5 +338,5 @@ def _plot(path: Path, history: list[dict], evals: list[dict], name: str) -> None
     last = evals[-1] if evals else None
     title = f"fine-tuning {name}" + (f": exact match {last['exact_match']:.1%} at step {last['step']}"
                                      if last and last["exact_match"] is not None else "")
-    plot_loss(path, {"train loss": [(h["step"], h["loss"]) for h in history],
+    plot_into(path, {"train loss": [(h["step"], h["loss"]) for h in history],
                      "eval loss": [(e["step"], e["eval_loss"]) for e in evals]}, title=title)
