@@ -165,6 +165,17 @@ def test_flipped_bytes_of_the_same_size_are_refused(saved, tmp_path):
         _load(d)
 
 
+def test_a_fifo_in_a_block_files_place_is_refused_unopened(saved, tmp_path):
+    """Loading hashes each file before it reads it; a FIFO there is refused, not opened (which would wait for
+    a writer forever)."""
+    from timeouts import within
+    d = _copy(saved, tmp_path)
+    (d / "block_0001.safetensors").unlink()
+    os.mkfifo(d / "block_0001.safetensors")
+    with within(30), pytest.raises(CheckpointError, match=r"block_0001.safetensors: not a regular file"):
+        _load(d)
+
+
 def _retype(d: Path, key_prefix: str, dtype: torch.dtype) -> None:
     """Rewrite block 1 with one tensor of another dtype, and the manifest to match (size, hash, dtype)."""
     path = d / "block_0001.safetensors"

@@ -5,6 +5,7 @@ are kept, shards are written one by one, and a folder that is not a model is nev
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from lazytrain.hf.export import ExportError, Weight, hf_config, trainer_weights,
 
 pytest.importorskip("transformers")
 from ft_fixtures import tiny_folder, tiny_tokenizer  # noqa: E402
+from timeouts import within  # noqa: E402
 
 
 def _trained(folder, steps: int = 2):
@@ -126,3 +128,59 @@ def test_a_sharded_checkpoints_tensors_are_joined_from_their_pieces(tmp_path):
     del pieces["a.safetensors"]["layers.0.fc.weight"]
     with pytest.raises(ExportError, match=r"saved pieces of layers.0.fc.weight do not cover elements \[0, 1536\)"):
         _sharded_weights(tmp_path, meta)
+
+
+@pytest.mark.parametrize("damage", ["flipped bit", "truncated", "header", "fifo"])
+def test_a_damaged_checkpoint_is_not_exported(tmp_path, capsys, damage):
+    """Export reads a checkpoint through the checks a resume makes (every file's size and SHA-256, its
+    tensors against the manifest's): a flipped bit in a weight, a truncated block file or a header edited
+    with the manifest's checksum updated is one line, and nothing is written."""
+    src = tiny_folder(tmp_path / "src", tokenizer=False)
+    _, tr = _trained(src, steps=1)
+    tr.save_checkpoint(tmp_path / "ckpt")
+    tr.close()
+    block = sorted((tmp_path / "ckpt").glob("block_*.safetensors"))[0]
+    data = bytearray(block.read_bytes())
+    if damage == "flipped bit":
+        data[-3] ^= 0x40                # the high exponent bit of the last fp32 weight
+        block.write_bytes(bytes(data))
+    elif damage == "truncated":
+        block.write_bytes(bytes(data[:len(data) // 2]))
+    elif damage == "fifo":
+        block.unlink()
+        os.mkfifo(block)
+    else:                               # a tensor renamed, the file's size and sha256 recorded anew
+        import hashlib
+        header = data[8:8 + int.from_bytes(data[:8], "little")]
+        name = next(k for k in json.loads(header) if k.startswith("param."))
+        data = data.replace(name.encode(), name[:-1].encode() + b"X", 1)
+        block.write_bytes(bytes(data))
+        meta_path = tmp_path / "ckpt" / "checkpoint.json"
+        meta = json.loads(meta_path.read_text())
+        meta["files"][block.name]["sha256"] = hashlib.sha256(data).hexdigest()
+        meta_path.write_text(json.dumps(meta))
+    with within(60):
+        assert main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out"), "--config", str(src)]) == 2
+    err = capsys.readouterr().err.split("lazytrain export: error: ")[-1]
+    assert block.name in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert {"flipped bit": "sha256", "truncated": "truncated", "header": "not the ones",
+            "fifo": "not a regular file"}[damage] in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_runs_config_comes_from_the_metrics_committed_with_its_checkpoint(tmp_path, capsys):
+    """``lazytrain export RUN`` takes the model's config from the metrics committed with the checkpoint (their
+    SHA-256 checked), not from the run folder's copy: a FIFO there is not read, an edited commit is refused."""
+    src = tiny_folder(tmp_path / "src", tokenizer=False)
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(src), "--batch", "4", "--steps", "1", "--policy", "keep-all", "--no-progress",
+                 "--device", "cpu", "--threads", "1", "--no-eval", "--output", str(run)]) == 0
+    (run / "metrics.json").unlink()
+    os.mkfifo(run / "metrics.json")
+    with within(60):
+        assert main(["export", str(run), "-o", str(tmp_path / "out")]) == 0
+    committed = run / "checkpoint" / "metrics.json"
+    committed.write_text(committed.read_text().replace('"hidden_size": 32', '"hidden_size": 64'))
+    capsys.readouterr()
+    assert main(["export", str(run), "-o", str(tmp_path / "out2")]) == 2
+    assert "metrics.json: sha256" in capsys.readouterr().err

@@ -118,6 +118,23 @@ def test_show_says_when_the_files_predictions_are_not_its_ops(plan_file, capsys,
     assert "predicted step" in out.out and "changed after it was compiled" in out.err and "its ops:" in out.err
 
 
+@pytest.mark.parametrize("args", [
+    ["tiny", "--batch", "8", "--gpu-memory", "6GiB", "--gpu-update", "2"],
+    ["qwen2.5-0.5b", "--batch", "8", "--seq", "512", "--gpu-memory", "4GiB", "--gpu-update", "4"],
+    # GPU-updated blocks whose update, listed after a state load, runs before it on the timeline: verify's walk
+    # in op order holds their gradients at that load (20.72 GiB), the timeline does not (20.50)
+    ["qwen2.5-7b", "--batch", "16", "--gpu-memory", "24GiB"],
+])
+def test_show_says_nothing_of_a_plan_just_compiled(args, tmp_path, capsys):
+    """The GPU peak ``show`` checks a file's against is the one the compiler stores (``predicted_gpu_peak``:
+    verify's walk or the timeline's, the higher), so a plan as compiled is never called changed."""
+    out = tmp_path / "plan.json"
+    assert main(["compile", *args, "-o", str(out), "--progress", "off"]) == 0
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    assert "changed after it was compiled" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("change, message", [
     ({"hidden_size": None}, "config is missing hidden_size"),
     ({"hidden_size": "big"}, "hidden_size must be a positive whole number"),

@@ -8,6 +8,8 @@ Each test here failed (a hang caught by ``within``, a traceback, or silent accep
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
 import sys
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SMALL_GPT, small_gpt
+from run_edits import write_committed_metrics
 from timeouts import within
 
 import lazytrain
@@ -269,11 +272,11 @@ def test_ctrl_c_during_the_final_eval_stops_it_at_once(monkeypatch):
         assert train._final_eval(None, [], torch.device("cpu"), flag) is None
 
 
-def _edit_metrics(run: Path, edit) -> None:
-    path = run / "checkpoint" / "metrics.json"       # the copy committed with the checkpoint
-    m = json.loads(path.read_text())
+def _edit_metrics(run: Path, edit, digest: bool = True) -> None:
+    """Edit the copy committed with the checkpoint (``digest``: and its SHA-256 in the manifest)."""
+    m = json.loads((run / "checkpoint" / "metrics.json").read_text())
     edit(m)
-    path.write_text(json.dumps(m))
+    write_committed_metrics(run, json.dumps(m), digest=digest)
 
 
 def test_resume_never_imports_a_factory_unless_allowed(run_dir, tmp_path, capsys, monkeypatch):
@@ -306,6 +309,52 @@ def test_edited_metrics_are_one_line_errors(run_dir, tmp_path, capsys, edit, mes
                              capsys)
 
 
+@pytest.mark.parametrize("edit", [
+    lambda m: m.update(final_loss=16.05),
+    lambda m: m["loss_curve"][0].update(loss=float("nan")),
+    lambda m: m["loss_curve"][1].update(loss=m["loss_curve"][1]["loss"] * 2),
+])
+def test_metrics_edited_behind_the_checkpoints_back_are_refused(run_dir, tmp_path, capsys, edit):
+    """The metrics committed with a checkpoint are checked against the SHA-256 its manifest records (as its
+    tensor files are): an edited final loss or a NaN put into the curve does not come back in the resumed
+    run's metrics."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    _edit_metrics(run, edit, digest=False)
+    err = _error(["train", *TINY, "--steps", "3", "--resume", str(run), "--output", str(tmp_path / "o")], capsys)
+    assert "metrics.json: sha256" in err and "the file is corrupted (or was edited)" in err
+
+
+def test_committed_metrics_that_are_not_a_file_are_refused_unread(run_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "checkpoint" / "metrics.json").unlink()
+    os.mkfifo(run / "checkpoint" / "metrics.json")
+    err = _error(["train", *TINY, "--steps", "3", "--resume", str(run), "--output", str(tmp_path / "o")], capsys)
+    assert "metrics.json: not a regular file" in err
+
+
+def test_a_loss_that_is_not_finite_is_written_as_null_and_resumed(run_dir, tmp_path, monkeypatch):
+    """A diverged loss (NaN, infinity) is kept, written as JSON's null (never a bare NaN that strict readers
+    refuse), and a resume reads it back as NaN."""
+    import lazytrain.app.runfiles as runfiles
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    m = json.loads((run / "checkpoint" / "metrics.json").read_text())
+    m["loss_curve"][0].update(loss=float("nan"), grad_norm=float("inf"))
+    runfiles.write_json(tmp_path / "m.json", m)
+    strict = json.loads((tmp_path / "m.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    assert strict["loss_curve"][0]["loss"] is None and strict["loss_curve"][0]["grad_norm"] is None
+    write_committed_metrics(run, (tmp_path / "m.json").read_text())
+    from lazytrain.app.config import TrainConfig
+    _cfg, prev = runfiles.load_resume(TrainConfig(resume=str(run), steps=3))
+    assert math.isnan(prev["loss_curve"][0]["loss"]) and math.isnan(prev["loss_curve"][0]["grad_norm"])
+    assert main(["train", *TINY, "--steps", "3", "--resume", str(run), "--output", str(tmp_path / "o"),
+                 "--no-eval"]) == 0
+    out = (tmp_path / "o" / "checkpoint" / "metrics.json").read_text()
+    assert "NaN" not in out and json.loads(out)["loss_curve"][0]["loss"] is None
+
+
 def test_the_factory_form_is_documented_as_running_code():
     from lazytrain.app.cli import build_parser
     readme, errors = (ROOT / "README.md").read_text(), (ROOT / "docs" / "errors.md").read_text()
@@ -313,3 +362,24 @@ def test_the_factory_form_is_documented_as_running_code():
     assert "calls the factory: it runs code" in readme
     helps = build_parser()._subparsers._group_actions[0].choices
     assert "runs code" in helps["compile"].format_help().replace("\n", " ").replace("  ", " ")
+
+
+def test_a_data_run_with_a_loss_that_was_not_finite_resumes(tmp_path):
+    """A ``--data`` run's metrics keep a diverged loss as null; its resume reads it back as NaN (the loss plot and
+    the curve go on), and writes it as null again."""
+    pytest.importorskip("transformers")
+    from ft_fixtures import chat, tiny_folder, write_jsonl
+    folder = tiny_folder(tmp_path / "hf")
+    data = write_jsonl(tmp_path / "d.jsonl", [chat(f"{i}+1", f"{i + 1}") for i in range(8)])
+    args = ["--batch", "4", "--eval-size", "4", "--policy", "keep-all", "--no-progress", "--device", "cpu",
+            "--threads", "1", "--time-limit-min", "0", "--no-eval", "--no-export"]
+    out = tmp_path / "o"
+    assert main(["train", *args, "--model", str(folder), "--data", str(data), "--steps", "2", "--output",
+                 str(out)]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    m["loss_curve"][0]["loss"] = None            # as a NaN loss is written
+    (out / "metrics.json").write_text(json.dumps(m))
+    assert main(["train", *args, "--resume", str(out), "--output", str(out), "--steps", "3"]) == 0
+    text = (out / "metrics.json").read_text()
+    curve = json.loads(text)["loss_curve"]
+    assert "NaN" not in text and curve[0]["loss"] is None and len(curve) == 3

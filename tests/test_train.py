@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from run_edits import write_committed_metrics
 
 from lazytrain.app.cli import main
 from lazytrain.app.config import TrainConfig
@@ -192,7 +193,7 @@ def test_resume_of_unreadable_metrics_is_a_clear_error(first_run, metrics, capsy
     import shutil
     run = tmp_path / "run"
     shutil.copytree(first_run[0], run)
-    (run / "checkpoint" / "metrics.json").write_text(metrics)     # the metrics committed with the checkpoint
+    write_committed_metrics(run, metrics)     # the metrics committed with the checkpoint, and their sha256
     assert main(["train", *TINY, "--output", str(tmp_path / "o"), "--resume", str(run)]) == 2
     err = capsys.readouterr().err
     assert "is not the metrics of a `lazytrain train` run" in err and "Traceback" not in err

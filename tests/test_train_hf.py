@@ -99,7 +99,7 @@ def _broken(tmp_path: Path, kind: str) -> Path:
     ("bad-json", "not valid JSON"),
     ("not-an-object", "must be a JSON object"),
     ("bad-heads", "num_attention_heads 3"),
-    ("corrupt-weights", "cannot load the model"),
+    ("corrupt-weights", "model.safetensors: not a readable safetensors file"),
     ("weights-of-another-shape", "do not match config.json"),
     ("small-vocab", "vocabulary of 64"),
 ])

@@ -182,7 +182,7 @@ def cmd_show(a) -> int:
 def stale_predictions(plan) -> str | None:
     """What the plan file's stored predictions say that its ops do not simulate to (a file edited after it was
     compiled), or None: ``show`` prints the stored figures, so it says when they are not the ops' own."""
-    from ..compiler.simulate import simulate
+    from ..compiler.simulate import predicted_gpu_peak, simulate
     pred = plan.predicted
     if not pred.get("step_time_s"):
         return None
@@ -191,8 +191,8 @@ def stale_predictions(plan) -> str | None:
     if not math.isclose(sim.step_time_s, pred["step_time_s"], rel_tol=1e-6):
         wrong.append(f"step {pred['step_time_s']:.4f} s (its ops: {sim.step_time_s:.4f} s)")
     stored = pred.get("peak_gpu_bytes")
-    if stored is not None and stored != sim.peak_gpu_bytes:
-        wrong.append(f"peak GPU {stored / GiB:.2f} GiB (its ops: {sim.peak_gpu_bytes / GiB:.2f} GiB)")
+    if stored is not None and stored != (peak := predicted_gpu_peak(verify(plan), sim)):
+        wrong.append(f"peak GPU {stored / GiB:.2f} GiB (its ops: {peak / GiB:.2f} GiB)")
     if not wrong:
         return None
     return (f"the file's predicted {'; '.join(wrong)}: the plan was changed after it was compiled (`lazytrain "

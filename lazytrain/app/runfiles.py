@@ -26,13 +26,13 @@ from ..runtime import checkpoint
 from ..runtime.checkpoint import read_extra, read_meta, resolve
 from ..runtime.manifest import CheckpointError
 from ..util.atomic import replace_file, staged_files
-from ..util.jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape
+from ..util.jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape, dumps
 from .config import UNIT, TrainConfig, recorded, resumed, resumed_shapes
 
 METRICS = "metrics.json"
 METRICS_FORMAT = "lazytrain.train-metrics/1"
 _SETTINGS = resumed_shapes(TrainConfig())
-_LOSS = Num(-math.inf, finite=False, nan=True)
+_LOSS = Either(None, Num(-math.inf, finite=False, nan=True))     # null: not finite (``jsonshape.dumps``)
 SHAPE = {
     "format": OneOf(METRICS_FORMAT),
     "settings": _SETTINGS,
@@ -49,7 +49,7 @@ SHAPE = {
 def write_json(path: Path, data: dict) -> None:
     """``path`` in a run folder replaced atomically (temporary file, fsync, rename): never half-written, and a link at
     ``path`` is replaced, never written through."""
-    replace_file(path, json.dumps(data, indent=1))
+    replace_file(path, dumps(data, indent=1))
 
 
 def plot_into(path: Path, curves: dict, *, title: str) -> None:
@@ -76,7 +76,7 @@ def update_metrics(out: Path, metrics: dict) -> None:
 
 
 def _encode(metrics: dict) -> bytes:
-    return json.dumps(metrics, indent=1).encode()
+    return dumps(metrics, indent=1).encode()
 
 
 def load_resume(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
@@ -100,6 +100,7 @@ def load_resume(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
     if done != meta["step"] or [h["step"] for h in curve] != list(range(1, done + 1)):
         raise ValueError(f"--resume {src}: {mpath} records {done} steps and a loss curve of {len(curve)}, the "
                          f"checkpoint step {meta['step']}: the files were edited, they do not belong together")
+    nan_losses(curve)
     _take_settings(cfg, prev["settings"], src)
     if cfg.steps < done:
         raise ValueError(f"--resume {src}: the run is already at step {done}; --steps is the total to reach, "
@@ -109,6 +110,15 @@ def load_resume(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
                          f"resuming would import and run it (code named in {mpath}); pass --allow-factory if you "
                          f"trust this run folder")
     return cfg, prev
+
+
+def nan_losses(curve: list) -> list:
+    """A loss curve as read from metrics.json with its nulls (``jsonshape.dumps``: a loss or gradient norm that
+    was not finite) NaN again, as the run held them; in place."""
+    for h in curve:
+        if isinstance(h, dict):
+            h.update({k: math.nan for k in ("loss", "grad_norm") if k in h and h[k] is None})
+    return curve
 
 
 def _take_settings(cfg: TrainConfig, saved: dict, src: Path) -> None:

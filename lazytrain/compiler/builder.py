@@ -18,7 +18,7 @@ from .lower import lower_with_effects
 from .options import Optimizer, Solver
 from .paused_gc import paused_gc
 from .request import HOST_BYTES_PER_PARAM
-from .simulate import SimResult, simulate
+from .simulate import SimResult, predicted_gpu_peak, simulate
 from .solvers.isolated import DEFAULT_ORDER
 from .state_placement import fit as state_fit
 from .time_limits import LIMITS
@@ -166,7 +166,7 @@ class Compiler:
                        for op in ops if op.kind in work) * dec.micro_batch
         # each tier's peak as verify walked it (the GPU's also as the simulation's timeline holds it)
         peaks = {s.peak: getattr(rep, s.peak) for s in TIERS.values()}
-        peaks["peak_gpu_bytes"] = max(peaks["peak_gpu_bytes"], sim.peak_gpu_bytes)
+        peaks["peak_gpu_bytes"] = predicted_gpu_peak(rep, sim)
         return {
             "step_time_s": sim.step_time_s, **peaks, "host_static_bytes": rep.host_static_bytes, "busy_s": sim.busy_s,
             "exposed_transfer_s": sim.exposed_transfer_s,

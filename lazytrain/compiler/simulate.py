@@ -85,6 +85,16 @@ def simulate(plan: Plan, periods: int = 3, effs: list[Effects] | None = None, si
                      peak_gpu_bytes=max((b for _, b in mem), default=0))
 
 
+def predicted_gpu_peak(rep, sim: SimResult) -> int:
+    """The GPU peak a plan predicts from its ops: the higher of ``verify``'s walk in op order (``rep``) and the
+    timeline's (``sim``).  The runtime allocates as it issues ops in list order, so a buffer listed before an op
+    that frees another is allocated while that one is still held, even where the timeline runs the freeing op
+    first (a GPU-updated block's update dropping its gradients while an earlier-listed load waits for the
+    copy engine); the timeline holds what overlaps in time on several streams.  The compiler stores this
+    figure and ``lazytrain show`` checks a file's against it."""
+    return max(rep.peak_gpu_bytes, sim.peak_gpu_bytes)
+
+
 def _memory_curve(plan: Plan, start: list[float], end: list[float], t0: float, effs: list[Effects] | None,
                   sizes: Sizes) -> list[tuple[float, int]]:
     """GPU bytes over time: an op's GPU outputs are allocated when it starts, drops released when

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..ir import Plan, PlanError
-from ..runtime.checkpoint import read_meta
+from ..runtime.checkpoint import META, CheckpointError, read_meta
+from ..runtime.manifest import check_files
 from ..util.atomic import fsync_file, staged_folder
 
 #: shard size: ``save_pretrained``'s default ("5GB"), so one shard is what an export holds in memory
@@ -168,16 +169,19 @@ def _buffers(model, have: set[str]) -> list[Weight]:
 def checkpoint_weights(directory) -> list[Weight]:
     """The weights of a checkpoint folder (``runtime/checkpoint.py``), read one tensor at a time."""
     folder, meta = read_meta(directory)
+    check_files(folder, meta)           # every file's size and SHA-256, as a resume checks them
     if "world" in meta:                 # each file holds flat pieces of the tensors (checkpoint_world.py)
         return _sharded_weights(folder, meta)
     out = []
     for fname in sorted(meta["files"]):
         path = folder / fname
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if key.startswith("param."):
-                    shape = tuple(f.get_slice(key).get_shape())
-                    out.append(Weight(key.removeprefix("param."), shape, lambda p=path, k=key: _read(p, k)))
+        shapes = {k: tuple(v["shape"]) for k, v in meta["files"][fname]["tensors"].items()}
+        header = _header(path)
+        if header != shapes:
+            raise CheckpointError(f"{path}: its tensors are not the ones {folder / META} records: the manifest "
+                                  f"was edited")
+        out += [Weight(k.removeprefix("param."), shape, lambda p=path, k=k: _read(p, k))
+                for k, shape in header.items() if k.startswith("param.")]
     return out
 
 
@@ -206,9 +210,23 @@ def _sharded_weights(folder: Path, meta: dict) -> list[Weight]:
     return out
 
 
+def _header(path: Path) -> dict[str, tuple[int, ...]]:
+    """The name and shape of each tensor of a checkpoint's file (its header, nothing read)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
+
+
 def _read(path: Path, key: str) -> torch.Tensor:
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor(key)
+    """Tensor ``key`` of a checkpoint's file that ``check_files`` verified (the files are never rewritten in
+    place)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(key)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
 
 
 def check_weights(weights: Iterable[Weight], model) -> list[Weight]:

@@ -19,11 +19,11 @@ import importlib.util
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..frontend import hub_kernels
 from ..frontend.presets import build_from_config, require_transformers
 from ..frontend.presets import read_config as checked
+from ..runtime.weights import INDEXES, safetensors_headers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -34,7 +34,10 @@ def is_hf_folder(spec: str) -> bool:
 
 
 def has_weights(folder: Path) -> bool:
-    return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+    """Whether ``folder`` holds weights, or says it does (an index file: ``check_index`` then names the files
+    that are missing); a config alone is a random init."""
+    return (any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+            or any((folder / f).is_file() for f in INDEXES))
 
 
 def read_config(path: Path) -> dict:
@@ -55,6 +58,7 @@ def from_pretrained(folder: Path, *, check: bool = True) -> torch.nn.Module:
     cfg = read_config(folder / "config.json")
     if check:
         build_from_config(cfg, device="meta", dtype=torch.float32, source=str(folder / "config.json"))
+    safetensors_headers(folder)         # the index and every header, each error naming its file
     tf = require_transformers()
     verbosity = tf.logging.get_verbosity()
     tf.logging.set_verbosity_error()        # its load report would be a table of every key; ours is one line
@@ -156,12 +160,10 @@ def load_tokenizer(spec: str | Path):
 
 
 def weights_dtype(folder: Path) -> torch.dtype | None:
-    """The dtype of a folder's safetensors weights (the first floating tensor's), or None."""
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                t = st.get_slice(k)
-                dt = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(t.get_dtype())
-                if dt is not None:
-                    return dt
+    """The dtype of a folder's safetensors weights (the first floating tensor's), or None; every file's header
+    checked (``safetensors_headers``)."""
+    floats = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    for _k, (_f, dtype, _shape) in sorted(safetensors_headers(folder).items(), key=lambda kv: kv[1][0]):
+        if dtype in floats:
+            return floats[dtype]
     return None

@@ -5,7 +5,8 @@ Layout of a checkpoint folder (format ``"lazytrain.checkpoint/2"``)::
     checkpoint.json          the manifest (``manifest.py``): step, RNG states, optimizer class /
                              hyper-parameters / per-block steps, grad-norm tracker counters, the plan
                              (plan.to_json()) and its model fingerprint, every tensor file's size,
-                             SHA-256 and per-tensor dtype and shape, and the names of the extra files
+                             SHA-256 and per-tensor dtype and shape, and the names and SHA-256 of the
+                             extra files
     block_0000.safetensors   one file per block that owns parameters:
                                param.<name>  fp32 master weight of each owned parameter, shaped
                                state.<key>   the rest of HostOptimizer.state_tensors(block)
@@ -19,7 +20,7 @@ the target, every file and the folder are fsynced, then ``<dir>`` (if any) is re
 the new folder to ``<dir>``, and ``<dir>.old`` is removed (``util.atomic.commit_folder``).  A crash at any
 point leaves a complete checkpoint at ``<dir>`` or, between the two renames, at ``<dir>.old``, which ``load``
 then uses.  An extra file may be replaced later by ``write_extra`` (temporary file, fsync, rename): one atomic
-step.
+step, its SHA-256 in the manifest moved around it so that every state a crash leaves matches.
 One writer per target at a time.  A disk with no room for the new checkpoint is a ``DiskFullError`` naming the
 folder and the space it needs (the previous checkpoint's size, else what the files written so far take per element),
 and the previous checkpoint stays.
@@ -28,7 +29,8 @@ Loading reads JSON and safetensors only (no code runs), checks the manifest's sh
 version (a checkpoint of an older version, without checksums, is refused with a message that says
 so), the plan's and the model's fingerprint, every file's size and SHA-256 and every tensor's dtype and
 shape against what this model and optimizer hold, and raises :class:`CheckpointError` naming what
-does not match.  It restores the global RNGs (torch CPU and CUDA, Python ``random``, numpy).
+does not match; ``read_extra`` checks an extra file's SHA-256, and ``hf.export`` every file's before it
+maps one (``manifest.check_files``).  It restores the global RNGs (torch CPU and CUDA, Python ``random``, numpy).
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ from .manifest import (
     FORMAT,
     META,
     CheckpointError,
+    check_extra,
     check_manifest,
     describe,
+    extra_digests,
     hash_async,
     hashing_pool,
     read_verified,
@@ -91,7 +95,7 @@ def save(trainer, directory, extras: dict[str, bytes] | None = None) -> Path:
             tensors_done = True
             for name, data in sorted((extras or {}).items()):
                 write_synced(tmp / name, data)
-            meta["extras"] = sorted(extras or {})
+            meta["extras"], meta["extra_sha256"] = sorted(extras or {}), extra_digests(extras or {})
             write_synced(tmp / META, json.dumps(meta, allow_nan=False).encode())
         except OSError as e:
             if e.errno not in DISK_FULL or isinstance(e, DiskFullError):
@@ -168,15 +172,23 @@ def _write(trainer, tmp: Path, suffix: str = "") -> dict:
 
 
 def write_extra(directory, name: str, data: bytes) -> None:
-    """Replace the extra file ``name`` of the checkpoint at ``directory`` atomically (temporary file,
-    fsync, rename, fsync of the folder): a crash leaves the old contents or the new, never a mix."""
+    """Replace the extra file ``name`` of the checkpoint at ``directory`` atomically, and its SHA-256 in the
+    manifest: the manifest first accepts the old digest and the new, then the file is replaced, then the
+    manifest keeps the new one (each step a temporary file, fsync, rename): a crash leaves the old contents
+    or the new, never a mix, and always one the manifest accepts."""
     folder, meta = read_meta(directory)
     if folder.is_symlink():         # (its files are replaced in place: never in a folder elsewhere)
         raise CheckpointError(f"{folder} is a symbolic link; a checkpoint's files are read only from its own folder, "
                               f"and written only there")
     if name not in meta["extras"]:
         raise CheckpointError(f"{folder / META} lists no extra file {name!r} (it has {meta['extras']})")
-    replace_file(folder / name, data)       # (a full disk: ``DiskFullError``, the previous file kept)
+    new = extra_digests({name: data})[name]
+    digests = meta.setdefault("extra_sha256", {})
+    digests[name] = digests.get(name, [])[-1:] + new
+    replace_file(folder / META, json.dumps(meta, allow_nan=False).encode())
+    replace_file(folder / name, data)
+    digests[name] = new
+    replace_file(folder / META, json.dumps(meta, allow_nan=False).encode())
 
 
 def read_extra(folder: Path, meta: dict, name: str) -> bytes:
@@ -184,11 +196,14 @@ def read_extra(folder: Path, meta: dict, name: str) -> bytes:
     if name not in meta["extras"]:
         raise CheckpointError(f"{folder / META} lists no extra file {name!r}: the checkpoint was not written "
                               f"by `lazytrain train`")
+    if (folder / name).exists() and not (folder / name).is_file():     # a FIFO would block the read forever
+        raise CheckpointError(f"{folder / name}: not a regular file: the checkpoint is damaged")
     try:
-        return (folder / name).read_bytes()
+        data = (folder / name).read_bytes()
     except OSError as e:
         raise CheckpointError(f"{folder / name}: cannot read it ({e.strerror or e}): the checkpoint is damaged") \
             from None
+    return check_extra(folder / name, data, meta)
 
 
 # ---- RNG states as JSON -------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from ..ir import ModelGraph
 from ..ir.sharding import ALIGN
 from ..util.atomic import commit_folder, fsync_dir, write_synced
 from . import reshard
-from .manifest import DTYPES, META, CheckpointError, hash_async, hashing_pool, read_verified
+from .manifest import DTYPES, META, CheckpointError, extra_digests, hash_async, hashing_pool, read_verified
 from .shards import gathered_layouts, owned_pieces, shard_layouts
 from .store import layouts
 
@@ -78,7 +78,7 @@ def save(trainer, target: Path, extras: dict[str, bytes] | None, write: Callable
         meta["files"], meta["world"] = files, {"size": world.size, "align": ALIGN, "pieces": every}
         for name, data in sorted((extras or {}).items()):
             write_synced(tmp / name, data)
-        meta["extras"] = sorted(extras or {})
+        meta["extras"], meta["extra_sha256"] = sorted(extras or {}), extra_digests(extras or {})
         write_synced(tmp / META, json.dumps(meta, allow_nan=False).encode())
         fsync_dir(tmp)
         commit_folder(tmp, target)

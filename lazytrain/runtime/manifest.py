@@ -52,6 +52,8 @@ SHAPE = {
     "model": {"name": str, "fingerprint": str},
     "files": MapOf(_FILE),
     "extras": ListOf(str),
+    #: each extra file's SHA-256: one, or two while ``write_extra`` replaces it (the old and the new)
+    "extra_sha256": Opt(MapOf(ListOf(str))),
     "optimizer": {"class": str, "hyperparameters": _HYPER, "config": MapOf(Int(1)), "block_steps": MapOf(int)},
     "grad_norm": {"consecutive_nonfinite": int, "total_nonfinite": int, "last_norm": Either(None, str)},
     "rng": _RNG,
@@ -90,7 +92,26 @@ def check_manifest(meta, path: Path) -> dict:
     for name in meta["extras"]:
         if not re.fullmatch(r"[a-z_]+\.json", name):
             raise CheckpointError(f"{path}: malformed checkpoint manifest: extra file {name!r}")
+    for name, digests in meta.get("extra_sha256", {}).items():
+        if name not in meta["extras"] or not all(re.fullmatch(_SHA256, d) for d in digests):
+            raise CheckpointError(f"{path}: malformed checkpoint manifest: extra_sha256 entry {name!r} (an extra "
+                                  f"file and 64-digit hexadecimal sha256s)")
     return meta
+
+
+def check_extra(path: Path, data: bytes, meta: dict) -> bytes:
+    """``data``, the extra file ``path`` of the checkpoint whose manifest is ``meta``, if its SHA-256 is one the
+    manifest records (a manifest without ``extra_sha256`` records none to check)."""
+    digests = meta.get("extra_sha256", {}).get(path.name)
+    if digests is not None and hashlib.sha256(data).hexdigest() not in digests:
+        raise CheckpointError(f"{path}: sha256 {hashlib.sha256(data).hexdigest()[:16]}... differs from the "
+                              f"{digests[-1][:16]}... the checkpoint recorded: the file is corrupted (or was edited)")
+    return data
+
+
+def extra_digests(extras: dict[str, bytes]) -> dict[str, list[str]]:
+    """The manifest's ``extra_sha256`` of the extra files ``extras`` (name -> contents)."""
+    return {name: [hashlib.sha256(data).hexdigest()] for name, data in sorted(extras.items())}
 
 
 # ---- hashing ------------------------------------------------------------------------------------------
@@ -120,10 +141,12 @@ def hash_async(pool: ThreadPoolExecutor, path: Path) -> Future:
     read into the page cache once, and the load that follows maps them without another copy."""
     done: Future = Future()
     try:
+        if not path.is_file():      # missing, or a FIFO or device that opening would block on or read forever
+            raise FileNotFoundError(f"{path} is not a regular file")
         if path.stat().st_size > _CHUNK:
             return pool.submit(sha256_file, path)
         done.set_result(sha256_file(path))
-    except OSError as e:            # a missing file: read_verified says so, naming it
+    except OSError as e:            # a missing file: check_file says so, naming it
         done.set_exception(e)
     return done
 
@@ -133,19 +156,7 @@ def read_verified(path: Path, entry: dict, expected: dict[str, tuple[torch.dtype
     """The tensors of ``path`` after checking its size, sha256 and every tensor's dtype and shape against
     the manifest ``entry`` and against ``expected`` (what the model and optimizer hold).  The file is
     hashed, then mapped: a checkpoint's files are never rewritten in place (a save writes a new folder)."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing, the checkpoint recorded {entry['bytes']} bytes")
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise CheckpointError(f"{path}: {size} bytes, the checkpoint recorded {entry['bytes']}: truncated or "
-                              f"corrupted")
-    try:
-        digest = pending.result()
-    except OSError as e:
-        raise CheckpointError(f"{path} cannot be read: {e.strerror or e}") from None
-    if digest != entry["sha256"]:
-        raise CheckpointError(f"{path}: sha256 {digest[:16]}... differs from the {entry['sha256'][:16]}... the "
-                              f"checkpoint recorded: the file is corrupted (or was edited)")
+    check_file(path, entry, pending)
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
@@ -159,6 +170,33 @@ def read_verified(path: Path, entry: dict, expected: dict[str, tuple[torch.dtype
             raise CheckpointError(f"{path}: tensor {bad[0]} is {_show(got, bad[0])} in {what}, this model and "
                                   f"optimizer hold {_show(expected, bad[0])}{more}")
     return tensors
+
+
+def check_files(folder: Path, meta: dict) -> None:
+    """Every tensor file the manifest ``meta`` lists has its recorded size and SHA-256: what a reader that
+    maps the files itself (``hf.export.checkpoint_weights``) checks before it reads a tensor."""
+    with hashing_pool() as pool:
+        pending = {name: hash_async(pool, folder / name) for name in sorted(meta["files"])}
+        for name, digest in pending.items():
+            check_file(folder / name, meta["files"][name], digest)
+
+
+def check_file(path: Path, entry: dict, pending: Future) -> None:
+    """``path``'s size and SHA-256 (``pending``: ``hash_async``'s) are the ones the manifest ``entry`` records."""
+    if not path.is_file():
+        what = "not a regular file" if path.exists() else "missing"
+        raise CheckpointError(f"{path}: {what}, the checkpoint recorded {entry['bytes']} bytes")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{path}: {size} bytes, the checkpoint recorded {entry['bytes']}: truncated or "
+                              f"corrupted")
+    try:
+        digest = pending.result()
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read: {e.strerror or e}") from None
+    if digest != entry["sha256"]:
+        raise CheckpointError(f"{path}: sha256 {digest[:16]}... differs from the {entry['sha256'][:16]}... the "
+                              f"checkpoint recorded: the file is corrupted (or was edited)")
 
 
 def _show(specs: dict, key: str) -> str:

@@ -44,23 +44,12 @@ class SafetensorsWeights:
     or misshapen weight is one error naming it, not a layer silently left uninitialised."""
 
     def __init__(self, folder: str | Path, model: torch.nn.Module):
-        from safetensors import safe_open
         self.folder = Path(folder)
-        files = sorted(self.folder.glob("*.safetensors"))
-        if not files:
+        headers = safetensors_headers(self.folder)
+        if not headers:
             raise ValueError(f"{self.folder}: no *.safetensors weights to read the model's shards from")
-        self.where: dict[str, Path] = {}
-        shapes: dict[str, tuple[int, ...]] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                for k in st.keys():
-                    self.where[k] = f
-                    shapes[k] = tuple(st.get_slice(k).get_shape())
-        index = self.folder / "model.safetensors.index.json"
-        if index.is_file():        # the index names each tensor's file (the headers agree with it)
-            for k, f in json.loads(index.read_text()).get("weight_map", {}).items():
-                if k in shapes:
-                    self.where[k] = self.folder / f
+        self.where = {k: f for k, (f, _dtype, _shape) in headers.items()}
+        shapes = {k: shape for k, (_f, _dtype, shape) in headers.items()}
         bad = []
         for name, p in model.named_parameters():       # each tensor once (tied ones by their first name)
             if name not in shapes:
@@ -84,6 +73,60 @@ class SafetensorsWeights:
                 first = a // row
                 t = sl[first:-(-b // row)].reshape(-1)[a - first * row:b - first * row]
         return t.to(torch.float32)
+
+
+#: the index files of a sharded Hugging Face folder: which file holds each weight
+INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def safetensors_headers(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """Each tensor of a Hugging Face folder's ``*.safetensors`` files: ``name -> (file, dtype, shape)`` (the
+    dtype as safetensors names it, ``"BF16"``), from the headers, nothing else read.  Every file the folder's
+    index names must be there (``check_index``), and a file that is not a safetensors file (truncated, empty,
+    a header past the end, offsets beyond the file: what safetensors checks when it opens one) is a ValueError
+    naming it.  Where the index names a tensor's file, that one holds it."""
+    from safetensors import SafetensorError, safe_open
+    mapped = check_index(folder)
+    out: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    sl = st.get_slice(k)
+                    if k not in out or mapped.get(k) == f.name:
+                        out[k] = (f, sl.get_dtype(), tuple(sl.get_shape()))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f}: not a readable safetensors file ({e}): the model folder is damaged") from None
+    return out
+
+
+def check_index(folder: Path) -> dict[str, str]:
+    """The weight map (tensor name -> file name) of ``folder``'s index file, if it has one, after checking it:
+    a folder whose index names weight files that are not there is damaged or half downloaded, not a model to
+    initialise at random.  A folder without an index maps nothing."""
+    for name in INDEXES:
+        index = folder / name
+        if not index.is_file():
+            continue
+        try:
+            wmap = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+                raise TypeError("weight_map is not an object of file names")
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
+            raise ValueError(f"{index}: not a weight index ({type(e).__name__}: {e})") from None
+        if not wmap:
+            raise ValueError(f"{index} maps no weights: the model folder is damaged")
+        outside = sorted({f for f in wmap.values() if Path(f).name != f or f in (".", "..")})
+        if outside:
+            raise ValueError(f"{index} names files outside its folder ({', '.join(outside[:3])}): the model folder "
+                             f"is damaged")
+        missing = sorted({f for f in wmap.values() if not (folder / f).is_file()})
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ValueError(f"{index} names weight files that are missing: {', '.join(missing[:3])}{more} (of "
+                             f"{len(set(wmap.values()))}): the download is incomplete")
+        return wmap
+    return {}
 
 
 class CheckpointFilled:

@@ -165,3 +165,19 @@ def _describe(shape) -> str:
     if isinstance(shape, OneOf):
         return "one of " + ", ".join(map(repr, shape.values))
     return "of another shape"
+
+
+def dumps(value, **kw) -> str:
+    """``value`` as strict JSON: a NaN or an infinity (a loss that diverged) is written as ``null``, never as the
+    bare ``NaN`` that most JSON readers refuse."""
+    import json
+
+    def finite(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+    return json.dumps(finite(value), allow_nan=False, **kw)

@@ -18,12 +18,13 @@ from ...frontend.hf_export import is_hf
 from ...frontend.presets import build_from_config
 from ...hf.export import ExportError, check_weights, checkpoint_weights, hf_config, write_folder
 from ...hf.model_loading import has_tokenizer, read_config
+from ...runtime.checkpoint import read_extra, read_meta
 from .prepare import Source, tokenizer_for
 
 
 def export_checkpoint(source, output, *, config=None, tokenizer=None, dtype: str | None = None) -> Path:
     ckpt, run = _locate(Path(source))
-    cfg = _config(config, run, source)
+    cfg = _config(config, run, source, ckpt)
     model = build_from_config(cfg, device="meta", dtype=torch.float32, source=str(config or run or source))
     if not is_hf(model):
         raise ExportError(f"{source}: the model ({cfg.get('model_type')}) is not a Hugging Face architecture; "
@@ -49,7 +50,18 @@ def _locate(src: Path) -> tuple[Path, Path | None]:
     raise ExportError(f"{src}: neither a checkpoint folder (checkpoint.json) nor a run folder (checkpoint/)")
 
 
-def _config(config, run: Path | None, source) -> dict:
+def _run_metrics(ckpt: Path, run: Path) -> bytes:
+    """The run's metrics: the copy committed with the checkpoint (its SHA-256 checked) where it has one, else
+    the run folder's, if a regular file (a FIFO would block the read)."""
+    folder, meta = read_meta(ckpt)
+    if "metrics.json" in meta["extras"]:
+        return read_extra(folder, meta, "metrics.json")
+    if not (run / "metrics.json").is_file():
+        raise FileNotFoundError(run / "metrics.json")
+    return (run / "metrics.json").read_bytes()
+
+
+def _config(config, run: Path | None, source, ckpt: Path) -> dict:
     if config:
         p = Path(config)
         return read_config(p / "config.json" if p.is_dir() else p)
@@ -57,8 +69,12 @@ def _config(config, run: Path | None, source) -> dict:
         return read_config(run / "source" / "config.json")
     if run is not None:
         try:
-            cfg = json.loads((run / "metrics.json").read_text())["model"]["config"]
-        except (OSError, ValueError, KeyError, TypeError):
+            data = _run_metrics(ckpt, run)
+        except FileNotFoundError:
+            data = b""
+        try:
+            cfg = json.loads(data)["model"]["config"]
+        except (ValueError, KeyError, TypeError, RecursionError):
             cfg = None
         if isinstance(cfg, dict):
             return cfg

@@ -42,7 +42,7 @@ from ...util.atomic import staged_folder
 from .. import runfiles
 from ..config import FinetuneConfig, TrainConfig, recorded, resumed
 from ..loop import Progress, open_run, start_trainer, steps, thread_tuner
-from ..runfiles import plot_into
+from ..runfiles import nan_losses, plot_into
 from ..session import StopFlag, can_plot, hardware_for, note, progress_bar, stop_signals
 from .evaluation import describe, evaluate
 from .prepare import (
@@ -86,6 +86,7 @@ def _resume(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict]:
     try:
         prev, at = _committed(src)
         saved, done = prev["settings"], int(prev["steps_done"])
+        nan_losses(prev["loss_curve"])
         curve = [h["step"] for h in prev["loss_curve"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"--resume {src}: not the output folder of a `lazytrain train --data` run ({e})") from None
