@@ -297,13 +297,24 @@ def cmd_train(a) -> int:
 
 
 def config_from_args(a: argparse.Namespace):
-    """The run's configuration from ``lazytrain train``'s parsed flags: the settings given, the config's defaults
-    for the rest (``FinetuneConfig``'s with ``--data``; a fine-tune flag without ``--data`` has no use and is left
-    out)."""
+    """The run's configuration from ``lazytrain train``'s parsed flags: the settings given (and which they were:
+    ``given``, for a resume), the config's defaults for the rest (``FinetuneConfig``'s with ``--data`` or a resumed
+    ``--data`` run; else a fine-tune flag has no use and is left out)."""
     from .config import FinetuneConfig, TrainConfig
-    cls = FinetuneConfig if getattr(a, "data", None) else TrainConfig
+    cls = TrainConfig
+    if "data" in vars(a) or _resumes_a_data_run(getattr(a, "resume", None)):
+        cls = FinetuneConfig
     names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in vars(a).items() if k in names})
+    given = {k: v for k, v in vars(a).items() if k in names}
+    return cls(**given, given=frozenset(given))
+
+
+def _resumes_a_data_run(folder: str | None) -> bool:
+    """Does ``--resume`` name the output of a ``--data`` run (whose flags, ``--pack`` and the like, then count)?"""
+    if not folder:
+        return False
+    from .finetune.run import is_finetune_run      # (imports torch: only for a resume)
+    return is_finetune_run(folder)
 
 
 def cmd_export(a) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -33,9 +34,9 @@ from ...frontend.random_init import random_init
 from ...hf.export import hf_config, trainer_weights, write_folder, write_hf_json
 from ...hf.model_loading import shard_loadable
 from ...hf.named import generation_config
-from ..config import FinetuneConfig, TrainConfig, recorded, resumed
+from ..config import FinetuneConfig, TrainConfig, asked, recorded
 from ..loop import Progress, open_run, start_trainer, steps, thread_tuner
-from ..runfiles import write_json
+from ..runfiles import take_settings, write_json
 from ..session import StopFlag, can_plot, hardware_for, note, progress_bar
 from .evaluation import describe, evaluate
 from .prepare import (
@@ -69,15 +70,7 @@ def _resume(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict]:
         saved, done = prev["settings"], int(prev["steps_done"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--resume {src}: not the output folder of a `lazytrain train --data` run ({e})") from None
-    defaults = (FinetuneConfig(), TrainConfig())
-    for k in resumed(cfg):
-        asked = getattr(cfg, k)
-        if k in saved and asked != saved[k] and all(asked != getattr(d, k) for d in defaults):
-            raise ValueError(f"--resume {src}: --{k.replace('_', '-')} {asked} differs from the run's ({saved[k]}); "
-                             f"a resumed run keeps its settings (leave the flag out, or start a new run)")
-        if k in saved:
-            setattr(cfg, k, saved[k])
-    cfg.steps = cfg.steps or saved.get("steps")
+    take_settings(cfg, saved, src)
     if cfg.steps is not None and cfg.steps < done:
         raise ValueError(f"--resume {src}: the run is already at step {done}; --steps is the total to reach "
                          f"(ask for more than {done})")
@@ -89,12 +82,20 @@ def _settled(cfg: TrainConfig) -> tuple[FinetuneConfig, dict | None]:
     """The run's settings (a resumed run's from its folder) and what the resumed run committed (None)."""
     if not isinstance(cfg, FinetuneConfig):       # `lazytrain train --resume DIR` of a --data run
         known = {f.name for f in fields(FinetuneConfig)}
-        cfg = FinetuneConfig(**{k: v for k, v in asdict(cfg).items() if k in known})
+        cfg = FinetuneConfig(**{k: v for k, v in asdict(cfg).items() if k in known} | {"given": asked(cfg)})
     prev = None
     if cfg.resume:
         cfg, prev = _resume(cfg)
+    for flag, name in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
+        if name is not None and not str(name).strip():
+            raise ValueError(f"{flag} {name!r}: an empty name names no file")
     if not cfg.data:
         raise ValueError("lazytrain train --data FILE: no data file given")
+    if cfg.answer_regex is not None:        # before minutes of loading: a typo is an error at once
+        try:
+            re.compile(cfg.answer_regex)
+        except re.error as e:
+            raise ValueError(f"--answer-regex {cfg.answer_regex!r}: not a regular expression ({e})") from None
     return cfg, prev
 
 
