@@ -313,7 +313,7 @@ def _resumes_a_data_run(folder: str | None) -> bool:
     """Does ``--resume`` name the output of a ``--data`` run (whose flags, ``--pack`` and the like, then count)?"""
     if not folder:
         return False
-    from .finetune.run import is_finetune_run      # (imports torch: only for a resume)
+    from .finetune.run import is_finetune_run  # (imports torch: only for a resume)
     return is_finetune_run(folder)
 
 

@@ -262,7 +262,7 @@ def carried(cfg: TrainConfig) -> tuple[str, ...]:
 def resumed_shapes(cfg: TrainConfig) -> dict:
     """The shape (``util/jsonshape.py``) of each setting a resumed run of ``cfg``'s kind takes from ``metrics.json``,
     kept or carried (None: not checked)."""
-    return {f.name: setting_of(f).shape for f in fields(cfg) if cfg.runs in setting_of(f).resumed | setting_of(f).carried}
+    return {f.name: s.shape for f in fields(cfg) if cfg.runs in (s := setting_of(f)).resumed | s.carried}
 
 
 def asked(cfg: TrainConfig) -> frozenset[str]:

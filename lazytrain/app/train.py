@@ -211,7 +211,7 @@ def check_config(cfg: TrainConfig, diff, seq: int) -> None:
 
 def run(cfg: TrainConfig) -> dict:
     """Train as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
-    if getattr(cfg, "data", None) is not None or is_finetune_run(cfg.resume):    # --data FILE: fine-tune on it (finetune/)
+    if getattr(cfg, "data", None) is not None or is_finetune_run(cfg.resume):   # --data FILE: fine-tune (finetune/)
         return finetune(cfg)
     cfg, prev, diff, seq = _settled(cfg)
     tok = CharTokenizer()
