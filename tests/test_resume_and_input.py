@@ -118,6 +118,13 @@ def test_an_oversized_record_is_refused_before_tokenizing(tmp_path):
     assert len(read_records(fine)) == 5000
 
 
+def test_a_byte_order_mark_is_read_past(tmp_path):
+    """A Windows editor's UTF-8 mark before a JSONL or JSON list file (json.loads refuses it)."""
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps(chat("a", "b")).encode() + b"\n")
+    (tmp_path / "a.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([chat("a", "b")]).encode())
+    assert read_records(tmp_path / "a.jsonl")[0].messages == read_records(tmp_path / "a.json")[0].messages
+
+
 @pytest.mark.parametrize("value, words", [
     ("[" * 100_000 + "]" * 100_000, "not valid JSON (nested too deeply)"),
     ("1" * 100_000, "not valid JSON (Exceeds the limit"),

@@ -17,6 +17,7 @@ error naming the file, the line and the accepted formats.
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 from collections.abc import Iterator
@@ -92,6 +93,7 @@ def _read(chunks: Iterator[bytes], path: Path) -> list[Record]:
         head += chunk
         if head.strip() or len(head) > MAX_RECORD_BYTES:
             break
+    head = head.removeprefix(codecs.BOM_UTF8)          # (a Windows editor's mark, which json.loads refuses)
     rest = itertools.chain([head], chunks)
     rows = _json_list(rest, path) if head.lstrip().startswith(b"[") else _jsonl(rest, path)
     if not rows:
