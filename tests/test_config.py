@@ -19,7 +19,8 @@ def _config(*flags: str):
 def test_no_flags_are_the_configs_defaults():
     assert _config() == TrainConfig()
     assert _config("--data", "d.jsonl") == FinetuneConfig(data="d.jsonl")     # its own defaults: lr, warm-up, ...
-    assert _config("--pack") == TrainConfig()           # a fine-tune flag without --data has no use
+    with pytest.warns(UserWarning, match="--pack, --tokenizer: flags of a run on a data file"):
+        assert _config("--pack", "--tokenizer", "t") == TrainConfig()   # no use without --data: said, not silent
 
 
 @pytest.mark.parametrize("flags, field, value", [
