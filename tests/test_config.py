@@ -8,7 +8,7 @@ from dataclasses import fields
 import pytest
 
 from lazytrain.app.cli import build_parser, config_from_args
-from lazytrain.app.config import FinetuneConfig, TrainConfig, recorded, resumed, setting_of
+from lazytrain.app.config import FinetuneConfig, TrainConfig, carried, recorded, resumed, setting_of
 from lazytrain.compiler.options import Policy
 
 
@@ -19,7 +19,8 @@ def _config(*flags: str):
 def test_no_flags_are_the_configs_defaults():
     assert _config() == TrainConfig()
     assert _config("--data", "d.jsonl") == FinetuneConfig(data="d.jsonl")     # its own defaults: lr, warm-up, ...
-    assert _config("--pack") == TrainConfig()           # a fine-tune flag without --data has no use
+    with pytest.warns(UserWarning, match="--pack, --tokenizer: flags of a run on a data file"):
+        assert _config("--pack", "--tokenizer", "t") == TrainConfig()   # no use without --data: said, not silent
 
 
 @pytest.mark.parametrize("flags, field, value", [
@@ -53,12 +54,38 @@ def test_one_list_of_settings_a_resume_keeps():
 
 def test_metrics_settings_are_every_field_but_the_progress_bar_and_overwrite():
     """(``--overwrite`` is how a run took its folder, not what the run is.)"""
-    assert set(recorded(TrainConfig())) == {f.name for f in fields(TrainConfig)} - {"progress", "overwrite"}
+    assert set(recorded(TrainConfig())) == {f.name for f in fields(TrainConfig)} - {"progress", "overwrite", "given"}
     assert set(recorded(FinetuneConfig())) == {f.name for f in fields(FinetuneConfig)} - {"progress", "extra",
-                                                                                            "overwrite"}
+                                                                                            "overwrite", "given"}
 
 
 def test_every_setting_a_task_resume_reads_has_a_shape_to_check():
     from lazytrain.app.config import resumed_shapes
     shapes = resumed_shapes(TrainConfig())
-    assert set(shapes) == set(resumed(TrainConfig())) and None not in shapes.values()
+    assert set(shapes) == set(resumed(TrainConfig()) + carried(TrainConfig())) and None not in shapes.values()
+
+
+def test_every_recorded_setting_is_kept_carried_or_this_commands():
+    """A resume keeps or carries every setting the run recorded, but for those about this command alone (where
+    it runs and writes; a data run's also the task's settings, which it does not use): a new setting has to be put
+    in one of the three."""
+    mine = {"output", "resume", "device", "threads", "profile", "allow_factory", "nvme_dir"}
+    for cfg, also in ((TrainConfig(), {"extra"}), (FinetuneConfig(), {"difficulty", "loss_on_prompt"})):
+        own = set(recorded(cfg)) - set(resumed(cfg)) - set(carried(cfg))
+        assert own == mine | also, own
+        assert not set(resumed(cfg)) & set(carried(cfg))
+
+
+@pytest.mark.parametrize("flags, given", [
+    ([], set()), (["--lr", "0.003"], {"lr"}), (["--batch", "32", "--no-eval"], {"batch", "evaluate"}),
+    (["--data", "d.jsonl", "--pack"], {"data", "pack"}),
+])
+def test_the_config_knows_which_flags_were_given_even_at_their_default(flags, given):
+    assert _config(*flags).given == given
+
+
+@pytest.mark.parametrize("flag", ["--data", "--eval-data", "--output", "--resume", "--model", "--tokenizer"])
+def test_an_empty_file_name_is_an_error(flag, capsys):
+    with pytest.raises(SystemExit):
+        build_parser("train").parse_args(["train", "--data", "d.jsonl", flag, ""])
+    assert "needs a file or folder name" in capsys.readouterr().err

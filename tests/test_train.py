@@ -24,7 +24,7 @@ def _train(out, *extra) -> dict:
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    return out, _train(out, "--steps", "3")
+    return out, _train(out, "--steps", "3", "--lr", "0.01")
 
 
 def test_train_writes_metrics_and_checkpoint(first_run):
@@ -169,6 +169,7 @@ def test_output_that_cannot_be_a_folder(output, capsys, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--steps", "2"], "already at step 3"),
     (["--steps", "5", "--batch", "8"], "--batch 8 differs from the run's batch (4)"),
+    (["--steps", "5", "--batch", "32"], "--batch 32 differs from the run's batch (4)"),      # 32: the default
     (["--steps", "5", "--difficulty", "easy"], "--difficulty easy differs"),
     (["--steps", "5", "--answer-only-loss"], "--answer-only-loss differs"),
     (["--steps", "5", "--policy", "megatrain"], "--policy megatrain differs"),
@@ -186,6 +187,18 @@ def test_resume_without_the_flags_keeps_the_runs_settings(first_run, tmp_path):
                  "--output", str(tmp_path / "o"), "--resume", str(out)]) == 0
     m = json.loads((tmp_path / "o" / "metrics.json").read_text())
     assert m["settings"]["batch"] == 4 and m["settings"]["policy"] == "keep-all" and m["steps_done"] == 4
+
+
+@pytest.mark.parametrize("flags, lr, said", [([], 0.01, None), (["--lr", "0.003"], 0.003, "lr 0.01 -> 0.003")])
+def test_resume_keeps_the_runs_lr_unless_a_flag_changes_it_and_says_so(first_run, flags, lr, said, capsys, tmp_path):
+    """Without --lr the run's 0.01, not the default; --lr given (even at the default 0.003) changes it, said."""
+    out, _ = first_run
+    r = _train(tmp_path / "o", "--resume", str(out), "--steps", "4", "--no-eval", *flags)
+    printed = capsys.readouterr().out
+    assert r["settings"]["lr"] == lr and r["settings"]["steps"] == 4
+    changes = next(line for line in printed.splitlines() if "changed on this command line" in line)
+    assert "steps 3 -> 4" in changes and "evaluate True -> False" in changes
+    assert (said in changes) if said else " lr " not in changes, changes
 
 
 @pytest.mark.parametrize("metrics", ["{", '{"format": "x"}', '{"settings": {}}'])

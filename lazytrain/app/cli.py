@@ -305,13 +305,29 @@ def cmd_train(a) -> int:
 
 
 def config_from_args(a: argparse.Namespace):
-    """The run's configuration from ``lazytrain train``'s parsed flags: the settings given, the config's defaults
-    for the rest (``FinetuneConfig``'s with ``--data``; a fine-tune flag without ``--data`` has no use and is left
-    out)."""
-    from .config import FinetuneConfig, TrainConfig
-    cls = FinetuneConfig if getattr(a, "data", None) else TrainConfig
+    """The run's configuration from ``lazytrain train``'s parsed flags: the settings given (and which they were:
+    ``given``, for a resume), the config's defaults for the rest (``FinetuneConfig``'s with ``--data`` or a resumed
+    ``--data`` run; else a fine-tune flag has no use: said, and left out)."""
+    from .config import FinetuneConfig, TrainConfig, setting_of
+    cls = TrainConfig
+    if "data" in vars(a) or _resumes_a_data_run(getattr(a, "resume", None)):
+        cls = FinetuneConfig
     names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in vars(a).items() if k in names})
+    unused = sorted(k for k in vars(a) if k in {f.name for f in fields(FinetuneConfig)} - names)
+    if unused:
+        flags = ", ".join(setting_of(FinetuneConfig.__dataclass_fields__[k]).flag_name(k) for k in unused)
+        warnings.warn(f"{flags}: flags of a run on a data file (--data); this run trains the built-in task and "
+                      f"ignores them", stacklevel=2)
+    given = {k: v for k, v in vars(a).items() if k in names}
+    return cls(**given, given=frozenset(given))
+
+
+def _resumes_a_data_run(folder: str | None) -> bool:
+    """Does ``--resume`` name the output of a ``--data`` run (whose flags, ``--pack`` and the like, then count)?"""
+    if not folder:
+        return False
+    from .finetune.run import is_finetune_run  # (imports torch: only for a resume)
+    return is_finetune_run(folder)
 
 
 def cmd_export(a) -> int:

@@ -86,3 +86,9 @@ def minutes(text: str) -> float | None:
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"needs minutes (a positive number), or 0 for no limit; got {text!r}") \
             from None
+
+def path(text: str) -> str:
+    """A file or folder name: not empty (an empty one would name nothing, or the current folder, silently)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"needs a file or folder name, got {text!r}")
+    return text

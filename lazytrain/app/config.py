@@ -57,6 +57,10 @@ class Setting:
     group: str = "train"
     #: runs that keep the value of the run they resume (a flag asking for another is an error)
     resumed: Runs = Runs.NONE
+    #: runs whose resume takes the value the run recorded when the flag is not given; a flag given changes it, and
+    #: the resume says so.  A setting neither resumed nor carried is about this command alone (the machine, where to
+    #: write): a resume takes it from the command line
+    carried: Runs = Runs.NONE
     #: runs whose ``metrics.json`` records it under ``settings``
     recorded: Runs = Runs.ALL
     #: its value's shape in ``metrics.json`` (``util/jsonshape.py``), checked where a resumed task run reads it
@@ -109,7 +113,7 @@ _RESIDENT_HELP = ("keep blocks on the GPU for the whole run (parameters, optimiz
 class TrainConfig:
     """A ``lazytrain train`` run on the built-in arithmetic task (``train.py``)."""
 
-    model: str = setting("task", _MODEL_HELP, metavar="M", resumed=_KEPT, shape=str)
+    model: str = setting("task", _MODEL_HELP, type=cli_types.path, metavar="M", resumed=_KEPT, shape=str)
     difficulty: str = setting(
         "tiny-pad-carry",    # the answer format a small GPT learns fastest (README "Train")
         "arithmetic task preset ({difficulties}; default {d.difficulty}), optionally with answer formats after it, "
@@ -122,8 +126,10 @@ class TrainConfig:
                                shape=Int(1, MAX_SEQ_LEN + 1))
     steps: int | None = setting(   # more than 9 min allow on 2 CPU cores: the time limit ends the run
         6000, "optimizer steps in all, counting those of a --resume'd run (default {d.steps}; with --data: --epochs; "
-              "--time-limit-min may stop it sooner)", type=cli_types.positive, metavar="N")
-    lr: float = setting(3e-3, "peak learning rate (default {d.lr}; with --data {f.lr})", type=cli_types.positive_float)
+              "--time-limit-min may stop it sooner)", type=cli_types.positive, metavar="N", carried=_KEPT,
+        shape=Either(None, Int(1)))
+    lr: float = setting(3e-3, "peak learning rate (default {d.lr}; with --data {f.lr})", type=cli_types.positive_float,
+                        carried=_KEPT, shape=Num())
     warmup: int = setting(50, "warm-up steps (default {d.warmup}; with --data {f.warmup})",
                           type=cli_types.non_negative, metavar="N", resumed=_KEPT, shape=int)
     min_lr_ratio: float = setting(0.1, resumed=_KEPT, shape=Num(0.0, UNIT))
@@ -140,7 +146,7 @@ class TrainConfig:
     #: files are scratch, rebuilt from the checkpoint)
     nvme_dir: str | None = setting(None, "folder on a fast drive for the training state (optimizer state, gradients, "
                                          "parameters) and activations that do not fit the host budget (default: "
-                                         "none)", metavar="DIR")
+                                         "none)", type=cli_types.path, metavar="DIR")
     nvme_memory: int | None = setting(None, "NVMe budget with --nvme-dir, e.g. 1TiB (default: none)",
                                       type=cli_types.size, metavar="SIZE", resumed=_KEPT, shape=_SIZE)
     policy: Policy = setting(Policy.MILP, "how the plan is chosen: the MILP solver, or a fixed heuristic (default "
@@ -159,22 +165,25 @@ class TrainConfig:
         "auto", _RESIDENT_HELP, type=cli_types.resident, metavar="none|auto|N|i,j,..", resumed=_KEPT,
         shape=Either(OneOf("auto", "none"), int, ListOf(int)))
     eval_every: int = setting(0, "exact match on 200 eval problems every N steps (default: only at the end)",
-                              type=cli_types.non_negative, metavar="N")
+                              type=cli_types.non_negative, metavar="N", carried=_KEPT, shape=Int(0))
     #: a data run's held-out examples are at most this many: it shapes the training set, so that run keeps it
     eval_size: int = setting(500, "held-out problems for the final exact match (default {d.eval_size}; with --data: "
                                   "at most this many eval examples, default {f.eval_size})",
-                             type=cli_types.positive, metavar="N", resumed=Runs.DATA)
+                             type=cli_types.positive, metavar="N", resumed=Runs.DATA, carried=Runs.TASK,
+                             shape=Int(1))
     evaluate: bool = setting(True, "no exact-match evaluation, during or after the run (throughput runs)",
-                             flag="--no-eval", const=False, group="data")
+                             flag="--no-eval", const=False, group="data", carried=_KEPT, shape=bool)
     seed: int = setting(0, "model initialisation and data order, 0 to 2**63 - 1 (default {d.seed})",
                         type=cli_types.seed, resumed=_KEPT, shape=Int(0, 1 << 63))
     time_limit_min: float | None = setting(
         9.0, "stop training after this many minutes; the lr schedule anneals by then; 0: no limit (default "
-             "{d.time_limit_min:g})", type=cli_types.minutes, metavar="MIN")
-    output: str = setting("runs/train", "metrics.json + checkpoint/ (default {d.output})", metavar="DIR")
+             "{d.time_limit_min:g})", type=cli_types.minutes, metavar="MIN", carried=_KEPT,
+        shape=Either(None, Num()))
+    output: str = setting("runs/train", "metrics.json + checkpoint/ (default {d.output})", type=cli_types.path,
+                          metavar="DIR")
     resume: str | None = setting(None, "continue the run saved in DIR (an --output folder) up to --steps, with its "
                                        "model, data, batch and plan; only data is read from DIR, no code runs",
-                                 metavar="DIR")
+                                 type=cli_types.path, metavar="DIR")
     device: str | None = setting(None, "default: cuda when there is a GPU", choices=("cpu", "cuda"))
     threads: int | None = setting(None, "CPU threads, at most the cores (default: measured, starting from the cores "
                                         "idle at the start)", type=cli_types.positive, metavar="N")
@@ -190,6 +199,9 @@ class TrainConfig:
                               recorded=Runs.NONE)
     #: model-config overrides for "task" (tests, examples)
     extra: dict = setting(None, default_factory=dict, recorded=Runs.TASK)
+    #: the settings the command line gave (``cli.py``), which a resume tells from those left out (``asked``); None
+    #: through the Python API
+    given: frozenset[str] | None = field(default=None, compare=False, metadata={"setting": Setting(recorded=Runs.NONE)})
 
     @property
     def runs(self) -> Runs:
@@ -204,11 +216,12 @@ class FinetuneConfig(TrainConfig):
     data: str | None = setting(
         None, "train on this JSONL / JSON file (messages, conversations, prompt/completion, alpaca or text records) "
               "instead of the built-in task; --model then names a pretrained model: smollm2-135m-instruct, a Hugging "
-              "Face folder or a GGUF file", metavar="FILE", group="data", resumed=Runs.DATA)
+              "Face folder or a GGUF file", type=cli_types.path, metavar="FILE", group="data", resumed=Runs.DATA)
     eval_data: str | None = setting(None, "evaluate on this file (default: 5%% of --data held out, by a hash of each "
-                                          "example)", metavar="FILE", group="data", resumed=Runs.DATA)
+                                          "example)", type=cli_types.path, metavar="FILE", group="data",
+                                    resumed=Runs.DATA)
     tokenizer: str | None = setting(None, "a tokenizer other than the model's (folder, GGUF file or named model)",
-                                    metavar="T", group="data", resumed=Runs.DATA)
+                                    type=cli_types.path, metavar="T", group="data", resumed=Runs.DATA)
     loss_on: str = setting("completion", "completion: only the completion / assistant turns carry a loss (default); "
                                          "all: every token", choices=_loss_on, group="data", resumed=Runs.DATA)
     truncate: str = setting("truncate", "examples longer than --seq: cut them (default) or leave them out; counted in "
@@ -219,13 +232,15 @@ class FinetuneConfig(TrainConfig):
                                              "and reference (default: the last number)", metavar="RE", group="data",
                                        resumed=Runs.DATA)
     max_new_tokens: int | None = setting(None, "longest reply generated in evaluation (default: 1.5x the longest "
-                                               "reference + 8)", type=cli_types.positive, metavar="N", group="data")
+                                               "reference + 8)", type=cli_types.positive, metavar="N", group="data",
+                                          carried=Runs.DATA, shape=Either(None, Int(1)))
     epochs: float = setting(1.0, "epochs when --steps is not given (default 1)", type=cli_types.positive_float,
                             group="data", resumed=Runs.DATA)
     export: bool = setting(True, "do not write OUTPUT/model/, the Hugging Face folder a --data run writes",
-                           flag="--no-export", const=False, group="data")
+                           flag="--no-export", const=False, group="data", carried=Runs.DATA, shape=bool)
     export_dtype: str | None = setting(None, "dtype of the exported weights (default: that of the weights the model "
-                                             "came with)", choices=("float32", "bfloat16", "float16"), group="data")
+                                             "came with)", choices=("float32", "bfloat16", "float16"), group="data",
+                                         carried=Runs.DATA, shape=Either(None, str))
     steps: int | None = redefault(TrainConfig, "steps", None)
     lr: float = redefault(TrainConfig, "lr", 1e-4)
     warmup: int = redefault(TrainConfig, "warmup", 10)
@@ -242,10 +257,24 @@ def resumed(cfg: TrainConfig) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cfg) if cfg.runs in setting_of(f).resumed)
 
 
+def carried(cfg: TrainConfig) -> tuple[str, ...]:
+    """The settings a resumed run of ``cfg``'s kind takes from the run it resumes unless a flag changes them."""
+    return tuple(f.name for f in fields(cfg) if cfg.runs in setting_of(f).carried)
+
+
 def resumed_shapes(cfg: TrainConfig) -> dict:
-    """The shape (``util/jsonshape.py``) of each setting a resumed run of ``cfg``'s kind takes from ``metrics.json``
-    (None: not checked)."""
-    return {f.name: setting_of(f).shape for f in fields(cfg) if cfg.runs in setting_of(f).resumed}
+    """The shape (``util/jsonshape.py``) of each setting a resumed run of ``cfg``'s kind takes from ``metrics.json``,
+    kept or carried (None: not checked)."""
+    return {f.name: s.shape for f in fields(cfg) if cfg.runs in (s := setting_of(f)).resumed | s.carried}
+
+
+def asked(cfg: TrainConfig) -> frozenset[str]:
+    """The settings ``cfg`` asks for: those its command line gave (``cfg.given``); through the Python API, where
+    a value equal to the default cannot be told from none given, those that differ from the defaults."""
+    if cfg.given is not None:
+        return cfg.given
+    default = type(cfg)()
+    return frozenset(f.name for f in fields(cfg) if getattr(cfg, f.name) != getattr(default, f.name))
 
 
 def recorded(cfg: TrainConfig) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import fields
 from pathlib import Path
 
 from ..runtime import checkpoint
@@ -27,7 +28,7 @@ from ..runtime.checkpoint import read_extra, read_meta, resolve
 from ..runtime.manifest import CheckpointError
 from ..util.atomic import replace_file, staged_files
 from ..util.jsonshape import Any, Either, Int, ListOf, MapOf, Num, OneOf, Opt, ShapeError, check_shape, dumps
-from .config import UNIT, TrainConfig, recorded, resumed, resumed_shapes
+from .config import UNIT, TrainConfig, asked, recorded, resumed, resumed_shapes, setting_of
 
 METRICS = "metrics.json"
 METRICS_FORMAT = "lazytrain.train-metrics/1"
@@ -101,7 +102,7 @@ def load_resume(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
         raise ValueError(f"--resume {src}: {mpath} records {done} steps and a loss curve of {len(curve)}, the "
                          f"checkpoint step {meta['step']}: the files were edited, they do not belong together")
     nan_losses(curve)
-    _take_settings(cfg, prev["settings"], src)
+    take_settings(cfg, prev["settings"], src)
     if cfg.steps < done:
         raise ValueError(f"--resume {src}: the run is already at step {done}; --steps is the total to reach, "
                          f"not an increment (ask for more than {done})")
@@ -121,25 +122,40 @@ def nan_losses(curve: list) -> list:
     return curve
 
 
-def _take_settings(cfg: TrainConfig, saved: dict, src: Path) -> None:
-    """What defines the run comes from the checkpointed run; what is asked now (steps, lr, time, output,
-    eval) from this command line.  A setting asked for that differs from the run's is an error, not
-    silently ignored (a default value counts as not asked for)."""
-    default = TrainConfig()
-    for k in resumed(default):
-        v, asked = saved.get(k, getattr(default, k)), getattr(cfg, k)     # (a setting newer than the run)
-        if asked != v and asked != getattr(default, k) and not (k == "model" and _same_model(asked, v)):
-            flag, theirs = f"--{k.replace('_', '-')} {asked}", f"{k} ({v})"
-            if k == "loss_on_prompt":
-                flag, theirs = "--answer-only-loss", "loss (on every token)"
-            raise ValueError(f"--resume {src}: {flag} differs from the run's {theirs}; a resumed run keeps its "
+def take_settings(cfg: TrainConfig, saved: dict, src: Path) -> None:
+    """``cfg`` with the settings of the run it resumes (``saved``, its ``metrics.json``'s): every one it kept
+    (``resumed``) or carried (``carried``) comes from the run unless this command line gave its flag (``asked``);
+    a flag asking another value of a kept one is an error, of a carried one a change, said on the console.  The
+    rest (the machine, where to write) is this command's."""
+    default, given = type(cfg)(), asked(cfg)
+    kept, changed = set(resumed(cfg)), []
+    for f in fields(cfg):
+        k, s = f.name, setting_of(f)
+        if k not in kept and cfg.runs not in s.carried:
+            continue
+        v, now = saved.get(k, getattr(default, k)), getattr(cfg, k)     # (a setting newer than the run)
+        if k not in given or _same(now, v):
+            setattr(cfg, k, v)
+            continue
+        flag = s.flag_name(k) if s.const is not None and s.nargs is None else f"{s.flag_name(k)} {now}"
+        if k in kept:
+            raise ValueError(f"--resume {src}: {flag} differs from the run's {k} ({v}); a resumed run keeps its "
                              f"settings (leave the flag out, or start a new run)")
-        setattr(cfg, k, v)
+        changed.append(f"{k} {v} -> {now}")
+    if changed:
+        print(f"--resume {src}: changed on this command line: {', '.join(changed)}; the rest as the run had it")
 
 
-def _same_model(a, b) -> bool:
-    """Do two ``--model`` values name the same thing (a folder given by another relative path)?"""
-    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+def _same(a, b) -> bool:
+    """Are two values of a setting the same (a file or folder given by another relative path is)?"""
+    if a == b:
+        return True
+    if not (isinstance(a, str) and isinstance(b, str) and a and b):
+        return False
+    try:
+        return Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
 
 
 def settings(cfg: TrainConfig, seq: int) -> dict:

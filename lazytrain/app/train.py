@@ -216,7 +216,7 @@ def run(cfg: TrainConfig) -> dict:
     """Train as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``).  The run owns its
     output folder while it lasts (``runfolder.claim``: locked, never written through a link)."""
     with claim(cfg, main=int(os.environ.get("RANK", "0")) == 0):      # (the launcher's rank: Ranks.join reads it)
-        if getattr(cfg, "data", None) or is_finetune_run(cfg.resume):    # --data FILE: fine-tune on it (finetune/)
+        if getattr(cfg, "data", None) is not None or is_finetune_run(cfg.resume):    # --data FILE: fine-tune
             return finetune(cfg)
         return _run_task(cfg)
 

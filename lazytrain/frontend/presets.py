@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import inspect
 import json
 import math
 import warnings
@@ -245,6 +246,21 @@ def read_config(path: Path) -> dict:
     return cfg
 
 
+def _check_callable_alone(fn, spec: str) -> None:
+    """A factory is called with no arguments: one that is not callable, or needs arguments, is an error here (a
+    ``TypeError`` its own body raises is its bug, and stays one)."""
+    if not callable(fn):
+        raise ValueError(f"factory {spec!r} is a {type(fn).__name__}, not a function to call")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):          # a builtin without a signature: called as it is
+        return
+    try:
+        sig.bind()
+    except TypeError:
+        raise ValueError(f"factory {spec!r} needs arguments {sig}; a factory is called with none") from None
+
+
 def build_model(spec: str, device="meta", dtype=None) -> nn.Module:
     """A model from a preset name, a HF ``config.json`` (or a folder holding one), or ``pkg.module:factory``.
 
@@ -266,6 +282,7 @@ def build_model(spec: str, device="meta", dtype=None) -> nn.Module:
             fn = getattr(importlib.import_module(mod_name), fn_name)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"cannot load factory {spec!r}: {e}") from e
+        _check_callable_alone(fn, spec)
         with torch.device(device):
             model = fn()
         if not isinstance(model, torch.nn.Module):

@@ -118,10 +118,13 @@ class Data:
 def prepare_data(enc: Encoder, data: str, eval_data: str | None, *, seq: int | None, max_positions: int | None,
                  truncate: str, eval_size: int) -> Data:
     """Read, split, tokenize and fit the examples (see the module docstring)."""
-    records = read_records(data)
+    digest = hashlib.sha256()           # of the bytes as they are read: a FIFO is read once
+    records = read_records(data, digest)
     if eval_data:
-        train_rec, eval_rec = records, read_records(eval_data)[:eval_size]
+        train_rec, eval_rec = records, read_records(eval_data, digest)[:eval_size]
+        _check_held_out(train_rec, eval_rec, data, eval_data)
     else:
+        digest.update(b"-")
         n_eval = min(eval_size, max(1, round(EVAL_SHARE * len(records))))
         if len(records) < 2:
             raise DataError(f"{data}: one example cannot be split into train and eval; give more, or --eval-data")
@@ -145,14 +148,21 @@ def prepare_data(enc: Encoder, data: str, eval_data: str | None, *, seq: int | N
                         f"{truncate})")
     evals = [k for k in (fit(e, seq, "truncate") for e in evals) if k is not None]
     counts["train"] = len(train)
-    return Data(train, evals, seq, counts, files_fingerprint(data, eval_data))
+    return Data(train, evals, seq, counts, digest.hexdigest()[:16])
 
 
-def files_fingerprint(*paths: str | None) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(b"-" if p is None else Path(p).read_bytes())
-    return h.hexdigest()[:16]
+def _check_held_out(train: list, evals: list, data: str, eval_data: str) -> None:
+    """An error where every eval example is also a training one (``--eval-data`` the ``--data`` file, a copy or a
+    part of it): the exact match would measure recall of the training set, reported as if held out.  Some shared:
+    said, with the count."""
+    seen = {r.key() for r in train}
+    shared = sum(r.key() in seen for r in evals)
+    if evals and shared == len(evals):
+        raise DataError(f"--eval-data {eval_data}: every eval example is also in --data {data}, so the exact match "
+                        f"would measure recall of the training set; give held-out examples, or leave --eval-data "
+                        f"out to hold out {EVAL_SHARE:.0%} of --data")
+    if shared:
+        print(f"note: {shared} of the {len(evals)} eval examples of {eval_data} are also in --data {data}")
 
 
 def max_positions(config) -> int | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -40,9 +41,9 @@ from ...runtime.checkpoint import read_extra, read_meta
 from ...runtime.manifest import CheckpointError
 from ...util.atomic import staged_folder
 from .. import runfiles
-from ..config import FinetuneConfig, TrainConfig, recorded, resumed
+from ..config import FinetuneConfig, TrainConfig, asked, recorded
 from ..loop import Progress, open_run, start_trainer, steps, thread_tuner
-from ..runfiles import nan_losses, plot_into
+from ..runfiles import nan_losses, plot_into, take_settings
 from ..session import StopFlag, can_plot, hardware_for, note, progress_bar, stop_signals
 from .evaluation import describe, evaluate
 from .prepare import (
@@ -94,15 +95,7 @@ def _resume(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict]:
         raise ValueError(f"--resume {src}: its metrics record {done} steps and a loss curve of {len(curve)}, its "
                          f"checkpoint {'is missing' if at is None else f'step {at}'}: the files do not belong "
                          f"together (edited, or written by a run killed between its checkpoint and its metrics)")
-    defaults = (FinetuneConfig(), TrainConfig())
-    for k in resumed(cfg):
-        asked = getattr(cfg, k)
-        if k in saved and asked != saved[k] and all(asked != getattr(d, k) for d in defaults):
-            raise ValueError(f"--resume {src}: --{k.replace('_', '-')} {asked} differs from the run's ({saved[k]}); "
-                             f"a resumed run keeps its settings (leave the flag out, or start a new run)")
-        if k in saved:
-            setattr(cfg, k, saved[k])
-    cfg.steps = cfg.steps or saved.get("steps")
+    take_settings(cfg, saved, src)
     if cfg.steps is not None and cfg.steps < done:
         raise ValueError(f"--resume {src}: the run is already at step {done}; --steps is the total to reach "
                          f"(ask for more than {done})")
@@ -114,12 +107,20 @@ def _settled(cfg: TrainConfig) -> tuple[FinetuneConfig, dict | None]:
     """The run's settings (a resumed run's from its folder) and what the resumed run committed (None)."""
     if not isinstance(cfg, FinetuneConfig):       # `lazytrain train --resume DIR` of a --data run
         known = {f.name for f in fields(FinetuneConfig)}
-        cfg = FinetuneConfig(**{k: v for k, v in asdict(cfg).items() if k in known})
+        cfg = FinetuneConfig(**{k: v for k, v in asdict(cfg).items() if k in known} | {"given": asked(cfg)})
     prev = None
     if cfg.resume:
         cfg, prev = _resume(cfg)
+    for flag, name in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
+        if name is not None and not str(name).strip():
+            raise ValueError(f"{flag} {name!r}: an empty name names no file")
     if not cfg.data:
         raise ValueError("lazytrain train --data FILE: no data file given")
+    if cfg.answer_regex is not None:        # before minutes of loading: a typo is an error at once
+        try:
+            re.compile(cfg.answer_regex)
+        except re.error as e:
+            raise ValueError(f"--answer-regex {cfg.answer_regex!r}: not a regular expression ({e})") from None
     return cfg, prev
 
 
