@@ -376,9 +376,13 @@ def test_a_data_run_with_a_loss_that_was_not_finite_resumes(tmp_path):
     out = tmp_path / "o"
     assert main(["train", *args, "--model", str(folder), "--data", str(data), "--steps", "2", "--output",
                  str(out)]) == 0
-    m = json.loads((out / "metrics.json").read_text())
-    m["loss_curve"][0]["loss"] = None            # as a NaN loss is written
-    (out / "metrics.json").write_text(json.dumps(m))
+    for path in (out / "metrics.json", out / "checkpoint" / "metrics.json"):   # as a NaN loss is written
+        m = json.loads(path.read_text())
+        m["loss_curve"][0]["loss"] = None
+        if path.parent.name == "checkpoint":     # (the resume reads the copy committed with the checkpoint)
+            write_committed_metrics(out, json.dumps(m))
+        else:
+            path.write_text(json.dumps(m))
     assert main(["train", *args, "--resume", str(out), "--output", str(out), "--steps", "3"]) == 0
     text = (out / "metrics.json").read_text()
     curve = json.loads(text)["loss_curve"]
