@@ -299,8 +299,10 @@ def test_lazytrain_train_keeps_state_on_nvme_and_resumes_in_another_folder(tmp_p
                  "--nvme-dir", str(tmp_path / "b")]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps_done"] == 3
-    assert main(["train", *tiny, "--steps", "2", "--output", str(tmp_path / "bad"), "--nvme-dir", "",
-                 "--nvme-memory", "1GiB"]) == 2
+    with pytest.raises(SystemExit) as stop:             # an empty folder name: a flag error
+        main(["train", *tiny, "--steps", "2", "--output", str(tmp_path / "bad"), "--nvme-dir", "",
+              "--nvme-memory", "1GiB"])
+    assert stop.value.code == 2
 
 
 def test_a_slow_drive_is_said_before_training(tmp_path, monkeypatch):
