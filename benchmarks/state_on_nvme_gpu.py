@@ -31,19 +31,11 @@ from lazytrain.compiler.budgets import BudgetError
 from lazytrain.compiler.profiles import get_profile
 from lazytrain.frontend.random_init import random_init
 from lazytrain.ir import GiB
+from lazytrain.measure.bench_worker import host_peak_rss_bytes
 from lazytrain.measure.disk import disk_rates
 from lazytrain.runtime.optim.hybrid8bit import Hybrid8bitAdamW
 from lazytrain.runtime.trainer import Trainer
 from lazytrain.util.units import parse_size
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident set (``VmHWM``)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def main() -> None:
@@ -123,7 +115,7 @@ def main() -> None:
     trainer = Trainer(model, plan, optimizer=Hybrid8bitAdamW(lr=1e-5, max_grad_norm=1.0), device=a.device,
                       weights=weights, nvme_dir=a.nvme_dir, verbose=True)
     result["setup_s"] = round(time.perf_counter() - t, 1)
-    result["rss_after_setup_gib"] = peak_rss_bytes() / GiB
+    result["rss_after_setup_gib"] = host_peak_rss_bytes() / GiB
     save()
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
@@ -138,8 +130,9 @@ def main() -> None:
         losses.append(stats.loss)
         if i >= a.warmup:
             times.append(dt)
-        print(f"step {i}: {dt:.2f} s, loss {stats.loss:.4f}, peak RSS {peak_rss_bytes() / GiB:.2f} GiB", flush=True)
-        result["measured"] = {"step_s": times, "losses": losses, "peak_rss_gib": peak_rss_bytes() / GiB,
+        rss = host_peak_rss_bytes() / GiB
+        print(f"step {i}: {dt:.2f} s, loss {stats.loss:.4f}, peak RSS {rss:.2f} GiB", flush=True)
+        result["measured"] = {"step_s": times, "losses": losses, "peak_rss_gib": rss,
                               "peak_gpu_gib": torch.cuda.max_memory_allocated() / GiB if cuda else None,
                               "nvme_bytes_read": trainer.ctx.nvme.bytes_read,
                               "nvme_bytes_written": trainer.ctx.nvme.bytes_written}

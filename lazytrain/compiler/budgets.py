@@ -9,12 +9,12 @@ import math
 import warnings
 from collections.abc import Mapping
 
-from ..ir import GiB, Plan, PlanError, TensorKind
+from ..ir import GiB, Plan, PlanError
 from ..util.torch_free import is_module
 from ..util.units import format_size, parse_size
 from .progress import caller_stacklevel
 from .solvers.heuristics import HEURISTICS
-from .state_placement import fit, fullest
+from .state_placement import fullest, placed_fit
 
 
 class BudgetError(PlanError):
@@ -176,7 +176,7 @@ def state_error(comp) -> BudgetError | None:
     hold it; None where it fits."""
     b, n = comp.budgets, comp.graph.total_params
     per = comp.options["host_bytes_per_param"]
-    need = fit(comp, {TensorKind(k): list(v) for k, v in comp.nvme_state.items()})
+    need = placed_fit(comp)
     if need.host_bytes <= b.host_bytes and need.nvme_bytes <= (b.nvme_bytes or 0):
         return None
     least = fullest(comp)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, TensorKind, verify
+from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
 from ..ir.semantics import nvme_pairs
 from ..ir.tiers import TIERS
@@ -20,7 +20,7 @@ from .paused_gc import paused_gc
 from .request import HOST_BYTES_PER_PARAM
 from .simulate import SimResult, predicted_gpu_peak, simulate
 from .solvers.isolated import DEFAULT_ORDER
-from .state_placement import fit as state_fit
+from .state_placement import placed_fit
 from .time_limits import LIMITS
 
 
@@ -108,7 +108,7 @@ class Compiler:
         what the MILP's host and NVMe rows hold fixed (``solvers/coefficients.py``)."""
         if not self.nvme_state:
             return 0, 0
-        f = state_fit(self, {TensorKind(k): list(v) for k, v in self.nvme_state.items()})
+        f = placed_fit(self)
         return f.nvme_bytes - f.in_flight_bytes, f.nvme_bytes
 
     def with_state(self, decisions):

@@ -82,6 +82,11 @@ def fit(comp, placed: dict[TensorKind, list[int]]) -> StateFit:
                     host_store_bytes=total - on_nvme, in_flight_bytes=in_flight, nvme_bytes=on_nvme)
 
 
+def placed_fit(comp) -> StateFit:
+    """``fit`` of the placement ``comp`` carries (``Compiler.nvme_state``)."""
+    return fit(comp, {TensorKind(k): list(v) for k, v in comp.nvme_state.items()})
+
+
 def activation_headroom(comp, batch_size) -> int:
     """Host bytes the placement leaves for offloaded activations: every boundary of the batch (what keeping each
     one on the host takes), at most ``ACT_SHARE`` of the host budget."""
@@ -109,8 +114,9 @@ def place(comp, batch_size) -> dict[str, tuple[int, ...]]:
         placed[kind] = []
         for j in blocks:
             placed[kind].append(j)
-            if fit(comp, placed).host_bytes <= cap:
-                return fit(comp, placed).placed
+            now = fit(comp, placed)
+            if now.host_bytes <= cap:
+                return now.placed
     return fit(comp, placed).placed
 
 

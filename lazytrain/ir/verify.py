@@ -258,13 +258,19 @@ def _check_state_tier(plan: Plan, sizes: Sizes) -> None:
 _STATIC_HOST_KINDS = frozenset((TensorKind.GRADS, TensorKind.PARAMS, TensorKind.OPT_STATE))
 
 
-def _static(t: TensorId, tier: Tier, batch: set, nvme: frozenset = frozenset()) -> bool:
+#: the tiers ``_static`` compares with, as module constants (it runs for every write and drop of a compile's walk)
+_GPU_TIER, _NVME_TIER = Tier.GPU, Tier.NVME
+
+
+def _static(t: TensorId, tier: Tier, batch: set, nvme: frozenset = frozenset(),
+            batch_kinds: set | frozenset | None = None) -> bool:
     """Copies that are not plan memory: host gradients and parameters (the host store), or their files where
     the state is kept on NVMe (``nvme``: ``Sizes.nvme``), the batch on the host, and resident blocks' shards on
-    the GPU (``batch`` holds these copies: ``resident_bytes`` counts the shards).  ``_walk`` inlines it."""
-    if t.kind in _STATIC_HOST_KINDS and tier is not Tier.GPU:
-        return (tier is Tier.NVME) == ((t.kind, t.index) in nvme)
-    return (t, tier) in batch
+    the GPU (``batch`` holds these copies: ``resident_bytes`` counts the shards; ``batch_kinds``, where given,
+    their tensor kinds, which rule out most copies before the set lookup)."""
+    if t.kind in _STATIC_HOST_KINDS and tier is not _GPU_TIER:
+        return (tier is _NVME_TIER) == ((t.kind, t.index) in nvme)
+    return (batch_kinds is None or t.kind in batch_kinds) and (t, tier) in batch
 
 
 def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, early_exit: bool) -> MemoryReport:
@@ -278,18 +284,12 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
     grad_readers = _update_readers(ops, effs)
 
     # the loop below runs once per op (~10^5 for 72 micro-batches of 80 blocks): enum members as locals (a
-    # class attribute of an Enum is a descriptor lookup), ``_static`` inlined, each copy's tiers looked up once
-    GPU, HOST, NVME, GRADS, UPDATE = Tier.GPU, Tier.HOST, Tier.NVME, TensorKind.GRADS, OpKind.UPDATE
-    host_static = _STATIC_HOST_KINDS
+    # class attribute of an Enum is a descriptor lookup), each copy's tiers looked up once
+    GPU, HOST, GRADS, UPDATE = Tier.GPU, Tier.HOST, TensorKind.GRADS, OpKind.UPDATE
     nvme = sizes.nvme
     #: host copies of state kept on NVMe that an op changed and no state_write has put back yet
     dirty: dict[TensorId, int] = {}
     dirtying = (UPDATE, OpKind.GRAD_OFFLOAD)
-
-    def static(t: TensorId, tier: Tier) -> bool:
-        if t.kind in host_static and tier is not GPU:
-            return (tier is NVME) == ((t.kind, t.index) in nvme)
-        return t.kind in batch_kinds and (t, tier) in batch
     batch_kinds = {t.kind for t, _ in batch}
     use = dict.fromkeys(TIERS, 0)        # plan bytes on each tier now, and at their peak
     use[GPU] = sizes.resident_bytes() + sizes.kept_grad_bytes()
@@ -314,7 +314,7 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
                     continue
                 raise _fail(op, f"writes {t} on {tier.value}, which is already there (leak or double load)")
             at[tier] = op.id
-            if not static(t, tier):
+            if not _static(t, tier, batch, nvme, batch_kinds):
                 use[tier] += sizes.of(t, tier)
         gpu_now = use[GPU] + eff.transient      # (a transient is GPU memory only)
         if gpu_now > peak[GPU]:
@@ -331,7 +331,7 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
             if at is None or tier not in at:
                 raise _fail(op, f"drops {t} on {tier.value}, which is not resident there")
             del at[tier]
-            if not static(t, tier):
+            if not _static(t, tier, batch, nvme, batch_kinds):
                 use[tier] -= sizes.of(t, tier)
         for tier in off_gpu:
             if use[tier] > peak[tier]:
@@ -343,7 +343,7 @@ def _walk(plan: Plan, sizes: Sizes, effs: list[Effects], order: UpdateOrder, ear
         raise _fail(ops[i], f"changes {t} on the host and no state_write puts it back on NVMe")
     static_host = host_static_bytes(plan, sizes)
     peak[HOST] += static_host
-    peak[NVME] += nvme_static_bytes(plan, sizes)
+    peak[_NVME_TIER] += nvme_static_bytes(plan, sizes)
     return MemoryReport(**{TIERS[tier].peak: n for tier, n in peak.items()}, host_static_bytes=static_host,
                         gpu_curve=tuple(curve))
 
