@@ -65,9 +65,16 @@ class Setting:
     recorded: Runs = Runs.ALL
     #: its value's shape in ``metrics.json`` (``util/jsonshape.py``), checked where a resumed task run reads it
     shape: object = None
+    #: its key in a config file (``lazytrain train CONFIG.yaml``) when not the field's name: Hugging Face
+    #: ``TrainingArguments`` / TRL ``SFTConfig``'s name where they have one (``learning_rate`` for ``lr``)
+    key: str | None = None
 
     def flag_name(self, name: str) -> str:
         return self.flag or "--" + name.replace("_", "-")
+
+    def key_name(self, name: str) -> str:
+        """The setting's config-file key."""
+        return self.key or name
 
 
 def setting(default, help: str | None = None, *, default_factory=None, **kw) -> Any:
