@@ -87,10 +87,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     """``lazytrain train``'s flags: one for each setting of ``TrainConfig`` and ``FinetuneConfig`` that has a help
     text (``config.py``; its default is the config's, so a flag left out is not in the namespace), and the
     launch's ``--gpus`` / ``--nproc``."""
+    from ..compiler.profiles import PROFILES
     from ..tasks import FORMATS
     from ..tasks import PRESETS as DIFFICULTIES
     from .config import FinetuneConfig, TrainConfig, setting_of
     context = dict(d=TrainConfig(), f=FinetuneConfig(), presets=_presets(), difficulties=", ".join(DIFFICULTIES),
+                   profiles=", ".join(PROFILES),
                    formats=", ".join(FORMATS))
     data = p.add_argument_group("fine-tune on your data (README: Fine-tune your model)")
     for f in fields(FinetuneConfig):
@@ -281,8 +283,14 @@ def _has_cuda() -> bool:
 
 def cmd_train(a) -> int:
     from ..runtime.distributed import env_world_size
+    from .config_file import apply
     from .session import stop_status
     from .train import run
+    path, items = a.config_file, list(a.overrides)
+    if path is not None and "=" in path and not path.lower().endswith((".yaml", ".yml", ".json")):
+        path, items = None, [path, *items]      # ``lazytrain train max_steps=5``: no file, only KEY=VALUEs
+    a.gpus, a.nproc = getattr(a, "gpus", None), getattr(a, "nproc", None)
+    apply(a, path, items)
     n = a.gpus or a.nproc
     if n:
         wanted = "cuda" if a.gpus else "cpu"
@@ -295,6 +303,10 @@ def cmd_train(a) -> int:
         if n > 1 and check_launch(n):
             return launch(a.argv, n, gpus=bool(a.gpus))
     cfg = config_from_args(a)
+    if a.print_config:
+        from .config_file import dump
+        print(dump(cfg, {"gpus": a.gpus, "nproc": a.nproc}), end="")
+        return 0
     metrics = run(cfg)
     if env_world_size() > 1:        # a rank: the launcher reports the run (a rank's non-zero status is a failure)
         return 0
@@ -432,6 +444,14 @@ def _train_parser(sub, with_flags: bool) -> None:
                                    "metrics.json, loss.png and checkpoint/ into --output. Ctrl-C, SIGTERM or SIGHUP "
                                    "stops after the step in flight and saves (exit status 128 + the signal); twice "
                                    "stops at once.")
+    p.add_argument("config_file", nargs="?", default=None, metavar="CONFIG.yaml",
+                   help="the run's settings as a YAML file, keyed as Hugging Face's TrainingArguments / TRL's "
+                        "SFTConfig name them where they have the setting (learning_rate, max_steps, output_dir, "
+                        "per_device_train_batch_size, ...), else by the flag's name with underscores (gpu_memory); "
+                        "KEY=VALUE arguments after it and flags override it (README: Config files)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the effective configuration (every setting, defaults included) as a config file, "
+                        "and exit without training")
     if with_flags:
         _add_train_args(p)
     p.set_defaults(fn=cmd_train)
@@ -460,7 +480,13 @@ def _bench_parser(sub, with_flags: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    a = build_parser(args[0] if args and not args[0].startswith("-") else None).parse_args(args)
+    parser = build_parser(args[0] if args and not args[0].startswith("-") else None)
+    a, rest = parser.parse_known_args(args)
+    a.overrides = []
+    if rest:                # ``train CONFIG.yaml key=value ...``: the KEY=VALUEs; anything else is argparse's error
+        if a.command != "train" or any(x.startswith("-") or "=" not in x for x in rest):
+            parser.parse_args(args)         # (exits with argparse's one-line error)
+        a.overrides = rest
     a.argv = args     # what --gpus N starts on every rank
     shown = warnings.showwarning
     warnings.showwarning = _warning_printer(a.command, shown)

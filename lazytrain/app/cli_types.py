@@ -60,6 +60,24 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return v
 
+def fraction(text: str) -> float:
+    """A number in [0, 1]: a share."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a number between 0 and 1, got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return v
+
+def non_negative_float(text: str) -> float:
+    if text.strip() in ("0", "0.0"):
+        return 0.0
+    try:
+        return positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"needs a number >= 0, got {text!r}") from None
+
 def seed(text: str) -> int:
     v = whole_number(text, 0, "whole number >= 0", ">= 0")
     if v >= 1 << 63:

@@ -95,18 +95,25 @@ def setting_of(f) -> Setting:
     return f.metadata.get("setting", Setting())
 
 
+def _schedules() -> tuple[str, ...]:
+    return _SCHEDULES
+
+
 def _loss_on() -> tuple[str, ...]:
     from ..data.encode import LOSS_ON  # data/ imports torch: only when the flags are made
     return tuple(LOSS_ON)
 
 
 _KEPT = Runs.ALL
+#: ``loop.SCHEDULES`` (loop.py imports torch: the parser does not)
+_SCHEDULES = ("cosine", "linear", "constant_with_warmup", "constant")
 _SIZE = Either(None, str, Int(1))            # bytes (a size string where the Python API was given one)
 UNIT = math.nextafter(1.0, 2.0)             # exclusive bound that admits 1.0
-_MODEL_HELP = ("'task' (a small GPT sized for the task, default), a preset ({presets}), a local Hugging Face folder "
-               "(config.json and *.safetensors: fine-tune its weights; config.json alone: random init), a "
-               "config.json, or package.module:factory (imports and calls it: runs code, so name only code you "
-               "trust)")
+_MODEL_HELP = ("the model to train. With --data, a pretrained one: smollm2-135m-instruct (SmolLM2-135M-Instruct, "
+               "fetched once), a local Hugging Face folder (config.json, *.safetensors, tokenizer files) or a .gguf "
+               "file. On the built-in task: 'task' (a small GPT sized for it, default). Either: a preset ({presets}: "
+               "random init), a config.json (random init), or package.module:factory (imports and calls it: runs "
+               "code, so name only code you trust)")
 #: the host optimizers a run may use: the Hybrid 8-bit AdamW, with its exact master or the stochastic-rounding one,
 #: with 8-bit or 4-bit moments
 OPTIMIZERS = tuple(o.value for o in (Optimizer.HYBRID8BIT, Optimizer.HYBRID8BIT_SR, Optimizer.HYBRID4BIT,
@@ -120,31 +127,50 @@ _RESIDENT_HELP = ("keep blocks on the GPU for the whole run (parameters, optimiz
 class TrainConfig:
     """A ``lazytrain train`` run on the built-in arithmetic task (``train.py``)."""
 
-    model: str = setting("task", _MODEL_HELP, type=cli_types.path, metavar="M", resumed=_KEPT, shape=str)
+    model: str = setting("task", _MODEL_HELP, type=cli_types.path, metavar="M", resumed=_KEPT, shape=str,
+                         key="model_name_or_path")
     difficulty: str = setting(
         "tiny-pad-carry",    # the answer format a small GPT learns fastest (README "Train")
         "arithmetic task preset ({difficulties}; default {d.difficulty}), optionally with answer formats after it, "
         "e.g. tiny-pad-rev ({formats}: tasks/formats.py)", type=cli_types.difficulty, metavar="NAME",
-        resumed=Runs.TASK, shape=str)
-    batch: int = setting(32, "global batch size: the rows one optimizer step sees, over all GPUs (default {d.batch})",
-                         type=cli_types.positive, metavar="N", resumed=_KEPT, shape=Int(1, MAX_BATCH + 1))
+        resumed=Runs.TASK, recorded=Runs.TASK, shape=str)
+    batch: int = setting(32, "global batch size: the rows one optimizer step sees, over all GPUs; the plan splits it "
+                             "into micro-batches itself (default {d.batch})",
+                         type=cli_types.positive, metavar="N", resumed=_KEPT, shape=Int(1, MAX_BATCH + 1),
+                         key="global_batch_size")
     seq: int | None = setting(None, "sequence length in tokens, at least the difficulty's longest example (default: "
                                     "that)", type=cli_types.positive, metavar="N", resumed=_KEPT,
-                               shape=Int(1, MAX_SEQ_LEN + 1))
+                               shape=Int(1, MAX_SEQ_LEN + 1), key="max_seq_length")
     steps: int | None = setting(   # more than 9 min allow on 2 CPU cores: the time limit ends the run
         6000, "optimizer steps in all, counting those of a --resume'd run (default {d.steps}; with --data: --epochs; "
               "--time-limit-min may stop it sooner)", type=cli_types.positive, metavar="N", carried=_KEPT,
-        shape=Either(None, Int(1)))
+        shape=Either(None, Int(1)), key="max_steps")
     lr: float = setting(3e-3, "peak learning rate (default {d.lr}; with --data {f.lr})", type=cli_types.positive_float,
-                        carried=_KEPT, shape=Num())
-    warmup: int = setting(50, "warm-up steps (default {d.warmup}; with --data {f.warmup})",
-                          type=cli_types.non_negative, metavar="N", resumed=_KEPT, shape=int)
-    min_lr_ratio: float = setting(0.1, resumed=_KEPT, shape=Num(0.0, UNIT))
-    weight_decay: float = setting(0.0, resumed=_KEPT, shape=Num())
-    max_grad_norm: float | None = setting(1.0, resumed=_KEPT, shape=Either(None, Num()))
+                        carried=_KEPT, shape=Num(), key="learning_rate")
+    warmup: int = setting(50, "warm-up steps, at most half the steps the run makes (default {d.warmup}; with --data "
+                              "{f.warmup})", type=cli_types.non_negative, metavar="N", resumed=_KEPT, shape=int,
+                          key="warmup_steps")
+    #: a run folder written before these schedule settings existed has none: it resumes with the defaults (``Opt``)
+    warmup_ratio: float | None = setting(
+        None, "warm-up as a share of the steps the run makes, instead of --warmup (with a time limit, of the steps "
+              "its measured pace allows)", type=cli_types.fraction, metavar="R", resumed=_KEPT,
+        shape=Opt(Either(None, Num(0.0, UNIT))))
+    lr_scheduler_type: str = setting(
+        "cosine", "the learning rate after the warm-up: cosine or linear down to --min-lr-ratio x --lr at the last "
+                  "step, constant_with_warmup; constant: no warm-up (default {d.lr_scheduler_type})",
+        choices=_schedules, resumed=_KEPT, shape=Opt(OneOf(*_SCHEDULES)))
+    min_lr_ratio: float = setting(0.1, "the learning rate the decay ends at, as a share of --lr (default "
+                                       "{d.min_lr_ratio})", type=cli_types.fraction, metavar="R", resumed=_KEPT,
+                                  shape=Num(0.0, UNIT))
+    weight_decay: float = setting(0.0, "AdamW weight decay (default {d.weight_decay:g}; refused with frozen "
+                                       "parameters)", type=cli_types.non_negative_float, metavar="W", resumed=_KEPT,
+                                  shape=Num())
+    max_grad_norm: float | None = setting(1.0, "clip the global gradient norm to this (exactly, over every block; "
+                                               "default {d.max_grad_norm:g})", type=cli_types.positive_float,
+                                          metavar="NORM", resumed=_KEPT, shape=Either(None, Num()))
     loss_on_prompt: bool = setting(
         True, "loss on the answer only (default: on every token; see lazytrain/app/train.py)",
-        flag="--answer-only-loss", const=False, resumed=Runs.TASK, shape=bool)
+        flag="--answer-only-loss", const=False, resumed=Runs.TASK, recorded=Runs.TASK, shape=bool)
     gpu_memory: int | None = setting(None, "GPU budget, e.g. 24GiB (default: the GPU's)", type=cli_types.size,
                                      metavar="SIZE", resumed=_KEPT, shape=_SIZE)      # bytes
     host_memory: int | None = setting(None, "host budget, e.g. 64GiB (default: the host's)", type=cli_types.size,
@@ -171,27 +197,35 @@ class TrainConfig:
     resident: Literal["auto", "none"] | int | list[int] = setting(
         "auto", _RESIDENT_HELP, type=cli_types.resident, metavar="none|auto|N|i,j,..", resumed=_KEPT,
         shape=Either(OneOf("auto", "none"), int, ListOf(int)))
-    eval_every: int = setting(0, "exact match on 200 eval problems every N steps (default: only at the end)",
-                              type=cli_types.non_negative, metavar="N", carried=_KEPT, shape=Int(0))
+    eval_every: int = setting(0, "evaluate every N steps: exact match on 200 eval problems (with --data: on the "
+                                 "held-out examples, with eval loss and sample replies); default: before (--data) "
+                                 "and after training only", type=cli_types.non_negative, metavar="N", carried=_KEPT,
+                              shape=Int(0), key="eval_steps")
     #: a data run's held-out examples are at most this many: it shapes the training set, so that run keeps it
     eval_size: int = setting(500, "held-out problems for the final exact match (default {d.eval_size}; with --data: "
                                   "at most this many eval examples, default {f.eval_size})",
                              type=cli_types.positive, metavar="N", resumed=Runs.DATA, carried=Runs.TASK,
                              shape=Int(1))
     evaluate: bool = setting(True, "no exact-match evaluation, during or after the run (throughput runs)",
-                             flag="--no-eval", const=False, group="data", carried=_KEPT, shape=bool)
+                             flag="--no-eval", const=False, group="data", carried=_KEPT, shape=bool, key="do_eval")
     seed: int = setting(0, "model initialisation and data order, 0 to 2**63 - 1 (default {d.seed})",
                         type=cli_types.seed, resumed=_KEPT, shape=Int(0, 1 << 63))
     time_limit_min: float | None = setting(
-        9.0, "stop training after this many minutes; the lr schedule anneals by then; 0: no limit (default "
-             "{d.time_limit_min:g})", type=cli_types.minutes, metavar="MIN", carried=_KEPT,
+        9.0, "minutes of training: the step loop, with its --eval-every evaluations; the steps it allows are "
+             "estimated from the measured pace and the warm-up and decay planned in them. Loading, compiling, the "
+             "evaluations before and after and the export come on top (the run prints each one's time); 0: no "
+             "limit (default {d.time_limit_min:g})", type=cli_types.minutes, metavar="MIN", carried=_KEPT,
         shape=Either(None, Num()))
-    output: str = setting("runs/train", "metrics.json + checkpoint/ (default {d.output})", type=cli_types.path,
-                          metavar="DIR")
+    output: str = setting("runs/train", "the run folder: metrics.json, loss.png, checkpoint/ (with --data also "
+                                        "model/, the Hugging Face folder) (default {d.output})", type=cli_types.path,
+                          metavar="DIR", key="output_dir")
     resume: str | None = setting(None, "continue the run saved in DIR (an --output folder) up to --steps, with its "
                                        "model, data, batch and plan; only data is read from DIR, no code runs",
                                  type=cli_types.path, metavar="DIR")
     device: str | None = setting(None, "default: cuda when there is a GPU", choices=("cpu", "cuda"))
+    hardware: str | None = setting(None, "the hardware profile the plan is compiled for: a built-in one "
+                                         "({profiles}) or a file from `lazytrain profile` (default: the profile of "
+                                         "this GPU's name, cpu on the CPU)", type=cli_types.path, metavar="NAME|FILE")
     threads: int | None = setting(None, "CPU threads, at most the cores (default: measured, starting from the cores "
                                         "idle at the start)", type=cli_types.positive, metavar="N")
     progress: bool = setting(True, "no progress bar", flag="--no-progress", const=False, recorded=Runs.NONE)
@@ -223,26 +257,32 @@ class FinetuneConfig(TrainConfig):
     data: str | None = setting(
         None, "train on this JSONL / JSON file (messages, conversations, prompt/completion, alpaca or text records) "
               "instead of the built-in task; --model then names a pretrained model: smollm2-135m-instruct, a Hugging "
-              "Face folder or a GGUF file", type=cli_types.path, metavar="FILE", group="data", resumed=Runs.DATA)
+              "Face folder or a GGUF file", type=cli_types.path, metavar="FILE", group="data", resumed=Runs.DATA,
+        key="train_file")
     eval_data: str | None = setting(None, "evaluate on this file (default: 5%% of --data held out, by a hash of each "
                                           "example)", type=cli_types.path, metavar="FILE", group="data",
-                                    resumed=Runs.DATA)
+                                    resumed=Runs.DATA, key="validation_file")
     tokenizer: str | None = setting(None, "a tokenizer other than the model's (folder, GGUF file or named model)",
-                                    type=cli_types.path, metavar="T", group="data", resumed=Runs.DATA)
+                                    type=cli_types.path, metavar="T", group="data", resumed=Runs.DATA,
+                                    key="tokenizer_name")
     loss_on: str = setting("completion", "completion: only the completion / assistant turns carry a loss (default); "
                                          "all: every token", choices=_loss_on, group="data", resumed=Runs.DATA)
     truncate: str = setting("truncate", "examples longer than --seq: cut them (default) or leave them out; counted in "
                                         "the report", choices=("truncate", "drop"), group="data", resumed=Runs.DATA)
     pack: bool = setting(False, "several examples a row, each attending only to itself (same loss and gradients as "
-                                "unpacked)", const=True, group="data", resumed=Runs.DATA)
+                                "unpacked): less padding where examples are much shorter than --seq and vary in "
+                                "length; the run prints the padding both ways, so try it when it says unpacked is "
+                                "over ~20%%", const=True, group="data", resumed=Runs.DATA, key="packing")
     answer_regex: str | None = setting(None, "exact match compares the first match of RE (its first group) in reply "
-                                             "and reference (default: the last number)", metavar="RE", group="data",
+                                             "and reference (default: the last number in each; where the reference "
+                                             "has no number, the whole reply and reference, stripped of spaces at "
+                                             "either end)", metavar="RE", group="data",
                                        resumed=Runs.DATA)
     max_new_tokens: int | None = setting(None, "longest reply generated in evaluation (default: 1.5x the longest "
                                                "reference + 8)", type=cli_types.positive, metavar="N", group="data",
                                           carried=Runs.DATA, shape=Either(None, Int(1)))
     epochs: float = setting(1.0, "epochs when --steps is not given (default 1)", type=cli_types.positive_float,
-                            group="data", resumed=Runs.DATA)
+                            group="data", resumed=Runs.DATA, key="num_train_epochs")
     export: bool = setting(True, "do not write OUTPUT/model/, the Hugging Face folder a --data run writes",
                            flag="--no-export", const=False, group="data", carried=Runs.DATA, shape=bool)
     export_dtype: str | None = setting(None, "dtype of the exported weights (default: that of the weights the model "

@@ -3,8 +3,9 @@
 
 ``steps`` yields each step to run and stops at ``--steps`` (a total: a resumed run continues from
 ``start``), at ``--time-limit-min``, or after the step in flight when Ctrl-C was pressed once (the
-caller's ``StopFlag``); before each step it sets the optimizer's learning rate (``lr_at``: warm-up,
-then cosine to ``min_lr_ratio * lr``, by steps or, under a time limit, by time, whichever is further).
+caller's ``StopFlag``); before each step it sets the optimizer's learning rate (``lr_at``: warm-up, then the decay to
+``min_lr_ratio * lr``, planned in steps against the steps the run will reach: ``--steps``, or under a time limit
+the steps the measured pace allows, ``StepBudget``).
 The caller runs the step, and ``Progress.record`` writes it into the loss curve.
 
 Also shared by both: the output folder, the optimizer and Trainer (compiled or resumed), the thread tuner.
@@ -29,22 +30,66 @@ from .ranks import Ranks
 from .session import choose_device
 from .threads import ThreadTuner, cpu_threads
 
+#: the learning-rate schedules after the warm-up (Hugging Face's ``lr_scheduler_type`` names): ``cosine`` to
+#: ``min_lr_ratio * lr``, ``linear`` to it, ``constant_with_warmup``; ``constant`` has no warm-up
+SCHEDULES = ("cosine", "linear", "constant_with_warmup", "constant")
+#: the largest share of the run's steps the warm-up takes when ``--warmup`` asks more than the run will make (a
+#: time limit that allows 12 steps with ``--warmup 10``): half, so the decay still has as many [ledger: warmup-share]
+MAX_WARMUP_SHARE = 0.5
 
-def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
-    """Warm-up over ``cfg.warmup`` steps, then cosine from ``lr`` to ``min_lr_ratio * lr`` as
-    ``progress`` goes 0 -> 1."""
-    warm = min(1.0, (step + 1) / max(1, cfg.warmup))
-    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
-    return cfg.lr * warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
+def warmup_steps(cfg: TrainConfig, total: int) -> int:
+    """The warm-up, in steps, of a run of ``total`` steps: ``warmup_ratio * total`` when given, else ``warmup``;
+    at most ``MAX_WARMUP_SHARE`` of ``total``; none for the ``constant`` schedule."""
+    if cfg.lr_scheduler_type == "constant":
+        return 0
+    asked = round(cfg.warmup_ratio * total) if cfg.warmup_ratio is not None else cfg.warmup
+    return min(asked, int(total * MAX_WARMUP_SHARE))
 
 
-def schedule_progress(step: int, start: int, steps: int, elapsed_s: float, limit_s: float | None) -> float:
-    """How far the learning-rate schedule is: by steps, or, under a time limit, by this invocation's
-    share of the remaining schedule in time, whichever is further (so the schedule anneals by the clock)."""
-    progress = step / steps
-    if limit_s is not None:
-        progress = max(progress, (start + (steps - start) * elapsed_s / limit_s) / steps)
-    return progress
+def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
+    """The learning rate of step ``step`` (0-based) of a run of ``total`` steps: a linear warm-up to ``lr`` over
+    ``warmup_steps``, then the decay (``cfg.lr_scheduler_type``) from ``lr`` at the first step after it to
+    ``min_lr_ratio * lr`` at the last.  The warm-up ends before any decay starts."""
+    warm = warmup_steps(cfg, total)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    if cfg.lr_scheduler_type.startswith("constant"):
+        return cfg.lr
+    progress = min(1.0, (step - warm) / max(1, total - warm - 1))
+    shape = (1 - progress) if cfg.lr_scheduler_type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape)
+
+
+class StepBudget:
+    """How many steps the run will reach: ``--steps``, or under ``--time-limit-min`` the steps done plus the
+    time left over the pace, re-estimated after every step, whichever is fewer.  The warm-up and the decay are
+    planned in steps against it, and the progress bar's total follows it.
+
+    The pace is the larger of the recent one (the mean of the last ``WINDOW`` steps: a machine that slows down
+    is seen within them) and this invocation's mean since its first step (evaluations every N steps, which a
+    window may miss, are in it); this invocation's first step is left out of both (it builds the CUDA context's
+    kernels or lets the CPU's threads settle: seconds more than the rest).  Taking the larger ends the schedule a
+    little early rather than cut it at a high learning rate."""
+
+    WINDOW = 16
+
+    def __init__(self, steps: int, start: int, limit_s: float | None):
+        self.steps, self.start, self.limit_s = steps, start, limit_s
+        self._ends: list[float] = []        # the clock at the end of each of this invocation's steps
+
+    def step_done(self, now: float) -> None:
+        self._ends.append(now)
+
+    def total(self, done: int, elapsed_s: float) -> int:
+        """The steps the run will have made when it ends, ``done`` made ``elapsed_s`` into this invocation."""
+        if self.limit_s is None or len(self._ends) < 2:
+            return self.steps
+        ends = self._ends
+        recent = (ends[-1] - ends[max(0, len(ends) - 1 - self.WINDOW)]) / min(self.WINDOW, len(ends) - 1)
+        overall = (ends[-1] - ends[0]) / (len(ends) - 1)
+        pace = max(recent, overall, 1e-9)
+        return max(done + 1, min(self.steps, done + int(max(0.0, self.limit_s - elapsed_s) / pace)))
 
 
 @dataclass
@@ -59,6 +104,10 @@ class Progress:
     stopped_by: str | None = None
     #: seconds of this invocation's loop (set when it ends)
     train_s: float = 0.0
+    #: the steps the run will reach (``StepBudget``): ``--steps``, or fewer under a time limit
+    total: int | None = None
+    #: the highest learning rate this invocation set
+    peak_lr: float = 0.0
 
     def stop(self, flag) -> None:
         """Stopped by a signal (``flag``: the ``StopFlag``; with several ranks another rank's may have been)."""
@@ -78,15 +127,18 @@ class Progress:
 
 def steps(cfg: TrainConfig, opt, run: Progress, flag, *, start: int, ranks: Ranks | None = None) -> Iterator[int]:
     """Each step to run, with ``opt.lr`` set for it (see the module docstring); ``run`` says why it
-    stopped and how long the loop took.  With several ranks the rate, the time limit and a stop are
-    agreed before each step (``Ranks.agree``): every rank runs the same steps."""
+    stopped, how long the loop took and how many steps the run will reach (``run.total``).  With several ranks the
+    rate, the time limit and a stop are agreed before each step (``Ranks.agree``): every rank runs the same
+    steps."""
     limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else None
+    budget = StepBudget(cfg.steps, start, limit_s)
     t_train = time.perf_counter()
     world = ranks is not None and ranks.size > 1
     while run.step < cfg.steps:
         elapsed = time.perf_counter() - t_train
         over = limit_s is not None and elapsed >= limit_s
-        lr = lr_at(cfg, run.step, schedule_progress(run.step, start, cfg.steps, elapsed, limit_s))
+        run.total = budget.total(run.step, elapsed)
+        lr = lr_at(cfg, run.step, run.total)
         if world:
             lr, over, stop = ranks.agree(lr, over, flag.set)
             if stop:
@@ -96,7 +148,9 @@ def steps(cfg: TrainConfig, opt, run: Progress, flag, *, start: int, ranks: Rank
             run.stop_reason = "time limit"
             break
         opt.lr = lr
+        run.peak_lr = max(run.peak_lr, lr)
         yield run.step
+        budget.step_done(time.perf_counter())
         if flag.set and not world:
             run.stop(flag)
             break

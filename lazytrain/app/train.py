@@ -229,7 +229,7 @@ def _run_task(cfg: TrainConfig) -> dict:
     model, desc, weights = _model(cfg, prev, seq, tok.vocab_size, ranks)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    hardware = hardware_for(dev)
+    hardware = cfg.hardware or hardware_for(dev)
     # the compile's stages on a terminal while it runs (seconds for a 7B model), as ``lazytrain compile`` shows them
     with on_stderr("lazytrain train: compile: ", "auto" if cfg.progress and ranks.main else "off"):
         trainer, opt, compile_s = start_trainer(cfg, model, dev, resumed=prev is not None, seq_len=seq,

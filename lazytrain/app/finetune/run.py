@@ -140,7 +140,7 @@ def run(cfg: TrainConfig) -> dict:
                                                                shard=ranks.size > 1)
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    hardware = hardware_for(dev)
+    hardware = cfg.hardware or hardware_for(dev)
     batches = Batches(data.train, cfg.batch, data.seq_len, pad_id(tok), pack=cfg.pack, seed=cfg.seed)
     if cfg.steps is None:
         cfg.steps = max(1, math.ceil(cfg.epochs * batches.steps_per_epoch))
