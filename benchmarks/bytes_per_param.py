@@ -68,7 +68,7 @@ def run(option: str, cfg: TrainConfig) -> dict:
                             loss_on_prompt=cfg.loss_on_prompt)
     curve, t0 = [], time.perf_counter()
     for step in range(cfg.steps):
-        opt.lr = lr_at(cfg, step, step / cfg.steps)
+        opt.lr = lr_at(cfg, step, cfg.steps)
         b = next(batches)
         curve.append(trainer.step((b.input_ids, b.labels)).loss)
     train_s = time.perf_counter() - t0

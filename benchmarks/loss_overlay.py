@@ -221,7 +221,7 @@ def main(argv=None) -> dict:
                       extra=json.loads(a.model_override) if a.model_override else {})
 
     def schedule(step: int) -> float:
-        return lr_at(cfg, step, step / cfg.steps)
+        return lr_at(cfg, step, cfg.steps)
 
     t = time.perf_counter()
     models = [build_task_model(cfg, seq, tok.vocab_size)[0] for _ in range(2)]   # vocab and positions checked

@@ -148,7 +148,7 @@ def _run(name: str, over: dict, steps: int, device: torch.device, checkpoints: l
     curve, t0, eval_s = [], time.perf_counter(), 0.0
     for step in range(steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step, step / steps)
+            g["lr"] = lr_at(cfg, step, steps)
         b = next(batches)
         loss = model(b.input_ids.to(device), b.labels.to(device))
         opt.zero_grad(set_to_none=True)

@@ -43,7 +43,7 @@ def test_readme_train_flags_are_the_configs():
     """The "Flags:" paragraph under "## Train" names every setting of a run on the built-in task that has a flag, and
     no flag that is not one (or the launch's --gpus / --nproc)."""
     train = README[README.index("\n## Train\n"):README.index("\n## Fine-tune your model\n")]
-    start = train.index("\nFlags: ")
+    start = train.index("\nFlags")
     paragraph = train[start:train.index("\n\n", start)]
     named = set(re.findall(r"`(--[a-z][a-z-]*)", paragraph))
     flags = set(_train_flags("train"))

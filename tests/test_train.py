@@ -214,11 +214,47 @@ def test_resume_of_unreadable_metrics_is_a_clear_error(first_run, metrics, capsy
 
 def test_lr_schedule_warms_up_then_anneals():
     cfg = TrainConfig(lr=1.0, warmup=10, min_lr_ratio=0.1)
-    assert lr_at(cfg, 0, 0.0) == pytest.approx(0.1)
-    assert lr_at(cfg, 9, 0.0) == pytest.approx(1.0)
-    assert lr_at(cfg, 50, 0.5) == pytest.approx(0.55)
-    assert lr_at(cfg, 99, 1.0) == pytest.approx(0.1)
-    assert lr_at(cfg, 99, 2.0) == pytest.approx(0.1)
+    assert lr_at(cfg, 0, 101) == pytest.approx(0.1)
+    assert lr_at(cfg, 9, 101) == pytest.approx(1.0)           # the warm-up ends at the peak ...
+    assert lr_at(cfg, 10, 101) == pytest.approx(1.0)          # ... before any decay starts
+    assert lr_at(cfg, 55, 101) == pytest.approx(0.55)
+    assert lr_at(cfg, 100, 101) == pytest.approx(0.1)
+    assert lr_at(cfg, 200, 101) == pytest.approx(0.1)
+    rates = [lr_at(cfg, s, 101) for s in range(101)]
+    assert all(a <= b for a, b in zip(rates[:10], rates[1:11])) and all(a >= b for a, b in zip(rates[10:], rates[11:]))
+
+
+@pytest.mark.parametrize("kind,mid", [("linear", 0.55), ("constant_with_warmup", 1.0), ("constant", 1.0)])
+def test_lr_schedule_kinds(kind, mid):
+    cfg = TrainConfig(lr=1.0, warmup=10, min_lr_ratio=0.1, lr_scheduler_type=kind)
+    assert lr_at(cfg, 55, 101) == pytest.approx(mid)
+    assert lr_at(cfg, 0, 101) == pytest.approx(1.0 if kind == "constant" else 0.1)
+
+
+def test_warmup_is_at_most_half_the_run_and_ratio_scales_with_it():
+    from lazytrain.app.loop import warmup_steps
+    assert warmup_steps(TrainConfig(warmup=50), 12) == 6          # a short run still decays
+    assert warmup_steps(TrainConfig(warmup=50, warmup_ratio=0.1), 300) == 30
+    cfg = TrainConfig(lr=1.0, warmup=50)
+    assert lr_at(cfg, 5, 12) == pytest.approx(1.0)                # the peak is reached
+
+
+def test_step_budget_follows_the_measured_pace():
+    """Under a time limit the run's steps are the time left over the pace: the slow first step is left out, the
+    larger of the recent and overall pace counts, and it never exceeds --steps."""
+    from lazytrain.app.loop import StepBudget
+    b = StepBudget(1000, 0, limit_s=100.0)
+    assert b.total(0, 0.0) == 1000                # nothing measured yet
+    b.step_done(30.0)                             # the first step (slow): left out
+    assert b.total(1, 30.0) == 1000
+    for k in range(1, 11):
+        b.step_done(30.0 + k)                     # then 1 s a step
+    assert b.total(11, 40.0) == 11 + 60
+    for k in range(1, 17):
+        b.step_done(40.0 + 2 * k)                 # slower: 2 s a step, seen within the window
+    assert b.total(27, 72.0) == 27 + 14
+    assert b.total(27, 200.0) == 28               # past the limit: the step in flight is the last
+    assert StepBudget(50, 0, limit_s=1e9).total(0, 0.0) == 50
 
 
 def test_ctrl_c_stops_after_the_step_and_saves(tmp_path):

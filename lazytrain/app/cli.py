@@ -54,7 +54,11 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="NVMe budget, e.g. 1TiB (compile names what the state needs when it is short)")
     p.add_argument("--hardware", default=None, help="built-in profile name or a file from `lazytrain profile` "
                                                     "(default: the h200 profile, said on stderr)")
-    p.add_argument("--policy", default=Policy.MILP.value, choices=Policy.names())
+    p.add_argument("--policy", default=Policy.MILP.value, choices=Policy.names(),
+                   help="how the schedule is chosen: milp (default: the mixed-integer program decides checkpointing, "
+                        "placement, recomputation and overlap), or a fixed rule to compare with: megatrain (a "
+                        "boundary kept every 4 layers, the rest recomputed: MegaTrain's), recompute-all (every "
+                        "block recomputed), keep-all (nothing recomputed)")
     p.add_argument("--optimizer", default=Optimizer.HYBRID8BIT.value, choices=Optimizer.names())
     p.add_argument("--solver", default=Solver.HIGHS.value, choices=Solver.names(),
                    help="MILP solver tried first (default highs); the other is the fallback where it crashes, hangs or "
@@ -291,6 +295,10 @@ def cmd_train(a) -> int:
         path, items = None, [path, *items]      # ``lazytrain train max_steps=5``: no file, only KEY=VALUEs
     a.gpus, a.nproc = getattr(a, "gpus", None), getattr(a, "nproc", None)
     apply(a, path, items)
+    if a.print_config:
+        from .config_file import dump
+        print(dump(config_from_args(a), {"gpus": a.gpus, "nproc": a.nproc}), end="")
+        return 0
     n = a.gpus or a.nproc
     if n:
         wanted = "cuda" if a.gpus else "cpu"
@@ -303,10 +311,6 @@ def cmd_train(a) -> int:
         if n > 1 and check_launch(n):
             return launch(a.argv, n, gpus=bool(a.gpus))
     cfg = config_from_args(a)
-    if a.print_config:
-        from .config_file import dump
-        print(dump(cfg, {"gpus": a.gpus, "nproc": a.nproc}), end="")
-        return 0
     metrics = run(cfg)
     if env_world_size() > 1:        # a rank: the launcher reports the run (a rank's non-zero status is a failure)
         return 0
@@ -371,7 +375,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def _compile_parser(sub) -> None:
     p = sub.add_parser("compile", help="trace, cost, solve, lower, verify; write the plan")
     _add_compile_args(p)
-    p.add_argument("-o", "--output", default="plan.json")
+    p.add_argument("-o", "--output", default="plan.json", metavar="PLAN",
+                   help="the plan file to write: versioned JSON that `lazytrain show`, `simulate`, `trace` read and a "
+                        "Trainer runs (default plan.json)")
     p.add_argument("--calibrate", action="store_true",
                    help="time the model's blocks on this machine at the plan's shapes and compile with those times "
                         "(written into --hardware when it is a file)")
@@ -437,13 +443,18 @@ def _profile_parser(sub) -> None:
 
 
 def _train_parser(sub, with_flags: bool) -> None:
-    p = sub.add_parser("train", help="train on the built-in arithmetic task: compile, train, evaluate, save",
-                       description="Train on generated arithmetic word problems: build the model, compile a plan "
+    p = sub.add_parser("train", help="fine-tune a model on your data (--data FILE, or a CONFIG.yaml), or train on the "
+                                     "built-in arithmetic task: compile, train, evaluate, save",
+                       description="Fine-tune a pretrained model on your data (--data FILE: chats, prompt/completion, "
+                                   "alpaca or text records; README: Fine-tune your model), or without --data train on "
+                                   "generated arithmetic word problems. Either way: build the model, compile a plan "
                                    "for this machine (CUDA when there is a GPU, else the CPU), train until --steps or "
-                                   "--time-limit-min, report exact match on held-out problems, and write "
-                                   "metrics.json, loss.png and checkpoint/ into --output. Ctrl-C, SIGTERM or SIGHUP "
-                                   "stops after the step in flight and saves (exit status 128 + the signal); twice "
-                                   "stops at once.")
+                                   "--time-limit-min, evaluate (exact match of generated answers on held-out "
+                                   "examples), and write metrics.json, loss.png and checkpoint/ (with --data also "
+                                   "model/, a Hugging Face folder) into --output. The settings may come from a YAML "
+                                   "file (CONFIG.yaml) with KEY=VALUE overrides; flags override both. Ctrl-C, SIGTERM "
+                                   "or SIGHUP stops after the step in flight and saves (exit status 128 + the "
+                                   "signal); twice stops at once.")
     p.add_argument("config_file", nargs="?", default=None, metavar="CONFIG.yaml",
                    help="the run's settings as a YAML file, keyed as Hugging Face's TrainingArguments / TRL's "
                         "SFTConfig name them where they have the setting (learning_rate, max_steps, output_dir, "
@@ -484,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     a, rest = parser.parse_known_args(args)
     a.overrides = []
     if rest:                # ``train CONFIG.yaml key=value ...``: the KEY=VALUEs; anything else is argparse's error
-        if a.command != "train" or any(x.startswith("-") or "=" not in x for x in rest):
+        if a.command != "train" or any(x.startswith("-") for x in rest):
             parser.parse_args(args)         # (exits with argparse's one-line error)
         a.overrides = rest
     a.argv = args     # what --gpus N starts on every rank

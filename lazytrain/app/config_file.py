@@ -164,12 +164,9 @@ def _value(name: str, key: str, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: {key} is true or false, got {value!r}")
         # the flag sets the field to ``const``; the key names the field's own value (do_eval: false, packing: true)
         return value
-    if value is None:
-        if s.type is not None:
-            try:
-                return s.type("none")       # ``time_limit_min: null``: no limit, as the flag's "none"
-            except (argparse.ArgumentTypeError, ValueError, TypeError):
-                pass
+    if value is None:       # null: None where the setting takes it (time_limit_min: null, no limit), else the default
+        if "None" in str(f.type):
+            return None
         return f.default if f.default is not MISSING else _UNSET
     if s.nargs == "?" and value is True:         # ``profile: true``: the flag given without a step
         return s.const

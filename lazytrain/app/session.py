@@ -42,6 +42,13 @@ def progress_bar(total: int, start: int, shown: bool):
     return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
 
 
+def follow_total(bar, total: int | None) -> None:
+    """The bar's total (and so its ETA) at the steps the run will reach (``loop.StepBudget``: under a time limit,
+    the steps its pace allows, re-estimated every step)."""
+    if bar is not None and total and bar.total != total:
+        bar.total = total
+
+
 def note(bar, text: str) -> None:
     """``text`` on the console, above the progress bar when there is one."""
     if bar is not None:
@@ -53,6 +60,12 @@ def note(bar, text: str) -> None:
 def can_plot() -> bool:
     """Is matplotlib installed (the ``plot`` extra)?  Without it the run writes no PNGs."""
     return importlib.util.find_spec("matplotlib") is not None
+
+
+def say_no_plot(name: str) -> None:
+    """The one line a run prints where it would write the PNG ``name`` but matplotlib is missing."""
+    print(f"no {name}: matplotlib is not installed (pip install matplotlib, or the plot extra); metrics.json has "
+          f"the numbers")
 
 
 #: the signals that stop a run after the step in flight, as Ctrl-C does: a scheduler's (SLURM, Kubernetes, a

@@ -75,7 +75,7 @@ from .finetune import run as finetune
 from .loop import Progress, open_run, start_trainer, steps, thread_tuner
 from .ranks import Ranks
 from .runfolder import claim
-from .session import StopFlag, can_plot, hardware_for, note, progress_bar, stop_signals
+from .session import StopFlag, can_plot, follow_total, hardware_for, note, progress_bar, say_no_plot, stop_signals
 
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
 TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512, "rope": True}
@@ -308,6 +308,7 @@ def _train(cfg: TrainConfig, trainer, opt, run: Progress, flag: StopFlag, batche
             if ranks.main:
                 _report_profile(trainer, out, bar)
         run.record(stats, opt.lr, t_start)
+        follow_total(bar, run.total)
         if bar is not None:
             bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
                             tflops=f"{stats.model_tflops:.3f}", lr=f"{opt.lr:.1e}", refresh=False)
@@ -335,7 +336,8 @@ def _metrics(cfg: TrainConfig, seq: int, run: Progress, *, desc, n_params: int, 
         "plan": {"policy": plan.decisions.policy, "micro_batch": plan.micro_batch, "n_micro": plan.n_micro,
                  "n_ops": len(plan.ops), "predicted_step_s": plan.predicted.get("step_time_s"),
                  "resident_blocks": sorted(plan.decisions.resident_blocks), "compile_s": round(compile_s, 2)},
-        "steps_done": run.step, "tokens": run.tokens, "stop_reason": run.stop_reason, "interrupted": run.interrupted,
+        "steps_done": run.step, "peak_lr": run.peak_lr, "tokens": run.tokens, "stop_reason": run.stop_reason,
+        "interrupted": run.interrupted,
         "stopped_by": run.stopped_by,
         "exact_match": None, "final_eval": "skipped (interrupted)" if run.interrupted else "pending",
         "eval_size": len(evals), "eval_curve": em_curve, "loss_curve": run.history,
@@ -403,8 +405,9 @@ def _report_profile(trainer, out: Path, bar) -> None:
 
 
 def _plot_loss(path: Path, history: list[dict], em_curve: list[dict], cfg: TrainConfig) -> None:
-    """``loss.png`` next to metrics.json when matplotlib is installed."""
+    """``loss.png`` next to metrics.json when matplotlib is installed (else a line saying why not)."""
     if not can_plot():
+        say_no_plot("loss.png")
         return
     last = em_curve[-1] if em_curve else None
     title = f"model {cfg.model}, task {cfg.difficulty}, batch {cfg.batch}" + (

@@ -44,7 +44,7 @@ from .. import runfiles
 from ..config import FinetuneConfig, TrainConfig, asked, recorded
 from ..loop import Progress, open_run, start_trainer, steps, thread_tuner
 from ..runfiles import nan_losses, plot_into, take_settings
-from ..session import StopFlag, can_plot, hardware_for, note, progress_bar, stop_signals
+from ..session import StopFlag, can_plot, follow_total, hardware_for, note, progress_bar, say_no_plot, stop_signals
 from .evaluation import describe, evaluate
 from .prepare import (
     Source,
@@ -159,7 +159,16 @@ def run(cfg: TrainConfig) -> dict:
     n_new = cfg.max_new_tokens or max_new_tokens(tok, data.eval)
     tuner = thread_tuner(dev, cfg, opt, **TUNER) if ranks.size == 1 else None
 
+    spent = {"evaluations": 0.0, "export": 0.0}
+
     def run_eval(step: int) -> dict:
+        t_eval = time.perf_counter()
+        try:
+            return timed_eval(step)
+        finally:
+            spent["evaluations"] += time.perf_counter() - t_eval
+
+    def timed_eval(step: int) -> dict:
         threads = torch.get_num_threads()
         if tuner is not None:           # the count last measured fastest, not whichever a probe left
             torch.set_num_threads(_fastest(tuner) or threads)
@@ -182,6 +191,7 @@ def run(cfg: TrainConfig) -> dict:
             if tuner is not None:
                 tuner.observe(stats.step_s)
             run.record(stats, opt.lr, t_start, tokens=True)
+            follow_total(bar, run.total)
             _tick(bar, stats, opt.lr)
             if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps and data.eval:
                 evals.append(run_eval(run.step))
@@ -209,7 +219,9 @@ def run(cfg: TrainConfig) -> dict:
                     print(describe(evals[-1], run.step))
                 final_eval = "done" if data.eval else "skipped (--no-eval)"
                 if cfg.export and ranks.main:
+                    t_export = time.perf_counter()
                     exported = _export(cfg, src, param_dtype, out / "model", trainer, model, tok, stop_ids, ckpt)
+                    spent["export"] = time.perf_counter() - t_export
             except KeyboardInterrupt:
                 run.stop(flag)
                 print("final eval or export interrupted: the checkpoint and metrics are committed without it")
@@ -221,8 +233,24 @@ def run(cfg: TrainConfig) -> dict:
             _plot(out / "loss.png", run.history, evals, src.spec)
     trainer.close()
     print(f"wrote {out / 'metrics.json'}, {ckpt}" + (f" and {exported}" if exported else ""))
+    print(wall_line(time.perf_counter() - t_start, load_s=load_s, compile_s=compile_s, train_s=run.train_s,
+                    limit_min=cfg.time_limit_min, **spent))
     ranks.close()
     return metrics
+
+
+def wall_line(wall_s: float, *, load_s: float, compile_s: float, train_s: float, limit_min: float | None,
+              evaluations: float, export: float) -> str:
+    """Where the run's wall time went: the time limit counts the step loop (with its --eval-every evaluations)
+    only, and this says what came on top."""
+    def t(s: float) -> str:
+        return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
+    limit = f" (limit {limit_min:g} min)" if limit_min else ""
+    parts = [f"loading {t(load_s)}", f"compile {t(compile_s)}", f"training {t(train_s)}{limit}",
+             f"evaluations {t(evaluations)} (those every --eval-every steps within training)"]
+    if export:
+        parts.append(f"export {t(export)}")
+    return f"wall time {t(wall_s)}: " + ", ".join(parts)
 
 
 def _say_start(cfg: FinetuneConfig, src: Source, data, batches, pad: dict, plan, *, n_params: int, dev: torch.device,
@@ -256,7 +284,7 @@ def _metrics(cfg: FinetuneConfig, run: Progress, *, src: Source, model, n_params
         "plan": {"policy": plan.decisions.policy, "micro_batch": plan.micro_batch, "n_micro": plan.n_micro,
                  "packed": bool(plan.graph.meta.get("packed")),
                  "predicted_step_s": plan.predicted.get("step_time_s"), "compile_s": round(compile_s, 2)},
-        "steps_done": run.step, "tokens": run.tokens, "stop_reason": run.stop_reason,
+        "steps_done": run.step, "peak_lr": run.peak_lr, "tokens": run.tokens, "stop_reason": run.stop_reason,
         "interrupted": run.interrupted, "stopped_by": run.stopped_by, "final_eval": final_eval,
         "exact_match_before": next((e["exact_match"] for e in evals if e["step"] == 0), None),
         "exact_match": evals[-1]["exact_match"] if evals and final_eval == "done" else None,
@@ -376,6 +404,7 @@ def _fastest(tuner) -> int | None:
 
 def _plot(path: Path, history: list[dict], evals: list[dict], name: str) -> None:
     if not can_plot():
+        say_no_plot("loss.png")
         return
     last = evals[-1] if evals else None
     title = f"fine-tuning {name}" + (f": exact match {last['exact_match']:.1%} at step {last['step']}"
