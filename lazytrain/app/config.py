@@ -274,9 +274,10 @@ class FinetuneConfig(TrainConfig):
                                 "length; the run prints the padding both ways, so try it when it says unpacked is "
                                 "over ~20%%", const=True, group="data", resumed=Runs.DATA, key="packing")
     answer_regex: str | None = setting(None, "exact match compares the first match of RE (its first group) in reply "
-                                             "and reference (default: the last number in each; where the reference "
-                                             "has no number, the whole reply and reference, stripped of spaces at "
-                                             "either end)", metavar="RE", group="data",
+                                             "and reference (default: the last number in each, commas between "
+                                             "digits dropped; a text without a number is compared whole, stripped "
+                                             "of white space at either end: 'Paris.' is not 'Paris')", metavar="RE",
+                                       group="data",
                                        resumed=Runs.DATA)
     max_new_tokens: int | None = setting(None, "longest reply generated in evaluation (default: 1.5x the longest "
                                                "reference + 8)", type=cli_types.positive, metavar="N", group="data",

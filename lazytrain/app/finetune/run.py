@@ -263,6 +263,10 @@ def _say_start(cfg: FinetuneConfig, src: Source, data, batches, pad: dict, plan,
           f", {'unpacked' if cfg.pack else 'packed'} it would be {pad['unpacked' if cfg.pack else 'packed']:.0%}); "
           f"{batches.steps_per_epoch} steps an epoch; plan: {plan.decisions.policy}, micro-batch {plan.micro_batch} x "
           f"{plan.n_micro}, compiled in {compile_s:.1f} s")
+    if cfg.pack and pad["packed"] > pad["unpacked"]:
+        print(f"note: --pack leaves more padding here ({pad['packed']:.0%}) than one example a row "
+              f"({pad['unpacked']:.0%}): the examples are about as long as --seq {data.seq_len}; leave --pack out, "
+              f"or give a longer --seq")
     if data.counts["too_long"]:
         print(f"{data.counts['too_long']} examples longer than {data.seq_len} tokens: "
               f"{data.counts['dropped']} dropped, the rest truncated (--truncate {cfg.truncate})")
