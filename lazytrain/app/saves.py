@@ -177,14 +177,14 @@ def newest(run: Path, flag: str) -> Path | None:
         try:
             verify(path)
         except CheckpointError as e:
-            bad.append(path.name)
+            bad.append(f"{path.name}: {e}")
             print(f"{flag} {run}: {path.name} (step {step}) does not check out, falling back to the next newest "
                   f"checkpoint: {e}")
             continue
         print(f"{flag} {run}: reading {path.name} (step {step})")
         return path
     if bad:
-        raise CheckpointError(f"{flag} {run}: no checkpoint in it checks out ({', '.join(bad)}): each is damaged")
+        raise CheckpointError(f"{flag} {run}: no checkpoint in it checks out: {'; '.join(bad)}")
     return None
 
 
