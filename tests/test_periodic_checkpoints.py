@@ -152,3 +152,12 @@ def test_a_fine_tune_saves_periodically_and_resumes_from_its_latest(tmp_path, mo
     assert main(["export", str(out), "-o", str(tmp_path / "exported")]) == 0
     assert "reading checkpoint (step 4)" in capsys.readouterr().out
     assert main(["export", str(out / "checkpoint-2"), "-o", str(tmp_path / "at2")]) == 0     # or the one named
+
+
+def test_saving_changes_nothing_in_the_training(whole, tmp_path):
+    """A save flushes the lagged host updates early; the run goes on exactly as one that never saved."""
+    out = tmp_path / "plain"
+    assert main(["train", *TINY, "--steps", "7", "--output", str(out)]) == 0
+    assert not list(out.glob("checkpoint-*")) and _metrics(out)["saves"] == []
+    assert _curve(_metrics(out)) == _curve(_metrics(whole)) and _state(out / "checkpoint") == _state(whole /
+                                                                                                    "checkpoint")
