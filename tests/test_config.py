@@ -69,7 +69,8 @@ def test_every_recorded_setting_is_kept_carried_or_this_commands():
     """A resume keeps or carries every setting the run recorded, but for those about this command alone (where
     it runs and writes; a data run's also the task's settings, which it does not use): a new setting has to be put
     in one of the three."""
-    mine = {"output", "resume", "device", "threads", "profile", "allow_factory", "nvme_dir"}
+    mine = {"output", "resume", "resume_from_checkpoint", "resumed_checkpoint", "device", "threads", "profile",
+            "allow_factory", "nvme_dir"}
     for cfg, also in ((TrainConfig(), {"extra"}), (FinetuneConfig(), {"difficulty", "loss_on_prompt"})):
         own = set(recorded(cfg)) - set(resumed(cfg)) - set(carried(cfg))
         assert own == mine | also, own

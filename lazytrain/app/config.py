@@ -222,6 +222,20 @@ class TrainConfig:
     resume: str | None = setting(None, "continue the run saved in DIR (an --output folder) up to --steps, with its "
                                        "model, data, batch and plan; only data is read from DIR, no code runs",
                                  type=cli_types.path, metavar="DIR")
+    #: periodic checkpoints (``saves.py``): ``OUTPUT/checkpoint-STEP/`` every N steps, the newest K kept
+    save_steps: int = setting(0, "commit a complete checkpoint (with the metrics as of that step) to "
+                                 "OUTPUT/checkpoint-STEP/ every N steps (default: only the final OUTPUT/checkpoint/)",
+                              type=cli_types.non_negative, metavar="N", carried=_KEPT, shape=Opt(Int(0)))
+    save_total_limit: int | None = setting(None, "keep only the newest K periodic checkpoints, deleting older ones "
+                                                 "once a newer one is committed (default: keep all)",
+                                           type=cli_types.positive, metavar="K", carried=_KEPT,
+                                           shape=Opt(Either(None, Int(1))))
+    resume_from_checkpoint: bool | str | None = setting(
+        None, "resume from the newest complete checkpoint in --output (no PATH), in the run folder PATH, or from the "
+              "checkpoint folder PATH (OUTPUT/checkpoint-STEP); --resume DIR also takes DIR's newest",
+        type=cli_types.path, nargs="?", const=True, metavar="PATH")
+    #: the checkpoint folder a resume reads, chosen when the run starts (``saves.pick``); None: DIR/checkpoint
+    resumed_checkpoint: str | None = setting(None)
     device: str | None = setting(None, "default: cuda when there is a GPU", choices=("cpu", "cuda"))
     hardware: str | None = setting(None, "the hardware profile the plan is compiled for: a built-in one "
                                          "({profiles}) or a file from `lazytrain profile` (default: the profile of "

@@ -191,6 +191,7 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
     from ..runtime.checkpoint import read_meta
     from ..runtime.optim import Hybrid8bitAdamW
     from ..runtime.trainer import Trainer
+    from .runfiles import resume_checkpoint
     ranks = ranks or Ranks()
     opt = Hybrid8bitAdamW(lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                           num_threads=torch.get_num_threads() if dev.type == "cpu" else None,
@@ -199,7 +200,7 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
     t = time.perf_counter()
     plan = None
     if resumed:
-        saved = read_meta(Path(cfg.resume) / "checkpoint")[1]["plan"].get("world_size", 1)
+        saved = read_meta(resume_checkpoint(cfg))[1]["plan"].get("world_size", 1)
         if saved != ranks.size:     # the global batch is kept: a plan for this world's share of it
             print(f"the checkpoint was saved by {saved} process(es), this run has {ranks.size}: compiling a plan for "
                   f"{ranks.size} (global batch {cfg.batch} kept)")
@@ -207,7 +208,7 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
         plan = _shared_plan(cfg, model, ranks, seq_len=seq_len, hardware=hardware, param_dtype=param_dtype,
                             packed=packed)
     if resumed:
-        trainer = Trainer.load_checkpoint(Path(cfg.resume) / "checkpoint", model, optimizer=opt, device=dev, plan=plan,
+        trainer = Trainer.load_checkpoint(resume_checkpoint(cfg), model, optimizer=opt, device=dev, plan=plan,
                                           verbose=ranks.main, weights=weights, nvme_dir=cfg.nvme_dir)
     else:
         trainer = Trainer(model, plan, optimizer=opt, device=dev, verbose=ranks.main, weights=weights,

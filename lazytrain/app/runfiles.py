@@ -61,10 +61,11 @@ def plot_into(path: Path, curves: dict, *, title: str) -> None:
         plot_loss(tmp / path.name, curves, title=title)
 
 
-def commit(trainer, out: Path, metrics: dict, *, main: bool = True) -> Path:
-    """Commit 1: the trainer's state and ``metrics`` in one atomic checkpoint; then the copy (``main``: the
-    rank that writes it; with several ranks every one calls this, rank 0's metrics are committed)."""
-    ckpt = checkpoint.save(trainer, out / "checkpoint", extras={METRICS: _encode(metrics)})
+def commit(trainer, out: Path, metrics: dict, *, main: bool = True, name: str = "checkpoint") -> Path:
+    """Commit 1: the trainer's state and ``metrics`` in one atomic checkpoint (``out/name``: a periodic one is
+    ``checkpoint-STEP``, ``saves.py``); then the copy (``main``: the rank that writes it; with several ranks every one
+    calls this, rank 0's metrics are committed)."""
+    ckpt = checkpoint.save(trainer, out / name, extras={METRICS: _encode(metrics)})
     if main:
         write_json(out / METRICS, metrics)
     return ckpt
@@ -80,16 +81,22 @@ def _encode(metrics: dict) -> bytes:
     return dumps(metrics, indent=1).encode()
 
 
+def resume_checkpoint(cfg: TrainConfig) -> Path:
+    """The checkpoint folder a resume of ``cfg`` reads: the one ``saves.pick`` chose (the run folder's newest
+    complete one), else ``cfg.resume``'s ``checkpoint/``."""
+    return Path(cfg.resumed_checkpoint) if cfg.resumed_checkpoint else Path(cfg.resume) / "checkpoint"
+
+
 def load_resume(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
     """``(cfg with the run's settings, the run's metrics)`` from the checkpoint of ``cfg.resume``; every
     field checked (``SHAPE``) and the metrics checked against the checkpoint they were committed with."""
-    src = Path(cfg.resume)
+    src, ckpt = Path(cfg.resume), resume_checkpoint(cfg)
     try:
-        resolve(src / "checkpoint")
+        resolve(ckpt)
     except CheckpointError:
         raise FileNotFoundError(f"--resume {src}: expected an output folder of `lazytrain train` (a checkpoint/ "
                                 f"folder)") from None
-    folder, meta = read_meta(src / "checkpoint")
+    folder, meta = read_meta(ckpt)
     mpath = folder / METRICS
     try:
         prev = json.loads(read_extra(folder, meta, METRICS).decode("utf-8"))

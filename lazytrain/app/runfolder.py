@@ -20,6 +20,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,6 +113,7 @@ def refuse_links(folder: Path, flag: str) -> None:
 def _refuse_replacing(out: Path, cfg: TrainConfig) -> None:
     """A run over a folder holding another run: refused unless it resumes that folder or ``--overwrite``."""
     held = [n for n in ("checkpoint", "checkpoint.old", "metrics.json") if os.path.lexists(out / n)]
+    held += sorted(p.name for p in out.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name))  # --save-steps
     if not held or cfg.overwrite or (cfg.resume and _same(Path(cfg.resume), out)):
         return
     raise ValueError(f"--output {out} holds a run ({held[0]}); this run would replace it: --resume {out} continues "

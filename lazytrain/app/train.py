@@ -68,7 +68,7 @@ from ..hf.model_loading import meta_weights, shard_loadable
 from ..tasks import CharTokenizer, check_eval_size, eval_examples, exact_match, get_difficulty, train_batches
 from ..util.atomic import staged_files
 from ..util.host import cpu_cores
-from . import runfiles
+from . import runfiles, saves
 from .config import TrainConfig
 from .finetune import is_finetune_run
 from .finetune import run as finetune
@@ -215,8 +215,10 @@ def check_config(cfg: TrainConfig, diff, seq: int) -> None:
 def run(cfg: TrainConfig) -> dict:
     """Train as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``).  The run owns its
     output folder while it lasts (``runfolder.claim``: locked, never written through a link)."""
+    saves.settle(cfg)       # --resume-from-checkpoint: the run folder to resume
     with claim(cfg, main=int(os.environ.get("RANK", "0")) == 0):      # (the launcher's rank: Ranks.join reads it)
-        if getattr(cfg, "data", None) is not None or is_finetune_run(cfg.resume):    # --data FILE: fine-tune
+        saves.pick(cfg)     # its newest complete checkpoint
+        if getattr(cfg, "data", None) is not None or is_finetune_run(cfg.resume, cfg.resumed_checkpoint):
             return finetune(cfg)
         return _run_task(cfg)
 
@@ -249,12 +251,16 @@ def _run_task(cfg: TrainConfig) -> dict:
     em_curve = list(prev["eval_curve"]) if prev else []
     run = Progress(start, tokens=int(prev["tokens"]) if prev else 0, history=list(prev["loss_curve"]) if prev else [])
     tuner = thread_tuner(dev, cfg, opt) if ranks.size == 1 else None
+
+    def metrics_now() -> dict:
+        return saver.stamp(_metrics(cfg, seq, run, desc=desc, n_params=n_params, dev=dev, tuner=tuner,
+                                    hardware=hardware, param_dtype=param_dtype, plan=plan, compile_s=compile_s,
+                                    evals=evals, em_curve=em_curve, prev=prev, t_start=t_start, out=out))
+    saver = saves.Saver(cfg, trainer, out, metrics_now, main=ranks.main, prev=prev)
     with StopFlag(stop_signals(ranks.size)) as flag:
         _train(cfg, trainer, opt, run, flag, batches, evals, em_curve, start=start, dev=dev, ranks=ranks, tuner=tuner,
-               out=out, t_start=t_start)
-        metrics = _metrics(cfg, seq, run, desc=desc, n_params=n_params, dev=dev, tuner=tuner, hardware=hardware,
-                           param_dtype=param_dtype, plan=plan, compile_s=compile_s, evals=evals, em_curve=em_curve,
-                           prev=prev, t_start=t_start, out=out)
+               out=out, t_start=t_start, saver=saver)
+        metrics = metrics_now()
         ckpt = _commit(trainer, out, metrics, run, evals if cfg.evaluate else None, em_curve, dev, flag, t_start,
                        ranks)
         if ranks.main:
@@ -292,9 +298,9 @@ def _model(cfg: TrainConfig, prev: dict | None, seq: int, vocab: int, ranks: Ran
 
 
 def _train(cfg: TrainConfig, trainer, opt, run: Progress, flag: StopFlag, batches, evals: list, em_curve: list, *,
-           start: int, dev: torch.device, ranks: Ranks, tuner, out: Path, t_start: float) -> None:
+           start: int, dev: torch.device, ranks: Ranks, tuner, out: Path, t_start: float, saver=None) -> None:
     """The step loop: each step's batch, the ``--profile`` step's report, the progress bar, the ``--eval-every``
-    evaluations (into ``em_curve``)."""
+    evaluations (into ``em_curve``), the ``--save-steps`` checkpoints (``saver``)."""
     bar = progress_bar(cfg.steps, start, cfg.progress and ranks.main)
     for step in steps(cfg, opt, run, flag, start=start, ranks=ranks):
         b = next(batches)
@@ -317,6 +323,8 @@ def _train(cfg: TrainConfig, trainer, opt, run: Progress, flag: StopFlag, batche
             em = evaluate(trainer, evals[:min(len(evals), 200)], dev, ranks=ranks)
             em_curve.append({"step": run.step, "exact_match": em, "n": min(len(evals), 200)})
             note(bar, f"step {run.step}: exact match {em:.1%} on {min(len(evals), 200)} eval problems")
+        if saver is not None:
+            saver.step(run.step, bar)
     if bar is not None:
         bar.close()
 

@@ -1,4 +1,5 @@
-"""``lazytrain export CHECKPOINT_DIR -o DIR``: any checkpoint as a Hugging Face folder (``export.py``).
+"""``lazytrain export CHECKPOINT_DIR -o DIR``: any checkpoint as a Hugging Face folder (``export.py``); of a run
+folder, its newest complete checkpoint (``saves.py``).
 
 The checkpoint holds the weights; the config comes from ``--config``, else from the run the checkpoint
 belongs to (``OUTPUT/source/config.json`` of a ``--data`` run, or the config its ``metrics.json``
@@ -19,6 +20,7 @@ from ...frontend.presets import build_from_config
 from ...hf.export import ExportError, check_weights, checkpoint_weights, hf_config, write_folder
 from ...hf.model_loading import has_tokenizer, read_config
 from ...runtime.checkpoint import read_extra, read_meta
+from .. import saves
 from .prepare import Source, tokenizer_for
 
 
@@ -40,11 +42,13 @@ def export_checkpoint(source, output, *, config=None, tokenizer=None, dtype: str
 
 
 def _locate(src: Path) -> tuple[Path, Path | None]:
-    """(checkpoint folder, run folder or None)."""
+    """(checkpoint folder, run folder or None): a checkpoint folder named (``OUTPUT/checkpoint-STEP`` too), or a run
+    folder's newest complete checkpoint, the final one or a periodic one (``saves.newest``)."""
     if (src / "checkpoint.json").is_file() or (src.with_name(src.name + ".old") / "checkpoint.json").is_file():
         return src, src.parent if (src.parent / "metrics.json").is_file() else None
-    if (src / "checkpoint").is_dir():
-        return src / "checkpoint", src
+    newest = saves.newest(src, "lazytrain export") if src.is_dir() else None
+    if newest is not None:
+        return newest, src
     if not src.exists():
         raise ExportError(f"{src} does not exist: name a run folder (OUTPUT of lazytrain train) or its checkpoint/")
     raise ExportError(f"{src}: neither a checkpoint folder (checkpoint.json) nor a run folder (checkpoint/)")

@@ -40,7 +40,7 @@ from ...hf.named import generation_config
 from ...runtime.checkpoint import read_extra, read_meta
 from ...runtime.manifest import CheckpointError
 from ...util.atomic import staged_folder
-from .. import runfiles
+from .. import runfiles, saves
 from ..config import FinetuneConfig, TrainConfig, asked, recorded
 from ..loop import Progress, open_run, start_trainer, steps, thread_tuner
 from ..runfiles import nan_losses, plot_into, take_settings
@@ -61,20 +61,21 @@ from .prepare import (
 FORMAT = "lazytrain.finetune-metrics/1"
 
 
-def is_finetune_run(folder) -> bool:
-    """Is ``folder`` the output of a ``--data`` run (its metrics say so)?"""
+def is_finetune_run(folder, ckpt=None) -> bool:
+    """Is ``folder`` the output of a ``--data`` run (its metrics say so; ``ckpt``: the checkpoint a resume reads)?"""
     try:
-        return bool(folder) and _committed(Path(folder))[0].get("format") == FORMAT
+        return bool(folder) and _committed(Path(folder), ckpt)[0].get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
 
 
-def _committed(src: Path) -> tuple[dict, int | None]:
+def _committed(src: Path, ckpt=None) -> tuple[dict, int | None]:
     """(the metrics committed with the checkpoint of the run folder ``src``, the checkpoint's step): the copy inside
-    the checkpoint (``runfiles.commit``); the folder's own for a checkpoint saved without it (an older run, whose
-    step is then checked against the checkpoint's), with step None when there is no checkpoint."""
+    the checkpoint (``runfiles.commit``; ``ckpt``, else ``src/checkpoint``); the folder's own for a checkpoint saved
+    without it (an older run, whose step is then checked against the checkpoint's), with step None when there is no
+    checkpoint."""
     try:
-        folder, meta = read_meta(src / "checkpoint")
+        folder, meta = read_meta(ckpt or src / "checkpoint")
     except CheckpointError:
         return json.loads((src / runfiles.METRICS).read_text()), None
     if runfiles.METRICS in meta["extras"]:
@@ -85,7 +86,7 @@ def _committed(src: Path) -> tuple[dict, int | None]:
 def _resume(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict]:
     src = Path(cfg.resume)
     try:
-        prev, at = _committed(src)
+        prev, at = _committed(src, cfg.resumed_checkpoint)
         saved, done = prev["settings"], int(prev["steps_done"])
         nan_losses(prev["loss_curve"])
         curve = [h["step"] for h in prev["loss_curve"]]
@@ -185,6 +186,14 @@ def run(cfg: TrainConfig) -> dict:
         evals.append(run_eval(0))
         print(describe(evals[-1], 0))
     bar = progress_bar(cfg.steps, start, cfg.progress and ranks.main)
+    ckpt = out / "checkpoint"
+
+    def metrics_now(exported: str | None, final_eval: str) -> dict:
+        return saver.stamp(_metrics(cfg, run, src=src, model=model, n_params=n_params, dev=dev, hardware=hardware,
+                                    param_dtype=param_dtype, data=data, batches=batches, pad=pad, stop_ids=stop_ids,
+                                    n_new=n_new, plan=plan, compile_s=compile_s, evals=evals, prev=prev,
+                                    t_start=t_start, ckpt=ckpt, exported=exported, final_eval=final_eval))
+    saver = saves.Saver(cfg, trainer, out, lambda: metrics_now(None, "pending"), main=ranks.main, prev=prev)
     with StopFlag(stop_signals(ranks.size)) as flag:
         for step in steps(cfg, opt, run, flag, start=start, ranks=ranks):
             stats = trainer.step(batches.batch(step))
@@ -196,15 +205,9 @@ def run(cfg: TrainConfig) -> dict:
             if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps and data.eval:
                 evals.append(run_eval(run.step))
                 note(bar, describe(evals[-1], run.step))
+            saver.step(run.step, bar)
         if bar is not None:
             bar.close()
-        ckpt = out / "checkpoint"
-
-        def metrics_now(exported: str | None, final_eval: str) -> dict:
-            return _metrics(cfg, run, src=src, model=model, n_params=n_params, dev=dev, hardware=hardware,
-                            param_dtype=param_dtype, data=data, batches=batches, pad=pad, stop_ids=stop_ids,
-                            n_new=n_new, plan=plan, compile_s=compile_s, evals=evals, prev=prev, t_start=t_start,
-                            ckpt=ckpt, exported=exported, final_eval=final_eval)
         # commit 1: checkpoint + metrics in one (``runfiles``): a kill before commit 2 resumes from here
         metrics = metrics_now(None, "skipped (interrupted)" if run.interrupted else "pending")
         runfiles.commit(trainer, out, metrics, main=ranks.main)
