@@ -45,18 +45,20 @@ def test_one_list_of_settings_a_resume_keeps():
     """The task's run keeps what defines its model, data and plan; a data run also its files, tokenizer and held-out
     size (which picks its training examples), not the task's difficulty."""
     task, data = set(resumed(TrainConfig())), set(resumed(FinetuneConfig()))
-    shared = {"model", "batch", "seq", "seed", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm", "policy",
-              "gpu_memory", "host_memory", "nvme_memory", "resident", "optimizer"}
+    shared = {"model", "batch", "seq", "seed", "warmup", "warmup_ratio", "lr_scheduler_type", "min_lr_ratio",
+              "weight_decay", "max_grad_norm", "policy", "gpu_memory", "host_memory", "nvme_memory", "resident",
+              "optimizer"}
     assert task == shared | {"difficulty", "loss_on_prompt"}
     assert data == shared | {"tokenizer", "data", "eval_data", "loss_on", "truncate", "pack", "eval_size",
                              "answer_regex", "epochs"}
 
 
 def test_metrics_settings_are_every_field_but_the_progress_bar_and_overwrite():
-    """(``--overwrite`` is how a run took its folder, not what the run is.)"""
+    """(``--overwrite`` is how a run took its folder, not what the run is; a data run records none of the built-in
+    task's settings.)"""
     assert set(recorded(TrainConfig())) == {f.name for f in fields(TrainConfig)} - {"progress", "overwrite", "given"}
-    assert set(recorded(FinetuneConfig())) == {f.name for f in fields(FinetuneConfig)} - {"progress", "extra",
-                                                                                            "overwrite", "given"}
+    assert set(recorded(FinetuneConfig())) == {f.name for f in fields(FinetuneConfig)} - {
+        "progress", "extra", "overwrite", "given", "difficulty", "loss_on_prompt"}
 
 
 def test_every_setting_a_task_resume_reads_has_a_shape_to_check():
@@ -67,11 +69,10 @@ def test_every_setting_a_task_resume_reads_has_a_shape_to_check():
 
 def test_every_recorded_setting_is_kept_carried_or_this_commands():
     """A resume keeps or carries every setting the run recorded, but for those about this command alone (where
-    it runs and writes; a data run's also the task's settings, which it does not use): a new setting has to be put
-    in one of the three."""
-    mine = {"output", "resume", "resume_from_checkpoint", "resumed_checkpoint", "device", "threads", "profile",
-            "allow_factory", "nvme_dir"}
-    for cfg, also in ((TrainConfig(), {"extra"}), (FinetuneConfig(), {"difficulty", "loss_on_prompt"})):
+    it runs and writes): a new setting has to be put in one of the three."""
+    mine = {"output", "resume", "resume_from_checkpoint", "resumed_checkpoint", "device", "hardware", "threads",
+            "profile", "allow_factory", "nvme_dir"}
+    for cfg, also in ((TrainConfig(), {"extra"}), (FinetuneConfig(), set())):
         own = set(recorded(cfg)) - set(resumed(cfg)) - set(carried(cfg))
         assert own == mine | also, own
         assert not set(resumed(cfg)) & set(carried(cfg))
