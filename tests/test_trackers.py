@@ -158,3 +158,15 @@ def test_mlflow_file_store(tmp_path, monkeypatch):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2, 3, 4]
     files = [f.path for f in client.list_artifacts(run.info.run_id, "eval")]
     assert files == ["eval/step_000002.md", "eval/step_000004.md"]
+
+
+def test_a_resume_logs_to_the_trackers_its_run_named(tb_run, tmp_path):
+    """``report_to`` is carried: ``--resume`` without the flag adds an events file, the curves continuing."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run, _ = tb_run
+    out = tmp_path / "resumed"
+    assert main([*RUN, "--steps", "5", "--no-eval", "--resume", str(run), "--output", str(out)]) == 0
+    assert json.loads((out / "metrics.json").read_text())["settings"]["report_to"] == ["tensorboard"]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [5]

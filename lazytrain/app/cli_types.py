@@ -94,10 +94,10 @@ def path(text: str) -> str:
     return text
 
 
-def report_to(text: str) -> tuple[str, ...]:
+def report_to(text: str) -> list[str]:
     """Trackers separated by commas (``tensorboard,wandb``), or ``none`` (``trackers.parse``)."""
     from .trackers import parse
     try:
-        return parse(text)
+        return list(parse(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None

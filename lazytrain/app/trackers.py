@@ -12,9 +12,11 @@ Both loops (``train.py``'s ``_train``, ``finetune/run.py``'s ``run``) call one s
     (leaving the block closes each tracker: on an exception or a second Ctrl-C too, a W&B run marked failed,
     an MLflow run FAILED or KILLED, TensorBoard's events flushed)
 
-Where each writes: TensorBoard ``OUTPUT/tensorboard/`` (one events file an invocation: a resumed run's steps
-continue the curves), W&B ``OUTPUT/wandb/`` (``WANDB_MODE=offline`` writes there only; ``wandb sync`` uploads it
-later), MLflow ``file:OUTPUT/mlruns`` unless ``MLFLOW_TRACKING_URI`` names another store (experiment
+A resumed run logs to the trackers its run named (``report_to``, ``logging_steps`` and ``run_name`` are carried)
+unless its command line names others.  Where each writes: TensorBoard ``OUTPUT/tensorboard/`` (one events file an
+invocation: a resumed run's steps continue the curves; a W&B or MLflow resume starts a new run of the same name),
+W&B ``OUTPUT/wandb/`` (``WANDB_MODE=offline`` writes there only; ``wandb sync`` uploads it later), MLflow
+``file:OUTPUT/mlruns`` unless ``MLFLOW_TRACKING_URI`` names another store (experiment
 ``lazytrain`` or ``MLFLOW_EXPERIMENT_NAME``).  The file store is the one ``mlflow-skinny`` (the ``mlflow`` extra) writes
 without a database; MLflow 3 keeps it in maintenance mode behind ``MLFLOW_ALLOW_FILE_STORE``, which the run sets for
 itself when it uses that store (``MLFLOW_TRACKING_URI=sqlite:///...`` with the full ``mlflow`` uses a database).

@@ -226,7 +226,6 @@ def check_config(cfg: TrainConfig, diff, seq: int) -> None:
 def run(cfg: TrainConfig) -> dict:
     """Train as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``).  The run owns its
     output folder while it lasts (``runfolder.claim``: locked, never written through a link)."""
-    check_trackers(cfg.report_to)       # a tracker's missing library: said before any work
     with claim(cfg, main=int(os.environ.get("RANK", "0")) == 0):      # (the launcher's rank: Ranks.join reads it)
         if getattr(cfg, "data", None) is not None or is_finetune_run(cfg.resume):    # --data FILE: fine-tune
             return finetune(cfg)
@@ -235,6 +234,7 @@ def run(cfg: TrainConfig) -> dict:
 
 def _run_task(cfg: TrainConfig) -> dict:
     cfg, prev, diff, seq = _settled(cfg)
+    check_trackers(cfg.report_to)       # a tracker's missing library: said before the model is built
     tok = CharTokenizer()
     dev, ranks, out, t_start = open_run(cfg)
 
