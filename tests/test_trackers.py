@@ -170,3 +170,52 @@ def test_a_resume_logs_to_the_trackers_its_run_named(tb_run, tmp_path):
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [5]
+
+
+def test_a_data_run_reports_its_evaluations_with_eval_loss_and_replies(tmp_path):
+    """The fine-tune loop (``--data``): the eval before training (step 0), each ``--eval-every`` and the final one,
+    with the eval loss and the sample replies; ``tokens_per_s`` is batch x seq, ``loss_tokens_per_s`` the labels."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("transformers")
+    from ft_fixtures import chat, tiny_folder, write_jsonl
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(f"{i}+{i % 7}=?", f"{i + i % 7}") for i in range(40)])
+    out = tmp_path / "run"
+    assert main(["train", *RUN[1:], "--steps", "2", "--model", str(tiny_folder(tmp_path / "hf")), "--data", str(data),
+                 "--seq", "64", "--no-export", "--output", str(out), "--report-to", "tensorboard"]) == 0
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert STEP_SCALARS <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("eval/eval_loss")] == [0, 2]
+    assert [e.step for e in events.Tensors("eval/samples/text_summary")] == [0, 2]
+    curve = json.loads((out / "metrics.json").read_text())["loss_curve"]
+    assert curve[0]["tok_s"] == pytest.approx(4 * 64 / curve[0]["step_s"], rel=0.01, abs=1)
+    assert curve[0]["loss_tok_s"] == pytest.approx(curve[0]["tokens"] / curve[0]["step_s"], rel=0.01, abs=1)
+
+
+def test_a_run_that_fails_mid_way_keeps_its_events(tmp_path, monkeypatch, capsys):
+    """An exception in step 3 ends the run (one-line error); the tracker is closed on the way out (its run marked
+    failed, TensorBoard's writer flushed, not left to its 10 s flush) and the steps before it are in the events."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lazytrain.app.trackers import TensorBoard
+    from lazytrain.runtime.trainer import Trainer
+    real, real_close, closed = Trainer.step, TensorBoard.close, []
+
+    def close(self, ok=True, killed=False):
+        closed.append(ok)
+        real_close(self, ok, killed)
+    monkeypatch.setattr(TensorBoard, "close", close)
+
+    def failing(self, batch):
+        if self.steps == 2:
+            raise RuntimeError("injected failure")
+        return real(self, batch)
+    monkeypatch.setattr(Trainer, "step", failing)
+    out = tmp_path / "run"
+    assert main([*RUN, "--output", str(out), "--report-to", "tensorboard", "--no-eval"]) == 2
+    assert "injected failure" in capsys.readouterr().err and closed == [False]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
