@@ -1,7 +1,8 @@
 """``lazytrain train``: the whole pipeline on the built-in arithmetic task, in one call.
 
     build model -> compile a plan for this machine -> Trainer + Hybrid 8-bit AdamW (warm-up + cosine)
-    -> train (tqdm: loss, tokens/s, TFLOPS) -> exact match on the eval split -> metrics.json + checkpoint/
+    -> train (tqdm: loss, tokens/s all and with a label, TFLOPS; --report-to's trackers) -> exact match on the eval
+    split -> metrics.json + checkpoint/
 
 Choices, written down so the next person sees them:
 
