@@ -219,3 +219,36 @@ def test_a_run_that_fails_mid_way_keeps_its_events(tmp_path, monkeypatch, capsys
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+
+
+def test_a_run_stopped_by_sigterm_ends_its_tracker_run_with_the_final_metrics(tmp_path, monkeypatch):
+    """SIGTERM (a scheduler's) stops after the step in flight: the run is saved and the tracker gets the steps done
+    and the final metrics before it is closed."""
+    import os
+    import signal
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lazytrain.runtime.trainer import Trainer
+    real = Trainer.step
+
+    def term(self, batch):
+        if self.steps == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, batch)
+    monkeypatch.setattr(Trainer, "step", term)
+    out = tmp_path / "run"
+    assert main([*RUN, "--output", str(out), "--report-to", "tensorboard", "--no-eval"]) == 128 + signal.SIGTERM
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+    assert [(e.step, e.value) for e in events.Scalars("final/steps_done")] == [(2, 2.0)]
+
+
+def test_only_rank_0_reports():
+    from types import SimpleNamespace
+
+    from lazytrain.app.trackers import Trackers
+    cfg = SimpleNamespace(report_to=["tensorboard"], run_name=None, output="x", logging_steps=1)
+    assert Trackers.open(cfg, "unused", main=False).backends == []
