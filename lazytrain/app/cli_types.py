@@ -110,3 +110,12 @@ def path(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError(f"needs a file or folder name, got {text!r}")
     return text
+
+
+def report_to(text: str) -> list[str]:
+    """Trackers separated by commas (``tensorboard,wandb``), or ``none`` (``trackers.parse``)."""
+    from .trackers import parse
+    try:
+        return list(parse(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -243,6 +243,19 @@ class TrainConfig:
     threads: int | None = setting(None, "CPU threads, at most the cores (default: measured, starting from the cores "
                                         "idle at the start)", type=cli_types.positive, metavar="N")
     progress: bool = setting(True, "no progress bar", flag="--no-progress", const=False, recorded=Runs.NONE)
+    #: a resume logs to the trackers its run named unless the flag says otherwise (TensorBoard's curves continue);
+    #: trackers.py says where each one writes.  A run folder older than these settings has none (``Opt``)
+    report_to: list[str] = setting(
+        None, "send the run's scalars, evaluations and settings to these trackers, comma-separated: tensorboard "
+            "(OUTPUT/tensorboard/), wandb, mlflow (file:OUTPUT/mlruns unless MLFLOW_TRACKING_URI), or none (default); "
+            "each needs its pip extra, e.g. lazytrain[tensorboard]", default_factory=list, type=cli_types.report_to,
+        metavar="T,..", key="report_to", carried=_KEPT, shape=Opt(ListOf(str)))
+    logging_steps: int = setting(1, "with --report-to, write the scalars every N steps, the means over them "
+                                    "(default {d.logging_steps}: every step, as metrics.json's loss curve)",
+                                 type=cli_types.positive, metavar="N", key="logging_steps", carried=_KEPT,
+                                 shape=Opt(Int(1)))
+    run_name: str | None = setting(None, "the run's name in the trackers (default: --output)", metavar="NAME",
+                                   key="run_name", carried=_KEPT, shape=Opt(Either(None, str)))
     profile: int | None = setting(
         None, "time every op of step STEP (default 5): print how much of each transfer kind and of the host update "
               "was hidden under compute; write profile.json, trace.json and memory.png", type=int, nargs="?",

@@ -115,13 +115,16 @@ class Progress:
         self.stopped_by = flag.signal.name if getattr(flag, "signal", None) else "SIGINT"
 
     def record(self, stats, lr: float, t_start: float, *, tokens: bool = False) -> None:
-        """One step done: its loss, learning rate, gradient norm and time on the loss curve (with its
-        tokens where the batches vary in length)."""
+        """One step done: its loss, learning rate, gradient norm, time and tokens a second (``tok_s``: every token
+        the step ran, batch x seq; ``loss_tok_s``: those with a label) on the loss curve (with its tokens where the
+        batches vary in length)."""
         self.step += 1
         self.tokens += stats.tokens
         self.history.append({"step": self.step, "loss": round(stats.loss, 5), "lr": lr,
                              **({"tokens": stats.tokens} if tokens else {}),
                              "grad_norm": round(stats.grad_norm, 4), "step_s": round(stats.step_s, 4),
+                             "tok_s": round(stats.input_tokens / stats.step_s), "loss_tok_s": round(
+                                 stats.tokens / stats.step_s),
                              "t": round(time.perf_counter() - t_start, 2)})
 
 

@@ -30,11 +30,11 @@ from .config import TrainConfig
 LOCK = ".lazytrain.lock"
 #: what a run reads or writes in its folder (train.py, runfiles.py, finetune/run.py, the --profile files)
 NAMES = ("metrics.json", "loss.png", "checkpoint", "checkpoint.old", "source", "model", "profile.json", "plan.json",
-         "trace.json", "memory.png", LOCK)
+         "trace.json", "memory.png", "tensorboard", "wandb", "mlruns", LOCK)
 #: the folders among them whose files are read back (--resume, lazytrain export)
 _READ = ("checkpoint", "checkpoint.old", "source")
 #: the folders among them (the others are files)
-_FOLDERS = (*_READ, "model")
+_FOLDERS = (*_READ, "model", "tensorboard", "wandb", "mlruns")      # (the last three: --report-to, trackers.py)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """``lazytrain train``: the whole pipeline on the built-in arithmetic task, in one call.
 
     build model -> compile a plan for this machine -> Trainer + Hybrid 8-bit AdamW (warm-up + cosine)
-    -> train (tqdm: loss, tokens/s, TFLOPS) -> exact match on the eval split -> metrics.json + checkpoint/
+    -> train (tqdm: loss, tokens/s all and with a label, TFLOPS; --report-to's trackers) -> exact match on the eval
+    split -> metrics.json + checkpoint/
 
 Choices, written down so the next person sees them:
 
@@ -65,7 +66,7 @@ from ..hf.generate import placement
 from ..hf.model_loading import from_pretrained as _from_pretrained
 from ..hf.model_loading import is_hf_folder as _is_hf_folder
 from ..hf.model_loading import meta_weights, shard_loadable
-from ..tasks import CharTokenizer, check_eval_size, eval_examples, exact_match, get_difficulty, train_batches
+from ..tasks import CharTokenizer, check_eval_size, eval_examples, get_difficulty, predict, train_batches
 from ..util.atomic import staged_files
 from ..util.host import cpu_cores
 from . import runfiles, saves
@@ -76,6 +77,8 @@ from .loop import Progress, open_run, start_trainer, steps, thread_tuner
 from .ranks import Ranks
 from .runfolder import claim
 from .session import StopFlag, can_plot, follow_total, hardware_for, note, progress_bar, say_no_plot, stop_signals
+from .trackers import Trackers
+from .trackers import check as check_trackers
 
 #: the default model for the "tiny" task, sized to learn it in minutes on 2 CPU cores
 TASK_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512, "rope": True}
@@ -153,23 +156,32 @@ def logits_fn(model: torch.nn.Module, device: torch.device, vocab: int | None = 
 
 
 @torch.no_grad()
-def evaluate(trainer, examples, device: torch.device, batch: int = 100, ranks: Ranks | None = None) -> float:
+def evaluate(trainer, examples, device: torch.device, batch: int = 100, ranks: Ranks | None = None) -> dict:
     """Exact match by greedy decoding with the trained weights (``sync_to_model``, then the model
-    runs eagerly; on the GPU when it fits in a quarter of the free memory, else on the CPU).  With
-    several ranks every rank calls it: each gathers the weights (a collective), rank 0 decodes and the
-    others take its figure (``Ranks.share``)."""
+    runs eagerly; on the GPU when it fits in a quarter of the free memory, else on the CPU), and the first
+    ``SAMPLES`` replies (for ``--report-to``): ``{"exact_match", "samples"}``.  With several ranks every rank
+    calls it: each gathers the weights (a collective), rank 0 decodes and the others take its figure
+    (``Ranks.share``)."""
     ranks = ranks or Ranks()
     trainer.sync_to_model(keep=ranks.main)      # the others hold one block at a time, not a model
     return ranks.share("evaluation", lambda: _exact_match(trainer.model, examples, device, batch))
 
 
-def _exact_match(model, examples, device: torch.device, batch: int) -> float:
+#: replies an evaluation keeps as samples
+SAMPLES = 3
+
+
+def _exact_match(model, examples, device: torch.device, batch: int) -> dict:
     where = placement(model, device)
     was_training = model.training
     model.eval()
     moved = model.to(where) if where.type != "cpu" else model
     try:
-        return exact_match(logits_fn(moved, where, CharTokenizer().vocab_size), examples, batch)
+        got = predict(logits_fn(moved, where, CharTokenizer().vocab_size), examples, batch)
+        hits = [ex.final_answer(g) == ex.answer for g, ex in zip(got, examples)]
+        return {"exact_match": sum(hits) / len(examples),
+                "samples": [{"prompt": ex.prompt, "reference": ex.solution, "reply": g, "correct": h}
+                            for ex, g, h in list(zip(examples, got, hits))[:SAMPLES]]}
     finally:
         if where.type != "cpu":
             model.to("cpu")
@@ -225,6 +237,7 @@ def run(cfg: TrainConfig) -> dict:
 
 def _run_task(cfg: TrainConfig) -> dict:
     cfg, prev, diff, seq = _settled(cfg)
+    check_trackers(cfg.report_to)       # a tracker's missing library: said before the model is built
     tok = CharTokenizer()
     dev, ranks, out, t_start = open_run(cfg)
 
@@ -257,12 +270,15 @@ def _run_task(cfg: TrainConfig) -> dict:
                                     hardware=hardware, param_dtype=param_dtype, plan=plan, compile_s=compile_s,
                                     evals=evals, em_curve=em_curve, prev=prev, t_start=t_start, out=out))
     saver = saves.Saver(cfg, trainer, out, metrics_now, main=ranks.main, prev=prev)
-    with StopFlag(stop_signals(ranks.size)) as flag:
+    with StopFlag(stop_signals(ranks.size)) as flag, Trackers.open(cfg, out, ranks.main) as trackers:
+        trackers.start({**runfiles.settings(cfg, seq), "params": n_params, "device": dev.type,
+                        "policy": plan.decisions.policy})
         _train(cfg, trainer, opt, run, flag, batches, evals, em_curve, start=start, dev=dev, ranks=ranks, tuner=tuner,
-               out=out, t_start=t_start, saver=saver)
+               out=out, t_start=t_start, saver=saver, trackers=trackers)
         metrics = metrics_now()
         ckpt = _commit(trainer, out, metrics, run, evals if cfg.evaluate else None, em_curve, dev, flag, t_start,
-                       ranks)
+                       ranks, trackers)
+        trackers.end(metrics)
         if ranks.main:
             _plot_loss(out / "loss.png", run.history, metrics["eval_curve"], cfg)
     trainer.close()
@@ -298,9 +314,12 @@ def _model(cfg: TrainConfig, prev: dict | None, seq: int, vocab: int, ranks: Ran
 
 
 def _train(cfg: TrainConfig, trainer, opt, run: Progress, flag: StopFlag, batches, evals: list, em_curve: list, *,
-           start: int, dev: torch.device, ranks: Ranks, tuner, out: Path, t_start: float, saver=None) -> None:
+           start: int, dev: torch.device, ranks: Ranks, tuner, out: Path, t_start: float, saver=None,
+           trackers: Trackers | None = None) -> None:
     """The step loop: each step's batch, the ``--profile`` step's report, the progress bar, the ``--eval-every``
-    evaluations (into ``em_curve``), the ``--save-steps`` checkpoints (``saver``)."""
+    evaluations (into ``em_curve``), the ``--save-steps`` checkpoints (``saver``), each step and evaluation to the
+    ``--report-to`` trackers."""
+    trackers = trackers or Trackers([])
     bar = progress_bar(cfg.steps, start, cfg.progress and ranks.main)
     for step in steps(cfg, opt, run, flag, start=start, ranks=ranks):
         b = next(batches)
@@ -315,14 +334,17 @@ def _train(cfg: TrainConfig, trainer, opt, run: Progress, flag: StopFlag, batche
                 _report_profile(trainer, out, bar)
         run.record(stats, opt.lr, t_start)
         follow_total(bar, run.total)
+        trackers.step(run.step, stats, opt.lr)
         if bar is not None:
             bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
-                            tflops=f"{stats.model_tflops:.3f}", lr=f"{opt.lr:.1e}", refresh=False)
+                            loss_tok_s=f"{stats.tokens / stats.step_s:,.0f}", tflops=f"{stats.model_tflops:.3f}",
+                            lr=f"{opt.lr:.1e}", refresh=False)
             bar.update(1)
         if cfg.evaluate and cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps:
-            em = evaluate(trainer, evals[:min(len(evals), 200)], dev, ranks=ranks)
-            em_curve.append({"step": run.step, "exact_match": em, "n": min(len(evals), 200)})
-            note(bar, f"step {run.step}: exact match {em:.1%} on {min(len(evals), 200)} eval problems")
+            ev = evaluate(trainer, evals[:min(len(evals), 200)], dev, ranks=ranks)
+            em_curve.append({"step": run.step, "exact_match": ev["exact_match"], "n": min(len(evals), 200)})
+            trackers.evaluate(run.step, ev)
+            note(bar, f"step {run.step}: exact match {ev['exact_match']:.1%} on {min(len(evals), 200)} eval problems")
         if saver is not None:
             saver.step(run.step, bar)
     if bar is not None:
@@ -357,7 +379,7 @@ def _metrics(cfg: TrainConfig, seq: int, run: Progress, *, desc, n_params: int, 
 
 
 def _commit(trainer, out: Path, metrics: dict, run: Progress, evals: list | None, em_curve: list, dev: torch.device,
-            flag: StopFlag, t_start: float, ranks: Ranks) -> Path:
+            flag: StopFlag, t_start: float, ranks: Ranks, trackers: Trackers | None = None) -> Path:
     """Commit 1 (checkpoint + metrics) before the final eval, so an eval that fails (out of memory) or is
     killed loses no training; then the eval and commit 2 (the metrics with it).  Every rank saves its
     shards; the metrics are rank 0's.  ``evals`` None: no eval (``--no-eval``)."""
@@ -365,32 +387,35 @@ def _commit(trainer, out: Path, metrics: dict, run: Progress, evals: list | None
         metrics.update(final_eval="skipped (--no-eval)")
     ckpt = runfiles.commit(trainer, out, metrics, main=ranks.main)
     if evals is not None and not run.interrupted:         # (a Ctrl-C during commit 1 skips the eval too)
-        em = None if flag.set else _final_eval(trainer, evals, dev, flag, ranks)
-        if em is None:
+        ev = None if flag.set else _final_eval(trainer, evals, dev, flag, ranks)
+        if ev is None:
             metrics.update(final_eval="skipped (interrupted)", interrupted=True,
                            stopped_by=flag.signal.name if flag.signal else "SIGINT")
         else:
-            em_curve.append({"step": run.step, "exact_match": em, "n": len(evals)})
-            metrics.update(exact_match=em, final_eval="done")
+            em_curve.append({"step": run.step, "exact_match": ev["exact_match"], "n": len(evals)})
+            metrics.update(exact_match=ev["exact_match"], final_eval="done")
+            if trackers is not None:
+                trackers.evaluate(run.step, ev)
         metrics["wall_s"] = round(time.perf_counter() - t_start, 2)
         if ranks.main:
             runfiles.update_metrics(out, metrics)       # commit 2
     return ckpt
 
 
-def _final_eval(trainer, evals, dev: torch.device, flag: StopFlag, ranks: Ranks | None = None) -> float | None:
-    """Exact match on the eval split; None when a Ctrl-C stopped it (at once: the state is committed)."""
+def _final_eval(trainer, evals, dev: torch.device, flag: StopFlag, ranks: Ranks | None = None) -> dict | None:
+    """Exact match on the eval split, with sample replies (``evaluate``); None when a Ctrl-C stopped it (at once:
+    the state is committed)."""
     t = time.perf_counter()
     flag.immediate = True
     try:
-        em = evaluate(trainer, evals, dev, ranks=ranks)
+        ev = evaluate(trainer, evals, dev, ranks=ranks)
     except KeyboardInterrupt:
         print("final eval interrupted: the checkpoint and metrics are committed without it")
         return None
     finally:
         flag.immediate = False
-    print(f"exact match {em:.1%} on {len(evals)} eval problems ({time.perf_counter() - t:.1f} s)")
-    return em
+    print(f"exact match {ev['exact_match']:.1%} on {len(evals)} eval problems ({time.perf_counter() - t:.1f} s)")
+    return ev
 
 
 def _report_profile(trainer, out: Path, bar) -> None:

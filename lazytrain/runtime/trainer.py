@@ -71,7 +71,10 @@ class StepStats:
     model_tflops: float    # 6 * active_params * batch * seq / step_s / 1e12 (all parameters but idle experts)
     grad_norm: float
     skipped: bool          # the step's update was skipped (non-finite gradient norm)
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0  # input_tokens / step_s
+    #: tokens the model ran forward and backward: batch x seq of the global batch, padding included (a batch has no
+    #: attention mask to tell it, and a padded row costs the compute of a full one: what model_tflops counts)
+    input_tokens: int = 0
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -265,7 +268,7 @@ class Trainer:
         return StepStats(loss=loss_sum / max(n_tok, 1), tokens=n_tok, step_s=step_s,
                          model_tflops=6 * self.plan.graph.active_params * B * S / step_s / 1e12,
                          grad_norm=float("nan") if norm is None else norm, skipped=skipped,
-                         tokens_per_s=B * S / step_s)
+                         tokens_per_s=B * S / step_s, input_tokens=B * S)
 
     def _stage_batch(self, step: Step, ids: torch.Tensor, labels: torch.Tensor,
                      positions: torch.Tensor | None) -> list[TensorId]:

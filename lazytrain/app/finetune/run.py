@@ -45,6 +45,8 @@ from ..config import FinetuneConfig, TrainConfig, asked, recorded
 from ..loop import Progress, open_run, start_trainer, steps, thread_tuner
 from ..runfiles import nan_losses, plot_into, take_settings
 from ..session import StopFlag, can_plot, follow_total, hardware_for, note, progress_bar, say_no_plot, stop_signals
+from ..trackers import Trackers
+from ..trackers import check as check_trackers
 from .evaluation import describe, evaluate
 from .prepare import (
     Source,
@@ -126,15 +128,18 @@ def _settled(cfg: TrainConfig) -> tuple[FinetuneConfig, dict | None]:
 
 
 def _tick(bar, stats, lr: float) -> None:
+    """The progress bar's step: ``tok_s`` every token the step ran (batch x seq), ``loss_tok_s`` those with a
+    label."""
     if bar is not None:
-        bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens / stats.step_s:,.0f}", lr=f"{lr:.1e}",
-                        refresh=False)
+        bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
+                        loss_tok_s=f"{stats.tokens / stats.step_s:,.0f}", lr=f"{lr:.1e}", refresh=False)
         bar.update(1)
 
 
 def run(cfg: TrainConfig) -> dict:
     """Fine-tune as ``cfg`` says; returns the metrics (also written to ``cfg.output/metrics.json``)."""
     cfg, prev = _settled(cfg)
+    check_trackers(cfg.report_to)       # a tracker's missing library: said before the model loads
     dev, ranks, out, t_start = open_run(cfg)
 
     src, tok, data, model, weights, stop_ids, load_s = _inputs(cfg, prev, dev, out, main=ranks.main,
@@ -194,16 +199,22 @@ def run(cfg: TrainConfig) -> dict:
                                     n_new=n_new, plan=plan, compile_s=compile_s, evals=evals, prev=prev,
                                     t_start=t_start, ckpt=ckpt, exported=exported, final_eval=final_eval))
     saver = saves.Saver(cfg, trainer, out, lambda: metrics_now(None, "pending"), main=ranks.main, prev=prev)
-    with StopFlag(stop_signals(ranks.size)) as flag:
+    with StopFlag(stop_signals(ranks.size)) as flag, Trackers.open(cfg, out, ranks.main) as trackers:
+        trackers.start({**recorded(cfg), "model_source": src.spec, "params": n_params, "device": dev.type,
+                        "policy": plan.decisions.policy})
+        if evals and evals[-1]["step"] == start:
+            trackers.evaluate(start, evals[-1])     # the eval before training
         for step in steps(cfg, opt, run, flag, start=start, ranks=ranks):
             stats = trainer.step(batches.batch(step))
             if tuner is not None:
                 tuner.observe(stats.step_s)
             run.record(stats, opt.lr, t_start, tokens=True)
             follow_total(bar, run.total)
+            trackers.step(run.step, stats, opt.lr)
             _tick(bar, stats, opt.lr)
             if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps and data.eval:
                 evals.append(run_eval(run.step))
+                trackers.evaluate(run.step, evals[-1])
                 note(bar, describe(evals[-1], run.step))
             saver.step(run.step, bar)
         if bar is not None:
@@ -219,6 +230,7 @@ def run(cfg: TrainConfig) -> dict:
                     raise KeyboardInterrupt
                 if data.eval:
                     evals.append(run_eval(run.step))
+                    trackers.evaluate(run.step, evals[-1])
                     print(describe(evals[-1], run.step))
                 final_eval = "done" if data.eval else "skipped (--no-eval)"
                 if cfg.export and ranks.main:
@@ -232,6 +244,7 @@ def run(cfg: TrainConfig) -> dict:
             metrics = metrics_now(exported, final_eval)
             if ranks.main:
                 runfiles.update_metrics(out, metrics)       # commit 2: with the final eval and the export
+        trackers.end(metrics)
         if ranks.main:
             _plot(out / "loss.png", run.history, evals, src.spec)
     trainer.close()
