@@ -285,7 +285,7 @@ def folder_weights(folder: Path) -> tuple[list[Weight], dict]:
     if weight_map is not None:
         lost = sorted(set(weight_map) - {w.name for w in out})
         if lost:
-            raise AdapterError(f"{folder / weight_map[lost[0]]} lacks {lost[0]}, which {INDEX} puts there")
+            raise AdapterError(f"{folder / weight_map[lost[0]]} lacks {lost[0]}, which the index puts there")
     return out, cfg
 
 
