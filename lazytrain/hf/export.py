@@ -69,13 +69,19 @@ def write_folder(target, weights: list[Weight], *, config: dict, dtype: torch.dt
             generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in tmp.iterdir():         # a model folder for others to read, not mkdtemp's private modes
-            os.chmod(f, 0o666 & ~umask)
-            fsync_file(f)
-        os.chmod(tmp, 0o777 & ~umask)
+        share_folder(tmp)
     return target
+
+
+def share_folder(tmp: Path) -> None:
+    """A staged folder's files fsynced and given the modes of a folder for others to read (the umask's), not
+    mkdtemp's private ones."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in tmp.iterdir():
+        os.chmod(f, 0o666 & ~umask)
+        fsync_file(f)
+    os.chmod(tmp, 0o777 & ~umask)
 
 
 def _write_weights(folder: Path, weights: list[Weight], dtype: torch.dtype, max_shard_bytes: int) -> None:
