@@ -14,9 +14,9 @@ destination a chunk at a time: torchao's ``NF4Tensor.get_original_weight`` makes
 (int64 codes, both halves, the stacked result) where this makes two of one range's size (int32 codes, the
 looked-up pairs), and needs no torchao on the device side.
 
-Which parameters are quantized is the caller's choice per piece; ``should_quantize`` is QLoRA's rule: the
-matrices of linear layers, never norms, biases or embeddings (QLoRA keeps those in 16 bits; they are a small
-share of a layer: 8 Ki of 202 Mi values in a 7B layer).
+Which parameters are quantized is the caller's choice per piece; ``pieces_of`` applies QLoRA's rule
+(``quantized_param``): the matrices of linear layers, never norms, biases or embeddings (QLoRA keeps those in
+16 bits; they are a small share of a layer: 8 Ki of 202 Mi values in a 7B layer).
 """
 
 from __future__ import annotations
@@ -29,9 +29,18 @@ from pathlib import Path
 
 import torch
 
-from ..util.quant_format import CHUNK, SCALER_BLOCK, bytes_per_param, check_bits, packed_nbytes, sections, stream_numel
+from ..util.quant_format import (
+    CHUNK,
+    SCALER_BLOCK,
+    bytes_per_param,
+    check_bits,
+    packed_nbytes,
+    quantized_param,
+    sections,
+    stream_numel,
+)
 
-__all__ = ["Piece", "QuantizedSegment", "should_quantize", "bytes_per_param", "FORMAT", "VERSION"]
+__all__ = ["Piece", "QuantizedSegment", "quantized_param", "pieces_of", "bytes_per_param", "FORMAT", "VERSION"]
 
 FORMAT = "lazytrain.quantized_segment"
 VERSION = 1
@@ -42,17 +51,24 @@ _SECTION_DTYPE = {"codes4": torch.uint8, "codes8": torch.int8, "scalers": torch.
                   "factors": None, "means": None, "lut": None, "raw": None}
 
 
-def should_quantize(name: str, shape: Sequence[int]) -> bool:
-    """QLoRA's choice: a linear layer's weight matrix is quantized; norms, biases (1-D) and embeddings are not."""
-    return len(shape) == 2 and "embed" not in name and "lm_head" not in name
-
-
 @dataclass(frozen=True, slots=True)
 class Piece:
     """One parameter of the segment: ``numel`` values from element ``offset``, quantized or kept raw."""
     offset: int
     numel: int
     quantized: bool
+
+
+def pieces_of(params: Iterable[tuple[str, Sequence[int]]]) -> tuple[Piece, ...]:
+    """The pieces of a segment that holds these ``(name, shape)`` parameters in this order, QLoRA's rule each."""
+    out, offset = [], 0
+    for name, shape in params:
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        out.append(Piece(offset, numel, quantized_param(name, shape)))
+        offset += numel
+    return tuple(out)
 
 
 def _torchao():
@@ -117,10 +133,12 @@ class QuantizedSegment:
     # --- quantize ---------------------------------------------------------------------------------
     @classmethod
     @torch.no_grad()
-    def quantize(cls, flat: torch.Tensor, bits: int, block_size: int = 64,
-                 pieces: Iterable[Piece] | None = None) -> QuantizedSegment:
-        """Pack ``flat`` (1-D, bf16/fp16/fp32, on the host) at ``bits`` (4: NF4, 8: int8, 16: as it is).
-        ``pieces`` cover it in order (default: one quantized piece, the whole segment)."""
+    def quantize(cls, flat: torch.Tensor, bits: int, block_size: int = 64, pieces: Iterable[Piece] | None = None,
+                 device: torch.device | str | None = None) -> QuantizedSegment:
+        """Pack ``flat`` (1-D, bf16/fp16/fp32) at ``bits`` (4: NF4, 8: int8, 16: as it is) into host tensors.
+        ``pieces`` cover it in order (default: one quantized piece, the whole segment).  ``device`` runs torchao's
+        quantization there a chunk at a time (NF4's nearest-code search takes ~0.7 s a Mi values on one CPU core,
+        a 7B model an hour on a few cores: a GPU does it in seconds)."""
         check_bits(bits, block_size)
         if flat.dim() != 1 or flat.dtype not in _DTYPES.values():
             raise ValueError(f"a frozen segment is a flat bf16, fp16 or fp32 tensor, got {flat.dtype} "
@@ -140,17 +158,17 @@ class QuantizedSegment:
         if raw:
             torch.cat(raw, out=tensors["raw"])
         if bits != 16:
-            stream = seg._stream_chunks(flat)
+            stream = seg._stream_chunks(flat, torch.device(device or "cpu"))
             (seg._pack_nf4 if bits == 4 else seg._pack_int8)(stream, tensors)
         seg._tensors = tensors
         return seg
 
-    def _stream_chunks(self, flat: torch.Tensor) -> Iterable[tuple[int, torch.Tensor]]:
+    def _stream_chunks(self, flat: torch.Tensor, device: torch.device) -> Iterable[tuple[int, torch.Tensor]]:
         """``(stream offset, values)`` of each chunk of the padded quantized stream, built a chunk at a time."""
         n = stream_numel([p.numel for p in self._quantized], self.bits, self.block_size)
         ranges = list(self._ranges())
         for start in range(0, n, CHUNK):
-            chunk = torch.zeros(min(CHUNK, n - start), dtype=flat.dtype)
+            chunk = torch.zeros(min(CHUNK, n - start), dtype=flat.dtype, device=device)
             for s, length, at in ranges:
                 lo, hi = max(s, start), min(s + length, start + chunk.numel())
                 if lo < hi:
@@ -293,8 +311,8 @@ class QuantizedSegment:
     def from_parts(cls, header: dict, tensors: dict[str, torch.Tensor]) -> QuantizedSegment:
         """Rebuild from ``header()`` and the section tensors; a file of another format or layout is refused."""
         if header.get("format") != FORMAT or header.get("version") != VERSION:
-            raise ValueError(f"not a {FORMAT} version {VERSION} file: {header.get('format')!r} "
-                             f"version {header.get('version')!r}")
+            raise ValueError(f"not a quantized segment file of this LazyTrain ({FORMAT} version {VERSION}): "
+                             f"{header.get('format')!r} version {header.get('version')!r}; quantize the base again")
         if header.get("scaler_block_size") != SCALER_BLOCK or header.get("chunk") != CHUNK:
             raise ValueError("quantized segment written with another chunk layout: quantize the base again")
         seg = cls(pieces=tuple(Piece(**p) for p in header["pieces"]), bits=header["bits"],

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["BITS", "SCALER_BLOCK", "CHUNK", "ALIGN", "sections", "packed_nbytes", "bytes_per_param",
+__all__ = ["quantized_param", "BITS", "SCALER_BLOCK", "CHUNK", "ALIGN", "sections", "packed_nbytes", "bytes_per_param",
            "stream_numel", "check_bits"]
 
 #: the frozen base's widths: 16 (as the parameters are, nothing to do), 8 (int8) and 4 (NF4)
@@ -38,6 +38,12 @@ SCALER_BLOCK = 256
 CHUNK = 1 << 24
 #: every section starts on this many bytes (the widest element is 8 bytes; 16 keeps vector loads aligned)
 ALIGN = 16
+
+
+def quantized_param(name: str, shape: Sequence[int]) -> bool:
+    """QLoRA's choice of what to quantize: a linear layer's weight matrix; never norms or biases (1-D), nor
+    embeddings and the output head, which QLoRA keeps in 16 bits (a 7B layer's raw share: 8 Ki of 202 Mi values)."""
+    return len(shape) == 2 and "embed" not in name and "lm_head" not in name
 
 
 def check_bits(bits: int, block_size: int) -> None:
