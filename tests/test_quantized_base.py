@@ -253,3 +253,16 @@ def test_profiles_carry_dequant_rates_and_old_files_load(tmp_path):
     old = HardwareProfile.load(tmp_path / "old.json")
     fields = {f.name: f.default for f in dataclasses.fields(HardwareProfile)}
     assert (old.dequant_gbps, old.dequant8_gbps) == (fields["dequant_gbps"], fields["dequant8_gbps"])
+
+
+def test_dequant_rates_are_measured_on_the_cpu_and_checked_against_memory():
+    from lazytrain.compiler.plausible import problems
+    from lazytrain.measure.dequant import dequant_rates, layer_params, synthetic_segment
+
+    seg = synthetic_segment(4, layer_params(64))
+    assert seg.numel == sum(torch.Size(s).numel() for _, s in layer_params(64))
+    assert torch.isfinite(seg.dequantize().float()).all()
+    rates = dequant_rates(torch.device("cpu"), quick=True, repeats=1)
+    assert set(rates) == {"dequant_gbps", "dequant8_gbps"} and min(rates.values()) > 0
+    assert problems(rates) == []
+    assert problems({"dequant_gbps": 1e5}) and problems({"dequant8_gbps": 0.0})

@@ -36,8 +36,10 @@ from ..util.quant_format import (
     check_bits,
     packed_nbytes,
     quantized_param,
-    sections,
     stream_numel,
+)
+from ..util.quant_format import (
+    sections as layout_sections,
 )
 
 __all__ = ["Piece", "QuantizedSegment", "quantized_param", "pieces_of", "bytes_per_param", "FORMAT", "VERSION"]
@@ -95,10 +97,11 @@ class QuantizedSegment:
     def _quantized(self) -> list[Piece]:
         return [p for p in self.pieces if p.quantized and self.bits != 16]
 
-    def _sections(self) -> list[tuple[str, int, int]]:
+    def sections(self) -> list[tuple[str, int, int]]:
+        """``(name, byte offset, byte length)`` of each section of the packed buffer (``util.quant_format``)."""
         q = [p.numel for p in self._quantized]
         raw = self.numel - sum(q)
-        return sections(q, raw, self.bits, self.block_size, self.dtype.itemsize)
+        return layout_sections(q, raw, self.bits, self.block_size, self.dtype.itemsize)
 
     @property
     def nbytes(self) -> int:
@@ -106,7 +109,8 @@ class QuantizedSegment:
         q = [p.numel for p in self._quantized]
         return packed_nbytes(q, self.numel - sum(q), self.bits, self.block_size, self.dtype.itemsize)
 
-    def _section_dtype(self, name: str) -> torch.dtype:
+    def section_dtype(self, name: str) -> torch.dtype:
+        """The element dtype of section ``name``."""
         dtype = _SECTION_DTYPE[f"codes{self.bits}" if name == "codes" else name]
         return self.dtype if dtype is None else dtype
 
@@ -116,8 +120,8 @@ class QuantizedSegment:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < self.nbytes:
             raise ValueError(f"a quantized segment needs a flat uint8 buffer of {self.nbytes} bytes, got "
                              f"{buffer.dtype} of shape {tuple(buffer.shape)}")
-        return {name: buffer[offset:offset + nbytes].view(self._section_dtype(name))
-                for name, offset, nbytes in self._sections()}
+        return {name: buffer[offset:offset + nbytes].view(self.section_dtype(name))
+                for name, offset, nbytes in self.sections()}
 
     def host_tensors(self) -> dict[str, torch.Tensor]:
         """The section tensors on the host (codes, scales, ..., raw), in layout order."""
@@ -153,8 +157,8 @@ class QuantizedSegment:
             raise ValueError(f"segment pieces cover {offset} values of {flat.numel()}")
         seg = cls(pieces=pieces, bits=bits, block_size=block_size, dtype=flat.dtype, tensors={})
         raw = [flat[p.offset:p.offset + p.numel] for p in pieces if p not in seg._quantized]
-        tensors = {name: torch.empty(nbytes // seg._section_dtype(name).itemsize, dtype=seg._section_dtype(name))
-                   for name, _, nbytes in seg._sections()}
+        tensors = {name: torch.empty(nbytes // seg.section_dtype(name).itemsize, dtype=seg.section_dtype(name))
+                   for name, _, nbytes in seg.sections()}
         if raw:
             torch.cat(raw, out=tensors["raw"])
         if bits != 16:
@@ -317,7 +321,7 @@ class QuantizedSegment:
             raise ValueError("quantized segment written with another chunk layout: quantize the base again")
         seg = cls(pieces=tuple(Piece(**p) for p in header["pieces"]), bits=header["bits"],
                   block_size=header["block_size"], dtype=_DTYPES[header["dtype"]], tensors={})
-        expected = {name: nbytes for name, _, nbytes in seg._sections()}
+        expected = {name: nbytes for name, _, nbytes in seg.sections()}
         got = {k: v.numel() * v.element_size() for k, v in tensors.items()}
         if got != expected:
             raise ValueError(f"quantized segment sections do not match its header: {got} vs {expected}")
