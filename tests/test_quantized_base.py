@@ -266,3 +266,15 @@ def test_dequant_rates_are_measured_on_the_cpu_and_checked_against_memory():
     assert set(rates) == {"dequant_gbps", "dequant8_gbps"} and min(rates.values()) > 0
     assert problems(rates) == []
     assert problems({"dequant_gbps": 1e5}) and problems({"dequant8_gbps": 0.0})
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [4, 8])
+def test_on_cuda_quantize_and_dequantize_give_the_cpus_values(bits):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x, pieces = _segment(ODD + [(2 * GROUP + 5, True)])
+    on_cpu = QuantizedSegment.quantize(x, bits, pieces=pieces)
+    on_gpu = QuantizedSegment.quantize(x, bits, pieces=pieces, device="cuda")
+    assert on_gpu.digest() == on_cpu.digest()
+    assert torch.equal(on_cpu.dequantize("cuda").cpu(), on_cpu.dequantize())
