@@ -107,6 +107,12 @@ class HardwareProfile:
     nvme_both_gbps: float = 0.0
     nvme_queue_depth: int = 0
     nvme_request_bytes: int = 0
+    #: a quantized frozen base's dequantization on the device (``runtime/quantized.py``), GB/s of dequantized output
+    #: (parameter-dtype bytes written): 4-bit NF4 and 8-bit int8.  The built-ins estimate them from HBM bandwidth
+    #: (``profiles.dequant_estimate``) until ``lazytrain profile`` measures them; these defaults, for files written
+    #: before the fields, are an RTX 3090's estimates
+    dequant_gbps: float = 140.0
+    dequant8_gbps: float = 500.0
     #: measured block programs (``BlockTiming``); the cost model prefers them to the figures above
     calibration: tuple = ()
 

@@ -16,6 +16,7 @@ for the noise of a median over a few repeats:
   far from its peak at every length measured, and the fitted curve still meets the measurements);
 - the fixed cost of a block launch, and Python's time to issue one op, lie in ``(1 us, 10 ms)`` /
   ``(1 us, 1 ms)``: outside, the fit or the timer is broken, not the machine;
+- a dequantization cannot write faster than any GPU memory runs (``MAX_HBM_GBPS``);
 - a collective's bus bandwidth cannot beat the fastest GPU link (``MAX_BUS_GBPS``), and a ring step's
   latency lies in ``[0, 10 ms)``.
 
@@ -34,6 +35,8 @@ TOLERANCE = 0.10
 MAX_LINK_GBPS = 1000.0
 #: the fastest GPU-GPU link shipping (NVLink 5: 900 GB/s each way per GPU), with room to spare
 MAX_BUS_GBPS = 2000.0
+#: above any GPU memory's bandwidth shipping (B200: 8 TB/s), with room to spare: a dequantization writes to it
+MAX_HBM_GBPS = 20000.0
 #: above any dense bf16 rate shipping (B200: 2.25 PFLOP/s), with room to spare
 MAX_TFLOPS = 5000.0
 #: times a figure is measured again after the first try
@@ -87,6 +90,9 @@ def problems(f: dict) -> list[str]:
     if "collective_latency_s" in f:
         need(0 <= f["collective_latency_s"] < 10e-3,
              f"collective_latency_s {f['collective_latency_s']:.3g} is outside [0, 10 ms)")
+    for k in ("dequant_gbps", "dequant8_gbps"):
+        if k in f:
+            need(0 < f[k] <= MAX_HBM_GBPS, f"{k} {f[k]:.3g} GB/s is outside (0, {MAX_HBM_GBPS:g}]")
     for k in ("cpu_adam_gparams", "nvme_read_gbps", "nvme_write_gbps", "nvme_both_gbps"):
         if k in f:
             need(f[k] > 0, f"{k} {f[k]:.3g} is not positive")

@@ -60,8 +60,10 @@ def _cpu_profile() -> HardwareProfile:
         cpu_cores=cores, bf16_tflops=0.05 * cores, compute_efficiency=0.5, kernel_overhead_s=50e-6,
         h2d_gbps=10.0, d2h_gbps=10.0, duplex_gbps=10.0, pageable_h2d_gbps=10.0, pageable_d2h_gbps=10.0,
         cpu_adam_gparams=0.2 * cores, cpu_adam8_gparams=0.2 * cores, nvme_read_gbps=1.0, nvme_write_gbps=1.0,
+        dequant_gbps=0.1 * cores, dequant8_gbps=0.15 * cores,
         source="built-in: nominal per-core CPU figures, cores and memory of this machine; "
-        "transfers are memcpy; 8-bit optimizer rate assumed equal to fp32",
+        "transfers are memcpy; 8-bit optimizer rate assumed equal to fp32; dequantization as measured on 2 shared "
+        "cores (0.135 and 0.217 GB/s, NF4 and int8, bf16 out)",
     )
 
 
@@ -192,6 +194,31 @@ PROFILES["workstation-4nvme"] = dataclasses.replace(
     "an ASUS Hyper M.2 x16 Gen4, 2021); both at once 16 GB/s: four times the one drive's 5.0 at the same ~80%; "
     + _AS_CALIBRATED,
 )
+
+
+#: HBM bandwidth of each built-in's GPU, GB/s (spec sheets), for the dequantization estimates
+_HBM_GBPS = {"h200": 4800.0, "h100": 3350.0, "h800": 3350.0, "a100-80g": 2039.0, "rtx3090": 936.0,
+             "rtx4090": 1008.0, "workstation": 1008.0, "workstation-4nvme": 1008.0}
+#: the dequantization's GPU memory traffic per byte it writes (bf16 out), as ``runtime/quantized.py`` runs it: NF4
+#: reads the packed byte (0.5 B a value), writes and reads its int32 index (2 + 2), writes and reads the looked-up
+#: value (2 + 2) and writes the result (2): 10.5 B a value, 5.25 per output byte; int8 reads 1 B and writes 2: 1.5
+NF4_TRAFFIC_PER_BYTE = 5.25
+INT8_TRAFFIC_PER_BYTE = 1.5
+#: the share of HBM bandwidth a streaming elementwise kernel reaches (~80% on Hopper and Ampere)
+HBM_STREAM_EFFICIENCY = 0.8
+
+
+def dequant_estimate(hbm_gbps: float) -> dict[str, float]:
+    """``dequant_gbps`` and ``dequant8_gbps`` of a GPU with this HBM bandwidth, until measured."""
+    rate = hbm_gbps * HBM_STREAM_EFFICIENCY
+    return {"dequant_gbps": rate / NF4_TRAFFIC_PER_BYTE, "dequant8_gbps": rate / INT8_TRAFFIC_PER_BYTE}
+
+
+for _name, _hbm in _HBM_GBPS.items():
+    PROFILES[_name] = dataclasses.replace(
+        PROFILES[_name], **dequant_estimate(_hbm),
+        source=PROFILES[_name].source + f"; quantized-base dequantization estimated from {_hbm:.0f} GB/s of HBM "
+        "(profiles.dequant_estimate), not measured")
 
 
 def get_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:

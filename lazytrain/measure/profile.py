@@ -20,6 +20,8 @@ several repeats after a warm-up:
   ``disk_dir`` (default: the temp directory) overwritten in place (with fsync), read back with its page cache
   dropped, and one read while another is written, in the runtime's requests (8 MiB, 8 in flight), ``O_DIRECT``
   where the file system takes it; read, write, both at once and the request size and depth go in the profile;
+- a quantized frozen base's dequantization (``dequant.dequant_rates``: a 7B layer's frozen parameters in NF4 and
+  int8, dequantized into bf16 as ``runtime/quantized.py`` does it; ``dequant_gbps`` and ``dequant8_gbps``);
 - CPU cores (affinity), host memory (physical or the cgroup limit), GPU memory;
 - with more than one GPU visible, the collectives between them (``profile_collectives``: ring all-gather
   and reduce-scatter over NCCL, fitted to the cost model's ``collective_gbps`` and
@@ -57,6 +59,7 @@ from ..models.gpt import GPT, GPTConfig
 from ..runtime.optim.torch_adamw import TorchAdamW
 from ..runtime.trainer import Trainer
 from ..util.host import cpu_cores, host_memory_bytes
+from .dequant import dequant_rates
 from .disk import disk_rates
 from .profile_collectives import GPU_SIZES, measure_collectives
 
@@ -314,6 +317,15 @@ def _collectives(on_gpu: bool, repeats: int, log) -> tuple[dict, str]:
     return collectives, f"collectives measured over {gpus} GPUs (NCCL); between hosts modelled"
 
 
+def _dequant(device: torch.device, quick: bool, repeats: int, log) -> tuple[dict, str]:
+    """A quantized base's dequantization rates (``dequant.dequant_rates``: a 7B layer's frozen parameters, smaller
+    on the CPU and with ``quick``), and the profile's note on them."""
+    log("quantized-base dequantization (a 7B layer's matrices, NF4 and int8) ...")
+    rates = measure_checked("dequantization", lambda: dequant_rates(device, quick, repeats), log)
+    log(f"  NF4 {rates['dequant_gbps']:.3g} GB/s, int8 {rates['dequant8_gbps']:.3g} GB/s of bf16 out")
+    return rates, "dequantization measured (runtime/quantized.py, bf16 out)"
+
+
 def measure(device: str | torch.device | None = None, quick: bool = False, disk_dir: str | None = None,
             verbose: bool = True) -> HardwareProfile:
     """Measure this machine (see the module docstring); ``device`` defaults to ``cuda`` when available."""
@@ -383,16 +395,19 @@ def measure(device: str | torch.device | None = None, quick: bool = False, disk_
         f"{disk['nvme_both_gbps']:.2f} GB/s ({disk['nvme_queue_depth']} x {disk['nvme_request_bytes'] >> 20} MiB "
         f"requests, {'direct' if direct else 'buffered'} I/O)")
 
+    dequant, dequant_note = _dequant(device, quick, repeats, log)
+
     collectives, coll_note = _collectives(on_gpu, repeats, log)
     where = (f"measured on {gpu_name}" if on_gpu else
              "measured on the CPU without CUDA: GPU figures are the CPU's (fp32 matmul, memcpy transfers)")
     profile = HardwareProfile(
         name="measured", gpu_name=gpu_name, gpu_memory_bytes=int(gpu_memory), host_memory_bytes=int(host_memory),
         cpu_cores=cores, bf16_tflops=tflops, **fit, **rates, **attention, **dispatch, **collectives,
-        cpu_adam_gparams=adam, cpu_adam8_gparams=adam, **disk,
+        cpu_adam_gparams=adam, cpu_adam8_gparams=adam, **disk, **dequant,
         source=f"{where} by lazytrain profile{' (quick)' if quick else ''}, torch {torch.__version__}; "
         f"{adam_kind} AdamW; 8-bit optimizer rate assumed equal to fp32 (not measured); "
-        f"disk = {disk_dir or tempfile.gettempdir()} ({'direct' if direct else 'buffered'} I/O); {coll_note}",
+        f"disk = {disk_dir or tempfile.gettempdir()} ({'direct' if direct else 'buffered'} I/O); {dequant_note}; "
+        f"{coll_note}",
     )
     log(str(profile))
     return profile
