@@ -92,3 +92,12 @@ def path(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError(f"needs a file or folder name, got {text!r}")
     return text
+
+
+def columns(text: str) -> dict[str, str]:
+    """``question=prompt,answer=completion``: source columns renamed to the keys we read."""
+    from ..data.formats import parse_columns  # (no pyarrow, no torch)
+    try:
+        return parse_columns(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

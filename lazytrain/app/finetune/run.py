@@ -55,6 +55,7 @@ from .prepare import (
     pad_id,
     prepare_data,
     resolve,
+    set_chat_template,
     tokenizer_for,
 )
 
@@ -277,9 +278,12 @@ def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path
     own)."""
     src = _source(cfg, prev)
     tok = tokenizer_for(src, cfg.tokenizer)
-    enc = Encoder(tok, cfg.loss_on, name=f"the tokenizer of {cfg.tokenizer or src.spec}")
+    if cfg.chat_template and prev is None:       # a resumed run's tokenizer (OUTPUT/source/) has it
+        set_chat_template(tok, cfg.chat_template)
+    enc = Encoder(tok, cfg.loss_on, name=f"the tokenizer of {cfg.tokenizer or src.spec}",
+                  system_prompt=cfg.system_prompt)
     data = prepare_data(enc, cfg.data, cfg.eval_data, seq=cfg.seq, max_positions=max_positions(src.config),
-                        truncate=cfg.truncate, eval_size=cfg.eval_size)
+                        truncate=cfg.truncate, eval_size=cfg.eval_size, columns=cfg.columns, workdir=out)
     if not cfg.evaluate:
         data.eval = []
     if prev is not None and prev["data"]["fingerprint"] != data.fingerprint:
@@ -292,7 +296,7 @@ def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path
     load_s = time.perf_counter() - t
     if (max_positions(model.config) or data.seq_len) < data.seq_len:
         raise ValueError(f"--seq {data.seq_len} is longer than the model's {max_positions(model.config)} positions")
-    check_vocab(model, data.train + data.eval, src.spec)
+    check_vocab(model, data, src.spec)
     stop_ids = enc.stop_ids(getattr(model, "generation_config", None))
     if prev is None and main:
         _write_source(out / "source", model, tok, stop_ids)
