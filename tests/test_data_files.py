@@ -197,7 +197,7 @@ def test_bad_files_are_one_error_naming_file_and_row(tmp_path):
     assert "x.parquet: cannot read it as parquet" in error(tmp_path / "x.parquet")
     assert "accepted formats: JSONL (.jsonl)" in error(tmp_path / "x.parquet")
     (tmp_path / "r.csv").write_text("prompt,completion\n1+1=,2\n2+2=,4,extra\n")
-    assert "r.csv, line 3: 3 fields where the header has 2" in error(tmp_path / "r.csv")
+    assert "r.csv, row 2: 3 fields where the header has 2" in error(tmp_path / "r.csv")
     folder = save_to_disk(tmp_path / "ds", QA)
     (folder / "data-00000-of-00001.arrow").unlink()
     assert "data files that are missing (data-00000-of-00001.arrow)" in error(folder)

@@ -160,9 +160,9 @@ def _csv(pa, path: Path, kind: str, digest):
     except DataError:
         if bad:
             r = bad[0]
-            raise DataError(f"{path}, line {r.number}: {r.actual_columns} fields where the header has "
-                            f"{r.expected_columns} (a {kind.upper()} row must have one a column; quote a cell "
-                            f"that holds the delimiter)") from None
+            row = f"row {r.number - 1}" if r.number else "a row"       # pyarrow counts the header as row 1
+            raise DataError(f"{path}, {row}: {r.actual_columns} fields where the header has {r.expected_columns} "
+                            f"(a {kind.upper()} row has one a column; quote a cell that holds the delimiter)") from None
         raise
 
 

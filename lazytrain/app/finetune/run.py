@@ -32,6 +32,7 @@ import torch
 
 from ...data.batches import Batches
 from ...data.encode import Encoder
+from ...data.formats import check_columns
 from ...frontend.presets import build_model
 from ...frontend.random_init import random_init
 from ...hf.export import hf_config, trainer_weights, write_folder, write_hf_json
@@ -117,6 +118,8 @@ def _settled(cfg: TrainConfig) -> tuple[FinetuneConfig, dict | None]:
             raise ValueError(f"{flag} {name!r}: an empty name names no file")
     if not cfg.data:
         raise ValueError("lazytrain train --data FILE: no data file given")
+    if cfg.columns is not None:             # (a config file's mapping is checked here, a flag's as it is parsed)
+        cfg.columns = check_columns(cfg.columns)
     if cfg.answer_regex is not None:        # before minutes of loading: a typo is an error at once
         try:
             re.compile(cfg.answer_regex)
