@@ -235,3 +235,20 @@ def test_train_from_parquet_end_to_end(tmp_path):
     assert "<|im_start|> " in saved and "system" in m["eval_curve"][0]["samples"][0]["prompt"]
     assert "<|im_start|> " in saved                   # the run's tokenizer keeps the template for resume / export
     assert not list(out.glob("lazytrain-tokens-*"))   # the token store is gone with the run
+
+
+def test_the_folder_written_here_is_the_one_datasets_writes(tmp_path):
+    """Where ``datasets`` is installed (not in CI): a real ``save_to_disk`` folder and a DatasetDict are read, and
+    the test's own layout (``save_to_disk`` above) has the same files, the Arrow file byte for byte."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(5)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "real"))
+    mine = save_to_disk(tmp_path / "mine", rows)
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == sorted(p.name for p in mine.iterdir())
+    name = "data-00000-of-00001.arrow"
+    assert (tmp_path / "real" / name).read_bytes() == (mine / name).read_bytes()
+    cols = {"question": "prompt", "answer": "completion"}
+    assert [r.prompt for r in read_records(tmp_path / "real", columns=cols)] == [f"q{i}" for i in range(5)]
+    chats = datasets.Dataset.from_list([chat(f"q{i}", f"a{i}") for i in range(6)])
+    datasets.DatasetDict({"test": chats.select(range(2)), "train": chats}).save_to_disk(str(tmp_path / "dict"))
+    assert [r.messages[1][1] for r in read_records(tmp_path / "dict")] == [f"a{i}" for i in range(6)]

@@ -37,17 +37,22 @@ class Tokens:
 
 
 class TokenStore:
-    """Examples appended in order (``append``), then read (``finish``, ``tokens(i)``).  The files live in a
-    temporary folder under ``folder`` (default: the system's), removed when the store is collected."""
+    """Examples appended in order (``append``), then read (``finish``, ``tokens(i)``).  The files are made in a
+    temporary folder under ``folder`` (default: the system's) and their names removed at once: the open files
+    hold the data, and the disk space goes back when the process ends, however it ends (a killed run leaves
+    nothing in its folder)."""
 
     def __init__(self, folder: str | Path | None = None):
         if folder is not None:
             Path(folder).mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix="lazytrain-tokens-", dir=folder))
-        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
-        self._ids_f = open(self.dir / "ids.bin", "wb")
-        self._mask_f = open(self.dir / "mask.bin", "wb")
-        self._keys_f = open(self.dir / "keys.bin", "wb")
+        tmp = Path(tempfile.mkdtemp(prefix="lazytrain-tokens-", dir=folder))
+        try:
+            self._ids_f, self._mask_f, self._keys_f = (open(tmp / name, "w+b") for name in
+                                                       ("ids.bin", "mask.bin", "keys.bin"))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)       # (where open files cannot lose their names: at exit)
+            if tmp.exists():
+                weakref.finalize(self, shutil.rmtree, str(tmp), True)
         self._ids: list[np.ndarray] = []
         self._mask: list[np.ndarray] = []
         self._buffered = 0
@@ -83,18 +88,20 @@ class TokenStore:
         self._ids, self._mask, self._buffered = [], [], 0
 
     def finish(self) -> TokenStore:
-        """Close the files and map them for reading."""
+        """Write what is buffered and map the files for reading."""
         self._flush()
-        for f in (self._ids_f, self._mask_f, self._keys_f):
-            f.close()
         n = self.offsets[-1]
-        self.ids = np.memmap(self.dir / "ids.bin", np.int32, "r", shape=(n,)) if n else np.zeros(0, np.int32)
-        self.mask = np.memmap(self.dir / "mask.bin", np.uint8, "r", shape=(n,)) if n else np.zeros(0, np.uint8)
-        self.keys = (np.memmap(self.dir / "keys.bin", "S32", "r", shape=(len(self),)) if len(self)
-                     else np.zeros(0, "S32"))
+        self.ids = self._map(self._ids_f, np.int32, n)
+        self.mask = self._map(self._mask_f, np.uint8, n)
+        self.keys = self._map(self._keys_f, "S32", len(self))
         self.starts = np.frombuffer(self.offsets, dtype=np.int64)
         self.lengths = np.diff(self.starts)
         return self
+
+    @staticmethod
+    def _map(f, dtype, n: int) -> np.ndarray:
+        f.flush()
+        return np.memmap(f, dtype, "r", shape=(n,)) if n else np.zeros(0, dtype)
 
     def tokens(self, i: int, limit: int | None = None) -> Tokens:
         a = int(self.starts[i])
