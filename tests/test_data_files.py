@@ -252,3 +252,16 @@ def test_the_folder_written_here_is_the_one_datasets_writes(tmp_path):
     chats = datasets.Dataset.from_list([chat(f"q{i}", f"a{i}") for i in range(6)])
     datasets.DatasetDict({"test": chats.select(range(2)), "train": chats}).save_to_disk(str(tmp_path / "dict"))
     assert [r.messages[1][1] for r in read_records(tmp_path / "dict")] == [f"a{i}" for i in range(6)]
+
+
+def test_text_field_and_a_config_files_columns_are_checked_mappings():
+    """``dataset_text_field`` (``--text-field``) is ``--columns COLUMN=text``; a config file's ``columns`` mapping
+    is checked as the flag's is, before anything loads."""
+    from lazytrain.app.config import FinetuneConfig
+    from lazytrain.app.finetune.run import _settled
+    cfg, _ = _settled(FinetuneConfig(data="x.parquet", text_field="body", columns={"title": "prompt"}))
+    assert cfg.columns == {"body": "text", "title": "prompt"}
+    with pytest.raises(ValueError, match="'answer' is not a key we read"):
+        _settled(FinetuneConfig(data="x.parquet", columns={"a": "answer"}))
+    with pytest.raises(ValueError, match="columns must map column names to keys"):
+        _settled(FinetuneConfig(data="x.parquet", columns=["question"]))

@@ -232,6 +232,9 @@ class FinetuneConfig(TrainConfig):
                                          "question=prompt,answer=completion (in a config file, a mapping)",
                                    type=cli_types.columns, metavar="COL=KEY,...", group="data", resumed=Runs.DATA,
                                    shape=Either(None, MapOf(str)))
+    text_field: str | None = setting(None, "the column (key) holding plain text to train on: --columns COLUMN=text "
+                                           "(TRL's dataset_text_field)", metavar="COLUMN", group="data",
+                                     resumed=Runs.DATA, shape=Either(None, str), key="dataset_text_field")
     system_prompt: str | None = setting(None, "a system turn put first in every chat that has none; '' for none "
                                               "(the chat template's default left out where it allows)", metavar="TEXT",
                                         group="data", resumed=Runs.DATA, shape=Either(None, str))

@@ -120,6 +120,8 @@ def _settled(cfg: TrainConfig) -> tuple[FinetuneConfig, dict | None]:
         raise ValueError("lazytrain train --data FILE: no data file given")
     if cfg.columns is not None:             # (a config file's mapping is checked here, a flag's as it is parsed)
         cfg.columns = check_columns(cfg.columns)
+    if cfg.text_field:
+        cfg.columns = check_columns({cfg.text_field: "text", **(cfg.columns or {})})
     if cfg.answer_regex is not None:        # before minutes of loading: a typo is an error at once
         try:
             re.compile(cfg.answer_regex)
