@@ -50,7 +50,8 @@ def test_one_list_of_settings_a_resume_keeps():
               "optimizer"}
     assert task == shared | {"difficulty", "loss_on_prompt"}
     assert data == shared | {"tokenizer", "data", "eval_data", "loss_on", "truncate", "pack", "eval_size",
-                             "answer_regex", "epochs"}
+                             "answer_regex", "epochs", "columns", "text_field", "system_prompt",
+                             "chat_template"}
 
 
 def test_metrics_settings_are_every_field_but_the_progress_bar_and_overwrite():

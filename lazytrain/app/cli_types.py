@@ -119,3 +119,12 @@ def report_to(text: str) -> list[str]:
         return list(parse(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def columns(text: str) -> dict[str, str]:
+    """``question=prompt,answer=completion``: source columns renamed to the keys we read."""
+    from ..data.formats import parse_columns  # (no pyarrow, no torch)
+    try:
+        return parse_columns(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

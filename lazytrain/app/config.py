@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from ..compiler.options import Optimizer, Policy
 from ..ir.limits import MAX_BATCH, MAX_SEQ_LEN
-from ..util.jsonshape import Either, Int, ListOf, Num, OneOf, Opt
+from ..util.jsonshape import Either, Int, ListOf, MapOf, Num, OneOf, Opt
 from . import cli_types
 
 
@@ -282,13 +282,27 @@ class FinetuneConfig(TrainConfig):
     """``TrainConfig`` and what fine-tuning on a file adds (``finetune/``); defaults for a pretrained model."""
 
     data: str | None = setting(
-        None, "train on this JSONL / JSON file (messages, conversations, prompt/completion, alpaca or text records) "
-              "instead of the built-in task; --model then names a pretrained model: smollm2-135m-instruct, a Hugging "
+        None, "train on this file: JSONL, JSON, parquet, CSV, TSV, Arrow or a datasets save_to_disk folder "
+              "(messages, conversations, prompt/completion, alpaca or text records; see --columns) instead of the "
+              "built-in task; --model then names a pretrained model: smollm2-135m-instruct, a Hugging "
               "Face folder or a GGUF file", type=cli_types.path, metavar="FILE", group="data", resumed=Runs.DATA,
         key="train_file")
     eval_data: str | None = setting(None, "evaluate on this file (default: 5%% of --data held out, by a hash of each "
                                           "example)", type=cli_types.path, metavar="FILE", group="data",
                                     resumed=Runs.DATA, key="validation_file")
+    columns: dict | None = setting(None, "rename the file's columns (keys) to the keys we read, e.g. "
+                                         "question=prompt,answer=completion (in a config file, a mapping)",
+                                   type=cli_types.columns, metavar="COL=KEY,...", group="data", resumed=Runs.DATA,
+                                   shape=Either(None, MapOf(str)))
+    text_field: str | None = setting(None, "the column (key) holding plain text to train on: --columns COLUMN=text "
+                                           "(TRL's dataset_text_field)", metavar="COLUMN", group="data",
+                                     resumed=Runs.DATA, shape=Either(None, str), key="dataset_text_field")
+    system_prompt: str | None = setting(None, "a system turn put first in every chat that has none; '' for none "
+                                              "(the chat template's default left out where it allows)", metavar="TEXT",
+                                        group="data", resumed=Runs.DATA, shape=Either(None, str))
+    chat_template: str | None = setting(None, "a Jinja chat template file replacing the tokenizer's (kept with the "
+                                              "run's tokenizer)", type=cli_types.path, metavar="FILE", group="data",
+                                        resumed=Runs.DATA, shape=Either(None, str))
     tokenizer: str | None = setting(None, "a tokenizer other than the model's (folder, GGUF file or named model)",
                                     type=cli_types.path, metavar="T", group="data", resumed=Runs.DATA,
                                     key="tokenizer_name")

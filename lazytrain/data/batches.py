@@ -23,6 +23,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .encode import IGNORE, Example
@@ -59,8 +60,8 @@ def collate(examples: Sequence[Example], seq_len: int, pad_id: int, *, packed_ro
         for i in members:
             ex = examples[i]
             n = len(ex)
-            ids[r, at:at + n] = torch.tensor(ex.ids)
-            labels[r, at:at + n] = torch.tensor(ex.labels)
+            ids[r, at:at + n] = torch.as_tensor(ex.ids)
+            labels[r, at:at + n] = torch.as_tensor(ex.labels)
             labels[r, at] = IGNORE
             pos[r, at:at + n] = torch.arange(n)
             at += n
@@ -73,15 +74,20 @@ def collate(examples: Sequence[Example], seq_len: int, pad_id: int, *, packed_ro
 
 
 class Batches:
-    """The training stream: ``batch(step)`` for step 0, 1, 2, ... (epochs follow one another)."""
+    """The training stream: ``batch(step)`` for step 0, 1, 2, ... (epochs follow one another).  ``examples``: a
+    list of ``Example``, or a ``store.TrainSet`` (read from disk a batch at a time)."""
 
     def __init__(self, examples: Sequence[Example], batch_size: int, seq_len: int, pad_id: int, *,
                  pack: bool = False, seed: int = 0):
-        if not examples:
+        if not len(examples):
             raise ValueError("no training examples")
+        if not hasattr(examples, "lengths"):
+            examples = list(examples)
         self.examples, self.batch_size, self.seq_len, self.pad_id = list(examples), batch_size, seq_len, pad_id
         self.pack, self.seed = pack, seed
         self._epoch: tuple[int, list[list[int]]] | None = None
+        lengths = examples.lengths() if hasattr(examples, "lengths") else [len(e) for e in examples]
+        self.lengths = np.asarray(lengths, dtype=np.int64)
         self.rows_per_epoch = len(self._rows(0))
 
     @property
@@ -95,7 +101,7 @@ class Batches:
             rng.shuffle(order)
             if self.pack:
                 rows = [[order[i] for i in row] for row in
-                        pack_rows([len(self.examples[i]) for i in order], self.seq_len)]
+                        pack_rows(self.lengths[order].tolist(), self.seq_len)]
                 rng.shuffle(rows)
             else:
                 rows = [[i] for i in order]
@@ -112,12 +118,17 @@ class Batches:
     def padding(self) -> dict[str, float]:
         """The fraction of padding tokens in an epoch, packed and one example a row, at this ``seq_len``; a
         packed stream's unpacked figure is at the longest example's length (what an unpacked run would use)."""
-        lengths = [len(e) for e in self.examples]
-        tokens = sum(lengths)
-        packed_rows = self.rows_per_epoch if self.pack else len(pack_rows(lengths, self.seq_len))
-        unpacked_seq = max(lengths) if self.pack else self.seq_len
+        lengths = self.lengths
+        tokens = int(lengths.sum())
+        packed_rows = self.rows_per_epoch if self.pack else len(pack_rows(lengths.tolist(), self.seq_len))
+        unpacked_seq = int(lengths.max()) if self.pack else self.seq_len
         return {"unpacked": round(1 - tokens / (len(lengths) * unpacked_seq), 4),
                 "packed": round(1 - tokens / (packed_rows * self.seq_len), 4)}
+
+
+def content_digest(key: str) -> bytes:
+    """The 32-byte hash of an example's content (``Record.key``) the held-out split orders examples by."""
+    return hashlib.sha256(f"lazytrain.data/{key}".encode()).digest()
 
 
 def held_out(items: Sequence, keys: Sequence[str], n_eval: int) -> tuple[list, list]:
@@ -125,7 +136,7 @@ def held_out(items: Sequence, keys: Sequence[str], n_eval: int) -> tuple[list, l
     the content, not the file order or a seed; identical examples land on the same side."""
     if n_eval <= 0:
         return list(items), []
-    digest = [hashlib.sha256(f"lazytrain.data/{k}".encode()).hexdigest() for k in keys]
+    digest = [content_digest(k) for k in keys]
     counts = Counter(digest)
     chosen: set[str] = set()
     count = 0
@@ -137,3 +148,35 @@ def held_out(items: Sequence, keys: Sequence[str], n_eval: int) -> tuple[list, l
     train = [x for x, d in zip(items, digest) if d not in chosen]
     evals = [x for x, d in zip(items, digest) if d in chosen]
     return train, evals
+
+
+class LowestKeys:
+    """``held_out`` over a stream: offered each example's digest as it is read, it keeps the ``limit`` lowest
+    distinct digests seen so far with every example of each (index, item).  Held-out examples are at most
+    ``limit``, so they are among these whatever the stream's length (``chosen`` picks them once it is known), and
+    the split is ``held_out``'s: by content, whatever the order."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.order: list[bytes] = []                 # sorted
+        self.items: dict[bytes, list[tuple[int, object]]] = {}
+
+    def offer(self, key: bytes, index: int, item) -> None:
+        if self.limit <= 0:
+            return
+        if key in self.items:
+            self.items[key].append((index, item))
+        elif len(self.order) < self.limit or key < self.order[-1]:
+            bisect.insort(self.order, key)
+            self.items[key] = [(index, item)]
+            if len(self.order) > self.limit:
+                del self.items[self.order.pop()]
+
+    def chosen(self, n_eval: int) -> list[tuple[int, object]]:
+        """The held-out (index, item)s, in stream order: the lowest digests until ``n_eval`` examples at least."""
+        out: list[tuple[int, object]] = []
+        for key in self.order:
+            if len(out) >= n_eval:
+                break
+            out += self.items[key]
+        return sorted(out, key=lambda x: x[0])

@@ -49,14 +49,26 @@ class Example:
 
 class Encoder:
     """Tokenizes records with ``tokenizer`` (a transformers tokenizer).  ``loss_on``: ``completion`` or
-    ``all`` (see the module docstring)."""
+    ``all`` (see the module docstring).  ``system_prompt``: a system turn put first in every chat that has none
+    (``system.py``; ``""``: no system prompt, the template's default left out where the template allows)."""
 
-    def __init__(self, tokenizer, loss_on: str = "completion", name: str = "the tokenizer"):
+    def __init__(self, tokenizer, loss_on: str = "completion", name: str = "the tokenizer",
+                 system_prompt: str | None = None):
         if loss_on not in LOSS_ON:
             raise ValueError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
         self.tok, self.loss_on, self.name = tokenizer, loss_on, name
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self.eos_id = tokenizer.eos_token_id
+        self.system = None
+        if system_prompt is not None and self.has_template:
+            from .system import system_turn
+            self.system = system_turn(self, system_prompt)
+
+    def with_system(self, turns: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+        """``turns`` with the system turn first, unless they have one (or none is asked for)."""
+        if self.system is None or (turns and turns[0][0] == "system"):
+            return turns
+        return (self.system, *turns)
 
     # ---- one record -----------------------------------------------------------------------------------
     def encode(self, rec: Record) -> Example:
@@ -85,7 +97,7 @@ class Encoder:
         return Example(tuple(ids), tuple(labels), prompt_ids, completion, rec.where)
 
     def _chat(self, rec: Record) -> Example:
-        turns = rec.messages
+        turns = self.with_system(rec.messages)
         full = self.render(turns, rec.where)
         pieces: list[tuple[str, bool]] = []
         done = 0
@@ -129,7 +141,7 @@ class Encoder:
 
     def prompt_for(self, turns) -> list[int]:
         """Token ids asking for the next assistant turn after ``turns`` (for generation)."""
-        return self._ids(self.render(tuple(turns), prompt=True))
+        return self._ids(self.render(self.with_system(tuple(turns)), prompt=True))
 
     def stop_ids(self, generation_config=None) -> list[int]:
         """Tokens that end a reply: the eos, the chat template's end-of-turn token, and the eos ids of the

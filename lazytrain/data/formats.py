@@ -1,4 +1,5 @@
-"""Reading a dataset file: JSONL (one example a line) or JSON (a list), in the common formats.
+"""Reading a dataset file, a record at a time: JSONL (one example a line) or JSON (a list) here; parquet, CSV / TSV,
+an Arrow file and a ``datasets`` ``save_to_disk`` folder through pyarrow (``tables.py``), told by the extension.
 
 The format of each record is told by its keys (other keys are ignored)::
 
@@ -7,6 +8,9 @@ The format of each record is told by its keys (other keys are ignored)::
     {"prompt": ..., "completion": ...}                                                     completion
     {"instruction": ..., "input": ..., "output": ...}     alpaca ("input" may be missing or empty)
     {"text": ...}                                                                          plain text
+
+A row of a table is a record with its columns as keys.  ``columns`` (``--columns question=prompt,answer=completion``)
+renames keys (columns) to these before the format is told, for every file kind.
 
 Every record becomes a ``Record``: a chat (``messages``: sharegpt's roles mapped to user /
 assistant / system / tool, and an alpaca record as one user turn, instruction then input, and one
@@ -24,17 +28,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .kinds import DataError, kind_of
+
 FORMATS = ("messages (role/content)", "conversations (from/value)", "prompt/completion",
            "instruction/input/output (alpaca)", "text")
+#: the keys a record's format is told by: what ``--columns`` may map a column to
+KEYS = ("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "text")
+#: column names that usually hold a prompt, or an answer: the mapping an error suggests
+_PROMPT_LIKE = ("question", "query", "input", "instruction", "prompt", "problem", "source", "context", "user")
+_ANSWER_LIKE = ("answer", "response", "output", "completion", "target", "solution", "reply", "label", "assistant")
 ROLES = ("system", "user", "assistant", "tool")
 #: sharegpt speaker names -> chat roles
 _SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
              "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system",
              "tool": "tool", "function": "tool", "observation": "tool", "function_response": "tool"}
-
-
-class DataError(ValueError):
-    """A dataset file that cannot be read as examples; the message names the file and the line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +73,91 @@ MAX_JSON_LIST_BYTES = 1 << 30
 _CHUNK = 1 << 20
 
 
-def read_records(path: str | Path, digest=None) -> list[Record]:
-    """Every example of a JSONL or JSON file, in file order.  The file is read once, as a stream (a FIFO or
-    ``<(zcat ...)`` can be read only once): ``digest`` (a ``hashlib`` object), if given, is updated with its
-    bytes."""
+def read_records(path: str | Path, digest=None, columns: dict[str, str] | None = None) -> list[Record]:
+    """Every example of a dataset file, in file order (``iter_records``, as a list)."""
+    return list(iter_records(path, digest, columns))
+
+
+def iter_records(path: str | Path, digest=None, columns: dict[str, str] | None = None) -> Iterator[Record]:
+    """The examples of a dataset file in file order, read as a stream: a table a record batch at a time, JSONL a
+    line at a time (a FIFO or ``<(zcat ...)`` can be read only once).  ``digest`` (a ``hashlib`` object), if
+    given, is updated with the file's bytes; ``columns`` renames keys before the format is told."""
     path = Path(path)
+    kind = kind_of(path)
+    if kind == "json":
+        rows = _json_rows(path, digest)
+    else:
+        from .tables import read_table_rows  # pyarrow: imported where used
+        rows = read_table_rows(path, kind, digest)
+    seen: set[str] = set()
+    for where, obj in rows:
+        if columns and isinstance(obj, dict):
+            if kind != "json" and not seen:
+                _check_mapped(path, obj, columns)
+            seen.update(k for k in columns if k in obj)
+            obj = rename(obj, columns)
+        yield _sized(parse_record(obj, where))
+    missing = [k for k in (columns or {}) if k not in seen]
+    if missing:
+        raise DataError(f"{path}: --columns names {', '.join(map(repr, missing))}, which no record has")
+
+
+def _check_mapped(path: Path, row: dict, columns: dict[str, str]) -> None:
+    """A table's columns are in every row: a mapped column not in its first row is in none."""
+    missing = [k for k in columns if k not in row]
+    if not missing:
+        return
+    keys = ", ".join(map(str, row)) or "none"
+    raise DataError(f"{path}: --columns names {', '.join(map(repr, missing))}, not a column of it (its "
+                    f"columns: {keys})")
+
+
+def rename(obj: dict, columns: dict[str, str]) -> dict:
+    """``obj`` with the keys ``columns`` maps renamed (a renamed key wins over one already of that name)."""
+    out = {k: v for k, v in obj.items() if k not in columns}
+    out.update({columns[k]: v for k, v in obj.items() if k in columns})
+    return out
+
+
+def parse_columns(text: str) -> dict[str, str]:
+    """``question=prompt,answer=completion`` as a mapping, each target one of ``KEYS``."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        src, eq, dst = part.partition("=")
+        if not eq or not src.strip() or not dst.strip():
+            raise ValueError(f"{part!r}: write COLUMN=KEY pairs, e.g. question=prompt,answer=completion")
+        out[src.strip()] = dst.strip()
+    return check_columns(out)
+
+
+def check_columns(columns) -> dict[str, str]:
+    """``columns`` (from a flag or a config file) checked: strings to a known key, each key once."""
+    if not isinstance(columns, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                for k, v in columns.items()):
+        raise ValueError(f"columns must map column names to keys ({', '.join(KEYS)}), got {columns!r}")
+    for src, dst in columns.items():
+        if dst not in KEYS:
+            raise ValueError(f"columns: {src}={dst}: {dst!r} is not a key we read; map to one of {', '.join(KEYS)}")
+    doubled = sorted({v for v in columns.values() if list(columns.values()).count(v) > 1})
+    if doubled:
+        raise ValueError(f"columns: several columns map to {', '.join(doubled)}")
+    return dict(columns)
+
+
+def suggest_columns(keys) -> str:
+    """A ``--columns`` mapping for a record with ``keys`` and no known format."""
+    names = [str(k) for k in keys]
+    prompt = next((k for like in _PROMPT_LIKE for k in names if k.lower() == like), None)
+    answer = next((k for like in _ANSWER_LIKE for k in names if k.lower() == like and k != prompt), None)
+    if prompt and answer:
+        return f"--columns {prompt}=prompt,{answer}=completion"
+    return "--columns YOUR_PROMPT_COLUMN=prompt,YOUR_ANSWER_COLUMN=completion (or COLUMN=text, COLUMN=messages)"
+
+
+def _json_rows(path: Path, digest) -> Iterator[tuple[str, object]]:
     try:
         with open(path, "rb") as f:
-            return _read(_chunks(f, digest), path)
+            yield from _read(_chunks(f, digest), path)
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
     except OSError as e:
@@ -87,7 +171,7 @@ def _chunks(f, digest) -> Iterator[bytes]:
         yield chunk
 
 
-def _read(chunks: Iterator[bytes], path: Path) -> list[Record]:
+def _read(chunks: Iterator[bytes], path: Path) -> Iterator[tuple[str, object]]:
     head = b""
     for chunk in chunks:                   # up to the first byte that is not blank: a JSON list or JSONL?
         head += chunk
@@ -96,9 +180,12 @@ def _read(chunks: Iterator[bytes], path: Path) -> list[Record]:
     head = head.removeprefix(codecs.BOM_UTF8)          # (a Windows editor's mark, which json.loads refuses)
     rest = itertools.chain([head], chunks)
     rows = _json_list(rest, path) if head.lstrip().startswith(b"[") else _jsonl(rest, path)
-    if not rows:
+    empty = True
+    for row in rows:
+        empty = False
+        yield row
+    if empty:
         raise DataError(f"{path}: no examples (an empty file)")
-    return [_sized(parse_record(obj, where)) for where, obj in rows]
 
 
 def _json_list(chunks: Iterator[bytes], path: Path) -> list[tuple[str, object]]:
@@ -120,13 +207,12 @@ def _json_list(chunks: Iterator[bytes], path: Path) -> list[tuple[str, object]]:
     return [(f"{path}[{i}]", obj) for i, obj in enumerate(items)]
 
 
-def _jsonl(chunks: Iterator[bytes], path: Path) -> list[tuple[str, object]]:
-    rows = []
+def _jsonl(chunks: Iterator[bytes], path: Path) -> Iterator[tuple[str, object]]:
     for n, raw in _lines(chunks, path):
         if not raw.strip():
             continue
         try:
-            rows.append((f"{path}:{n}", json.loads(raw.decode("utf-8"))))
+            obj = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
             raise DataError(f"{path}:{n}: cannot read it (not UTF-8: {e.reason} at byte {e.start})") from None
         except json.JSONDecodeError as e:
@@ -134,7 +220,7 @@ def _jsonl(chunks: Iterator[bytes], path: Path) -> list[tuple[str, object]]:
                             f"one JSON object a line") from None
         except (RecursionError, ValueError) as e:
             raise DataError(f"{path}:{n}: not valid JSON ({_why(e)})") from None
-    return rows
+        yield f"{path}:{n}", obj
 
 
 def _lines(chunks: Iterator[bytes], path: Path) -> Iterator[tuple[int, bytes]]:
@@ -197,10 +283,13 @@ def parse_record(obj, where: str) -> Record:
     if "text" in obj:
         return Record(where, "text", completion=_text(obj["text"], where, "text"))
     keys = ", ".join(sorted(map(str, obj))) or "none"
-    raise DataError(f"{where}: no known format (keys: {keys}); accepted formats: {', '.join(FORMATS)}")
+    raise DataError(f"{where}: no known format (keys: {keys}); accepted formats: {', '.join(FORMATS)}; to read "
+                    f"other columns map them: {suggest_columns(obj)}")
 
 
 def _text(v, where: str, key: str) -> str:
+    if v is None:
+        raise DataError(f"{where}: {key!r} is null (an empty cell); every example needs it")
     if not isinstance(v, str):
         raise DataError(f"{where}: {key!r} must be a string, got {type(v).__name__}")
     return v

@@ -7,7 +7,9 @@ one).  The run writes the config, tokenizer and generation config it trains with
 ``OUTPUT/source/``, so a resume or ``lazytrain export`` needs neither the original folder nor the
 registry.
 
-Data: ``--data`` (and ``--eval-data``) read by ``data/formats.py``, tokenized by ``data/encode.py``.
+Data: ``--data`` (and ``--eval-data``) read by ``data/formats.py`` (``--columns`` renaming columns), tokenized by
+``data/encode.py`` (``--system-prompt``, the tokenizer's chat template or ``--chat-template``) as it is read, into
+a token store on disk (``data/store.py``).
 Without ``--eval-data``, 5% of the examples (at most ``--eval-size``, at least one) are held out by a
 hash of their content (``data/batches.held_out``).  ``--seq`` defaults to the longest training example,
 within the model's positions; longer examples are cut or dropped (``--truncate``) and counted.
@@ -20,11 +22,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from ...data.batches import held_out
+from ...data.batches import LowestKeys, content_digest
 from ...data.encode import Encoder, Example, fit
-from ...data.formats import DataError, read_records
+from ...data.formats import DataError, iter_records
+from ...data.store import TokenStore, TrainSet, fit_index
 from ...frontend.presets import PRESETS
 from ...frontend.random_init import random_model
 from ...hf.model_loading import (
@@ -106,9 +110,26 @@ def tokenizer_for(src: Source, override: str | None, log=print):
     return load_tokenizer(spec)
 
 
+def set_chat_template(tok, path: str) -> None:
+    """``--chat-template FILE``: the Jinja template in ``path`` replaces the tokenizer's (saved with the run's
+    tokenizer in ``OUTPUT/source/``, so a resume and the export keep it); one that cannot render a chat is an
+    error before any training."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    tok.chat_template = text
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    try:
+        tok.apply_chat_template(probe, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - jinja raises TemplateSyntaxError, and templates raise what they like
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--chat-template {path}: not a Jinja chat template that renders a chat ({first})") from None
+
+
 @dataclass
 class Data:
-    train: list[Example]
+    train: TrainSet              # on disk (``data/store.py``): a file larger than memory trains
     eval: list[Example]
     seq_len: int
     counts: dict                 # examples read, held out, truncated, dropped
@@ -116,47 +137,62 @@ class Data:
 
 
 def prepare_data(enc: Encoder, data: str, eval_data: str | None, *, seq: int | None, max_positions: int | None,
-                 truncate: str, eval_size: int) -> Data:
-    """Read, split, tokenize and fit the examples (see the module docstring)."""
+                 truncate: str, eval_size: int, columns: dict[str, str] | None = None,
+                 workdir: str | Path | None = None) -> Data:
+    """Read, split, tokenize and fit the examples (see the module docstring), as a stream: each record is encoded
+    as it is read into a ``TokenStore`` (in a temporary folder under ``workdir``); only the held-out candidates
+    are kept as ``Example``s."""
     digest = hashlib.sha256()           # of the bytes as they are read: a FIFO is read once
-    records = read_records(data, digest)
+    store = TokenStore(workdir)
+    lowest = LowestKeys(0 if eval_data else eval_size)
+    for rec in iter_records(data, digest, columns):
+        ex = enc.encode(rec)
+        key = content_digest(rec.key())
+        lowest.offer(key, store.append(ex.ids, ex.labels, key), ex)
+    store.finish()
     if eval_data:
-        train_rec, eval_rec = records, read_records(eval_data, digest)[:eval_size]
-        _check_held_out(train_rec, eval_rec, data, eval_data)
+        evals = _eval_file(enc, eval_data, digest, columns, eval_size)
+        _check_held_out(store, evals, data, eval_data)
+        evals, train_index = [e for _, e in evals], np.arange(len(store))
     else:
         digest.update(b"-")
-        n_eval = min(eval_size, max(1, round(EVAL_SHARE * len(records))))
-        if len(records) < 2:
+        if len(store) < 2:
             raise DataError(f"{data}: one example cannot be split into train and eval; give more, or --eval-data")
-        train_rec, eval_rec = held_out(records, [r.key() for r in records], n_eval)
-        if not train_rec:
+        chosen = lowest.chosen(min(eval_size, max(1, round(EVAL_SHARE * len(store)))))
+        evals = [e for _, e in chosen]
+        train_index = np.setdiff1d(np.arange(len(store)), [i for i, _ in chosen])
+        if not len(train_index):
             raise DataError(f"{data}: every example is a copy of the held-out ones; give more, or --eval-data")
-    train = [enc.encode(r) for r in train_rec]
-    evals = [enc.encode(r) for r in eval_rec]
-    longest = max(len(e) for e in train)
+    longest = int(store.lengths[train_index].max())
     if seq is None:
         seq = min(longest, max_positions or longest)
     elif max_positions and seq > max_positions:
         raise ValueError(f"--seq {seq} is longer than the model's {max_positions} positions")
-    kept = [fit(e, seq, truncate) for e in train]
-    counts = {"train_read": len(train), "eval": len(evals), "held_out": not eval_data,
-              "too_long": sum(len(e) > seq for e in train), "truncate": truncate,
-              "dropped": sum(k is None for k in kept)}
-    train = [k for k in kept if k is not None]
-    if not train:
+    kept, too_long, dropped = fit_index(store, train_index, seq, truncate)
+    counts = {"train_read": len(train_index), "eval": len(evals), "held_out": not eval_data,
+              "too_long": too_long, "truncate": truncate, "dropped": dropped, "train": len(kept)}
+    if not len(kept):
         raise DataError(f"{data}: no example fits --seq {seq} (the longest has {longest} tokens; --truncate "
                         f"{truncate})")
     evals = [k for k in (fit(e, seq, "truncate") for e in evals) if k is not None]
-    counts["train"] = len(train)
-    return Data(train, evals, seq, counts, digest.hexdigest()[:16])
+    return Data(TrainSet(store, kept, seq), evals, seq, counts, digest.hexdigest()[:16])
 
 
-def _check_held_out(train: list, evals: list, data: str, eval_data: str) -> None:
+def _eval_file(enc: Encoder, eval_data: str, digest, columns, eval_size: int) -> list[tuple[bytes, Example]]:
+    """The first ``eval_size`` examples of ``--eval-data`` with their digests (every record is read: checked, and
+    in the fingerprint)."""
+    out = []
+    for rec in iter_records(eval_data, digest, columns):
+        if len(out) < eval_size:
+            out.append((content_digest(rec.key()), enc.encode(rec)))
+    return out
+
+
+def _check_held_out(store: TokenStore, evals: list[tuple[bytes, Example]], data: str, eval_data: str) -> None:
     """An error where every eval example is also a training one (``--eval-data`` the ``--data`` file, a copy or a
     part of it): the exact match would measure recall of the training set, reported as if held out.  Some shared:
     said, with the count."""
-    seen = {r.key() for r in train}
-    shared = sum(r.key() in seen for r in evals)
+    shared = int(np.isin(np.array([k for k, _ in evals], dtype="S32"), store.keys).sum()) if evals else 0
     if evals and shared == len(evals):
         raise DataError(f"--eval-data {eval_data}: every eval example is also in --data {data}, so the exact match "
                         f"would measure recall of the training set; give held-out examples, or leave --eval-data "
@@ -172,11 +208,11 @@ def max_positions(config) -> int | None:
     return int(n) if n else None
 
 
-def check_vocab(model, examples: list[Example], name: str) -> None:
+def check_vocab(model, data: Data, name: str) -> None:
     """Every token id fits the model's embedding (a tokenizer of another model would not)."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     rows = getattr(emb, "num_embeddings", None)
-    top = max((max(e.ids) for e in examples if e.ids), default=-1)
+    top = max([data.train.max_id()] + [max(e.ids) for e in data.eval if e.ids])
     if rows is not None and top >= rows:
         raise ValueError(f"the tokenizer gives token ids up to {top}, but {name}'s embedding has {rows} rows: "
                          f"use the model's own tokenizer (or a model with vocab_size > {top})")

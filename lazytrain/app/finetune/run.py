@@ -32,6 +32,7 @@ import torch
 
 from ...data.batches import Batches
 from ...data.encode import Encoder
+from ...data.formats import check_columns
 from ...frontend.presets import build_model
 from ...frontend.random_init import random_init
 from ...hf.export import hf_config, trainer_weights, write_folder, write_hf_json
@@ -57,6 +58,7 @@ from .prepare import (
     pad_id,
     prepare_data,
     resolve,
+    set_chat_template,
     tokenizer_for,
 )
 
@@ -119,6 +121,10 @@ def _settled(cfg: TrainConfig) -> tuple[FinetuneConfig, dict | None]:
             raise ValueError(f"{flag} {name!r}: an empty name names no file")
     if not cfg.data:
         raise ValueError("lazytrain train --data FILE: no data file given")
+    if cfg.columns is not None:             # (a config file's mapping is checked here, a flag's as it is parsed)
+        cfg.columns = check_columns(cfg.columns)
+    if cfg.text_field:
+        cfg.columns = check_columns({cfg.text_field: "text", **(cfg.columns or {})})
     if cfg.answer_regex is not None:        # before minutes of loading: a typo is an error at once
         try:
             re.compile(cfg.answer_regex)
@@ -325,9 +331,12 @@ def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path
     own)."""
     src = _source(cfg, prev)
     tok = tokenizer_for(src, cfg.tokenizer)
-    enc = Encoder(tok, cfg.loss_on, name=f"the tokenizer of {cfg.tokenizer or src.spec}")
+    if cfg.chat_template and prev is None:       # a resumed run's tokenizer (OUTPUT/source/) has it
+        set_chat_template(tok, cfg.chat_template)
+    enc = Encoder(tok, cfg.loss_on, name=f"the tokenizer of {cfg.tokenizer or src.spec}",
+                  system_prompt=cfg.system_prompt)
     data = prepare_data(enc, cfg.data, cfg.eval_data, seq=cfg.seq, max_positions=max_positions(src.config),
-                        truncate=cfg.truncate, eval_size=cfg.eval_size)
+                        truncate=cfg.truncate, eval_size=cfg.eval_size, columns=cfg.columns, workdir=out)
     if not cfg.evaluate:
         data.eval = []
     if prev is not None and prev["data"]["fingerprint"] != data.fingerprint:
@@ -340,7 +349,7 @@ def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path
     load_s = time.perf_counter() - t
     if (max_positions(model.config) or data.seq_len) < data.seq_len:
         raise ValueError(f"--seq {data.seq_len} is longer than the model's {max_positions(model.config)} positions")
-    check_vocab(model, data.train + data.eval, src.spec)
+    check_vocab(model, data, src.spec)
     stop_ids = enc.stop_ids(getattr(model, "generation_config", None))
     if prev is None and main:
         _write_source(out / "source", model, tok, stop_ids)
