@@ -69,7 +69,7 @@ def test_without_matplotlib_training_finishes_without_pictures(tmp_path, monkeyp
     import lazytrain.compiler.timeline as timeline
 
     def no_pyplot():       # what timeline._pyplot raises when matplotlib is not installed
-        raise RuntimeError("plotting needs matplotlib: pip install 'lazytrain[plot]'")
+        raise RuntimeError("plotting needs matplotlib: pip install matplotlib (lazytrain's 'plot' extra)")
     monkeypatch.setattr(timeline, "_pyplot", no_pyplot)
     monkeypatch.setattr(train, "can_plot", lambda: False)
     m = _train(tmp_path, "--steps", "2", "--profile", "2")

@@ -248,7 +248,8 @@ class TrainConfig:
     report_to: list[str] = setting(
         None, "send the run's scalars, evaluations and settings to these trackers, comma-separated: tensorboard "
             "(OUTPUT/tensorboard/), wandb, mlflow (file:OUTPUT/mlruns unless MLFLOW_TRACKING_URI), or none (default); "
-            "each needs its pip extra, e.g. lazytrain[tensorboard]", default_factory=list, type=cli_types.report_to,
+            "each needs its library (pip install tensorboard, wandb or mlflow-skinny)", default_factory=list,
+        type=cli_types.report_to,
         metavar="T,..", key="report_to", carried=_KEPT, shape=Opt(ListOf(str)))
     logging_steps: int = setting(1, "with --report-to, write the scalars every N steps, the means over them "
                                     "(default {d.logging_steps}: every step, as metrics.json's loss curve)",

@@ -45,6 +45,9 @@ from ..measure.bench_worker import host_peak_rss_bytes, host_rss_bytes
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 #: the module each one imports
 _MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+#: what ``pip install`` takes for each (the library alone: a clone's editable install has no ``lazytrain[...]`` on
+#: the registry to ask for)
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}
 GIB = 1 << 30
 
 
@@ -73,8 +76,8 @@ def check(report_to) -> None:
         try:
             importlib.import_module(_MODULES[name])
         except ImportError as e:
-            raise ValueError(f"report_to {name}: its library is not installed ({e}); pip install "
-                             f"'lazytrain[{EXTRAS[name]}]'") from None
+            raise ValueError(f"report_to {name}: its library is not installed ({e}); pip install {_PACKAGES[name]} "
+                             f"(lazytrain's '{EXTRAS[name]}' extra)") from None
 
 
 class Trackers:

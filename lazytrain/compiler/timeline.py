@@ -79,7 +79,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise RuntimeError("plotting needs matplotlib: pip install 'lazytrain[plot]'") from e
+        raise RuntimeError("plotting needs matplotlib: pip install matplotlib (lazytrain's 'plot' extra)") from e
     return plt
 
 

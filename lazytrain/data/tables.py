@@ -38,7 +38,7 @@ def pyarrow_modules():
         import pyarrow.parquet  # noqa: F401 - the submodules are used as attributes
     except ImportError:
         raise DataError("reading parquet, CSV, TSV, Arrow files and datasets folders needs pyarrow: "
-                        "pip install 'lazytrain[data]'") from None
+                        "pip install pyarrow (lazytrain's 'data' extra)") from None
     return pyarrow
 
 

@@ -36,7 +36,8 @@ def require_transformers():
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError("this model needs Hugging Face transformers: pip install lazytrain[hf]") from e
+        raise ImportError("this model needs Hugging Face transformers: pip install transformers (lazytrain's 'hf' "
+                          "extra)") from e
     return transformers
 
 

@@ -68,7 +68,7 @@ def _peft():
     try:
         import peft
     except ImportError:
-        raise AdapterError("exporting LoRA adapters needs peft: pip install 'lazytrain[lora]'") from None
+        raise AdapterError("exporting LoRA adapters needs peft: pip install peft (lazytrain's 'lora' extra)") from None
     return peft
 
 

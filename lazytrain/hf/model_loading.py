@@ -115,7 +115,7 @@ def _need_gguf() -> None:
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(f"reading a GGUF file needs the {' and '.join(missing)} package(s): "
-                         f"pip install 'lazytrain[gguf]'")
+                         f"pip install gguf accelerate (lazytrain's 'gguf' extra)")
 
 
 def load_gguf(path: str | Path) -> torch.nn.Module:

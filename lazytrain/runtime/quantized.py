@@ -78,7 +78,8 @@ def _torchao():
         from torchao.quantization import NF4Tensor
         from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
     except ImportError as e:
-        raise ImportError(f"a 4- or 8-bit frozen base needs torchao: pip install 'lazytrain[qlora]' ({e})") from None
+        raise ImportError(f"a 4- or 8-bit frozen base needs torchao: pip install torchao (lazytrain's 'qlora' extra) "
+                          f"({e})") from None
     return NF4Tensor, MappingType, choose_qparams_affine, quantize_affine
 
 
