@@ -247,7 +247,10 @@ def test_step_budget_follows_the_measured_pace():
     assert b.total(0, 0.0) == 1000                # nothing measured yet
     b.step_done(30.0)                             # the first step (slow): left out
     assert b.total(1, 30.0) == 1000
-    for k in range(1, 11):
+    for k in range(1, 4):
+        b.step_done(30.0 + k)
+    assert b.total(4, 33.0) == 1000               # too few steps timed to tell the pace
+    for k in range(4, 11):
         b.step_done(30.0 + k)                     # then 1 s a step
     assert b.total(11, 40.0) == 11 + 60
     for k in range(1, 17):

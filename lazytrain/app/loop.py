@@ -73,6 +73,9 @@ class StepBudget:
     little early rather than cut it at a high learning rate."""
 
     WINDOW = 16
+    #: steps timed before the pace counts: two or three steps of a loaded machine gave a budget half the final one
+    #: (the demonyms run of issue #43: 14 steps estimated after 3, 38 made) [ledger: step-budget-min-timed]
+    MIN_TIMED = 4
 
     def __init__(self, steps: int, start: int, limit_s: float | None):
         self.steps, self.start, self.limit_s = steps, start, limit_s
@@ -83,7 +86,7 @@ class StepBudget:
 
     def total(self, done: int, elapsed_s: float) -> int:
         """The steps the run will have made when it ends, ``done`` made ``elapsed_s`` into this invocation."""
-        if self.limit_s is None or len(self._ends) < 2:
+        if self.limit_s is None or len(self._ends) <= self.MIN_TIMED:
             return self.steps
         ends = self._ends
         recent = (ends[-1] - ends[max(0, len(ends) - 1 - self.WINDOW)]) / min(self.WINDOW, len(ends) - 1)
@@ -142,6 +145,8 @@ def steps(cfg: TrainConfig, opt, run: Progress, flag, *, start: int, ranks: Rank
         over = limit_s is not None and elapsed >= limit_s
         run.total = budget.total(run.step, elapsed)
         lr = lr_at(cfg, run.step, run.total)
+        if run.step < warmup_steps(cfg, run.total):
+            lr = max(lr, opt.lr if run.step > start else 0.0)    # a warm-up never steps down as the budget moves
         if world:
             lr, over, stop = ranks.agree(lr, over, flag.set)
             if stop:

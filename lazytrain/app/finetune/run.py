@@ -150,6 +150,7 @@ def run(cfg: TrainConfig) -> dict:
 
     src, tok, data, model, weights, stop_ids, load_s = _inputs(cfg, prev, dev, out, main=ranks.main,
                                                                shard=ranks.size > 1)
+    setup_s = time.perf_counter() - t_start      # the model fetched and built, the data read and encoded
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     param_dtype = "bfloat16" if dev.type == "cuda" else "float32"
     hardware = cfg.hardware or hardware_for(dev)
@@ -255,7 +256,7 @@ def run(cfg: TrainConfig) -> dict:
             _plot(out / "loss.png", run.history, evals, src.spec)
     trainer.close()
     print(f"wrote {out / 'metrics.json'}, {ckpt}" + (f" and {exported}" if exported else ""))
-    print(wall_line(time.perf_counter() - t_start, load_s=load_s, compile_s=compile_s, train_s=run.train_s,
+    print(wall_line(time.perf_counter() - t_start, load_s=setup_s, compile_s=compile_s, train_s=run.train_s,
                     limit_min=cfg.time_limit_min, **spent))
     ranks.close()
     return metrics
@@ -268,7 +269,7 @@ def wall_line(wall_s: float, *, load_s: float, compile_s: float, train_s: float,
     def t(s: float) -> str:
         return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
     limit = f" (limit {limit_min:g} min)" if limit_min else ""
-    parts = [f"loading {t(load_s)}", f"compile {t(compile_s)}", f"training {t(train_s)}{limit}",
+    parts = [f"model and data {t(load_s)}", f"compile {t(compile_s)}", f"training {t(train_s)}{limit}",
              f"evaluations {t(evaluations)} (those every --eval-every steps within training)"]
     if export:
         parts.append(f"export {t(export)}")
