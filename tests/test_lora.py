@@ -1,0 +1,159 @@
+"""LoRA adapters (PEFT) on the streamed schedule (issue #44): a frozen base streams without gradient, optimizer state
+or update, and the adapters train exactly as PEFT's eager model does (fp32 on the CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from eager_ref import step_beside_eager
+
+import lazytrain
+from lazytrain.compiler.api import Compiler
+from lazytrain.compiler.profiles import get_profile
+from lazytrain.frontend.lora import ALL_LINEAR, LoraSpec, parse_lora, wrap
+from lazytrain.frontend.presets import build_from_config
+from lazytrain.frontend.trace import trace
+from lazytrain.ir import Decisions, GiB, ModelGraph, OpKind, Place, Plan, Saved
+from lazytrain.runtime.optim.torch_adamw import TorchAdamW
+from lazytrain.runtime.trainer import Trainer
+
+pytest.importorskip("peft")
+
+B, SEQ = 4, 16
+LR, EPS = 1e-3, 1e-6
+CFG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 67, "tie_word_embeddings": False,
+       "max_position_embeddings": 64, "rms_norm_eps": 1e-6}
+BUDGETS = dict(gpu_memory="8GiB", host_memory="16GiB")
+
+
+def _lora_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    base = build_from_config(CFG, device="cpu", dtype=torch.float32)
+    model = wrap(base, LoraSpec(r=4, alpha=8, targets=ALL_LINEAR))
+    with torch.no_grad():      # PEFT starts B at zero: perturb it so the adapters' gradients all matter from step 1
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def _batches(n: int = 3):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for s in range(n):
+        ids = torch.randint(0, CFG["vocab_size"], (B, SEQ), generator=g)
+        labels = ids.clone()
+        labels[0, : 3 + s] = -100
+        out.append((ids, labels))
+    return out
+
+
+def _compile(model, policy: str) -> Plan:
+    return lazytrain.compile(model, batch_size=B, seq_len=SEQ, micro_batch=2, hardware="cpu", param_dtype="float32",
+                             optimizer="adamw", policy=policy, **BUDGETS)
+
+
+#: decisions forcing each way of keeping activations for 4 blocks (embed, 2 layers, head)
+FORCED = {"offloaded": ((Place.HOST,) * 4, (Saved.HOST,) * 4),
+          "recomputed": ((Place.HOST, Place.HOST, Place.NONE, Place.HOST),
+                         (Saved.RECOMPUTE, Saved.RECOMPUTE, Saved.RECOMPUTE, Saved.KEEP))}
+
+
+def _plan(model, how: str) -> Plan:
+    """keep-all through the compile, else a plan built from ``FORCED`` decisions."""
+    if how == "keep-all":
+        plan = _compile(model, "keep-all")
+        assert not any(op.kind in (OpKind.OFFLOAD, OpKind.RECOMPUTE) for op in plan.ops)
+        return plan
+    graph = trace(model, seq_len=SEQ, dtype="float32")
+    comp = Compiler(graph, get_profile("cpu"), {"gpu_bytes": 8 * GiB, "host_bytes": 16 * GiB}, param_dtype="float32",
+                    optimizer="adamw", clip=True)
+    boundary, saved = FORCED[how]
+    plan = comp.build(Decisions(policy=how, micro_batch=2, n_micro=B // 2, boundary=boundary, saved=saved), B)
+    kind = OpKind.OFFLOAD if how == "offloaded" else OpKind.RECOMPUTE
+    assert any(op.kind is kind for op in plan.ops)
+    return plan
+
+
+def test_parse_lora_spec():
+    s = parse_lora("r=16,alpha=32,targets=q_proj,k_proj,v_proj,dropout=0")
+    assert s == LoraSpec(r=16, alpha=32.0, targets=("q_proj", "k_proj", "v_proj"), dropout=0.0)
+    assert parse_lora({"r": 8, "targets": "all-linear"}).targets == ALL_LINEAR
+    assert parse_lora(str(s)) == s and parse_lora(None) is None
+    with pytest.raises(ValueError, match="unknown key 'rank'"):
+        parse_lora("rank=4")
+    with pytest.raises(ValueError, match="r must be a positive integer"):
+        parse_lora("r=0")
+
+
+@pytest.mark.parametrize("how", ["keep-all", "offloaded", "recomputed"])
+def test_lora_trains_like_peft_eager(how):
+    """Losses, gradient norms and adapters as PEFT's eager model with the same AdamW; the base bit-identical."""
+    model = _lora_model()
+    ref = copy.deepcopy(model)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    plan = _plan(model, how)
+    tr = Trainer(model, plan, optimizer=TorchAdamW(lr=LR, eps=EPS, max_grad_norm=1.0), device="cpu")
+    trained = [p for p in ref.parameters() if p.requires_grad]
+    step_beside_eager(tr, ref, _batches(), lambda m, ids, labels: m(input_ids=ids, labels=labels).loss,
+                      lr=LR, eps=EPS, params=trained)
+    tr.sync_to_model()
+    tr.close()
+    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+    for n, p in want.items():
+        if p.requires_grad:
+            torch.testing.assert_close(got[n], p, rtol=1e-5, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+        else:
+            assert torch.equal(got[n], base[n]), n
+
+
+def test_frozen_base_has_no_gradient_or_update_and_param_dtype_bytes_only():
+    """The plan: blocks without trainable parameters (embedding and head here) have no grad_offload and no update;
+    the host store: frozen parameters in their load buffer alone, gradients and optimizer state for the adapters."""
+    model = _lora_model()
+    plan = _compile(model, "keep-all")
+    g = plan.graph
+    frozen_blocks = [b.index for b in g.blocks if not b.trainable_numel]
+    assert frozen_blocks == [0, 3]
+    for kind in (OpKind.GRAD_OFFLOAD, OpKind.UPDATE):
+        assert sorted(op.block for op in plan.ops if op.kind is kind) == [1, 2], kind
+    round_trip = Plan.from_json(plan.to_json())
+    assert round_trip.graph.frozen_params == g.frozen_params and round_trip.graph.fingerprint() == g.fingerprint()
+    tr = Trainer(model, plan, optimizer=TorchAdamW(lr=LR, eps=EPS), device="cpu")
+    store = tr.store
+    for j, lay in enumerate(store.layouts):
+        b = g.blocks[j]
+        assert store.load[j].numel() == b.owned_numel                 # the whole block, in the parameter dtype
+        assert store.grad[j].numel() == b.grad_numel == lay.grad_numel == lay.trainable_numel
+        names = [s.name for s in lay.segments]
+        assert all("lora_" in n for n in names[:len([p for p in b.params if p.trainable])])
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sum(t.numel() for t in store.grad) == adapters
+    # AdamW's state: master-free fp32 moments for the adapters alone
+    state = sum(t.numel() for j in range(len(store.layouts)) if store.layouts[j].trainable_numel
+                for t in tr.optimizer.state_tensors(j).values())
+    assert state <= 3 * adapters + 16
+    tr.close()
+
+
+def test_old_plan_without_trainable_loads_as_all_trainable():
+    plan = _compile(_lora_model(), "keep-all")
+    d = plan.to_json()
+    for b in d["graph"]["blocks"]:
+        for p in b["params"]:
+            p.pop("trainable", None)      # what a plan written before frozen parameters were recorded holds
+    assert all("trainable" not in p for b in d["graph"]["blocks"] for p in b["params"])
+    old = ModelGraph.from_json(d["graph"])     # (a plan file checks its fingerprint, which names the frozen ones)
+    assert old.frozen_params == 0 and old.trainable_params == plan.graph.total_params
+
+
+def test_a_plan_with_frozen_parameters_refuses_a_model_that_trains_them():
+    model = _lora_model()
+    plan = _compile(model, "keep-all")
+    for p in model.parameters():
+        p.requires_grad_(True)
+    with pytest.raises(ValueError, match="compiled for another model"):     # (the fingerprint names frozen ones)
+        Trainer(model, plan, optimizer=TorchAdamW(lr=LR), device="cpu")
