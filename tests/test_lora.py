@@ -4,6 +4,7 @@ or update, and the adapters train exactly as PEFT's eager model does (fp32 on th
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from lazytrain.compiler.profiles import get_profile
 from lazytrain.frontend.lora import ALL_LINEAR, LoraSpec, parse_lora, wrap
 from lazytrain.frontend.presets import build_from_config
 from lazytrain.frontend.trace import trace
-from lazytrain.ir import Decisions, GiB, ModelGraph, OpKind, Place, Plan, Saved
+from lazytrain.ir import Decisions, GiB, ModelGraph, OpKind, Place, Plan, PlanError, Saved, verify
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 from lazytrain.runtime.trainer import Trainer
 
@@ -157,3 +158,27 @@ def test_a_plan_with_frozen_parameters_refuses_a_model_that_trains_them():
         p.requires_grad_(True)
     with pytest.raises(ValueError, match="compiled for another model"):     # (the fingerprint names frozen ones)
         Trainer(model, plan, optimizer=TorchAdamW(lr=LR), device="cpu")
+
+
+def test_verify_refuses_an_update_of_a_frozen_block():
+    plan = _compile(_lora_model(), "keep-all")
+    ops = list(plan.ops)
+    i = next(op.id for op in ops if op.kind is OpKind.UPDATE and op.block == 1)
+    ops[i] = dataclasses.replace(ops[i], block=0)
+    with pytest.raises(PlanError, match="block 0 owns no trainable parameters"):
+        verify(dataclasses.replace(plan, ops=ops))
+
+
+@pytest.mark.slow       # a 70B PEFT model built and traced on the meta device: ~15 s, more on a loaded machine
+def test_llama3_70b_lora_plan_holds_the_base_in_two_bytes_a_parameter():
+    """LoRA r=16 on every linear layer of llama3-70b at 24 GiB GPU / 192 GiB host, batch 16, seq 2048: the host
+    store is the bf16 base (2 B a frozen parameter) plus the adapters' state; a full fine-tune needs 8.25 B."""
+    from lazytrain.compiler.api import compile_model
+    plan = compile_model("llama3-70b", lora="r=16,alpha=32,targets=all-linear", batch_size=16, seq_len=2048,
+                         gpu_memory="24GiB", host_memory="192GiB", hardware="h100")
+    g = plan.graph
+    assert g.frozen_params > 70e9 and g.trainable_params == 80 * 16 * (2 * 16384 + 2 * (8192 + 1024) + 3 * (8192 + 28672))
+    base = plan.predicted["host_static_bytes"] - g.trainable_params * plan.options["host_bytes_per_param"]
+    assert base / g.frozen_params == pytest.approx(2.0)
+    assert plan.predicted["peak_host_bytes"] <= 192 * GiB
+    assert sum(op.kind is OpKind.UPDATE for op in plan.ops) == 80       # the layers; embedding and head are frozen

@@ -131,7 +131,7 @@ def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
     blocks = plan.graph.blocks
     for j in grad_off:          # (an empty gradient would be left on the host, read by no update)
         if not blocks[j].grad_numel:
-            raise _fail(ops[grad_off[j]], f"block {j} has no trainable parameters: its empty gradient is freed on "
+            raise _fail(ops[grad_off[j]], f"block {j} has no parameters to train: its empty gradient is freed on "
                                           "the GPU, not offloaded")
     for j, op in updates.items():
         if not blocks[j].trainable_numel:
