@@ -177,8 +177,45 @@ def test_llama3_70b_lora_plan_holds_the_base_in_two_bytes_a_parameter():
     plan = compile_model("llama3-70b", lora="r=16,alpha=32,targets=all-linear", batch_size=16, seq_len=2048,
                          gpu_memory="24GiB", host_memory="192GiB", hardware="h100")
     g = plan.graph
-    assert g.frozen_params > 70e9 and g.trainable_params == 80 * 16 * (2 * 16384 + 2 * (8192 + 1024) + 3 * (8192 + 28672))
+    per_layer = 16 * (2 * (8192 + 8192) + 2 * (8192 + 1024) + 3 * (8192 + 28672))    # r x (in + out) a projection
+    assert g.frozen_params > 70e9 and g.trainable_params == 80 * per_layer
     base = plan.predicted["host_static_bytes"] - g.trainable_params * plan.options["host_bytes_per_param"]
     assert base / g.frozen_params == pytest.approx(2.0)
     assert plan.predicted["peak_host_bytes"] <= 192 * GiB
     assert sum(op.kind is OpKind.UPDATE for op in plan.ops) == 80       # the layers; embedding and head are frozen
+
+
+def test_checkpoint_holds_the_adapters_and_resumes_only_on_the_same_base(tmp_path):
+    """A LoRA checkpoint: the adapters' masters and state, the base's identity; resumed on the same base it steps on
+    as the trainer that saved it; on a changed base it is refused."""
+    from safetensors import safe_open
+    model = _lora_model()
+    plan = _compile(model, "keep-all")
+    batches = _batches(4)
+    tr = Trainer(model, plan, optimizer=TorchAdamW(lr=LR, eps=EPS), device="cpu")
+    tr.base_source = {"model": "tiny-llama"}
+    for ids, labels in batches[:2]:
+        tr.step({"input_ids": ids, "labels": labels})
+    tr.save_checkpoint(tmp_path / "ckpt")
+    want = [tr.step({"input_ids": ids, "labels": labels}).loss for ids, labels in batches[2:]]
+    tr.close()
+    meta = __import__("json").loads((tmp_path / "ckpt" / "checkpoint.json").read_text())
+    assert meta["base"]["frozen_params"] == plan.graph.frozen_params and meta["base"]["source"]["model"] == "tiny-llama"
+    saved = set()
+    for name in meta["files"]:
+        with safe_open(str(tmp_path / "ckpt" / name), "pt") as f:
+            saved |= {k.removeprefix("param.") for k in f.keys() if k.startswith("param.")}
+    assert saved == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert sum(f["bytes"] for f in meta["files"].values()) < 4 * 4 * len(saved) * 4096       # adapters only
+
+    fresh = _lora_model()               # the base rebuilt from its source, the adapters as PEFT initialises them
+    tr2 = Trainer.load_checkpoint(tmp_path / "ckpt", fresh, optimizer=TorchAdamW(lr=LR, eps=EPS), device="cpu")
+    got = [tr2.step({"input_ids": ids, "labels": labels}).loss for ids, labels in batches[2:]]
+    tr2.close()
+    assert got == want
+
+    other = _lora_model()
+    with torch.no_grad():
+        other.get_parameter("base_model.model.model.layers.1.mlp.up_proj.base_layer.weight").add_(1e-3)
+    with pytest.raises(ValueError, match=r"trained its adapters on another base model \(tiny-llama\)"):
+        Trainer.load_checkpoint(tmp_path / "ckpt", other, optimizer=TorchAdamW(lr=LR, eps=EPS), device="cpu")

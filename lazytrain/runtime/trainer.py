@@ -142,6 +142,10 @@ class Trainer:
                       for j, lay in enumerate(lays) if j in resident}
         buffers = {j: gpu_params.get(j, self.store.load[j]) for j in range(len(lays))}
         self._buffers = buffers             # each block's parameters (a frozen one's only copy)
+        #: where a frozen base came from, as the caller says (``lazytrain train``: the model's name and files): a
+        #: checkpoint records it beside the base's SHA-256 (``checkpoint.base_identity``), computed once
+        self.base_source: dict | None = None
+        self._base_sha256: str | None = None
         if self.world is not None:
             init_shards(weights, gathered, lays, self.world.size, self.world.rank, optimizer, buffers)
             # a resident block's shard stays on the GPU; gathered every step, it is a plan tensor
