@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -199,7 +200,7 @@ def test_checkpoint_holds_the_adapters_and_resumes_only_on_the_same_base(tmp_pat
     tr.save_checkpoint(tmp_path / "ckpt")
     want = [tr.step({"input_ids": ids, "labels": labels}).loss for ids, labels in batches[2:]]
     tr.close()
-    meta = __import__("json").loads((tmp_path / "ckpt" / "checkpoint.json").read_text())
+    meta = json.loads((tmp_path / "ckpt" / "checkpoint.json").read_text())
     assert meta["base"]["frozen_params"] == plan.graph.frozen_params and meta["base"]["source"]["model"] == "tiny-llama"
     saved = set()
     for name in meta["files"]:
@@ -219,3 +220,35 @@ def test_checkpoint_holds_the_adapters_and_resumes_only_on_the_same_base(tmp_pat
         other.get_parameter("base_model.model.model.layers.1.mlp.up_proj.base_layer.weight").add_(1e-3)
     with pytest.raises(ValueError, match=r"trained its adapters on another base model \(tiny-llama\)"):
         Trainer.load_checkpoint(tmp_path / "ckpt", other, optimizer=TorchAdamW(lr=LR, eps=EPS), device="cpu")
+
+
+def test_train_with_lora_on_data_checkpoints_adapters_resumes_and_exports_a_peft_folder(tmp_path):
+    """``lazytrain train --data ... --lora ...``: the run trains the adapters only, its checkpoint holds them and the
+    base's identity, a resume reads the base from its folder again, and the export is a PEFT adapter folder."""
+    from ft_fixtures import chat, tiny_folder, write_jsonl
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from lazytrain.app.cli import main
+    folder = tiny_folder(tmp_path / "hf")
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(f"{i}+{i % 7}=?", f"{i + i % 7}") for i in range(24)])
+    out = tmp_path / "run"
+    args = ["--batch", "4", "--eval-size", "2", "--policy", "keep-all", "--no-progress", "--device", "cpu",
+            "--threads", "1", "--time-limit-min", "2", "--no-eval"]
+    assert main(["train", *args, "--model", str(folder), "--data", str(data), "--steps", "2", "--output", str(out),
+                 "--lora", "r=4,alpha=8,targets=q_proj,v_proj"]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["settings"]["lora"] == {"r": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"], "dropout": 0.0}
+    meta = json.loads((out / "checkpoint" / "checkpoint.json").read_text())
+    assert meta["base"]["source"] == {"model": str(folder)}
+    for name in meta["files"]:
+        with safe_open(str(out / "checkpoint" / name), "pt") as f:
+            assert all("lora_" in k for k in f.keys() if k.startswith("param."))
+    assert main(["train", "--resume", str(out), "--output", str(out), "--steps", "3", "--no-progress", "--device",
+                 "cpu", "--threads", "1"]) == 0
+    r = json.loads((out / "metrics.json").read_text())
+    assert r["steps_done"] == 3 and r["loss_curve"][:2] == m["loss_curve"]
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), out / "model")
+    lora_b = [p for n, p in adapted.named_parameters() if "lora_B" in n]
+    assert len(lora_b) == 2 * 2 and all(p.abs().sum() > 0 for p in lora_b)     # trained away from PEFT's zero B

@@ -223,6 +223,9 @@ def run(cfg: TrainConfig) -> dict:
 
 def _run_task(cfg: TrainConfig) -> dict:
     cfg, prev, diff, seq = _settled(cfg)
+    if cfg.lora:
+        raise ValueError("--lora adapts a pretrained model: use it with --data (the built-in task's model trains "
+                         "from scratch)")
     tok = CharTokenizer()
     dev, ranks, out, t_start = open_run(cfg)
 
