@@ -61,7 +61,9 @@ def _compile(model, policy: str) -> Plan:
 #: decisions forcing each way of keeping activations for 4 blocks (embed, 2 layers, head)
 FORCED = {"offloaded": ((Place.HOST,) * 4, (Saved.HOST,) * 4),
           "recomputed": ((Place.HOST, Place.HOST, Place.NONE, Place.HOST),
-                         (Saved.RECOMPUTE, Saved.RECOMPUTE, Saved.RECOMPUTE, Saved.KEEP))}
+                         (Saved.RECOMPUTE, Saved.RECOMPUTE, Saved.RECOMPUTE, Saved.KEEP)),
+          # the adapters' state on the GPU: frozen embedding and layer 1 resident, layer 2 updated on the GPU
+          "resident+gpu-updated": ((Place.HOST,) * 4, (Saved.KEEP,) * 4)}
 
 
 def _plan(model, how: str) -> Plan:
@@ -74,9 +76,16 @@ def _plan(model, how: str) -> Plan:
     comp = Compiler(graph, get_profile("cpu"), {"gpu_bytes": 8 * GiB, "host_bytes": 16 * GiB}, param_dtype="float32",
                     optimizer="adamw", clip=True)
     boundary, saved = FORCED[how]
-    plan = comp.build(Decisions(policy=how, micro_batch=2, n_micro=B // 2, boundary=boundary, saved=saved), B)
-    kind = OpKind.OFFLOAD if how == "offloaded" else OpKind.RECOMPUTE
-    assert any(op.kind is kind for op in plan.ops)
+    placed = {"resident": (True, True, False, False), "gpu_update": (False, False, True, False)} \
+        if how == "resident+gpu-updated" else {}
+    plan = comp.build(Decisions(policy=how, micro_batch=2, n_micro=B // 2, boundary=boundary, saved=saved, **placed),
+                      B)
+    if placed:
+        assert plan.decisions.resident_blocks == {0, 1} and plan.decisions.gpu_updated_blocks == {2}
+        assert any(op.kind is OpKind.STATE_LOAD and op.block == 2 for op in plan.ops)
+    else:
+        kind = OpKind.OFFLOAD if how == "offloaded" else OpKind.RECOMPUTE
+        assert any(op.kind is kind for op in plan.ops)
     return plan
 
 
@@ -91,7 +100,7 @@ def test_parse_lora_spec():
         parse_lora("r=0")
 
 
-@pytest.mark.parametrize("how", ["keep-all", "offloaded", "recomputed"])
+@pytest.mark.parametrize("how", ["keep-all", "offloaded", "recomputed", "resident+gpu-updated"])
 def test_lora_trains_like_peft_eager(how):
     """Losses, gradient norms and adapters as PEFT's eager model with the same AdamW; the base bit-identical."""
     model = _lora_model()
@@ -138,6 +147,10 @@ def test_frozen_base_has_no_gradient_or_update_and_param_dtype_bytes_only():
     state = sum(t.numel() for j in range(len(store.layouts)) if store.layouts[j].trainable_numel
                 for t in tr.optimizer.state_tensors(j).values())
     assert state <= 3 * adapters + 16
+    from lazytrain.hf.export import trainer_weights      # the export's view: frozen values from the load buffers
+    weights = {w.name: w.read() for w in trainer_weights(tr)}
+    for n, p in model.named_parameters():
+        assert torch.equal(weights[n], p.detach()), n
     tr.close()
 
 
@@ -252,3 +265,4 @@ def test_train_with_lora_on_data_checkpoints_adapters_resumes_and_exports_a_peft
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), out / "model")
     lora_b = [p for n, p in adapted.named_parameters() if "lora_B" in n]
     assert len(lora_b) == 2 * 2 and all(p.abs().sum() > 0 for p in lora_b)     # trained away from PEFT's zero B
+    assert main(["export", str(out), "-o", str(tmp_path / "full")]) == 2         # (no base in the checkpoint)

@@ -270,11 +270,14 @@ class CostModel:
     def gpu_update_s(self, j: int) -> float:
         return self.update_s(j) if j in self.resident or j in self.gpu_updated else 0.0
 
-    def state_bytes(self, j: int) -> int:
-        """What a GPU-updated block's ``state_load`` and ``state_store`` each move: its parameters and the
-        optimizer state beyond them (``Sizes.of(ostate[j])``)."""
-        return (self.graph.blocks[j].trainable_numel * self.sizes.param_bytes
-                + self.sizes.of(TensorId(kind=TensorKind.OPT_STATE, index=j)))
+    def state_bytes(self, j: int, load: bool = True) -> int:
+        """What a GPU-updated block's ``state_load`` (``load``) or ``state_store`` moves: the optimizer state beyond
+        the parameters (``Sizes.of(ostate[j])``) and the parameters: the load brings the whole block (its forward
+        reads them; a frozen base's part in its bits), the store takes back the trainable ones it updated."""
+        state = self.sizes.of(TensorId(kind=TensorKind.OPT_STATE, index=j))
+        if load:
+            return self.sizes.load_bytes(j) + state
+        return self.graph.blocks[j].trainable_numel * self.sizes.param_bytes + state
 
     def state_load_s(self, j: int) -> float:
         """A GPU-updated block's parameters and optimizer state host -> GPU: the model's own state, copied from
@@ -283,7 +286,7 @@ class CostModel:
 
     def state_store_s(self, j: int) -> float:
         """... and back GPU -> host after its update, like a gradient offload."""
-        return self.hw.grad_offload_seconds(self.state_bytes(j))
+        return self.hw.grad_offload_seconds(self.state_bytes(j, load=False))
 
     def act_bytes(self, i: int) -> int:
         return self.graph.boundary_bytes[i] * self.micro_batch

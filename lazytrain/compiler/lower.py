@@ -230,7 +230,7 @@ class _Lowering:
         c = self.cost
         self.update(j)
         self.state_updates.append(len(self.ops) - 1)
-        n = c.state_bytes(j)
+        n = c.state_bytes(j, load=False)
         self.emit(OpKind.STATE_STORE, j, tensor=_tid(TensorKind.OPT_STATE, j), src=G, dst=H, nbytes=n,
                   seconds=c.state_store_s(j))
         k = len(self.state_updates) - 1 + STATE_SLOTS
