@@ -17,6 +17,7 @@ from lazytrain.compiler.profiles import get_profile
 from lazytrain.frontend.lora import ALL_LINEAR, LoraSpec, parse_lora, wrap
 from lazytrain.frontend.presets import build_from_config
 from lazytrain.frontend.trace import trace
+from lazytrain.hf.export import trainer_weights
 from lazytrain.ir import Decisions, GiB, ModelGraph, OpKind, Place, Plan, PlanError, Saved, verify
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 from lazytrain.runtime.trainer import Trainer
@@ -147,7 +148,7 @@ def test_frozen_base_has_no_gradient_or_update_and_param_dtype_bytes_only():
     state = sum(t.numel() for j in range(len(store.layouts)) if store.layouts[j].trainable_numel
                 for t in tr.optimizer.state_tensors(j).values())
     assert state <= 3 * adapters + 16
-    from lazytrain.hf.export import trainer_weights      # the export's view: frozen values from the load buffers
+    # the export's view: frozen values from the load buffers
     weights = {w.name: w.read() for w in trainer_weights(tr)}
     for n, p in model.named_parameters():
         assert torch.equal(weights[n], p.detach()), n
@@ -266,3 +267,36 @@ def test_train_with_lora_on_data_checkpoints_adapters_resumes_and_exports_a_peft
     lora_b = [p for n, p in adapted.named_parameters() if "lora_B" in n]
     assert len(lora_b) == 2 * 2 and all(p.abs().sum() > 0 for p in lora_b)     # trained away from PEFT's zero B
     assert main(["export", str(out), "-o", str(tmp_path / "full")]) == 2         # (no base in the checkpoint)
+
+
+def test_a_frozen_matmul_weight_costs_its_input_gradient_alone_in_backward():
+    """The trace counts backward FLOPs as autograd runs them: with the base frozen, a layer's backward is less by
+    2 x tokens x the elements of its frozen 2-D weights (their weight gradients), and nothing else changes."""
+    from lazytrain.frontend.trace_cache import describe
+    model = _lora_model()
+    lora = trace(model, seq_len=SEQ, dtype="float32")
+    frozen_key = describe(model)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    full = trace(model, seq_len=SEQ, dtype="float32")
+    assert describe(model) != frozen_key            # the trace cache tells them apart
+    for a, b in zip(lora.blocks, full.blocks):
+        weights = sum(p.numel for p in a.params if not p.trainable and len(p.shape) == 2 and a.kind != "embed")
+        assert b.bwd_flops - a.bwd_flops == 2 * SEQ * weights, a.name
+        assert a.fwd_flops == b.fwd_flops
+    assert lora.blocks[1].trainable_numel and not lora.blocks[0].trainable_numel
+
+
+def test_lora_refuses_several_ranks():
+    with pytest.raises(ValueError, match="adapters train on one GPU"):
+        lazytrain.compile(_lora_model(), batch_size=B, seq_len=SEQ, hardware="cpu", param_dtype="float32",
+                          world_size=2, **BUDGETS)
+
+
+def test_a_lora_trace_is_cached_with_its_frozen_parameters(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAZYTRAIN_TRACE_CACHE", str(tmp_path / "cache"))
+    model = _lora_model()
+    first = _compile(model, "keep-all")
+    again = _compile(model, "keep-all")
+    trace_pass = next(h for h in again.history if h.get("pass") == "trace")
+    assert trace_pass.get("cached") and again.graph.frozen_params == first.graph.frozen_params > 0
