@@ -300,3 +300,22 @@ def test_a_lora_trace_is_cached_with_its_frozen_parameters(tmp_path, monkeypatch
     again = _compile(model, "keep-all")
     trace_pass = next(h for h in again.history if h.get("pass") == "trace")
     assert trace_pass.get("cached") and again.graph.frozen_params == first.graph.frozen_params > 0
+
+
+def test_bench_with_lora_trains_the_same_adapters_in_every_system(tmp_path):
+    """``lazytrain bench --lora``: plain PyTorch, FSDP2 and lazytrain train the same adapters on the same base (the
+    same losses step after step), and the command line it records repeats the spec."""
+    from lazytrain.app.cli import main
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CFG))
+    out = tmp_path / "res"
+    assert main(["bench", "--model", str(cfg), "--batch", "2", "--seq", "16", "--device", "cpu", "--warmup", "1",
+                 "--steps", "3", "--lr", "1e-2", "--gpu-memory", "2GiB", "--systems", "plain,fsdp2,lazytrain-milp",
+                 "--out-dir", str(out), "--name", "t", "--lora", "r=4,alpha=8,targets=q_proj,v_proj"]) == 0
+    result = json.loads((out / "t.json").read_text())
+    rows = {r["system"]: r for r in result["rows"]}
+    assert not any(r.get("error") for r in rows.values()), [r.get("error") for r in rows.values()]
+    for name, r in rows.items():
+        assert r["losses"] == pytest.approx(rows["plain"]["losses"], abs=1e-3), name
+    assert rows["plain"]["losses"][0] != pytest.approx(rows["plain"]["losses"][-1], abs=1e-4)     # they train
+    assert "--lora r=4,alpha=8,targets=q_proj,v_proj" in (out / "t.md").read_text()
