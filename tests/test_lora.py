@@ -19,6 +19,7 @@ from lazytrain.frontend.presets import build_from_config
 from lazytrain.frontend.trace import trace
 from lazytrain.hf.export import trainer_weights
 from lazytrain.ir import Decisions, GiB, ModelGraph, OpKind, Place, Plan, PlanError, Saved, verify
+from lazytrain.ir.semantics import frozen_bytes_per_param
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW
 from lazytrain.runtime.trainer import Trainer
 
@@ -83,6 +84,9 @@ def _plan(model, how: str) -> Plan:
                       B)
     if placed:
         assert plan.decisions.resident_blocks == {0, 1} and plan.decisions.gpu_updated_blocks == {2}
+        text = " ".join(plan.summary().split())
+        assert "blocks 0-1 (2): " in text and "1 updated on the GPU, the rest frozen" in text
+        assert " B trainable, " in text
         assert any(op.kind is OpKind.STATE_LOAD and op.block == 2 for op in plan.ops)
     else:
         kind = OpKind.OFFLOAD if how == "offloaded" else OpKind.RECOMPUTE
@@ -285,6 +289,23 @@ def test_a_frozen_matmul_weight_costs_its_input_gradient_alone_in_backward():
         assert b.bwd_flops - a.bwd_flops == 2 * SEQ * weights, a.name
         assert a.fwd_flops == b.fwd_flops
     assert lora.blocks[1].trainable_numel and not lora.blocks[0].trainable_numel
+
+
+def test_a_plan_with_a_quantized_base_is_priced_smaller_and_refused_by_this_trainer():
+    """``base_bits=4``: the compile prices the frozen base at NF4's bytes (host store and loads); the trainer refuses
+    the plan until the quantized base's runtime is there."""
+    model = _lora_model()
+    full, four = (lazytrain.compile(model, batch_size=B, seq_len=SEQ, micro_batch=2, hardware="cpu", policy="keep-all",
+                                    param_dtype="float32", optimizer="adamw", base_bits=bits, **BUDGETS)
+                  for bits in (16, 4))
+    g = full.graph
+    assert four.options["base_bits"] == 4 and "base_bits" not in full.options
+    saved = full.predicted["host_static_bytes"] - four.predicted["host_static_bytes"]
+    assert saved == pytest.approx(g.frozen_params * (4 - frozen_bytes_per_param(4, 4)), abs=8)
+    loads = [sum(op.nbytes for op in p.ops if op.kind is OpKind.LOAD and op.block == 1) for p in (full, four)]
+    assert loads[1] < loads[0] / 4
+    with pytest.raises(ValueError, match="base_bits=4"):
+        Trainer(model, four, optimizer=TorchAdamW(lr=LR), device="cpu")
 
 
 def test_lora_refuses_several_ranks():
