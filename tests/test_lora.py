@@ -153,6 +153,9 @@ def test_frozen_base_has_no_gradient_or_update_and_param_dtype_bytes_only():
     assert frozen_blocks == [0, 3]
     for kind in (OpKind.GRAD_OFFLOAD, OpKind.UPDATE):
         assert sorted(op.block for op in plan.ops if op.kind is kind) == [1, 2], kind
+    # r x (in + out) of each adapted projection (q, o; k, v; gate, up, down), two layers
+    assert plan.to_json()["model"]["trainable_params"] == g.trainable_params == 2 * 4 * (
+        2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 96))
     round_trip = Plan.from_json(plan.to_json())
     assert round_trip.graph.frozen_params == g.frozen_params and round_trip.graph.fingerprint() == g.fingerprint()
     tr = Trainer(model, plan, optimizer=TorchAdamW(lr=LR, eps=EPS), device="cpu")
