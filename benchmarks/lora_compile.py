@@ -46,6 +46,8 @@ def compile_row(model: str, batch: int, seq: int, hardware: str, what: str, lora
                peak_host_gib=round(pred["peak_host_bytes"] / GiB, 2), host_static_gib=round(static / GiB, 2),
                trainable=g.trainable_params, frozen=g.frozen_params, micro_batch=plan.micro_batch,
                base_bytes_per_param=None if base is None else round(base, 3),
+               busy_s={k: round(v, 2) for k, v in pred["busy_s"].items() if k in ("gpu", "h2d", "d2h", "cpu")},
+               resident=len(plan.decisions.resident_blocks), gpu_updated=len(plan.decisions.gpu_updated_blocks),
                compile_s=round(time.perf_counter() - t, 1))
     return row
 
@@ -59,18 +61,24 @@ def table(rows: list[dict], model: str, batch: int, seq: int, hardware: str) -> 
              "Written by `python benchmarks/lora_compile.py`: the compiler's plan and simulator, no GPU run. "
              "Host bytes per base parameter: the host store's static bytes less the adapters' state, over the "
              "frozen parameters.", "",
+             "Busy: seconds a step each resource works (GPU compute, PCIe to and from the GPU, the host update); "
+             "resident / GPU-updated: blocks the MILP and the GPU-update rule chose. Block times are modelled from "
+             "FLOPs (no calibration).", "",
              "| configuration | GPU / host budget | step (s) | tokens/s | micro-batch | peak GPU (GiB) "
-             "| peak host (GiB) | host store (GiB) | B/param of the base | trainable params | compile (s) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| peak host (GiB) | host store (GiB) | B/param of the base | trainable params "
+             "| busy gpu / h2d / d2h / cpu (s) | resident / GPU-updated | compile (s) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['what']} | {r['gpu']} / {r['host']} | does not fit: {r['error']} "
-                         f"| | | | | | | | {r['compile_s']} |")
+                         f"| | | | | | | | | | {r['compile_s']} |")
             continue
         bpp = "" if r["base_bytes_per_param"] is None else f"{r['base_bytes_per_param']:.3f}"
         lines.append(f"| {r['what']} | {r['gpu']} / {r['host']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} "
                      f"| {r['micro_batch']} | {r['peak_gpu_gib']:.2f} | {r['peak_host_gib']:.2f} "
-                     f"| {r['host_static_gib']:.2f} | {bpp} | {r['trainable']:,} | {r['compile_s']} |")
+                     f"| {r['host_static_gib']:.2f} | {bpp} | {r['trainable']:,} "
+                     f"| {' / '.join(str(r['busy_s'].get(k, 0)) for k in ('gpu', 'h2d', 'd2h', 'cpu'))} "
+                     f"| {r['resident']} / {r['gpu_updated']} | {r['compile_s']} |")
     return "\n".join(lines) + "\n"
 
 
