@@ -168,6 +168,8 @@ def test_frozen_base_has_no_gradient_or_update_and_param_dtype_bytes_only():
         assert all("lora_" in n for n in names[:len([p for p in b.params if p.trainable])])
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert sum(t.numel() for t in store.grad) == adapters
+    # fp32 plan: every parameter once in its load buffer (4 B), the adapters' gradients (4 B) beside them; nothing else
+    assert store.nbytes() == 4 * (g.total_params + adapters) and all(t.dtype == torch.float32 for t in store.load)
     # AdamW's state: master-free fp32 moments for the adapters alone
     state = sum(t.numel() for j in range(len(store.layouts)) if store.layouts[j].trainable_numel
                 for t in tr.optimizer.state_tensors(j).values())
