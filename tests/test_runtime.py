@@ -482,7 +482,7 @@ def test_tied_gradient_sum_fused_equals_torch_path(dtype, monkeypatch):
     seg = SimpleNamespace(offset=0, numel=n)
     gen = torch.Generator().manual_seed(0)
     own, head = (torch.randn(n + tail, generator=gen).to(dtype) for _ in range(2))
-    lay = SimpleNamespace(owned_numel=n + tail, shared=[(seg, [(1, 0)])])
+    lay = SimpleNamespace(owned_numel=n + tail, trainable_numel=n + tail, shared=[(seg, [(1, 0)])])
 
     def assemble():
         tied = gr.TiedGrads(SimpleNamespace(layouts=[lay], grad=[own, head]))

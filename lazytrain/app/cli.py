@@ -15,7 +15,7 @@ from dataclasses import fields
 from ..compiler.options import LossHead, Optimizer, Policy, Solver
 from ..ir import GiB, Plan, PlanError, Sizes, verify
 from ..ir.summary import model_tflops_text
-from .cli_types import positive, positive_float, positive_or_max, resident, seq_tile, size
+from .cli_types import lora, positive, positive_float, positive_or_max, resident, seq_tile, size
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,6 +73,14 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
     _add_resident_arg(p)
     p.add_argument("--gpu-update", type=resident, default="auto", metavar="none|auto|N|i,j,..", help="streamed "
                    "blocks updated on the GPU (state over PCIe): auto (milp, on a GPU) chooses, N: the first N")
+    p.add_argument("--lora", type=lora, default=None, metavar="r=R,alpha=A,targets=M,..",
+                   help="train LoRA adapters (PEFT) on the named modules instead of the whole model, e.g. r=16,"
+                        "alpha=32,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (targets=all-linear: "
+                        "those seven), dropout=0 by default: the base streams frozen, without gradients or optimizer "
+                        "state (needs the lora extra: pip install 'lazytrain[lora]')")
+    p.add_argument("--base-bits", type=int, default=16, choices=(16, 8, 4),
+                   help="with --lora: bits the frozen base is held in on the host and moved to the GPU in (16: the "
+                        "parameter dtype; 8: block-wise int8; 4: NF4) (default 16)")
     p.add_argument("--loss-head", default=LossHead.AUTO.value, choices=LossHead.names(),
                    help="how the fused LM head + cross-entropy forms its gradients: single_pass (in the forward, "
                         "no logits recomputed, a vocab x hidden fp32 accumulator held), recompute (the backward "
@@ -149,7 +157,7 @@ def cmd_compile(a) -> int:
                             optimizer=a.optimizer, solver=a.solver, time_limit=a.time_limit, param_dtype=a.dtype,
                             resident=a.resident, calibrate=a.calibrate, seq_tile=a.seq_tile, world_size=a.world_size,
                             nodes=a.nodes, compile_blocks=a.compile_blocks, gpu_update=a.gpu_update,
-                            loss_head=a.loss_head)
+                            loss_head=a.loss_head, lora=a.lora, base_bits=a.base_bits)
     if a.hardware is None:      # after the progress lines: the plan's own line
         print(f"lazytrain: no --hardware given: planned for the {DEFAULT_HARDWARE} profile; name another with "
               f"--hardware (a built-in profile, or a file from `lazytrain profile`)", file=sys.stderr)

@@ -31,6 +31,17 @@ def positive_or_max(text: str):
     """A positive whole number, or 'max' (the largest that fits, which the compile searches)."""
     return "max" if text == "max" else positive(text)
 
+def lora(text: str) -> dict | None:
+    """``r=16,alpha=32,targets=q_proj,k_proj,...[,dropout=0]`` (``frontend/lora.py``) as its mapping, or None for
+    'none'."""
+    from ..frontend.lora import parse_lora
+    try:
+        spec = parse_lora(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return None if spec is None else spec.to_json()
+
+
 def seq_tile(text: str):
     return None if text == "none" else "auto" if text == "auto" else positive(text)   # auto, none or tokens
 

@@ -197,6 +197,13 @@ class TrainConfig:
     resident: Literal["auto", "none"] | int | list[int] = setting(
         "auto", _RESIDENT_HELP, type=cli_types.resident, metavar="none|auto|N|i,j,..", resumed=_KEPT,
         shape=Either(OneOf("auto", "none"), int, ListOf(int)))
+    #: LoRA adapters (``frontend/lora.py``'s mapping: r, alpha, targets, dropout); None: the whole model trains
+    lora: dict | None = setting(
+        None, "train LoRA adapters (PEFT) instead of the whole model: r=16,alpha=32,targets=q_proj,k_proj,v_proj,"
+              "o_proj,gate_proj,up_proj,down_proj[,dropout=0] (targets=all-linear: those seven); the base streams "
+              "frozen, without gradients or optimizer state, and checkpoints hold the adapters (needs the lora "
+              "extra)", type=cli_types.lora, metavar="r=R,alpha=A,targets=M,..", resumed=_KEPT, group="data",
+        shape=Opt(Either(None, {"r": Int(1), "alpha": Num(), "targets": ListOf(str), "dropout": Num()})))
     eval_every: int = setting(0, "evaluate every N steps: exact match on 200 eval problems (with --data: on the "
                                  "held-out examples, with eval loss and sample replies); default: before (--data) "
                                  "and after training only", type=cli_types.non_negative, metavar="N", carried=_KEPT,

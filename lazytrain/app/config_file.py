@@ -188,8 +188,9 @@ def _as_flag_text(value: Any, key: str, where: str) -> str:
         return str(value)
     if isinstance(value, list) and all(isinstance(v, (int, float, str)) for v in value):
         return ",".join(str(v) for v in value)
-    if isinstance(value, dict) and all(isinstance(v, (int, float, str)) for v in value.values()):
-        return ",".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, dict) and all(isinstance(v, (int, float, str)) or isinstance(v, list) and all(
+            isinstance(x, (int, float, str)) for x in v) for v in value.values()):      # (lora's targets: a list)
+        return ",".join(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in value.items())
     raise ConfigError(f"{where}: {key}: a value of this setting is a number, a string or a list of them; got "
                       f"{type(value).__name__} {value!r}")
 

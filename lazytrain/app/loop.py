@@ -221,6 +221,8 @@ def start_trainer(cfg: TrainConfig, model, dev: torch.device, *, resumed: bool, 
     else:
         trainer = Trainer(model, plan, optimizer=opt, device=dev, verbose=ranks.main, weights=weights,
                           nvme_dir=cfg.nvme_dir)
+    if cfg.lora:        # what its checkpoints record of the frozen base (``checkpoint.base_identity``)
+        trainer.base_source = {"model": cfg.model}
     ranks.world = trainer.world
     if ranks.main and trainer.ctx.nvme_state is not None:       # a drive slower than planned: said before step 1
         warning = slow_disk_warning(trainer.plan, str(trainer.ctx.nvme.root))

@@ -238,6 +238,9 @@ def run(cfg: TrainConfig) -> dict:
 def _run_task(cfg: TrainConfig) -> dict:
     cfg, prev, diff, seq = _settled(cfg)
     check_trackers(cfg.report_to)       # a tracker's missing library: said before the model is built
+    if cfg.lora:
+        raise ValueError("--lora adapts a pretrained model: use it with --data (the built-in task's model trains "
+                         "from scratch)")
     tok = CharTokenizer()
     dev, ranks, out, t_start = open_run(cfg)
 

@@ -77,9 +77,23 @@ def compile_model(model, **kwargs) -> Plan:
     return compile_request(model, CompileRequest.of(model, **kwargs))
 
 
+def with_lora(model, spec):
+    """The model a compile with ``lora=spec`` plans for: a named model (preset, config, factory) built on the meta
+    device and wrapped with LoRA adapters (``frontend/lora.py``)."""
+    if not isinstance(model, str):
+        raise ValueError("lora= takes a model by name (a preset, a config.json, package.module:factory); wrap a "
+                         "model object with peft.get_peft_model yourself and compile that")
+    from ..frontend.lora import wrap
+    from ..frontend.presets import build_model
+    return wrap(build_model(model, device="meta"), spec)
+
+
 def compile_request(model, req: CompileRequest) -> Plan:
     """The plan ``req`` asks for: the longest sequence searched where it asks for ``"max"`` (``seq_search.py``), else
-    the request's one length (``auto_tile.compile_tiled``); ``compiler/pipeline.py``'s docstring has the levels."""
+    the request's one length (``auto_tile.compile_tiled``); ``compiler/pipeline.py``'s docstring has the levels.
+    With ``lora`` the named model is built (on the meta device) and wrapped with PEFT's adapters first."""
+    if req.lora is not None:
+        model = with_lora(model, req.lora)
     if req.seq_len == "max":
         from .seq_search import compile_max_seq  # it builds and traces models: torch, where asked for only
         return compile_max_seq(model, req)

@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Mapping
 
 from ..ir import GiB, Plan, PlanError
+from ..ir.semantics import static_host_bytes
 from ..util.torch_free import is_module
 from ..util.units import format_size, parse_size
 from .progress import caller_stacklevel
@@ -180,15 +181,17 @@ def state_error(comp) -> BudgetError | None:
     if need.host_bytes <= b.host_bytes and need.nvme_bytes <= (b.nvme_bytes or 0):
         return None
     least = fullest(comp)
-    what = (f"the parameters and optimizer state of {_count(n)} parameters ({per} bytes each, "
-            f"{_gib(int(n * per) // comp.world_size)})")
+    state = int(static_host_bytes(comp.graph, per, comp.param_dtype, comp.options.get("base_bits", 16)))
+    frozen = comp.graph.frozen_params
+    what = (f"the parameters and optimizer state of {_count(n)} parameters ({per} bytes each"
+            f"{f' of the {_count(n - frozen)} that train' if frozen else ''}, {_gib(state // comp.world_size)})")
     if least.host_bytes > b.host_bytes or comp.world_size > 1:
         on_nvme = (f"; with all of it that can go to NVMe there ({_gib(least.nvme_bytes)} of --nvme-memory), "
                    f"{_gib(least.host_bytes)} of host memory" if least.nvme_bytes and comp.world_size == 1 else "")
-        return BudgetError(f"needs at least {_gib(int(n * per) // comp.world_size)} of host memory for {what}"
+        return BudgetError(f"needs at least {_gib(state // comp.world_size)} of host memory for {what}"
                            f"{on_nvme}; the budget is {_gib(b.host_bytes)}: raise --host-memory")
     if not b.nvme_dir or not b.nvme_bytes:
-        return BudgetError(f"needs at least {_gib(int(n * per) // comp.world_size)} of host memory for {what}; the "
+        return BudgetError(f"needs at least {_gib(state // comp.world_size)} of host memory for {what}; the "
                            f"budget is {_gib(b.host_bytes)}. With state on NVMe it fits: give --nvme-dir (a folder on "
                            f"a fast drive) and --nvme-memory of at least {_gib(least.nvme_bytes)} (the least host "
                            f"memory that can hold the rest is {_gib(least.host_bytes)})")

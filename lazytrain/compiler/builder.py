@@ -10,7 +10,7 @@ import dataclasses
 
 from ..ir import GiB, OpKind, Place, Plan, PlanError, Saved, verify
 from ..ir.graph import ModelGraph
-from ..ir.semantics import nvme_pairs
+from ..ir.semantics import frozen_bytes_per_param, nvme_pairs
 from ..ir.tiers import TIERS
 from .budgets import Budgets
 from .cost import CostModel
@@ -24,6 +24,18 @@ from .state_placement import placed_fit
 from .time_limits import LIMITS
 
 
+def check_frozen(graph: ModelGraph, world_size: int, base_bits: int) -> None:
+    """Refuse what a model with a frozen base cannot be planned with: several ranks (the ZeRO-3 shards cover every
+    parameter's state: a LoRA run trains on one GPU), and a base in other bits than 16, 8 or 4."""
+    frozen_bytes_per_param(base_bits, 2)          # (raises on bits it has no format for)
+    if graph.frozen_params and world_size > 1:
+        raise ValueError(f"the model has frozen parameters ({graph.frozen_params:,} of {graph.total_params:,}: a LoRA "
+                         f"base) and world_size is {world_size}: adapters train on one GPU (world_size=1)")
+    if base_bits != 16 and not graph.frozen_params:
+        raise ValueError(f"base_bits={base_bits} quantizes the frozen base, but this model has no frozen parameters "
+                         "(train with LoRA, or leave base_bits at 16)")
+
+
 class Compiler:
     """Everything fixed for one compile: graph, hardware, budgets, options (the search's among them: the solver, its
     time limit and deadline, read by ``search.Search``), and the builds of plans from decisions."""
@@ -31,7 +43,7 @@ class Compiler:
     def __init__(self, graph: ModelGraph, hw, budgets: Budgets | dict, *, param_dtype: str, optimizer: str, clip: bool,
                  solver: str = DEFAULT_ORDER[0], time_limit: float | None = None, resident: frozenset = frozenset(),
                  choose_resident: bool = False, world_size: int = 1, nodes: int = 1, compile_blocks: bool = False,
-                 deadline: float | None = None, rule_follows: bool = False):
+                 deadline: float | None = None, rule_follows: bool = False, base_bits: int = 16):
         solver, optimizer = Solver.parse(solver, "unknown solver"), Optimizer.parse(optimizer, "unknown optimizer")
         #: the budgets (a plan's dict of them is read as the record)
         self.graph, self.hw, self.budgets = graph, hw, Budgets.of(budgets)
@@ -57,6 +69,11 @@ class Compiler:
             self.options["nodes"] = nodes
         if compile_blocks:      # the runtime compiles the block programs (``frontend/compiled.py``)
             self.options["compile_blocks"] = True
+        check_frozen(graph, world_size, base_bits)
+        #: bits the frozen base is held in on the host and moved in (16: the parameter dtype; ``Sizes.base_bits``)
+        self.base_bits = base_bits
+        if base_bits != 16:
+            self.options["base_bits"] = base_bits
         #: state every plan of this compiler keeps on NVMe (``Decisions.nvme_state``), chosen before the search
         #: (``state_placement.place``); empty: all of it in the host store
         self.nvme_state: dict[str, tuple[int, ...]] = {}
@@ -100,7 +117,8 @@ class Compiler:
                                                 Optimizer(self.optimizer).eight_bit, resident=resident,
                                                 world_size=self.world_size, nodes=self.nodes, cut=cut,
                                                 gpu_updated=gpu_updated, nvme=nvme,
-                                                host_bytes_per_param=self.options["host_bytes_per_param"])
+                                                host_bytes_per_param=self.options["host_bytes_per_param"],
+                                                base_bits=self.base_bits)
         return cost
 
     def state_on_nvme(self) -> tuple[int, int]:

@@ -53,13 +53,16 @@ class CostModel:
     #: parameter (``options.host_bytes_per_param``), which size its host copies
     nvme: frozenset = frozenset()
     host_bytes_per_param: float = 8.25
+    #: bits a frozen base parameter is held in on the host and moved in (``ir.semantics.frozen_bytes_per_param``)
+    base_bits: int = 16
 
     @cached_property
     def sizes(self) -> Sizes:
         return Sizes(self.graph, self.micro_batch, self.param_dtype, resident=self.resident,
                      device_state_bytes=DEVICE_STATE_BYTES["hybrid8bit" if self.eight_bit else "adamw"],
                      world_size=self.world_size, cut=tuple(self.cut), gpu_updated=frozenset(self.gpu_updated),
-                     nvme=self.nvme, host_state_bytes=host_state_bytes(self.host_bytes_per_param, self.param_dtype))
+                     nvme=self.nvme, host_state_bytes=host_state_bytes(self.host_bytes_per_param, self.param_dtype),
+                     base_bits=self.base_bits)
 
     @property
     def sharded(self) -> bool:
@@ -197,13 +200,13 @@ class CostModel:
         """Gradient bytes one rank's ``grad_offload`` copies (its shard in a world of several)."""
         if self.sharded:
             return self.sizes.shard_numel(j) * self.grad_wire_bytes
-        return self.graph.blocks[j].param_numel * self.grad_wire_bytes
+        return self.sizes.grad_numel(j) * self.grad_wire_bytes
 
     def load_bytes(self, j: int) -> int:
         """Parameter bytes one rank's ``load`` copies: the block's, or with several ranks its shard."""
-        if not self.sharded or j in self.resident:
-            return self.moving_param_bytes(j)
-        return self.sizes.shard_numel(j) * self.sizes.param_bytes
+        if j in self.resident:
+            return 0
+        return self.sizes.load_bytes(j)        # a frozen base's part in its bits (``Sizes.frozen_bytes``)
 
     def load_s(self, j: int) -> float:
         return self.hw.param_load_seconds(self.load_bytes(j))
@@ -250,7 +253,7 @@ class CostModel:
 
     def update_s(self, j: int) -> float:
         """The block's optimizer step where it runs: on the host, or on the GPU for a resident block."""
-        n = self.graph.blocks[j].owned_numel
+        n = self.graph.blocks[j].trainable_numel      # a frozen parameter is not updated
         if not n:
             return 0.0
         if j in self.resident:      # with several ranks, its shard
@@ -267,10 +270,14 @@ class CostModel:
     def gpu_update_s(self, j: int) -> float:
         return self.update_s(j) if j in self.resident or j in self.gpu_updated else 0.0
 
-    def state_bytes(self, j: int) -> int:
-        """What a GPU-updated block's ``state_load`` and ``state_store`` each move: its parameters and the
-        optimizer state beyond them (``Sizes.of(ostate[j])``)."""
-        return self.param_bytes(j) + self.sizes.of(TensorId(kind=TensorKind.OPT_STATE, index=j))
+    def state_bytes(self, j: int, load: bool = True) -> int:
+        """What a GPU-updated block's ``state_load`` (``load``) or ``state_store`` moves: the optimizer state beyond
+        the parameters (``Sizes.of(ostate[j])``) and the parameters: the load brings the whole block (its forward
+        reads them; a frozen base's part in its bits), the store takes back the trainable ones it updated."""
+        state = self.sizes.of(TensorId(kind=TensorKind.OPT_STATE, index=j))
+        if load:
+            return self.sizes.load_bytes(j) + state
+        return self.graph.blocks[j].trainable_numel * self.sizes.param_bytes + state
 
     def state_load_s(self, j: int) -> float:
         """A GPU-updated block's parameters and optimizer state host -> GPU: the model's own state, copied from
@@ -279,7 +286,7 @@ class CostModel:
 
     def state_store_s(self, j: int) -> float:
         """... and back GPU -> host after its update, like a gradient offload."""
-        return self.hw.grad_offload_seconds(self.state_bytes(j))
+        return self.hw.grad_offload_seconds(self.state_bytes(j, load=False))
 
     def act_bytes(self, i: int) -> int:
         return self.graph.boundary_bytes[i] * self.micro_batch

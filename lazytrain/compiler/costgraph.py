@@ -45,7 +45,7 @@ def build_cost_graph(cost: CostModel, max_segment: int = MAX_SEGMENT) -> nx.DiGr
     for j in range(L):
         moving = j not in cost.resident      # a resident block's parameters and gradients are static
         G.add_node(("block", j), params_bytes=cost.moving_param_bytes(j),
-                   grad_accum_bytes=g.blocks[j].param_numel * 4 if moving else 0,
+                   grad_accum_bytes=cost.sizes.grad_numel(j) * 4 if moving else 0,
                    saved_bytes=cost.saved_bytes(j), workspace_bytes=cost.sizes.workspace(j),
                    backward_transient_bytes=cost.sizes.backward_workspace(j) + cost.sizes.param_grad_transient(j),
                    grad_drain_bytes=(cost.sizes.of(TensorId(kind=TensorKind.GRADS, index=j))

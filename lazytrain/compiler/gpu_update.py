@@ -68,10 +68,10 @@ FORCED_SLOWER = 0.10
 
 
 def candidates(plan_graph, dec: Decisions) -> list[int]:
-    """Streamed blocks that may be GPU-updated, in forward order: they own parameters, share no tied one,
+    """Streamed blocks that may be GPU-updated, in forward order: they own trainable parameters, share no tied one,
     are not resident, and are not the head (whose parameters stay loaded into its backward)."""
     L = plan_graph.n_blocks
-    return [j for j in range(L - 1) if not dec.is_resident(j) and plan_graph.blocks[j].owned_numel
+    return [j for j in range(L - 1) if not dec.is_resident(j) and plan_graph.blocks[j].trainable_numel
             and tie_closure(plan_graph, {j}) == {j}]
 
 

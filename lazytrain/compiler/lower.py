@@ -111,10 +111,11 @@ class _Lowering:
         self.effs: list[Effects] = []
         self.hazards = HazardWalk()
         self.window = 0
-        self.owns = [g.blocks[j].owned_numel > 0 for j in range(self.L)]
-        #: blocks that read parameters (their own or tied ones): a block without any (an activation, a
-        #: reshape) has an empty gradient, which is dropped on the GPU, never offloaded nor updated
-        self.has_params = [g.blocks[j].param_numel > 0 for j in range(self.L)]
+        #: blocks with an update: those owning trainable parameters (a frozen base's block has none)
+        self.owns = [g.blocks[j].trainable_numel > 0 for j in range(self.L)]
+        #: blocks that read trainable parameters (their own or tied ones): a block without any (an activation, a
+        #: reshape, a frozen base's block) has an empty gradient, which is dropped on the GPU, never offloaded
+        self.has_params = [g.blocks[j].grad_numel > 0 for j in range(self.L)]
         empty = sorted(j for j in self.gpu_updated if not self.owns[j])
         if empty:
             raise ValueError(f"blocks {empty} own no parameters: they cannot be GPU-updated (decisions.gpu_update)")
@@ -229,7 +230,7 @@ class _Lowering:
         c = self.cost
         self.update(j)
         self.state_updates.append(len(self.ops) - 1)
-        n = c.state_bytes(j)
+        n = c.state_bytes(j, load=False)
         self.emit(OpKind.STATE_STORE, j, tensor=_tid(TensorKind.OPT_STATE, j), src=G, dst=H, nbytes=n,
                   seconds=c.state_store_s(j))
         k = len(self.state_updates) - 1 + STATE_SLOTS
@@ -258,7 +259,7 @@ class _Lowering:
         if j in self.nvme_blocks and self.clip:     # a placed block's lagged update comes first (it reads them)
             self.update(j)
         self.state_read(_PARAMS, j)
-        self.emit(OpKind.LOAD, j, tensor=_tid(TensorKind.PARAMS, j), src=H, dst=G, nbytes=c.param_bytes(j),
+        self.emit(OpKind.LOAD, j, tensor=_tid(TensorKind.PARAMS, j), src=H, dst=G, nbytes=c.load_bytes(j),
                   seconds=c.load_s(j), deps=tuple(self.param_frees[-1:]))
         self.state_free(_PARAMS, j)
 

@@ -125,7 +125,8 @@ def compiler_for(graph: ModelGraph, hw: HardwareProfile, budgets: Budgets, req: 
                     solver=req.solver, time_limit=req.time_limit, resident=fixed,
                     choose_resident=auto and policy == "milp" and hw.has_gpu, world_size=req.world_size,
                     nodes=req.nodes, compile_blocks=req.compile_blocks, deadline=req.deadline,
-                    rule_follows=gpu_update_rule.rule_runs(req.gpu_update, policy, hw.has_gpu, req.world_size))
+                    rule_follows=gpu_update_rule.rule_runs(req.gpu_update, policy, hw.has_gpu, req.world_size),
+                    base_bits=req.base_bits)
     comp.nvme_state = state_placement.place(comp, req.batch_size)
     return comp
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..frontend.lora import parse_lora
 from ..util.torch_free import is_dtype
 from . import gpu_update as gpu_update_rule
 from .budgets import held_host_bytes, make_budgets
@@ -78,6 +79,10 @@ class CompileRequest:
     #: "auto", "none", a number of streamed blocks or a sorted tuple of block indices (``gpu_update.request``)
     gpu_update: Any = "auto"
     loss_head: LossHead = LossHead.AUTO
+    #: LoRA adapters on a named model (``frontend/lora.py``: a ``LoraSpec``, its text or mapping; None: none)
+    lora: Any = None
+    #: bits the frozen base is held in on the host and moved in (16, 8 or 4: ``ir.semantics.frozen_bytes_per_param``)
+    base_bits: int = 16
 
     @classmethod
     def of(cls, model, **kwargs) -> CompileRequest:
@@ -114,6 +119,9 @@ class CompileRequest:
         self._set("optimizer", Optimizer.parse(self.optimizer, "unknown optimizer"))
         self._set("solver", Solver.parse(self.solver, "unknown solver"))
         self._set("loss_head", LossHead(self.loss_head))
+        self._set("lora", parse_lora(self.lora))
+        if self.base_bits not in (16, 8, 4):
+            raise ValueError(f"base_bits must be 16, 8 or 4, got {self.base_bits!r}")
         seq, mb, tile = self.seq_len, self.micro_batch, self.seq_tile
         if seq != "max" and (not isinstance(seq, int) or seq < 1):
             raise ValueError(f"seq_len must be a positive integer or 'max', got {seq!r}")

@@ -111,7 +111,7 @@ def compile_max_seq(model, req: CompileRequest):
                 continue        # nothing to tile: the untiled probe stands
             fixed, _ = resident_request(graph, req.resident)
             comp = Compiler(graph, hw, budgets, param_dtype=req.param_dtype, optimizer=req.optimizer, clip=req.clip,
-                            resident=fixed)
+                            resident=fixed, base_bits=req.base_bits)
             try:
                 why[seq] = binding(_leanest(comp, policy, batch, req.micro_batch), budgets)
             except PlanError as e:

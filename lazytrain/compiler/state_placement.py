@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import TensorId, TensorKind, Tier
-from ..ir.semantics import tie_closure
+from ..ir.semantics import static_host_bytes, tie_closure
 from .lower import NVME_STATE_SLOTS
 
 #: the share of the host budget held back for offloaded activations when the state does not fit
@@ -52,9 +52,9 @@ class StateFit:
 def placeable(comp) -> list[int]:
     """Blocks whose state may go to NVMe, evenly spread (the middle ones first, then halves, ...)."""
     g = comp.graph
-    if comp.world_size > 1:
+    if comp.world_size > 1 or g.frozen_params:     # (a frozen base's state is its load buffer: not placed)
         return []
-    ok = [j for j in range(g.n_blocks) if j not in comp.resident and g.blocks[j].owned_numel
+    ok = [j for j in range(g.n_blocks) if j not in comp.resident and g.blocks[j].trainable_numel
           and tie_closure(g, {j}) == {j}]
     return _spread(ok)
 
@@ -72,7 +72,8 @@ def _spread(items: list[int]) -> list[int]:
 def fit(comp, placed: dict[TensorKind, list[int]]) -> StateFit:
     """The host and NVMe bytes of one placement (``placed``: component -> blocks)."""
     sizes = comp.cost(1, frozenset(), nvme=frozenset()).sizes
-    total = int(comp.graph.total_params * comp.options["host_bytes_per_param"]) // comp.world_size
+    total = int(static_host_bytes(comp.graph, comp.options["host_bytes_per_param"], comp.param_dtype,
+                                  comp.options.get("base_bits", 16))) // comp.world_size
     on_nvme = in_flight = 0
     for kind, blocks in placed.items():
         each = [sizes.of(TensorId(kind=kind, index=j), Tier.HOST) for j in blocks]

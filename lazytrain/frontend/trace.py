@@ -171,6 +171,7 @@ def _boundaries(sp: Split, mb: int) -> tuple[list[int], list[list[str]], list[tu
 def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.dtype, micro_batch: int,
                      measure: bool, compile_blocks: bool = False) -> ModelGraph:
     shapes = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    trains = {n: p.requires_grad for n, p in model.named_parameters()}
     owner: dict[str, int] = {}
     for j, b in enumerate(sp.blocks):
         for n in b.param_names:
@@ -192,10 +193,10 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
         figs = (0, 0, 0, 0, 0, AttentionCount(), 0)
         cuts: tuple[Cut, ...] = ()
         if measure:
-            key = (id(b.gm), b.loss is not None)
+            key = (id(b.gm), b.loss is not None, tuple(trains[n] for n in b.param_names))
             if key not in cache:
                 try:
-                    cache[key] = _measure(b, sp, shapes, dtype, mb, seq_len)
+                    cache[key] = _measure(b, sp, shapes, dtype, mb, seq_len, trains)
                 except TraceError:
                     raise
                 except Exception as e:  # noqa: BLE001 - name the block, not a deep traceback
@@ -219,7 +220,8 @@ def graph_from_split(sp: Split, model: nn.Module, *, seq_len: int, dtype: torch.
                        TensorSpec(name="n_tokens", shape=(), dtype="int64"))
         blocks.append(Block(
             index=j, name=b.name, kind=b.kind,
-            params=tuple(ParamSpec(name=n, shape=shapes[n][0], owner=owner[n]) for n in b.param_names),
+            params=tuple(ParamSpec(name=n, shape=shapes[n][0], owner=owner[n], trainable=trains[n])
+                         for n in b.param_names),
             inputs=tuple(spec(n) for n in b.input_names), outputs=outputs,
             saved_bytes=math.ceil(saved / mb), workspace_bytes=math.ceil(ws / mb), workspace_fixed_bytes=fixed,
             backward_workspace_bytes=math.ceil(bws / mb),
@@ -374,15 +376,18 @@ def loss_head_figures(lh, weight_shape: tuple, dtype: torch.dtype, seq_len: int)
             "param_bytes": torch.empty((), dtype=dtype).element_size(), "chunk_logits": DEFAULT_CHUNK_LOGITS}
 
 
-def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: int):
+def _measure(b, sp: Split, shapes: dict, dtype: torch.dtype, mb: int, seq_len: int, trains: dict | None = None):
     """(saved bytes, workspace bytes, fixed workspace bytes, fwd FLOPs, bwd FLOPs, attention count, backward
     workspace bytes) of one block at micro-batch ``mb``; the fixed part does not scale with the micro-batch (a
-    loss chunk)."""
+    loss chunk).  A frozen parameter (``trains[n]`` False) is traced without ``requires_grad``, so autograd takes
+    no gradient for it and the FLOP counter counts what backward really runs: a frozen matmul weight's share is
+    the input gradient alone (2 x tokens x its elements, not 4), and nothing is saved only for its gradient."""
     params = {}
     for n in b.param_names:
         shape, dt = shapes[n]
         dt = dtype if dt.is_floating_point else dt
-        params[n] = torch.empty(shape, dtype=dt, device="meta", requires_grad=dt.is_floating_point)
+        params[n] = torch.empty(shape, dtype=dt, device="meta",
+                                requires_grad=dt.is_floating_point and (trains or {}).get(n, True))
     inputs = {}
     for n in b.input_names:
         shape, dt, rg = sp.values[n]

@@ -38,8 +38,9 @@ from .preset_configs import PRESETS
 from .presets import read_config
 
 CACHE_FORMAT = "lazytrain.trace/1"
-#: packages whose model classes the key may name: their code is pinned by the versions in the key
-VERSIONED_PACKAGES = ("lazytrain", "transformers")
+#: packages whose model classes the key may name: their code is pinned by the versions in the key (peft's, a LoRA
+#: model's, in its own key: ``describe``)
+VERSIONED_PACKAGES = ("lazytrain", "transformers", "peft")
 
 
 def cache_dir() -> Path | None:
@@ -97,7 +98,10 @@ def describe(model) -> dict | None:
     config = _config_dict(cfg)
     if config is None:
         return None
-    return {"class": f"{cls.__module__}.{cls.__qualname__}", "config": config,
+    pinned = {}
+    if cls.__module__.startswith("peft."):      # a PeftModel: its adapters' code is peft's
+        pinned["peft"] = importlib.metadata.version("peft")
+    return {**pinned, "class": f"{cls.__module__}.{cls.__qualname__}", "config": config,
             "attn": getattr(cfg, "_attn_implementation", None),
             "params": [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
             "buffers": [(n, list(b.shape), str(b.dtype)) for n, b in model.named_buffers()],

@@ -152,9 +152,12 @@ def trainer_weights(trainer, checkpoint=None) -> list[Weight]:
     out = []
     for j, lay in enumerate(trainer.store.layouts):
         for s in lay.segments:
-            if s.offset < lay.owned_numel:
+            if s.offset < lay.trainable_numel:
                 out.append(Weight(s.name, tuple(s.shape),
                                   lambda j=j, s=s: block(j)[s.offset:s.offset + s.numel].view(s.shape)))
+            elif s.offset < lay.owned_numel:      # a frozen parameter: its load buffer is all there is of it
+                out.append(Weight(s.name, tuple(s.shape),
+                                  lambda j=j, s=s: trainer._buffers[j][s.offset:s.offset + s.numel].view(s.shape)))
     out += _buffers(trainer.model, {w.name for w in out})
     return out
 
@@ -175,6 +178,9 @@ def _buffers(model, have: set[str]) -> list[Weight]:
 def checkpoint_weights(directory) -> list[Weight]:
     """The weights of a checkpoint folder (``runtime/checkpoint.py``), read one tensor at a time."""
     folder, meta = read_meta(directory)
+    if "base" in meta:
+        raise ExportError(f"checkpoint {folder} holds LoRA adapters only, not the base they adapt: its run's "
+                          f"model/ folder is the PEFT adapter (peft.PeftModel.from_pretrained on the base)")
     check_files(folder, meta)           # every file's size and SHA-256, as a resume checks them
     if "world" in meta:                 # each file holds flat pieces of the tensors (checkpoint_world.py)
         return _sharded_weights(folder, meta)

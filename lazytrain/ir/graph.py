@@ -83,6 +83,9 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     owner: int
+    #: False for a parameter with ``requires_grad=False`` at trace time (a LoRA base weight): it streams in, but has
+    #: no gradient, no optimizer state and no update (its host copy is its load buffer alone)
+    trainable: bool = True
 
     @property
     def numel(self) -> int:
@@ -143,6 +146,22 @@ class Block:
         """Elements this block updates; computed once."""
         return sum(p.numel for p in self.params if p.owner == self.index)
 
+    @cached_property
+    def trainable_numel(self) -> int:
+        """Owned elements that train: what the optimizer's state, master copy and update cover."""
+        return sum(p.numel for p in self.params if p.owner == self.index and p.trainable)
+
+    @cached_property
+    def frozen_numel(self) -> int:
+        """Owned elements that do not train: only in the load buffer (parameter dtype, or the base's bits)."""
+        return self.owned_numel - self.trainable_numel
+
+    @cached_property
+    def grad_numel(self) -> int:
+        """Elements of the block's gradient: every trainable parameter it reads (owned or a tied link); 0 for a
+        frozen block, which then has no gradient offload."""
+        return sum(p.numel for p in self.params if p.trainable)
+
 
 @dataclass(frozen=True, kw_only=True)      # no slots: ``all_readers`` is cached per graph
 class ModelGraph:
@@ -174,6 +193,15 @@ class ModelGraph:
     def total_params(self) -> int:
         """Distinct parameters (tied ones counted once)."""
         return sum(b.owned_numel for b in self.blocks)
+
+    @property
+    def trainable_params(self) -> int:
+        """Distinct parameters that train (all of them but a frozen base's)."""
+        return sum(b.trainable_numel for b in self.blocks)
+
+    @property
+    def frozen_params(self) -> int:
+        return self.total_params - self.trainable_params
 
     @property
     def active_params(self) -> int:
@@ -238,7 +266,8 @@ class ModelGraph:
     def fingerprint(self) -> str:
         """Structure hash: block kinds, names, parameter names and shapes, seq and dtype.
         A plan carries it and refuses a model whose structure differs."""
-        desc = [(b.kind, b.name, [(p.name, list(p.shape), p.owner) for p in b.params]) for b in self.blocks]
+        desc = [(b.kind, b.name, [(p.name, list(p.shape), p.owner, *(() if p.trainable else (False,)))
+                                  for p in b.params]) for b in self.blocks]
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
     def block_signature(self, j: int) -> str:
@@ -250,7 +279,8 @@ class ModelGraph:
 
         def specs(ts):
             return [(list(t.shape), t.dtype, t.requires_grad) for t in ts]
-        desc = [b.kind, [list(p.shape) for p in b.params], specs(b.inputs), specs(b.outputs), b.saved_bytes,
+        shapes = [list(p.shape) if p.trainable else [*p.shape, "frozen"] for p in b.params]
+        desc = [b.kind, shapes, specs(b.inputs), specs(b.outputs), b.saved_bytes,
                 b.workspace_bytes, b.fwd_flops, b.bwd_flops, b.fwd_ops, self.seq_len, self.dtype]
         return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
 
@@ -260,13 +290,17 @@ class ModelGraph:
         for b in d["blocks"]:
             if not b["cuts"]:         # an eager block's JSON is what it was before cuts existed
                 del b["cuts"]
+            for p in b["params"]:     # ... and a trainable parameter's what it was before frozen ones were
+                if p["trainable"]:
+                    del p["trainable"]
         return d
 
     @staticmethod
     def from_json(d: dict) -> ModelGraph:
         blocks = tuple(
             Block(**{**b,
-                     "params": tuple(ParamSpec(name=p["name"], shape=tuple(p["shape"]), owner=p["owner"])
+                     "params": tuple(ParamSpec(name=p["name"], shape=tuple(p["shape"]), owner=p["owner"],
+                                               trainable=bool(p.get("trainable", True)))
                                      for p in b["params"]),
                      "inputs": tuple(TensorSpec(name=t["name"], shape=tuple(t["shape"]), dtype=t["dtype"],
                                                 requires_grad=bool(t.get("requires_grad", False)))

@@ -107,7 +107,9 @@ class Plan:
     def to_json(self) -> dict:
         return {"format": PLAN_FORMAT,
                 "model": {"name": self.graph.name, "fingerprint": self.fingerprint,
-                          "n_blocks": self.graph.n_blocks, "total_params": self.graph.total_params},
+                          "n_blocks": self.graph.n_blocks, "total_params": self.graph.total_params,
+                          # a frozen base's plan (LoRA) says how many train; a full fine-tune's is as it was
+                          **({"trainable_params": self.graph.trainable_params} if self.graph.frozen_params else {})},
                 "graph": self.graph.to_json(), "hardware": self.hardware, "budgets": self.budgets,
                 "batch_size": self.batch_size, "micro_batch": self.micro_batch, "n_micro": self.n_micro,
                 "seq_len": self.seq_len, "param_dtype": self.param_dtype,

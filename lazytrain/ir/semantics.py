@@ -23,6 +23,31 @@ DEVICE_STATE_BYTES = {"hybrid8bit": 4.02, "hybrid8bit-sr": 2.02, "hybrid4bit": 3
                       "adamw": 12.0}
 
 
+#: host and PCIe bytes per frozen parameter of a base held in ``bits`` (``base_bits``): 16 is the parameter dtype
+#: itself; 8 is block-wise absmax int8 (an fp32 scale per 64 elements); 4 is NF4 (QLoRA's: a scale per 64
+#: elements, the scales themselves 8-bit with an fp32 scale per 256 of them).  The quantized base's runtime
+#: (``runtime/quantized.py``) holds the frozen segment of each load buffer in this form.
+BASE_FORMAT_BYTES = {8: 1 + 4 / 64, 4: 0.5 + (1 + 4 / 256) / 64}
+
+
+def frozen_bytes_per_param(base_bits: int, param_bytes: int) -> float:
+    """Bytes a frozen parameter takes on the host and over PCIe with the base in ``base_bits`` (16: the
+    parameter dtype's ``param_bytes``)."""
+    if base_bits >= 16:
+        return float(param_bytes)
+    try:
+        return BASE_FORMAT_BYTES[base_bits]
+    except KeyError:
+        raise ValueError(f"base_bits must be 16, 8 or 4 (got {base_bits})") from None
+
+
+def static_host_bytes(graph: ModelGraph, host_bytes_per_param: float, param_dtype: str, base_bits: int = 16) -> float:
+    """Host bytes of the training state in a world of one: ``host_bytes_per_param`` (the load and gradient buffers
+    and the optimizer's state) per trainable parameter, the base's bytes alone per frozen one."""
+    return (graph.trainable_params * host_bytes_per_param
+            + graph.frozen_params * frozen_bytes_per_param(base_bits, DTYPE_BYTES[param_dtype]))
+
+
 def tie_closure(graph: ModelGraph, blocks) -> frozenset[int]:
     """``blocks`` plus every block that shares a tied parameter with one of them (transitively):
     a resident block's tied links point into its owner's GPU buffer and their gradients add into
@@ -59,6 +84,8 @@ class Sizes:
     #: host bytes per owned parameter of the optimizer state beyond the parameters and the gradient
     #: (``ostate[j]`` on the host: the 8-bit optimizer's master low half and moments, 4.25)
     host_state_bytes: float = 4.25
+    #: bits a frozen (base) parameter is held in on the host and moved in (``frozen_bytes_per_param``)
+    base_bits: int = 16
 
     @classmethod
     def of_plan(cls, plan, like: Sizes | None = None) -> Sizes:
@@ -73,7 +100,8 @@ class Sizes:
                     world_size=plan.world_size, cut=plan.decisions.cut, gpu_updated=plan.decisions.gpu_updated_blocks,
                     nvme=nvme_pairs(plan.decisions.nvme_state),
                     host_state_bytes=host_state_bytes(float(plan.options.get("host_bytes_per_param", 16.0)),
-                                                      plan.param_dtype))
+                                                      plan.param_dtype),
+                    base_bits=int(plan.options.get("base_bits", 16)))
         return like if like is not None and like == sizes else sizes
 
     def saved_per_sample(self, block: int, cut: int | None = None) -> int:
@@ -92,7 +120,8 @@ class Sizes:
         the fp32 gradient accumulator of every owned parameter (tied links are views of the owner's);
         with several ranks, of this rank's shard of them (the gathered parameters are plan tensors)."""
         per = self.resident_bytes_per_param()
-        return int(sum(self.owned_shard_numel(j) * per for j in self.resident))
+        return int(sum(self.trainable_shard_numel(j) * per + self.frozen_shard_numel(j) * self.param_bytes
+                       for j in self.resident))
 
     def resident_bytes_per_param(self) -> float:
         """GPU bytes per owned parameter of a resident block (see ``resident_bytes``)."""
@@ -102,6 +131,39 @@ class Sizes:
     @property
     def param_bytes(self) -> int:
         return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def frozen_bytes(self) -> float:
+        """Host and PCIe bytes per frozen parameter (``frozen_bytes_per_param``)."""
+        return frozen_bytes_per_param(self.base_bits, self.param_bytes)
+
+    def host_param_bytes(self, block: int) -> int:
+        """Bytes of block ``block``'s load buffer (its owned parameters: the trainable ones in the parameter
+        dtype, the frozen ones in the base's bits)."""
+        b = self.graph.blocks[block]
+        return int(b.trainable_numel * self.param_bytes + b.frozen_numel * self.frozen_bytes)
+
+    def load_bytes(self, block: int) -> int:
+        """Bytes a load of block ``block`` moves host -> GPU (tied links included; one rank's shard)."""
+        if self.world_size != 1:
+            return self.shard_numel(block) * self.param_bytes
+        b = self.graph.blocks[block]
+        frozen = sum(p.numel for p in b.params if not p.trainable)
+        return int((b.param_numel - frozen) * self.param_bytes + frozen * self.frozen_bytes)
+
+    def grad_numel(self, block: int) -> int:
+        """Elements of block ``block``'s gradient (its trainable parameters read; with several ranks, the padded
+        gathered buffer, where every parameter trains)."""
+        return self.graph.blocks[block].grad_numel if self.world_size == 1 else self._param_numel[block]
+
+    def trainable_shard_numel(self, block: int) -> int:
+        """Elements of the block's shard this rank updates that train (several ranks: all of them train)."""
+        if self.world_size == 1:
+            return self.graph.blocks[block].trainable_numel
+        return self.owned_shard_numel(block)
+
+    def frozen_shard_numel(self, block: int) -> int:
+        return self.graph.blocks[block].frozen_numel if self.world_size == 1 else 0
 
     def kept_grad_bytes(self) -> int:
         """GPU bytes of the accumulators GPU-updated blocks keep from their backward into the next step (on the
@@ -123,13 +185,14 @@ class Sizes:
 
     def _bytes_of(self, t: TensorId, tier: Tier) -> int:
         if t.kind is TensorKind.PARAMS:     # the host keeps a block's own parameters (a tied link is its owner's)
-            n = self.graph.blocks[t.index].owned_numel if tier is Tier.HOST else self._param_numel[t.index]
-            return n * self.param_bytes
-        if t.kind is TensorKind.GRADS:
+            if tier is Tier.HOST:
+                return self.host_param_bytes(t.index)
+            return self._param_numel[t.index] * self.param_bytes
+        if t.kind is TensorKind.GRADS:      # of the trainable parameters only (none: an empty gradient)
             per = GRAD_ACCUM_BYTES if tier is Tier.GPU else GRAD_WIRE_BYTES
             if self.param_bytes == 4:   # fp32 training keeps fp32 gradients everywhere
                 per = 4
-            n = self._param_numel[t.index] if tier is Tier.GPU else self.shard_numel(t.index)
+            n = self.grad_numel(t.index) if tier is Tier.GPU or self.world_size == 1 else self.shard_numel(t.index)
             return n * per
         if t.kind is TensorKind.PARAM_SHARD:
             return self.shard_numel(t.index) * self.param_bytes
@@ -138,7 +201,7 @@ class Sizes:
         if t.kind is TensorKind.OPT_STATE:      # what the optimizer keeps beyond the parameters (an upper bound
             # for fp32 parameters, which are their own master)
             per = self.host_state_bytes if tier is Tier.HOST else self.device_state_bytes
-            return int(self.graph.blocks[t.index].owned_numel * per)
+            return int(self.graph.blocks[t.index].trainable_numel * per)
         if t.kind in (TensorKind.ACT, TensorKind.GRAD_ACT):
             return self.graph.boundary_bytes[t.index] * self.micro_batch
         if t.kind is TensorKind.SAVED:
@@ -213,7 +276,7 @@ class Sizes:
         """Backward returns all of a block's parameter gradients at once (``autograd.grad``), in the
         parameter dtype, before they are added into the fp32 accumulator: one params-sized transient
         (measured: 0.58 GiB for qwen2.5-3b's embedding, 0.14 GiB per layer)."""
-        return self._param_numel[block] * self.param_bytes
+        return self.grad_numel(block) * self.param_bytes
 
     def grad_cast_transient(self, block: int) -> int:
         """``grad_offload`` casts the fp32 accumulator (or this rank's shard of it) to the host gradient

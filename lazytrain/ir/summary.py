@@ -14,12 +14,20 @@ from .tiers import TIERS
 VALUE_WIDTH = 60
 
 
+def _trainable(graph) -> str:
+    """How many parameters train where a frozen base does not (LoRA): "0.21 B trainable, "; else nothing."""
+    return f"{graph.trainable_params / 1e9:.2f} B trainable, " if graph.frozen_params else ""
+
+
 def _resident_text(plan) -> str:
     res = sorted(plan.decisions.resident_blocks)
     if not res:
         return "none"
     # contiguous runs: "0-9, 37" (a prefix and the tied head)
-    return f"blocks {_runs(res)}: {Sizes.of_plan(plan).resident_bytes() / GiB:.2f} GiB, updated on the GPU"
+    trained = [j for j in res if plan.graph.blocks[j].trainable_numel]
+    how = "updated on the GPU" if len(trained) == len(res) else \
+        "frozen" if not trained else f"{_runs(trained)} updated on the GPU, the rest frozen"
+    return f"blocks {_runs(res)}: {Sizes.of_plan(plan).resident_bytes() / GiB:.2f} GiB, {how}"
 
 
 def _gpu_update_text(plan) -> str:
@@ -266,7 +274,8 @@ def summary_rows(plan) -> list[list]:
     b = Counter(p for p in d.boundary[1:])
     s = Counter(d.saved)
     rows = [
-        ["model", f"{plan.graph.name} ({plan.graph.total_params / 1e9:.2f} B params, {plan.graph.n_blocks} blocks)"],
+        ["model", f"{plan.graph.name} ({plan.graph.total_params / 1e9:.2f} B params, "
+                  f"{_trainable(plan.graph)}{plan.graph.n_blocks} blocks)"],
         ["batch", f"{plan.batch_size} = {d.n_micro} x {d.micro_batch}, seq {plan.seq_len}"],
         ["policy", d.policy],
         ["boundaries kept gpu / host / nvme", f"{b[Place.GPU]} / {b[Place.HOST]} / {b[Place.NVME]}"],

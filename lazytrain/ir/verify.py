@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .format import PLAN_FORMAT, PlanError
 from .ops import GiB, Op, OpKind, Resource, TensorId, TensorKind, Tier
 from .order import Hazard, HazardWalk, UpdateOrder
-from .semantics import Effects, Sizes, effects, resident_shards, tie_closure
+from .semantics import Effects, Sizes, effects, resident_shards, static_host_bytes, tie_closure
 from .tiers import TIERS
 
 if TYPE_CHECKING:      # annotations only: plan.py imports this module to check what it reads
@@ -37,7 +37,8 @@ def host_static_bytes(plan: Plan, sizes: Sizes | None = None) -> int:
     """Host store: parameters, master weights, optimizer state and gradient buffers (one rank's shard
     of them in a world of several), less what the plan keeps on NVMe (``nvme_static_bytes``)."""
     per_param = float(plan.options.get("host_bytes_per_param", 16.0))
-    return int(plan.graph.total_params * per_param) // plan.world_size - nvme_static_bytes(plan, sizes)
+    state = static_host_bytes(plan.graph, per_param, plan.param_dtype, int(plan.options.get("base_bits", 16)))
+    return int(state) // plan.world_size - nvme_static_bytes(plan, sizes)
 
 
 def nvme_static_bytes(plan: Plan, sizes: Sizes | None = None) -> int:
@@ -129,10 +130,13 @@ def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
     grad_off = {op.block: op.id for op in ops if op.kind is grad_offload}
     blocks = plan.graph.blocks
     for j in grad_off:          # (an empty gradient would be left on the host, read by no update)
-        if not blocks[j].params:
-            raise _fail(ops[grad_off[j]], f"block {j} has no parameters: its empty gradient is freed on the GPU, "
-                                          "not offloaded")
-    empty = sorted(j for j in sizes.gpu_updated if not blocks[j].owned_numel)
+        if not blocks[j].grad_numel:
+            raise _fail(ops[grad_off[j]], f"block {j} has no parameters to train: its empty gradient is freed on "
+                                          "the GPU, not offloaded")
+    for j, op in updates.items():
+        if not blocks[j].trainable_numel:
+            raise _fail(op, f"block {j} owns no trainable parameters: it has nothing to update")
+    empty = sorted(j for j in sizes.gpu_updated if not blocks[j].trainable_numel)
     if empty:
         raise PlanError(f"blocks {empty} are GPU-updated (decisions.gpu_update) but own no parameters to update")
     first_load: dict[int, Op] = {}              # owner -> the first load of a block reading its parameters
@@ -140,9 +144,9 @@ def _check_updates(plan: Plan, sizes: Sizes) -> UpdateOrder:
         if op.kind is load:
             for o in sizes.owners(op.block):
                 first_load.setdefault(o, op)
-    for owner in sorted({p.owner for b in plan.graph.blocks for p in b.params}):
+    for owner in sorted({p.owner for b in plan.graph.blocks for p in b.params if p.trainable}):
         if owner not in updates:
-            raise PlanError(f"block {owner} owns parameters but is never updated")
+            raise PlanError(f"block {owner} owns trainable parameters but is never updated")
         u = updates[owner]
         readers = sizes.readers(owner)
         if owner in sizes.gpu_updated:

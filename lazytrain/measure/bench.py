@@ -67,6 +67,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..frontend.lora import parse_lora
 from .bench_worker import BENCH_DIR, MAX_BATCH_LIMIT, SYSTEMS, GiB, load_bench_module, proc_meminfo_bytes
 
 FORMAT = "lazytrain.bench/1"
@@ -83,6 +84,15 @@ MAX_WEIGHT = {"lazytrain-milp": 4.0, "lazytrain-megatrain": 4.0, "lazytrain-milp
 
 
 # ---- arguments -------------------------------------------------------------------------------------
+def lora(text: str) -> dict | None:
+    """``--lora``'s value (``frontend/lora.py``) as its mapping, which the workers receive as JSON."""
+    try:
+        spec = parse_lora(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return None if spec is None else spec.to_json()
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen2.5-3b", help="preset, HF config.json or pkg.module:factory "
                                                          "(default qwen2.5-3b)")
@@ -109,6 +119,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-blocks", action="store_true",
                    help="every lazytrain row runs Inductor-compiled block programs (the lazytrain-milp-compiled "
                         "system does for its row alone)")
+    p.add_argument("--lora", type=lora, default=None, metavar="r=R,alpha=A,targets=M,..",
+                   help="every system trains LoRA adapters (PEFT) on the model instead of all of it (the same spec "
+                        "as lazytrain train --lora)")
     p.add_argument("--out-dir", default=str(BENCH_DIR / "results"), help="default benchmarks/results")
     p.add_argument("--name", default=None, help="file stem (default bench_<model>_b<batch>_s<seq>_<gpu cap>)")
 
@@ -127,7 +140,7 @@ def config_from_args(a) -> dict:
             "steps": a.steps, "warmup": a.warmup, "lr": a.lr, "optimizer": a.optimizer, "hardware": hardware,
             "micro_batch": a.micro_batch, "device": a.device, "budget_s": a.budget_s, "timeout_s": a.timeout_s,
             "find_max_batch": a.find_max_batch, "max_batch_limit": a.max_batch_limit, "out_dir": a.out_dir,
-            "name": a.name, "compile_blocks": a.compile_blocks}
+            "name": a.name, "compile_blocks": a.compile_blocks, "lora": a.lora}
 
 
 def command_line(cfg: dict) -> str:
@@ -143,6 +156,8 @@ def command_line(cfg: dict) -> str:
         args += ["--find-max-batch", "--max-batch-limit", cfg.get("max_batch_limit", MAX_BATCH_LIMIT)]
     if cfg.get("compile_blocks"):
         args.append("--compile-blocks")
+    if cfg.get("lora"):
+        args += ["--lora", str(parse_lora(cfg["lora"]))]
     return shlex.join(map(str, args))
 
 

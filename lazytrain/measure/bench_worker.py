@@ -64,6 +64,9 @@ def build(cfg: dict):
     cfg_obj = getattr(model, "config", None)
     if hasattr(cfg_obj, "use_cache"):
         cfg_obj.use_cache = False          # HF: no KV cache while training
+    if cfg.get("lora"):                    # every system trains the same adapters (``frontend/lora.py``)
+        from ..frontend.lora import parse_lora, wrap
+        model = wrap(model, parse_lora(cfg["lora"]))
     return model
 
 

@@ -276,7 +276,7 @@ def cut_plan(plan, hw: HardwareProfile, k: int):
     if not at:
         return None
     comp = Compiler(plan.graph, hw, plan.budgets, param_dtype=plan.param_dtype, optimizer=plan.options["optimizer"],
-                    clip=plan.options["clip"], compile_blocks=True)
+                    clip=plan.options["clip"], compile_blocks=True, base_bits=plan.options.get("base_bits", 16))
     d = plan.decisions
     for place in (Saved.KEEP, Saved.HOST):
         dec = dataclasses.replace(d, policy=f"{d.policy}, cut {k}",

@@ -7,10 +7,17 @@ Layout of a checkpoint folder (format ``"lazytrain.checkpoint/2"``)::
                              (plan.to_json()) and its model fingerprint, every tensor file's size,
                              SHA-256 and per-tensor dtype and shape, and the names and SHA-256 of the
                              extra files
-    block_0000.safetensors   one file per block that owns parameters:
-                               param.<name>  fp32 master weight of each owned parameter, shaped
+    block_0000.safetensors   one file per block that owns trainable parameters:
+                               param.<name>  fp32 master weight of each owned trainable parameter, shaped
                                state.<key>   the rest of HostOptimizer.state_tensors(block)
     metrics.json ...         extra files a caller commits with the state (``lazytrain train``'s metrics)
+
+A model with a frozen base (LoRA: ``ParamSpec.trainable`` False) saves its trained parameters and their state
+only, and the base's identity under ``base`` in the manifest (``base_identity``): how many frozen parameters,
+the SHA-256 of their values as the trainer holds them, and what the caller says the base came from
+(``Trainer.base_source``: a model name, its files' sizes).  Loading rebuilds nothing: the caller builds the model
+from its source again, and the load refuses a base whose values differ from the ones the checkpoint trained on.
+A full fine-tune's checkpoint is as it was (no ``base``).
 
 A checkpoint is a consistent state: ``save`` flushes the pending lagged updates first, so a trainer
 loaded from it and stepped on equals the one that saved it, step for step, bit for bit.
@@ -37,11 +44,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import math
 import os
 import random
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -112,8 +121,8 @@ def _space_needed(trainer, target: Path, tmp: Path, extras: dict[str, bytes] | N
     the fp32 masters, with the extras."""
     if target.is_dir():
         return sum(f.stat().st_size for f in target.iterdir() if f.is_file())
-    owned = {f"block_{j:04d}.safetensors": lay.owned_numel for j, lay in enumerate(trainer.store.layouts)
-             if lay.owned_numel}
+    owned = {f"block_{j:04d}.safetensors": lay.trainable_numel for j, lay in enumerate(trainer.store.layouts)
+             if lay.trainable_numel}
     written = sorted(f.name for f in tmp.iterdir() if f.name in owned)
     complete = written if tensors_done else written[:-1]
     numel, nbytes = sum(owned[n] for n in complete), sum((tmp / n).stat().st_size for n in complete)
@@ -129,14 +138,14 @@ def _write(trainer, tmp: Path, suffix: str = "") -> dict:
     files, digests, block_steps = {}, {}, {}
     with hashing_pool() as pool:
         for j, lay in enumerate(trainer.store.layouts):
-            if not lay.owned_numel:
+            if not lay.trainable_numel:     # (a frozen parameter is the base's: ``base_identity``)
                 continue
             with trainer._installed(j):     # (state kept on NVMe: read in for the copy)
                 state = dict(opt.state_tensors(j))
             master = state.pop("master").reshape(-1)
             tensors = {f"param.{s.name}": master[s.offset:s.offset + s.numel].reshape(s.shape if not suffix
                                                                                        else (s.numel,)).clone()
-                       for s in lay.segments if s.offset < lay.owned_numel}
+                       for s in lay.segments if s.offset < lay.trainable_numel}
             tensors.update({f"state.{k}": v.contiguous() for k, v in state.items()})
             if "step" in state:
                 block_steps[str(j)] = int(state["step"].max().item()) if state["step"].numel() else 0
@@ -156,7 +165,9 @@ def _write(trainer, tmp: Path, suffix: str = "") -> dict:
         for name, entry in files.items():
             entry["sha256"] = digests[name].result()
     tr = trainer.ctx.tracker
+    base = {"base": base_identity(trainer)} if trainer.plan.graph.frozen_params else {}
     return {
+        **base,
         "format": FORMAT,
         "step": trainer.steps,
         "model": {"name": trainer.plan.graph.name, "fingerprint": trainer.plan.fingerprint},
@@ -356,6 +367,8 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None, verbo
     except PlanError as e:
         raise CheckpointError(f"checkpoint {folder} does not fit this model: {e}") from None
     _check_steps(meta, folder / META)
+    _check_base(trainer, meta, folder)
+
     def load_block(opt, j: int, *args, **kw) -> None:      # into the files of state kept on NVMe, if any
         with trainer._installed(j, write_back=True):
             _load_block(opt, j, *args, **kw)
@@ -374,9 +387,45 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None, verbo
     return trainer
 
 
+def base_identity(trainer) -> dict:
+    """What a checkpoint records of the frozen base it trained on: the count of frozen parameters, the SHA-256 of
+    their values in the trainer's load buffers (per block, on a pool of threads: hashlib drops the GIL), and the
+    caller's ``Trainer.base_source`` (the model's name and files, for the message when it differs)."""
+    if trainer._base_sha256 is None:
+        def block_digest(j: int) -> str:
+            lay, flat = trainer.store.layouts[j], trainer._buffers[j]
+            frozen = flat[lay.trainable_numel:lay.owned_numel]
+            return hashlib.sha256(frozen.detach().to("cpu").contiguous().view(torch.uint8).numpy()).hexdigest()
+        blocks = [j for j, lay in enumerate(trainer.store.layouts) if lay.owned_numel > lay.trainable_numel]
+        with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+            digests = list(pool.map(block_digest, blocks))
+        h = hashlib.sha256()
+        for j, d in zip(blocks, digests):
+            h.update(f"{j}:{d};".encode())
+        trainer._base_sha256 = h.hexdigest()
+    return {"frozen_params": trainer.plan.graph.frozen_params, "param_dtype": trainer.plan.param_dtype,
+            "weights_sha256": trainer._base_sha256, "source": trainer.base_source}
+
+
+def _check_base(trainer, meta: dict, folder: Path) -> None:
+    """A checkpoint with a frozen base resumes only on the same base (the values it trained its adapters on)."""
+    saved = meta.get("base")
+    if saved is None:
+        return
+    have = base_identity(trainer)
+    if have["weights_sha256"] != saved.get("weights_sha256") or have["frozen_params"] != saved.get("frozen_params"):
+        src = saved.get("source") or {}
+        raise CheckpointError(f"checkpoint {folder} trained its adapters on another base model{_named(src)}: this "
+                              f"model's frozen weights differ from those; resume with the base it was trained on")
+
+
+def _named(src: dict) -> str:
+    return f" ({src['model']})" if isinstance(src, dict) and src.get("model") else ""
+
+
 def _load_dense(trainer, folder: Path, meta: dict, load_block) -> None:
     """Every block's file of a one-process checkpoint into a one-process trainer."""
-    blocks = [j for j, lay in enumerate(trainer.store.layouts) if lay.owned_numel]
+    blocks = [j for j, lay in enumerate(trainer.store.layouts) if lay.trainable_numel]
     names = {j: f"block_{j:04d}.safetensors" for j in blocks}
     if set(meta["files"]) != set(names.values()):
         raise CheckpointError(f"{folder / META} lists files {sorted(meta['files'])}, this model needs "
@@ -405,7 +454,7 @@ def _load_block(opt, j: int, lay, path: Path, entry: dict, pending, pieces: bool
     """Block ``j``'s file, saved with this very layout (``pieces``: a rank's, flat pieces and padding)."""
     state = opt.state_tensors(j)        # what this optimizer holds for the block: the expected layout
     master = state.pop("master")
-    owned = [s for s in lay.segments if s.offset < lay.owned_numel]
+    owned = [s for s in lay.segments if s.offset < lay.trainable_numel]
     expected = {f"param.{s.name}": (master.dtype, (s.numel,) if pieces else tuple(s.shape)) for s in owned}
     expected.update({f"state.{k}": (v.dtype, tuple(v.shape)) for k, v in state.items()})
     del state

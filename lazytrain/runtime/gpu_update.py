@@ -63,5 +63,6 @@ def state_store(ctx: Step, op: Op) -> None:
     with run.streams.on(Resource.D2H):
         for k, host in run.optimizer.streamed_state(j).items():
             host.copy_(state[k], non_blocking=True)
-        run.store.load[j].copy_(params.flat[:run.store.layouts[j].owned_numel], non_blocking=True)
+        n = run.store.layouts[j].trainable_numel     # (a frozen parameter is never updated)
+        run.store.load[j][:n].copy_(params.flat[:n], non_blocking=True)
     ctx.end(op, Resource.D2H)

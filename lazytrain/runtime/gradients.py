@@ -58,10 +58,10 @@ class TiedGrads:
         self.pool: ThreadPoolExecutor | None = None   # threads of the fused sum (made on first use)
 
     def grad(self, o: int) -> torch.Tensor:
-        """Owner ``o``'s flat gradient over its owned parameters, tied readers' shares added (fp32)."""
+        """Owner ``o``'s flat gradient over its owned trainable parameters, tied readers' shares added (fp32)."""
         lay = self.store.layouts[o]
         if not lay.shared:
-            return self.store.grad[o][:lay.owned_numel]
+            return self.store.grad[o][:lay.trainable_numel]
         if o in self.ready:                  # the norm assembled this step's already
             self.ready.discard(o)
             return self.buffers[o]
@@ -73,16 +73,17 @@ class TiedGrads:
         shared segment (what the global norm adds to the device norms)."""
         store = self.store
         lay = store.layouts[o]
-        g = self.buffers.get(o) if reuse else torch.empty(lay.owned_numel, dtype=torch.float32)
+        n = lay.trainable_numel
+        g = self.buffers.get(o) if reuse else torch.empty(n, dtype=torch.float32)
         if g is None:
-            g = self.buffers[o] = torch.empty(lay.owned_numel, dtype=torch.float32)
+            g = self.buffers[o] = torch.empty(n, dtype=torch.float32)
         own = store.grad[o]
         lib = _kernels()
         fused = [lib is not None and len(readers) == 1 and _fusable(own, store.grad[readers[0][0]])
                  for _seg, readers in lay.shared]
         covered = sum(seg.numel for (seg, _), f in zip(lay.shared, fused) if f)
-        if covered < lay.owned_numel:            # what the fused segments do not overwrite
-            g.copy_(own[:lay.owned_numel])
+        if covered < n:            # what the fused segments do not overwrite
+            g.copy_(own[:n])
         sq = []
         for (seg, readers), f in zip(lay.shared, fused):
             lo, hi = seg.offset, seg.offset + seg.numel

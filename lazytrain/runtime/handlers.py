@@ -226,9 +226,9 @@ def backward(ctx: Step, op: Op) -> None:
             key = tensor_id(TensorKind.GRADS, j)
             acc = ctx.copies.get((key, G))
             if acc is None:
-                acc = torch.zeros(lay.numel, dtype=torch.float32, device=ctx.run.device)
-                ctx.put(key, G, acc)
-            targets = {s.name: acc[s.offset:s.offset + s.numel] for s in lay.segments}
+                acc = torch.zeros(lay.grad_numel, dtype=torch.float32, device=ctx.run.device)
+                ctx.put(key, G, acc)      # (of the trainable prefix: a frozen parameter has no gradient)
+            targets = {s.name: acc[s.offset:s.offset + s.numel] for s in lay.segments if s.offset < lay.grad_numel}
         for n, g in zip(pnames, res[:len(pnames)]):
             if g is not None:
                 targets[n].add_(g.reshape(-1))

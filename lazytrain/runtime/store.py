@@ -12,6 +12,11 @@ stalls streams).  A block's GPU layout is ``[owned & untied | owned & tied | tie
 first ``owned_numel`` elements mirror the load buffer, the first ``plain_numel`` are the parameters
 whose gradient norm the device can take alone; a tied link is copied to the GPU straight from its
 owner's load buffer, so the host keeps one copy of a tied weight.
+
+Frozen parameters (``ParamSpec.trainable`` False: a LoRA base) come after the trainable ones of their group:
+``[trainable owned (untied, tied) | frozen owned | trainable links | frozen links]``, so the optimizer's master
+and state cover the prefix ``trainable_numel`` of the load buffer and the gradient (accumulator and host
+buffer) the prefix ``grad_numel`` of the layout; a frozen parameter lives in the load buffer alone.
 """
 
 from __future__ import annotations
@@ -58,16 +63,28 @@ class BlockLayout:
     plain_numel: int
     #: tied links read by this block: (segment here, owner block, offset in the owner's layout)
     links: list[tuple[Segment, int, int]] = field(default_factory=list)
-    #: owned tied parameters: (segment here, [(reader block, offset in the reader's layout)])
+    #: owned tied parameters that train: (segment here, [(reader block, offset in the reader's layout)])
     shared: list[tuple[Segment, list[tuple[int, int]]]] = field(default_factory=list)
+    #: the owned prefix that trains (optimizer state, master, update); None: all owned elements
+    trainable: int | None = None
+    #: the prefix the gradient covers (every trainable parameter read); None: the whole layout
+    grads: int | None = None
+
+    @property
+    def trainable_numel(self) -> int:
+        return self.owned_numel if self.trainable is None else self.trainable
+
+    @property
+    def grad_numel(self) -> int:
+        return self.numel if self.grads is None else self.grads
 
     @property
     def numel(self) -> int:
         return sum(s.numel for s in self.segments)
 
     def opt_segments(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
-        """The owned segments as ``HostOptimizer.setup`` wants them."""
-        return [(s.name, s.offset, s.numel, s.shape) for s in self.segments if s.offset < self.owned_numel]
+        """The owned segments that train, as ``HostOptimizer.setup`` wants them."""
+        return [(s.name, s.offset, s.numel, s.shape) for s in self.segments if s.offset < self.trainable_numel]
 
 
 def layouts(graph: ModelGraph, canonical: dict[str, str] | None = None) -> list[BlockLayout]:
@@ -79,20 +96,33 @@ def layouts(graph: ModelGraph, canonical: dict[str, str] | None = None) -> list[
         return canon.get(name, name)
 
     readers: dict[str, set[int]] = {}
+    trains: dict[str, bool] = {}
     for b in graph.blocks:
         for p in b.params:
             readers.setdefault(key(p.name), set()).add(b.index)
+            if p.owner == b.index:
+                trains[key(p.name)] = p.trainable
     out: list[BlockLayout] = []
     for b in graph.blocks:
-        plain = [p for p in b.params if p.owner == b.index and len(readers[key(p.name)]) == 1]
-        tied_own = [p for p in b.params if p.owner == b.index and len(readers[key(p.name)]) > 1]
+        own = [p for p in b.params if p.owner == b.index]
+        plain = [p for p in own if p.trainable and len(readers[key(p.name)]) == 1]
+        tied_own = [p for p in own if p.trainable and len(readers[key(p.name)]) > 1]
+        frozen = [p for p in own if not p.trainable]
         foreign = [p for p in b.params if p.owner != b.index]
-        segs, off = [], 0
-        for p in plain + tied_own + foreign:
+        links = [p for p in foreign if trains.get(key(p.name), True)] + \
+            [p for p in foreign if not trains.get(key(p.name), True)]
+        if frozen and len(links) and trains.get(key(links[0].name), True):
+            raise ValueError(f"block {b.index} reads the tied parameter {links[0].name}, which trains, beside frozen "
+                             f"parameters of its own: LoRA with a trained tied weight is not supported")
+        segs, off, grads = [], 0, 0
+        for p in plain + tied_own + frozen + links:
             segs.append(Segment(p.name, off, p.numel, tuple(p.shape)))
             off += p.numel
-        owned = sum(p.numel for p in plain + tied_own)
-        out.append(BlockLayout(b.index, segs, owned, sum(p.numel for p in plain)))
+            if trains.get(key(p.name), True):
+                grads = off
+        owned = sum(p.numel for p in own)
+        trainable = sum(p.numel for p in plain + tied_own)
+        out.append(BlockLayout(b.index, segs, owned, sum(p.numel for p in plain), trainable=trainable, grads=grads))
     by_key = {(lay.index, key(s.name)): s for lay in out for s in lay.segments}
     for lay in out:
         b = graph.blocks[lay.index]
@@ -104,6 +134,8 @@ def layouts(graph: ModelGraph, canonical: dict[str, str] | None = None) -> list[
                     raise ValueError(f"block {lay.index} reads {p.name} owned by block {p.owner}, which does not "
                                      f"list it")
                 lay.links.append((here, p.owner, there.offset))
+                if not trains.get(key(p.name), True):
+                    continue                # a frozen tied weight: read, but no gradient to sum
                 owner = out[p.owner]
                 ent = next((e for e in owner.shared if e[0] is there), None)
                 if ent is None:
@@ -163,17 +195,18 @@ class HostStore:
         def host(n: int, dtype: torch.dtype, j: int, kind: TensorKind) -> torch.Tensor:
             return host_empty(0 if j in self.resident or (kind, j) in self.placed else n, dtype, pin=pin)
         self.load = [host(lay.owned_numel, param_dtype, lay.index, TensorKind.PARAMS) for lay in lays]
-        self.grad = [host(lay.numel, self.grad_dtype, lay.index, TensorKind.GRADS) for lay in lays]
+        self.grad = [host(lay.grad_numel, self.grad_dtype, lay.index, TensorKind.GRADS) for lay in lays]
 
     @staticmethod
     def estimate(lays: list[BlockLayout], param_dtype: torch.dtype, optimizer_bytes_per_param: float,
                  activation_bytes: int, placed: frozenset = frozenset()) -> dict[str, int]:
-        """Host bytes of the buffers, the optimizer and the offloaded activations, less the state on NVMe."""
+        """Host bytes of the buffers, the optimizer and the offloaded activations, less the state on NVMe (a frozen
+        parameter: its load buffer's bytes alone)."""
         pb = torch.empty((), dtype=param_dtype).element_size()
         gb = torch.empty((), dtype=grad_dtype(param_dtype)).element_size()
-        owned = sum(lay.owned_numel for lay in lays if (TensorKind.OPT_STATE, lay.index) not in placed)
+        owned = sum(lay.trainable_numel for lay in lays if (TensorKind.OPT_STATE, lay.index) not in placed)
         buffers = sum(lay.owned_numel * pb * ((TensorKind.PARAMS, lay.index) not in placed)
-                      + lay.numel * gb * ((TensorKind.GRADS, lay.index) not in placed) for lay in lays)
+                      + lay.grad_numel * gb * ((TensorKind.GRADS, lay.index) not in placed) for lay in lays)
         opt = int(owned * optimizer_bytes_per_param)
         return {"buffers": buffers, "optimizer": opt, "activations": int(activation_bytes),
                 "total": buffers + opt + int(activation_bytes)}

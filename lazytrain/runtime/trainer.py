@@ -124,6 +124,7 @@ class Trainer:
             optimizer = TorchAdamW(lr=1e-5)
         self.optimizer = optimizer
         frozen = _frozen(model, optimizer)
+        _check_base_bits(plan)
         order = UpdateOrder.of(plan.ops, Sizes.of_plan(plan))
         check_clipping(order, optimizer.max_grad_norm)
         gathered = None
@@ -144,6 +145,11 @@ class Trainer:
         gpu_params = {j: torch.empty(lay.owned_numel, dtype=param_dtype, device=self.device)
                       for j, lay in enumerate(lays) if j in resident}
         buffers = {j: gpu_params.get(j, self.store.load[j]) for j in range(len(lays))}
+        self._buffers = buffers             # each block's parameters (a frozen one's only copy)
+        #: where a frozen base came from, as the caller says (``lazytrain train``: the model's name and files): a
+        #: checkpoint records it beside the base's SHA-256 (``checkpoint.base_identity``), computed once
+        self.base_source: dict | None = None
+        self._base_sha256: str | None = None
         if self.world is not None:
             init_shards(weights, gathered, lays, self.world.size, self.world.rank, optimizer, buffers)
             # a resident block's shard stays on the GPU; gathered every step, it is a plan tensor
@@ -310,10 +316,13 @@ class Trainer:
             if not lay.owned_numel:
                 continue
             with self._installed(j):        # (state kept on NVMe: brought in for the read)
-                master = self.optimizer.master(j)
+                master = self.optimizer.master(j) if lay.trainable_numel else None
                 for s in lay.segments:
-                    if s.offset < lay.owned_numel:
+                    if s.offset < lay.trainable_numel:
                         out[s.name] = master[s.offset:s.offset + s.numel].view(s.shape).clone()
+                    elif s.offset < lay.owned_numel:     # frozen: its load buffer is all there is of it
+                        flat = self._buffers[j]
+                        out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).to("cpu", torch.float32)
         return out
 
     def _installed(self, j: int, write_back: bool = False):
@@ -432,9 +441,21 @@ def _loss_chunk(plan: Plan) -> dict:
     return {"loss_chunk_logits": chunk, "loss_single_pass": head.get("single_pass") is True}
 
 
+def _check_base_bits(plan: Plan) -> None:
+    """A plan holding the frozen base in fewer bits (``base_bits``: priced by the compiler) needs the quantized base's
+    runtime (``runtime/quantized.py``, issue #44's quantization part), which this trainer does not have yet: refused,
+    rather than holding the base in the parameter dtype beyond the host memory the plan was sized for."""
+    bits = int(plan.options.get("base_bits", 16))
+    if bits != 16:
+        raise ValueError(f"the plan holds the frozen base in {bits} bits (base_bits={bits}), which this trainer "
+                         "cannot run yet: compile with base_bits=16 (--base-bits 16)")
+
+
 def _frozen(model: torch.nn.Module, optimizer) -> frozenset[str]:
     """Parameters with requires_grad=False.  They get no gradient: a zero gradient leaves AdamW's state at
-    zero and the weight as it is, unless weight decay shrinks it (eager AdamW skips them): refused."""
+    zero and the weight as it is, unless weight decay shrinks it (eager AdamW skips them): refused.  (A plan
+    compiled with them frozen has no state or gradient buffer for them: its fingerprint names them, so a model
+    that trains them is refused as another model.)"""
     frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
     if frozen and getattr(optimizer, "weight_decay", 0.0):
         names = sorted(frozen)
@@ -476,7 +497,9 @@ def _init_parameters(weights, lays: list[BlockLayout], optimizer, buffers: dict[
         if placed and nvme_state.has(TensorKind.PARAMS, j):
             buf = nvme_state.store.load[j] = torch.empty(lay.owned_numel, dtype=buf.dtype)
         buf.copy_(init)
-        optimizer.setup(j, init, buf, lay.opt_segments())
+        n = lay.trainable_numel            # the optimizer keeps state for the trainable prefix only
+        if n:
+            optimizer.setup(j, init[:n], buf[:n], lay.opt_segments())
         if placed:
             nvme_state.take_block(j)
 
@@ -484,7 +507,7 @@ def _init_parameters(weights, lays: list[BlockLayout], optimizer, buffers: dict[
 def _resident(lays: list[BlockLayout], gpu_params: dict[int, torch.Tensor], device: torch.device):
     """Resident blocks' parameters, gradient targets and accumulators: own parameters are views of the
     block's GPU buffer, tied links views of the owner's; gradients add into the owner's accumulator."""
-    grads = {j: torch.zeros(lays[j].owned_numel, dtype=torch.float32, device=device) for j in gpu_params}
+    grads = {j: torch.zeros(lays[j].trainable_numel, dtype=torch.float32, device=device) for j in gpu_params}
     params: dict[int, GpuParams] = {}
     targets: dict[int, dict[str, torch.Tensor]] = {}
     for j, flat in gpu_params.items():
@@ -492,11 +515,12 @@ def _resident(lays: list[BlockLayout], gpu_params: dict[int, torch.Tensor], devi
         views = {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in lay.segments
                  if s.offset < lay.owned_numel}
         targets[j] = {s.name: grads[j][s.offset:s.offset + s.numel] for s in lay.segments
-                      if s.offset < lay.owned_numel}
+                      if s.offset < lay.trainable_numel}
         extra = []
         for seg, owner, off in lay.links:
             views[seg.name] = gpu_params[owner][off:off + seg.numel].view(seg.shape)
-            targets[j][seg.name] = grads[owner][off:off + seg.numel]
+            if off < lays[owner].trainable_numel:
+                targets[j][seg.name] = grads[owner][off:off + seg.numel]
             if all(t is not gpu_params[owner] for t in extra):
                 extra.append(gpu_params[owner])
         params[j] = GpuParams(flat, views, tuple(extra))

@@ -160,7 +160,7 @@ class Updates:
         """The host work of an update of a block with state on NVMe: ``step_streamed`` on the host copies the
         plan's ``state_read`` ops made (the host store's own tensors for a component not placed)."""
         ns, opt = self.nvme_state, self.optimizer
-        grad = grads["buf"].tensor[:self.store.layouts[o].owned_numel] if grads is not None else self.tied.grad(o)
+        grad = grads["buf"].tensor[:self.store.layouts[o].trainable_numel] if grads is not None else self.tied.grad(o)
         params = step.get(tensor_id(TensorKind.PARAMS, o), H)["buf"].tensor if ns.has(TensorKind.PARAMS, o) \
             else self.store.load[o]
         state = step.get(tensor_id(TensorKind.OPT_STATE, o), H)["state"] if ns.has(TensorKind.OPT_STATE, o) \

@@ -33,6 +33,7 @@ import torch
 from ...data.batches import Batches
 from ...data.encode import Encoder
 from ...data.formats import check_columns
+from ...frontend.lora import parse_lora, wrap
 from ...frontend.presets import build_model
 from ...frontend.random_init import random_init
 from ...hf.export import hf_config, trainer_weights, write_folder, write_hf_json
@@ -344,9 +345,14 @@ def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path
         raise ValueError(f"--resume {cfg.resume}: the data files changed since the run started; start a new run")
     t = time.perf_counter()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if cfg.lora and shard:
+        raise ValueError("--lora trains on one GPU (or the CPU): run it without --gpus / --nproc")
     model, weights = shard_weights(src, cfg.seed, dtype, resumed=prev is not None) if shard else (None, None)
     if model is None:
         model = build(src, cfg.seed, dtype)
+    if cfg.lora:                # the adapters, seeded: a resumed run's are the checkpoint's
+        torch.manual_seed(cfg.seed)
+        model = wrap(model, parse_lora(cfg.lora))
     load_s = time.perf_counter() - t
     if (max_positions(model.config) or data.seq_len) < data.seq_len:
         raise ValueError(f"--seq {data.seq_len} is longer than the model's {max_positions(model.config)} positions")
@@ -384,7 +390,14 @@ def shard_weights(src: Source, seed: int, dtype: torch.dtype, *, resumed: bool):
 def _export(cfg: FinetuneConfig, src: Source, param_dtype: str, folder: Path, trainer, model, tok,
             stop_ids: list[int], ckpt: Path) -> str:
     """The trained model as a Hugging Face folder: weights, config, tokenizer, generation config (with
-    several ranks, rank 0 reads the weights from the checkpoint every rank just saved)."""
+    several ranks, rank 0 reads the weights from the checkpoint every rank just saved).  A LoRA run: the adapter as
+    PEFT writes it (``adapter_config.json``, ``adapter_model.safetensors``) with the tokenizer, which
+    ``peft.PeftModel.from_pretrained`` loads onto its base (its checkpoint holds no base to export)."""
+    if cfg.lora:
+        trainer.sync_to_model()
+        model.save_pretrained(str(folder))
+        tok.save_pretrained(str(folder))
+        return str(folder)
     dtype = _export_dtype(cfg, src, param_dtype)
     return str(write_folder(folder, trainer_weights(trainer, ckpt), config=hf_config_dict(model), dtype=dtype,
                             tokenizer=tok, generation_config=generation_config(model, stop_ids, tok)))
@@ -396,8 +409,9 @@ def hf_config_dict(model) -> dict:
 
 def _source(cfg: FinetuneConfig, prev: dict | None) -> Source:
     """The model's source; a resumed run rebuilds it from the config it saved (its checkpoint holds every
-    weight), with the tokenizer it saved."""
-    if prev is None:
+    weight), with the tokenizer it saved; a resumed LoRA run from the model it started from (its checkpoint holds the
+    adapters: the base is read again, and the checkpoint refuses one that changed)."""
+    if prev is None or cfg.lora:
         return resolve(cfg.model)
     return Source(cfg.model, "config", Path(cfg.resume) / "source" / "config.json", str(Path(cfg.resume) / "source"),
                   None, prev["model"]["config"])

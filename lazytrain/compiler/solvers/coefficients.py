@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...ir import GiB, TensorId, TensorKind
-from ...ir.semantics import tie_closure
+from ...ir.semantics import static_host_bytes, tie_closure
 from ..budgets import Budgets
 from ..costgraph import block_attr, build_cost_graph
 
@@ -89,8 +89,8 @@ def coefficients(cost, budgets: Budgets | dict, n_micro: int, host_bytes_per_par
         fwd=[t * MS for t in block_attr(cg, "fwd_s")],
         bwd=[t * MS for t in block_attr(cg, "bwd_s")],
         U=[t * MS for t in block_attr(cg, "update_s")],
-        U_gpu=[hw.gpu_update_seconds(b.owned_numel / cost.world_size, cost.eight_bit) * MS if b.owned_numel else 0.0
-               for b in g.blocks],
+        U_gpu=[hw.gpu_update_seconds(b.trainable_numel / cost.world_size, cost.eight_bit) * MS
+               if b.trainable_numel else 0.0 for b in g.blocks],
         R=[_resident_gib(cost, j, per_resident) for j in range(L)],
         load=[t * MS for t in block_attr(cg, "load_s")],
         gout=[t * MS for t in block_attr(cg, "grad_offload_s")],
@@ -100,7 +100,8 @@ def coefficients(cost, budgets: Budgets | dict, n_micro: int, host_bytes_per_par
         nvw_ms=hw.nvme_seconds(GiB, True) * MS, nvr_ms=hw.nvme_seconds(GiB, False) * MS,
         budget=(gpu_bytes if gpu_bytes is not None else budgets.gpu_bytes) / GiB,
         host_cap=budgets.host_bytes / GiB if budgets.host_bytes else None,
-        host_static=(g.total_params * host_bytes_per_param / cost.world_size - freed) / GiB,   # one rank's shard
+        host_static=(static_host_bytes(g, host_bytes_per_param, cost.sizes.param_dtype, cost.sizes.base_bits)
+                     / cost.world_size - freed) / GiB,   # one rank's shard
         nvme_cap=nvme_cap / GiB, use_nvme=bool(budgets.nvme_dir) and nvme_cap > 0,
         ag=[cost.all_gather_s(j) * MS for j in range(L)] if cost.sharded else [],
         rs=[cost.reduce_scatter_s(j) * MS for j in range(L)] if cost.sharded else [],
@@ -130,7 +131,7 @@ def _resident_gib(cost, j: int, per_resident: float) -> float:
     shard of it plus the gathered parameters, kept from its forward's all-gather to its backward (for a
     prefix, nearly the whole step: counted for all of it).  The gathered fp32 accumulator lives from its
     backward to its reduce-scatter, as a streamed block's does: ``memory_rows`` counts it in B_j."""
-    n = cost.sizes.owned_shard_numel(j)
-    if not cost.sharded:
-        return n * per_resident / GiB
+    n = cost.sizes.trainable_shard_numel(j)
+    if not cost.sharded:       # a frozen parameter: on the GPU in the parameter dtype, no state, no accumulator
+        return (n * per_resident + cost.sizes.frozen_shard_numel(j) * cost.sizes.param_bytes) / GiB
     return (n * per_resident + cost.sizes.of(TensorId(kind=TensorKind.PARAMS, index=j))) / GiB
