@@ -204,6 +204,11 @@ class TrainConfig:
               "frozen, without gradients or optimizer state, and checkpoints hold the adapters (needs the lora "
               "extra)", type=cli_types.lora, metavar="r=R,alpha=A,targets=M,..", resumed=_KEPT, group="data",
         shape=Opt(Either(None, {"r": Int(1), "alpha": Num(), "targets": ListOf(str), "dropout": Num()})))
+    #: bits the frozen base is held in on the host and moved in (``runtime/quantized.py``): 16, 8 or 4 (with lora)
+    base_bits: int = setting(16, "with --lora: bits the frozen base is held in on the host and moved to the GPU in "
+                                 "(16: the parameter dtype; 8: block-wise int8; 4: NF4, QLoRA's), dequantized on the "
+                                 "GPU before each block runs (8 and 4 need the qlora extra) (default {d.base_bits})",
+                             type=int, choices=(16, 8, 4), resumed=_KEPT, group="data", shape=OneOf(16, 8, 4))
     eval_every: int = setting(0, "evaluate every N steps: exact match on 200 eval problems (with --data: on the "
                                  "held-out examples, with eval loss and sample replies); default: before (--data) "
                                  "and after training only", type=cli_types.non_negative, metavar="N", carried=_KEPT,

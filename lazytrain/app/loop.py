@@ -243,7 +243,7 @@ def _shared_plan(cfg: TrainConfig, model, ranks: Ranks, *, seq_len: int, hardwar
                              host_memory=cfg.host_memory, nvme_dir=cfg.nvme_dir, nvme_memory=cfg.nvme_memory,
                              policy=cfg.policy, optimizer=cfg.optimizer,
                              param_dtype=param_dtype, resident=cfg.resident, packed=packed, world_size=ranks.size,
-                             nodes=ranks.nodes)
+                             nodes=ranks.nodes, base_bits=cfg.base_bits)
         return hint_uncalibrated(plan, model).to_json()     # as ``lazytrain.compile`` does
     return Plan.from_json(ranks.share("plan", compiled))
 

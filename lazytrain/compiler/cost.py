@@ -30,6 +30,7 @@ from ..ir.summary import measured_blocks
 from ..ir.tiers import Copy, copy, copy_rate
 from ..util.torch_free import cuda_available
 from .hardware import HardwareProfile
+from .quant_cost import frozen_cost
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,23 @@ class CostModel:
         return self.sizes.load_bytes(j)        # a frozen base's part in its bits (``Sizes.frozen_bytes``)
 
     def load_s(self, j: int) -> float:
-        return self.hw.param_load_seconds(self.load_bytes(j))
+        """The block's parameters over PCIe, then its quantized frozen segment dequantized (``dequant_s``): the
+        runtime does both on the copy stream (``handlers.load``), so the block's compute waits for the pair and
+        overlaps the next load's; priced as part of the load, where the schedule already hides or waits for it."""
+        return self.hw.param_load_seconds(self.load_bytes(j)) + (0.0 if j in self.resident else self.dequant_s(j))
+
+    def dequant_s(self, j: int) -> float:
+        """GPU seconds dequantizing block j's own frozen parameters after they land (0 at 16 bits:
+        ``compiler.quant_cost.frozen_cost``, at the profile's ``dequant_gbps`` / ``dequant8_gbps``)."""
+        return self._dequant_s[j]
+
+    @cached_property
+    def _dequant_s(self) -> tuple[float, ...]:
+        if self.base_bits == 16 or self.sharded:
+            return (0.0,) * self.graph.n_blocks
+        pb = self.sizes.param_bytes
+        return tuple(frozen_cost([p for p in b.params if not p.trainable and p.owner == b.index], self.base_bits,
+                                 pb, self.hw).dequant_seconds for b in self.graph.blocks)
 
     def all_gather_s(self, j: int) -> float:
         """The block's parameters assembled from every rank's shard (ring all-gather)."""
@@ -282,7 +299,7 @@ class CostModel:
     def state_load_s(self, j: int) -> float:
         """A GPU-updated block's parameters and optimizer state host -> GPU: the model's own state, copied from
         pinned host memory like a parameter load, at the same in-step rate."""
-        return self.hw.param_load_seconds(self.state_bytes(j))
+        return self.hw.param_load_seconds(self.state_bytes(j)) + self.dequant_s(j)
 
     def state_store_s(self, j: int) -> float:
         """... and back GPU -> host after its update, like a gradient offload."""

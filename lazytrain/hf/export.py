@@ -156,8 +156,8 @@ def trainer_weights(trainer, checkpoint=None) -> list[Weight]:
                 out.append(Weight(s.name, tuple(s.shape),
                                   lambda j=j, s=s: block(j)[s.offset:s.offset + s.numel].view(s.shape)))
             elif s.offset < lay.owned_numel:      # a frozen parameter: its load buffer is all there is of it
-                out.append(Weight(s.name, tuple(s.shape),
-                                  lambda j=j, s=s: trainer._buffers[j][s.offset:s.offset + s.numel].view(s.shape)))
+                # (a quantized base: dequantized, the values the adapters trained against)
+                out.append(Weight(s.name, tuple(s.shape), lambda j=j, s=s: trainer.frozen_param(j, s)))
     out += _buffers(trainer.model, {w.name for w in out})
     return out
 

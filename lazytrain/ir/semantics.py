@@ -8,12 +8,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
+from ..util.quant_format import BITS, CHUNK, bytes_per_param, packed_nbytes, quantized_param
 from .graph import DTYPE_BYTES, ModelGraph
 from .ops import Op, OpKind, TensorId, TensorKind, Tier, tensor_id
 from .sharding import block_sections, sections_owned_shard_numel, sections_shard_numel
 
 GRAD_ACCUM_BYTES = 4   # gradients accumulate in fp32 on the GPU (exact over micro-batches)
 GRAD_WIRE_BYTES = 2    # and cross PCIe / live on the host in bf16 (the clip norm is taken before)
+#: values per scale of a quantized frozen base (QLoRA's and torchao's NF4 block; ``runtime/quantized.py``)
+QUANT_BLOCK = 64
+#: GPU bytes per value of the dequantization's temporaries, for one chunk (``util.quant_format.CHUNK``) at most
+#: (``QuantizedSegment.dequantize_into``): NF4's int32 codes (2 a value: one code a byte pair) and its looked-up
+#: values (up to 4 a value, fp32), or int8's promoted product (4), rounded up
+DEQUANT_BYTES_PER_VALUE = 8
 
 
 #: GPU bytes per parameter the optimizer keeps for a resident block beyond the parameters: the 8-bit
@@ -23,22 +30,15 @@ DEVICE_STATE_BYTES = {"hybrid8bit": 4.02, "hybrid8bit-sr": 2.02, "hybrid4bit": 3
                       "adamw": 12.0}
 
 
-#: host and PCIe bytes per frozen parameter of a base held in ``bits`` (``base_bits``): 16 is the parameter dtype
-#: itself; 8 is block-wise absmax int8 (an fp32 scale per 64 elements); 4 is NF4 (QLoRA's: a scale per 64
-#: elements, the scales themselves 8-bit with an fp32 scale per 256 of them).  The quantized base's runtime
-#: (``runtime/quantized.py``) holds the frozen segment of each load buffer in this form.
-BASE_FORMAT_BYTES = {8: 1 + 4 / 64, 4: 0.5 + (1 + 4 / 256) / 64}
-
-
 def frozen_bytes_per_param(base_bits: int, param_bytes: int) -> float:
-    """Bytes a frozen parameter takes on the host and over PCIe with the base in ``base_bits`` (16: the
-    parameter dtype's ``param_bytes``)."""
-    if base_bits >= 16:
-        return float(param_bytes)
-    try:
-        return BASE_FORMAT_BYTES[base_bits]
-    except KeyError:
-        raise ValueError(f"base_bits must be 16, 8 or 4 (got {base_bits})") from None
+    """Bytes a frozen parameter takes on the host and over PCIe with the base in ``base_bits``, in the limit of a
+    large matrix (``util.quant_format.bytes_per_param``: the runtime's own layout, one source for both): 16 is the
+    parameter dtype's ``param_bytes``; 8 block-wise absmax int8 (an fp32 scale per 64 values, 1.0625); 4 NF4
+    (QLoRA's: an int8 scale per 64 values, those double-quantized with a factor per 256 of them, 0.5157 at bf16).
+    A block's exact bytes, norms kept raw and padding included, are ``Sizes.frozen_host_bytes``."""
+    if base_bits not in BITS:
+        raise ValueError(f"base_bits must be 16, 8 or 4 (got {base_bits})")
+    return float(param_bytes) if base_bits == 16 else bytes_per_param(base_bits, QUANT_BLOCK, param_bytes)
 
 
 def static_host_bytes(graph: ModelGraph, host_bytes_per_param: float, param_dtype: str, base_bits: int = 16) -> float:
@@ -141,15 +141,44 @@ class Sizes:
         """Bytes of block ``block``'s load buffer (its owned parameters: the trainable ones in the parameter
         dtype, the frozen ones in the base's bits)."""
         b = self.graph.blocks[block]
-        return int(b.trainable_numel * self.param_bytes + b.frozen_numel * self.frozen_bytes)
+        return int(b.trainable_numel * self.param_bytes + self.frozen_host_bytes(block))
 
     def load_bytes(self, block: int) -> int:
-        """Bytes a load of block ``block`` moves host -> GPU (tied links included; one rank's shard)."""
+        """Bytes a load of block ``block`` moves host -> GPU (tied links included; one rank's shard): its own frozen
+        segment packed (``frozen_host_bytes``), a frozen tied link at the per-parameter rate."""
         if self.world_size != 1:
             return self.shard_numel(block) * self.param_bytes
         b = self.graph.blocks[block]
+        links = sum(p.numel for p in b.params if not p.trainable and p.owner != block)
         frozen = sum(p.numel for p in b.params if not p.trainable)
-        return int((b.param_numel - frozen) * self.param_bytes + frozen * self.frozen_bytes)
+        return int((b.param_numel - frozen) * self.param_bytes + self.frozen_host_bytes(block)
+                   + links * self.frozen_bytes)
+
+    def frozen_host_bytes(self, block: int) -> int:
+        """Bytes of block ``block``'s own frozen segment in its load buffer: the parameter dtype's at 16 bits, else
+        the packed buffer's (``util.quant_format.packed_nbytes``: what the runtime's ``QuantizedSegment`` holds and a
+        load moves, norms kept raw and each matrix padded to whole blocks)."""
+        return self._frozen_layout[block][0]
+
+    def dequant_transient(self, block: int) -> int:
+        """GPU bytes a load of block ``block`` holds beyond its parameters while it runs: the packed frozen segment
+        copied there and the dequantization's temporaries (one chunk's at most); 0 at 16 bits."""
+        return self._frozen_layout[block][1]
+
+    @cached_property
+    def _frozen_layout(self) -> tuple[tuple[int, int], ...]:
+        """Per block (host bytes of its own frozen segment, GPU transient of dequantizing it)."""
+        out = []
+        for b in self.graph.blocks:
+            frozen = [p for p in b.params if not p.trainable and p.owner == b.index]
+            n = sum(p.numel for p in frozen)
+            if self.base_bits == 16 or not frozen:
+                out.append((n * self.param_bytes, 0))
+                continue
+            q = [p.numel for p in frozen if quantized_param(p.name, p.shape)]
+            packed = packed_nbytes(q, n - sum(q), self.base_bits, QUANT_BLOCK, self.param_bytes)
+            out.append((packed, packed + min(sum(q), CHUNK) * DEQUANT_BYTES_PER_VALUE if q else packed))
+        return tuple(out)
 
     def grad_numel(self, block: int) -> int:
         """Elements of block ``block``'s gradient (its trainable parameters read; with several ranks, the padded
@@ -412,7 +441,7 @@ def _load(j, m, tensor, src, dst, save, sizes) -> Effects:
     """With several ranks: this rank's shard, which an all_gather completes."""
     host = tuple((tensor_id(_PARAMS, o), _HOST_TIER) for o in sizes.owners(j))
     dst = tensor_id(_PARAMS, j) if sizes.world_size == 1 else tensor_id(_PARAM_SHARD, j)
-    return Effects(host, ((dst, _GPU_TIER),), ())
+    return Effects(host, ((dst, _GPU_TIER),), (), sizes.dequant_transient(j))     # (a quantized base's staging)
 
 
 def _grad_offload(j, m, tensor, src, dst, save, sizes) -> Effects:
@@ -467,7 +496,7 @@ def _state_load(j, m, tensor, src, dst, save, sizes) -> Effects:
     """A GPU-updated block's parameters and state, for its update and forward."""
     G, H = _GPU_TIER, _HOST_TIER
     params, state = tensor_id(_PARAMS, j), tensor_id(_OPT_STATE, j)
-    return Effects(((params, H), (state, H)), ((params, G), (state, G)), ())
+    return Effects(((params, H), (state, H)), ((params, G), (state, G)), (), sizes.dequant_transient(j))
 
 
 def _state_store(j, m, tensor, src, dst, save, sizes) -> Effects:

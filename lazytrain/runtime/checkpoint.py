@@ -389,10 +389,13 @@ def load(cls, directory, model, *, optimizer=None, device=None, plan=None, verbo
 
 def base_identity(trainer) -> dict:
     """What a checkpoint records of the frozen base it trained on: the count of frozen parameters, the SHA-256 of
-    their values in the trainer's load buffers (per block, on a pool of threads: hashlib drops the GIL), and the
+    their values in the trainer's load buffers (per block, on a pool of threads: hashlib drops the GIL; a base held
+    quantized: of the values it was quantized from, so the identity is the source's whatever ``base_bits``), and the
     caller's ``Trainer.base_source`` (the model's name and files, for the message when it differs)."""
     if trainer._base_sha256 is None:
         def block_digest(j: int) -> str:
+            if j in trainer._frozen_digests:        # a quantized base: its values before quantizing
+                return trainer._frozen_digests[j]
             lay, flat = trainer.store.layouts[j], trainer._buffers[j]
             frozen = flat[lay.trainable_numel:lay.owned_numel]
             return hashlib.sha256(frozen.detach().to("cpu").contiguous().view(torch.uint8).numpy()).hexdigest()

@@ -43,7 +43,7 @@ def state_load(ctx: Step, op: Op) -> None:
     lay = run.store.layouts[j]
     ctx.begin(op, Resource.H2D)       # after the previous step's state_store (the step boundary) and its update
     with run.streams.on(Resource.H2D):
-        flat = assemble(lay, run.store.load, run.device, run.store.param_dtype)
+        flat = assemble(lay, run.store.load, run.device, run.store.param_dtype, run.store)  # (a quantized base: too)
         state = {k: _to_device(v, run.device) for k, v in run.optimizer.streamed_state(j).items()}
     for t in (flat, *state.values()):           # read by the update (GPU) and the store (D2H)
         run.streams.keep_alive(t, Resource.GPU)

@@ -54,7 +54,7 @@ def load(ctx: Step, op: Op) -> None:
     if run.nvme_state is not None and run.nvme_state.has(TensorKind.PARAMS, j):    # the host copy state_read made
         owned = {j: ctx.get(tensor_id(TensorKind.PARAMS, j), H)["buf"].tensor}
     with run.streams.on(Resource.H2D):
-        flat = assemble(run.store.layouts[j], owned, run.device, run.store.param_dtype)
+        flat = assemble(run.store.layouts[j], owned, run.device, run.store.param_dtype, run.store)
     if op.tensor is not None and op.tensor.kind is TensorKind.PARAM_SHARD:
         run.streams.keep_alive(flat, Resource.NET)
         ctx.put(op.tensor, G, flat)
@@ -65,11 +65,23 @@ def load(ctx: Step, op: Op) -> None:
     ctx.end(op, Resource.H2D)
 
 
-def assemble(lay, owned, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def assemble(lay, owned, device: torch.device, dtype: torch.dtype, store=None) -> torch.Tensor:
     """A block's flat parameters (or, with several ranks, its shard) on ``device``: its owned part from
-    ``owned[j]``, each tied link from its owner's ``owned[o]``, so the host keeps one copy of a tied weight."""
+    ``owned[j]``, each tied link from its owner's ``owned[o]``, so the host keeps one copy of a tied weight.
+
+    Where ``store`` holds the block's frozen segment quantized (``HostStore.quant``), ``owned[j]`` is the trainable
+    prefix alone: the packed bytes cross into a staging buffer and are dequantized into the block's frozen views,
+    on the current (copy) stream, so the block's compute waits for them as for the copy (the plan prices the
+    staging and the dequantization's temporaries as the load's transient, ``Sizes.dequant_transient``)."""
     flat = torch.empty(lay.numel, dtype=dtype, device=device)
-    flat[:lay.owned_numel].copy_(owned[lay.index], non_blocking=True)
+    q = None if store is None else store.quant.get(lay.index)
+    if q is None:
+        flat[:lay.owned_numel].copy_(owned[lay.index], non_blocking=True)
+    else:
+        flat[:lay.trainable_numel].copy_(owned[lay.index], non_blocking=True)
+        staged = torch.empty(q.nbytes, dtype=torch.uint8, device=device)
+        staged.copy_(store.packed[lay.index], non_blocking=True)
+        q.dequantize_into(flat[lay.trainable_numel:lay.owned_numel], q.views(staged))
     for seg, owner, off in lay.links:
         flat[seg.offset:seg.offset + seg.numel].copy_(owned[owner][off:off + seg.numel], non_blocking=True)
     return flat

@@ -158,7 +158,8 @@ class QuantizedSegment:
             raise ValueError(f"segment pieces cover {offset} values of {flat.numel()}")
         seg = cls(pieces=pieces, bits=bits, block_size=block_size, dtype=flat.dtype, tensors={})
         raw = [flat[p.offset:p.offset + p.numel] for p in pieces if p not in seg._quantized]
-        tensors = {name: torch.empty(nbytes // seg.section_dtype(name).itemsize, dtype=seg.section_dtype(name))
+        # zeroed: a section no chunk writes (NF4's table in a segment of raw pieces alone) has the same bytes every run
+        tensors = {name: torch.zeros(nbytes // seg.section_dtype(name).itemsize, dtype=seg.section_dtype(name))
                    for name, _, nbytes in seg.sections()}
         if raw:
             torch.cat(raw, out=tensors["raw"])

@@ -17,6 +17,11 @@ Frozen parameters (``ParamSpec.trainable`` False: a LoRA base) come after the tr
 ``[trainable owned (untied, tied) | frozen owned | trainable links | frozen links]``, so the optimizer's master
 and state cover the prefix ``trainable_numel`` of the load buffer and the gradient (accumulator and host
 buffer) the prefix ``grad_numel`` of the layout; a frozen parameter lives in the load buffer alone.
+
+A quantized base (``base_bits`` 8 or 4): a block's load buffer is one byte buffer, the trainable prefix in the
+parameter dtype (``load[j]``, what the optimizer writes) then, from a 16-byte boundary, the frozen segment packed
+as a ``QuantizedSegment`` (``packed[j]``, its layout ``quant[j]``), filled once by ``fill_frozen``; a load copies
+both and dequantizes the segment on the device (``handlers.assemble``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ir import GiB, ModelGraph, TensorKind
+from ..ir.semantics import QUANT_BLOCK
 from .pinned import aligned_empty, host_empty
+from .quantized import QuantizedSegment, pieces_of
 from .streams import Streams
 
 log = logging.getLogger("lazytrain")
@@ -167,7 +174,8 @@ class HostStore:
 
     def __init__(self, lays: list[BlockLayout], param_dtype: torch.dtype, *, pin: bool,
                  optimizer_bytes_per_param: float = 12.0, activation_bytes: int = 0,
-                 resident: frozenset = frozenset(), placed: frozenset = frozenset(), announce=None):
+                 resident: frozenset = frozenset(), placed: frozenset = frozenset(), announce=None,
+                 base_bits: int = 16):
         self.layouts = lays
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype(param_dtype)
@@ -177,8 +185,16 @@ class HostStore:
         #: state kept on NVMe, as (tensor kind, block) pairs (``ir.semantics.Sizes.nvme``): no host buffer
         #: (``runtime/nvme_state.py`` makes its host copies; the plan's host peak, in ``activation_bytes``, has them)
         self.placed = frozenset(placed)
+        #: each streamed block's frozen segment layout where the base is held quantized (``fill_frozen`` gives it
+        #: its tensors, views of ``packed[j]``)
+        self.quant: dict[int, QuantizedSegment] = {} if base_bits == 16 else {
+            lay.index: frozen_segment(lay, base_bits, param_dtype) for lay in lays
+            if lay.owned_numel > lay.trainable_numel and lay.index not in self.resident
+            and (TensorKind.PARAMS, lay.index) not in self.placed}
+        _check_links(lays, self.quant)
         need = self.estimate([lay for lay in lays if lay.index not in self.resident], param_dtype,
-                             optimizer_bytes_per_param, activation_bytes, self.placed)
+                             optimizer_bytes_per_param, activation_bytes, self.placed,
+                             {j: q.nbytes for j, q in self.quant.items()})
         avail = mem_available()
         line = (f"lazytrain: host memory estimate {need['total'] / GiB:.2f} GiB (parameter and gradient buffers "
                 f"{need['buffers'] / GiB:.2f}, optimizer {need['optimizer'] / GiB:.2f}, offloaded activations "
@@ -195,24 +211,81 @@ class HostStore:
         def host(n: int, dtype: torch.dtype, j: int, kind: TensorKind) -> torch.Tensor:
             return host_empty(0 if j in self.resident or (kind, j) in self.placed else n, dtype, pin=pin)
         self.load = [host(lay.owned_numel, param_dtype, lay.index, TensorKind.PARAMS) for lay in lays]
+        #: a quantized block's frozen segment: its packed bytes, inside the block's one load buffer
+        self.packed: dict[int, torch.Tensor] = {}
+        pb = torch.empty((), dtype=param_dtype).element_size()
+        for j, q in self.quant.items():
+            head = -(-lays[j].trainable_numel * pb // 16) * 16
+            buf = host_empty(head + q.nbytes, torch.uint8, pin=pin)
+            self.load[j] = buf[:lays[j].trainable_numel * pb].view(param_dtype)
+            self.packed[j] = buf[head:].zero_()        # (the gaps between sections too: the same bytes every run)
         self.grad = [host(lay.grad_numel, self.grad_dtype, lay.index, TensorKind.GRADS) for lay in lays]
+
+    def fill_frozen(self, j: int, values: torch.Tensor, device: torch.device | None = None) -> None:
+        """Quantize block j's frozen segment (``values``: flat, in the parameter dtype) into its packed buffer, on
+        ``device`` (a GPU does NF4's nearest-code search in seconds where a CPU core takes ~0.7 s a Mi values)."""
+        q = self.quant[j]
+        fresh = QuantizedSegment.quantize(values, q.bits, q.block_size, q.pieces, device=device)
+        self.quant[j] = QuantizedSegment(pieces=q.pieces, bits=q.bits, block_size=q.block_size, dtype=q.dtype,
+                                         tensors=fresh.copy_into(self.packed[j]))
+
+    def frozen_values(self, j: int) -> torch.Tensor:
+        """Block j's frozen parameters as the GPU sees them, flat in the parameter dtype (dequantized where the base
+        is held quantized; else a view of the load buffer)."""
+        if j in self.quant:
+            return self.quant[j].dequantize()
+        lay = self.layouts[j]
+        return self.load[j][lay.trainable_numel:lay.owned_numel]
 
     @staticmethod
     def estimate(lays: list[BlockLayout], param_dtype: torch.dtype, optimizer_bytes_per_param: float,
-                 activation_bytes: int, placed: frozenset = frozenset()) -> dict[str, int]:
+                 activation_bytes: int, placed: frozenset = frozenset(),
+                 packed: dict[int, int] | None = None) -> dict[str, int]:
         """Host bytes of the buffers, the optimizer and the offloaded activations, less the state on NVMe (a frozen
-        parameter: its load buffer's bytes alone)."""
+        parameter: its load buffer's bytes alone; ``packed``: a quantized block's frozen segment's bytes)."""
         pb = torch.empty((), dtype=param_dtype).element_size()
         gb = torch.empty((), dtype=grad_dtype(param_dtype)).element_size()
+        packed = packed or {}
         owned = sum(lay.trainable_numel for lay in lays if (TensorKind.OPT_STATE, lay.index) not in placed)
-        buffers = sum(lay.owned_numel * pb * ((TensorKind.PARAMS, lay.index) not in placed)
+
+        def load_bytes(lay: BlockLayout) -> int:
+            if lay.index in packed:
+                return lay.trainable_numel * pb + packed[lay.index]
+            return lay.owned_numel * pb
+        buffers = sum(load_bytes(lay) * ((TensorKind.PARAMS, lay.index) not in placed)
                       + lay.grad_numel * gb * ((TensorKind.GRADS, lay.index) not in placed) for lay in lays)
         opt = int(owned * optimizer_bytes_per_param)
         return {"buffers": buffers, "optimizer": opt, "activations": int(activation_bytes),
                 "total": buffers + opt + int(activation_bytes)}
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.load + self.grad)
+        return sum(t.numel() * t.element_size() for t in self.load + self.grad) + sum(
+            t.numel() for t in self.packed.values())
+
+    def frozen_nbytes(self) -> int:
+        """Host bytes of the frozen parameters of the streamed blocks (packed where the base is quantized)."""
+        pb = torch.empty((), dtype=self.param_dtype).element_size()
+        return sum(self.packed[j].numel() if j in self.packed else
+                   (lay.owned_numel - lay.trainable_numel) * pb * (self.load[j].numel() > 0)
+                   for j, lay in enumerate(self.layouts))
+
+
+def frozen_segment(lay: BlockLayout, bits: int, dtype: torch.dtype) -> QuantizedSegment:
+    """The layout (no tensors yet) of block ``lay``'s frozen segment held at ``bits``: QLoRA's rule per parameter."""
+    frozen = [(s.name, s.shape) for s in lay.segments if lay.trainable_numel <= s.offset < lay.owned_numel]
+    return QuantizedSegment(pieces=pieces_of(frozen), bits=bits, block_size=QUANT_BLOCK, dtype=dtype, tensors={})
+
+
+def _check_links(lays: list[BlockLayout], quant: dict[int, QuantizedSegment]) -> None:
+    """A block reading a frozen tied parameter of a block whose base is quantized would need it dequantized from
+    another block's buffer: refused (LoRA ties none of the weights it quantizes; an embedding tied to the head
+    stays in the parameter dtype with a 16-bit base)."""
+    for lay in lays:
+        for seg, owner, off in lay.links:
+            if owner in quant and off >= lays[owner].trainable_numel:
+                raise ValueError(f"block {lay.index} reads the frozen tied parameter {seg.name} of block {owner}, "
+                                 "which a quantized base holds packed: train with --base-bits 16 for a model that "
+                                 "ties its frozen weights")
 
 
 class HostPool:

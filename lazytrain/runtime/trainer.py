@@ -19,6 +19,7 @@ which draws them for the whole batch at once.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import sys
@@ -53,8 +54,9 @@ from .nvme_state import NvmeState
 from .optim.clipping import GradNormTracker
 from .optim.torch_adamw import TorchAdamW
 from .profiling import Profiler, StepProfile
+from .quantized import QuantizedSegment
 from .shards import gathered_layouts, gathered_masters, init_shards, shard_layouts
-from .store import BlockLayout, HostCopy, HostPool, HostStore, layouts
+from .store import BlockLayout, HostCopy, HostPool, HostStore, frozen_segment, layouts
 from .streams import Streams
 from .updates import Updates, check_clipping
 from .validate import check_trainer_args
@@ -124,7 +126,6 @@ class Trainer:
             optimizer = TorchAdamW(lr=1e-5)
         self.optimizer = optimizer
         frozen = _frozen(model, optimizer)
-        _check_base_bits(plan)
         order = UpdateOrder.of(plan.ops, Sizes.of_plan(plan))
         check_clipping(order, optimizer.max_grad_norm)
         gathered = None
@@ -150,13 +151,21 @@ class Trainer:
         #: checkpoint records it beside the base's SHA-256 (``checkpoint.base_identity``), computed once
         self.base_source: dict | None = None
         self._base_sha256: str | None = None
+        self._frozen_digests: dict[int, str] = {}
+        self._dequantized: tuple[int, torch.Tensor] | None = None
+        self.init_seconds = 0.0
         if self.world is not None:
             init_shards(weights, gathered, lays, self.world.size, self.world.rank, optimizer, buffers)
             # a resident block's shard stays on the GPU; gathered every step, it is a plan tensor
             params, targets = {}, {}
             grads = {j: torch.zeros(lays[j].owned_numel, dtype=torch.float32, device=self.device) for j in gpu_params}
         else:
-            _init_parameters(weights, lays, optimizer, buffers, nvme_state)
+            t_quant = time.perf_counter()
+            #: each block's SHA-256 of its frozen values before quantizing (``checkpoint.base_identity``)
+            self._frozen_digests = _init_parameters(weights, lays, optimizer, buffers, nvme_state, self.store,
+                                                    int(plan.options.get("base_bits", 16)), self.device)
+            #: seconds setting up the parameters, quantizing a quantized base included (``benchmarks/qlora_gpu.py``)
+            self.init_seconds = time.perf_counter() - t_quant
             params, targets, grads = _resident(lays, gpu_params, self.device)
         streams = Streams(self.device, collectives=self.world is not None)
         tracker = GradNormTracker(optimizer.max_grad_norm)
@@ -321,9 +330,20 @@ class Trainer:
                     if s.offset < lay.trainable_numel:
                         out[s.name] = master[s.offset:s.offset + s.numel].view(s.shape).clone()
                     elif s.offset < lay.owned_numel:     # frozen: its load buffer is all there is of it
-                        flat = self._buffers[j]
-                        out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).to("cpu", torch.float32)
+                        out[s.name] = self.frozen_param(j, s).to("cpu", torch.float32)
         return out
+
+    def frozen_param(self, j: int, seg) -> torch.Tensor:
+        """Frozen parameter ``seg`` (a ``store.Segment`` of block j's layout) as the blocks compute with it, in the
+        parameter dtype: a quantized base's dequantized values (the last block's kept, so reading a block's
+        parameters one after another dequantizes it once)."""
+        lay = self.store.layouts[j]
+        if j not in self.store.quant:
+            return self._buffers[j][seg.offset:seg.offset + seg.numel].view(seg.shape)
+        if self._dequantized is None or self._dequantized[0] != j:
+            self._dequantized = (j, self.store.frozen_values(j))
+        at = seg.offset - lay.trainable_numel
+        return self._dequantized[1][at:at + seg.numel].view(seg.shape)
 
     def _installed(self, j: int, write_back: bool = False):
         """Block j's state in the host store and the optimizer while the ``with`` lasts, wherever it lives
@@ -441,16 +461,6 @@ def _loss_chunk(plan: Plan) -> dict:
     return {"loss_chunk_logits": chunk, "loss_single_pass": head.get("single_pass") is True}
 
 
-def _check_base_bits(plan: Plan) -> None:
-    """A plan holding the frozen base in fewer bits (``base_bits``: priced by the compiler) needs the quantized base's
-    runtime (``runtime/quantized.py``, issue #44's quantization part), which this trainer does not have yet: refused,
-    rather than holding the base in the parameter dtype beyond the host memory the plan was sized for."""
-    bits = int(plan.options.get("base_bits", 16))
-    if bits != 16:
-        raise ValueError(f"the plan holds the frozen base in {bits} bits (base_bits={bits}), which this trainer "
-                         "cannot run yet: compile with base_bits=16 (--base-bits 16)")
-
-
 def _frozen(model: torch.nn.Module, optimizer) -> frozenset[str]:
     """Parameters with requires_grad=False.  They get no gradient: a zero gradient leaves AdamW's state at
     zero and the weight as it is, unless weight decay shrinks it (eager AdamW skips them): refused.  (A plan
@@ -476,14 +486,24 @@ def _host_store(plan: Plan, lays: list[BlockLayout], param_dtype: torch.dtype, o
     opt_bpp = max(0.0, float(getattr(optimizer, "host_bytes_per_param", 16.0)) - 2 * min(pb, 2))
     return HostStore(lays, param_dtype, pin=pin, optimizer_bytes_per_param=opt_bpp, activation_bytes=act_bytes,
                      resident=plan.decisions.resident_blocks, placed=placed,
-                     announce=(lambda line: print(line, file=sys.stderr)) if verbose else None)
+                     announce=(lambda line: print(line, file=sys.stderr)) if verbose else None,
+                     base_bits=int(plan.options.get("base_bits", 16)))
 
 
 def _init_parameters(weights, lays: list[BlockLayout], optimizer, buffers: dict[int, torch.Tensor],
-                     nvme_state: NvmeState | None = None):
+                     nvme_state: NvmeState | None = None, store: HostStore | None = None,
+                     base_bits: int = 16, device: torch.device | None = None) -> dict[int, str]:
     """Each block's owned parameters (``weights.piece``) into its load buffer (``buffers``: host, or a
     resident block's GPU buffer), and the optimizer's state for it; a block with state kept on NVMe gets a load
-    buffer for its set-up only, and its placed state goes to its files (one block's state in memory at a time)."""
+    buffer for its set-up only, and its placed state goes to its files (one block's state in memory at a time).
+
+    A quantized base (``base_bits`` 8 or 4): a streamed block's frozen segment is quantized into the store's packed
+    buffer (``HostStore.fill_frozen``, on ``device`` when it is a GPU, one block's temporaries at a time); a
+    resident block's holds the same values dequantized (what a load would give it).  Returns each block's SHA-256
+    of its frozen values in the parameter dtype before quantizing: the base's identity (``checkpoint``), the same
+    whatever ``base_bits``, and deterministic quantization makes a resume's packed base the saved run's."""
+    digests: dict[int, str] = {}
+    quant_device = device if device is not None and device.type == "cuda" else None
     for j, lay in enumerate(lays):
         if not lay.owned_numel:
             continue
@@ -496,12 +516,26 @@ def _init_parameters(weights, lays: list[BlockLayout], optimizer, buffers: dict[
         placed = nvme_state is not None and j in nvme_state.blocks
         if placed and nvme_state.has(TensorKind.PARAMS, j):
             buf = nvme_state.store.load[j] = torch.empty(lay.owned_numel, dtype=buf.dtype)
-        buf.copy_(init)
+        if base_bits != 16 and lay.owned_numel > lay.trainable_numel:
+            n = lay.trainable_numel
+            frozen = init[n:].to(buf.dtype)
+            digests[j] = hashlib.sha256(frozen.contiguous().view(torch.uint8).numpy()).hexdigest()
+            if j in store.quant:
+                store.fill_frozen(j, frozen, quant_device)
+            else:               # resident: the values a load of the quantized segment would write
+                seg = frozen_segment(lay, base_bits, buf.dtype)
+                frozen = QuantizedSegment.quantize(frozen, base_bits, seg.block_size, seg.pieces,
+                                                   device=quant_device).dequantize(buf.device)
+                buf[n:].copy_(frozen)
+            buf[:n].copy_(init[:n])
+        else:
+            buf.copy_(init)
         n = lay.trainable_numel            # the optimizer keeps state for the trainable prefix only
         if n:
             optimizer.setup(j, init[:n], buf[:n], lay.opt_segments())
         if placed:
             nvme_state.take_block(j)
+    return digests
 
 
 def _resident(lays: list[BlockLayout], gpu_params: dict[int, torch.Tensor], device: torch.device):
