@@ -2,10 +2,12 @@
 
 Each row compiles one configuration of ``--model`` at ``--batch`` x ``--seq`` and writes its predicted step,
 tokens/s, peak GPU and host memory and the host bytes per base parameter: LoRA r=16 on all linear layers with the
-base in bf16 at 24 GiB GPU / 192 GiB host, the same with a 4-bit base (``base_bits=4``) at 24 GiB / 64 GiB (its
-transfers and host bytes priced by ``ir.semantics.frozen_bytes_per_param``; the quantized runtime is another part
-of the issue), and a full fine-tune of the same model at 24 GiB / 192 GiB for scale (it needs about 8.25 bytes a
-parameter in the host store: the row says where it does not fit).
+base in bf16 at 24 GiB GPU / 192 GiB host, the same with a 4-bit (NF4) base at 24 GiB / 64 GiB and an 8-bit one at
+24 GiB / 128 GiB (host bytes and transfers the runtime's packed layout, ``util.quant_format``; each load adds the
+GPU's dequantization at the profile's ``dequant_gbps`` / ``dequant8_gbps``: the ``dequant`` column is a step's sum
+of it, inside the h2d busy time, where the runtime runs it), and a full fine-tune of the same model at
+24 GiB / 192 GiB for scale (it needs about 8.25 bytes a parameter in the host store: the row says where it does not
+fit).
 
     python benchmarks/lora_compile.py                      # writes benchmarks/results/issue44_lora/compiles.md
 """
@@ -18,12 +20,15 @@ import time
 from pathlib import Path
 
 from lazytrain.compiler.api import compile_model
-from lazytrain.ir import GiB
+from lazytrain.compiler.cost import CostModel
+from lazytrain.compiler.profiles import get_profile
+from lazytrain.ir import GiB, OpKind
 
 OUT = Path(__file__).parent / "results" / "issue44_lora"
 LORA = "r=16,alpha=32,targets=all-linear"
 ROWS = [("LoRA r=16 all linear, bf16 base", LORA, 16, "24GiB", "192GiB"),
-        ("LoRA r=16 all linear, 4-bit base (priced only)", LORA, 4, "24GiB", "64GiB"),
+        ("LoRA r=16 all linear, 4-bit NF4 base", LORA, 4, "24GiB", "64GiB"),
+        ("LoRA r=16 all linear, 8-bit base", LORA, 8, "24GiB", "128GiB"),
         ("full fine-tune (8-bit AdamW), for scale", None, 16, "24GiB", "192GiB")]
 
 
@@ -48,8 +53,14 @@ def compile_row(model: str, batch: int, seq: int, hardware: str, what: str, lora
                base_bytes_per_param=None if base is None else round(base, 3),
                busy_s={k: round(v, 2) for k, v in pred["busy_s"].items() if k in ("gpu", "h2d", "d2h", "cpu")},
                resident=len(plan.decisions.resident_blocks), gpu_updated=len(plan.decisions.gpu_updated_blocks),
-               compile_s=round(time.perf_counter() - t, 1))
+               dequant_s=round(_dequant_s(plan, hardware, bits), 2), compile_s=round(time.perf_counter() - t, 1))
     return row
+
+
+def _dequant_s(plan, hardware: str, bits: int) -> float:
+    """GPU seconds a step spends dequantizing the base: every load (and state load) of a block, its ``dequant_s``."""
+    cost = CostModel(plan.graph, get_profile(hardware), plan.micro_batch, plan.param_dtype, base_bits=bits)
+    return sum(cost.dequant_s(op.block) for op in plan.ops if op.kind in (OpKind.LOAD, OpKind.STATE_LOAD))
 
 
 def _trainable_bytes(plan) -> float:
@@ -66,19 +77,19 @@ def table(rows: list[dict], model: str, batch: int, seq: int, hardware: str) -> 
              "FLOPs (no calibration).", "",
              "| configuration | GPU / host budget | step (s) | tokens/s | micro-batch | peak GPU (GiB) "
              "| peak host (GiB) | host store (GiB) | B/param of the base | trainable params "
-             "| busy gpu / h2d / d2h / cpu (s) | resident / GPU-updated | compile (s) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
+             "| busy gpu / h2d / d2h / cpu (s) | dequant (s) | resident / GPU-updated | compile (s) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: |"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['what']} | {r['gpu']} / {r['host']} | does not fit: {r['error']} "
-                         f"| | | | | | | | | | {r['compile_s']} |")
+                         f"| | | | | | | | | | | {r['compile_s']} |")
             continue
         bpp = "" if r["base_bytes_per_param"] is None else f"{r['base_bytes_per_param']:.3f}"
         lines.append(f"| {r['what']} | {r['gpu']} / {r['host']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} "
                      f"| {r['micro_batch']} | {r['peak_gpu_gib']:.2f} | {r['peak_host_gib']:.2f} "
                      f"| {r['host_static_gib']:.2f} | {bpp} | {r['trainable']:,} "
                      f"| {' / '.join(str(r['busy_s'].get(k, 0)) for k in ('gpu', 'h2d', 'd2h', 'cpu'))} "
-                     f"| {r['resident']} / {r['gpu_updated']} | {r['compile_s']} |")
+                     f"| {r['dequant_s']} | {r['resident']} / {r['gpu_updated']} | {r['compile_s']} |")
     return "\n".join(lines) + "\n"
 
 

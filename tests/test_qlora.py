@@ -107,7 +107,28 @@ def test_qlora_trains_like_peft_eager_on_the_round_tripped_base(bits, how):
     model on a 4- or 8-bit base: PEFT eager's on the base replaced by torchao's round trip, 1e-5 over 3 steps; the
     export reads the dequantized base."""
     model = _lora_model()
-    plan = _plan(model, how, bits)
+    _trains_like_eager(model, _plan(model, how, bits), bits, how)
+
+
+def test_qlora_with_a_tied_frozen_embedding_reads_it_from_the_packed_owners_raw_section():
+    """A model whose head reads the embedding (tied, frozen, kept raw in block 0's packed segment) trains as eager."""
+    from test_lora import CFG
+
+    from lazytrain.frontend.lora import ALL_LINEAR, LoraSpec, wrap
+    from lazytrain.frontend.presets import build_from_config
+    torch.manual_seed(0)
+    model = wrap(build_from_config({**CFG, "tie_word_embeddings": True}, device="cpu", dtype=torch.float32),
+                 LoraSpec(r=4, alpha=8, targets=ALL_LINEAR))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn_like(p) * 0.02)
+    plan = _plan(model, "keep-all", 4)
+    assert any(b.params and any(p.owner != b.index for p in b.params) for b in plan.graph.blocks)
+    _trains_like_eager(model, plan, 4, "keep-all")
+
+
+def _trains_like_eager(model, plan: Plan, bits: int, how: str) -> None:
     ref = _quantized_reference(model, plan, bits)
     tr = Trainer(model, plan, optimizer=TorchAdamW(lr=LR, eps=EPS, max_grad_norm=1.0), device="cpu")
     assert set(tr.store.quant) == {j for j, lay in enumerate(tr.store.layouts)
@@ -216,3 +237,32 @@ def test_train_with_lora_on_a_4bit_base_runs_and_resumes(tmp_path):
     r = json.loads((out / "metrics.json").read_text())
     assert r["steps_done"] == 3 and r["loss_curve"][:2] == m["loss_curve"]
     assert r["settings"]["base_bits"] == 4
+
+
+def test_a_quantized_base_refuses_a_tied_frozen_matrix_read_by_another_block():
+    """A block reading a frozen tied matrix that its owner holds quantized: refused in one line."""
+    from lazytrain.runtime.store import BlockLayout, HostStore, Segment
+    w = Segment("layers.0.w", 0, 128, (2, 64))
+    owner = BlockLayout(0, [w], owned_numel=128, plain_numel=0, trainable=0, grads=0)
+    reader_w = Segment("layers.0.w", 4, 128, (2, 64))
+    reader = BlockLayout(1, [Segment("a", 0, 4, (4,)), reader_w], owned_numel=4, plain_numel=4, trainable=4, grads=4,
+                         links=[(reader_w, 0, 0)])
+    HostStore([owner, reader], torch.float32, pin=False)                  # 16 bits: as it was
+    with pytest.raises(ValueError, match="which a quantized base holds packed"):
+        HostStore([owner, reader], torch.float32, pin=False, base_bits=4)
+
+
+def test_the_qlora_gpu_script_runs_a_tiny_row_on_the_cpu(tmp_path):
+    """benchmarks/qlora_gpu.py --tiny: the 4-bit row in its own process, its JSON and the summary table."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "qlora_gpu.py"
+    spec = importlib.util.spec_from_file_location("qlora_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.main(["--tiny", "--rows", "lora-nf4", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "lora-nf4.json").read_text())
+    assert rows == [row] and "error" not in row, row
+    assert row["base_bits"] == 4 and len(row["step_s"]) == 2 and row["tokens_per_s"] > 0
+    assert 0 < row["host_frozen_gib"] and row["frozen_params"] > row["trainable_params"]
+    assert "lora-nf4" in (tmp_path / "summary.md").read_text()

@@ -83,7 +83,9 @@ def assemble(lay, owned, device: torch.device, dtype: torch.dtype, store=None) -
         staged.copy_(store.packed[lay.index], non_blocking=True)
         q.dequantize_into(flat[lay.trainable_numel:lay.owned_numel], q.views(staged))
     for seg, owner, off in lay.links:
-        flat[seg.offset:seg.offset + seg.numel].copy_(owned[owner][off:off + seg.numel], non_blocking=True)
+        src = owned[owner][off:off + seg.numel] if store is None or owner not in store.quant else \
+            store.link_source(owner, off, seg.numel)          # (a packed owner: its raw section)
+        flat[seg.offset:seg.offset + seg.numel].copy_(src, non_blocking=True)
     return flat
 
 

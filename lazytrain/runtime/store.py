@@ -229,6 +229,17 @@ class HostStore:
         self.quant[j] = QuantizedSegment(pieces=q.pieces, bits=q.bits, block_size=q.block_size, dtype=q.dtype,
                                          tensors=fresh.copy_into(self.packed[j]))
 
+    def link_source(self, owner: int, offset: int, numel: int) -> torch.Tensor:
+        """The host values of the parameter at ``offset`` of block ``owner``'s layout that another block reads (a tied
+        link): its load buffer's, or where the owner's frozen segment is packed, its raw section's."""
+        n = self.layouts[owner].trainable_numel
+        if owner not in self.quant or offset < n:
+            return self.load[owner][offset:offset + numel]
+        q = self.quant[owner]
+        piece = _piece_at(q, offset - n)
+        at = sum(p.numel for p in q.pieces if p.offset < piece.offset and not p.quantized)
+        return q.host_tensors()["raw"][at:at + numel]
+
     def frozen_values(self, j: int) -> torch.Tensor:
         """Block j's frozen parameters as the GPU sees them, flat in the parameter dtype (dequantized where the base
         is held quantized; else a view of the load buffer)."""
@@ -277,15 +288,20 @@ def frozen_segment(lay: BlockLayout, bits: int, dtype: torch.dtype) -> Quantized
 
 
 def _check_links(lays: list[BlockLayout], quant: dict[int, QuantizedSegment]) -> None:
-    """A block reading a frozen tied parameter of a block whose base is quantized would need it dequantized from
-    another block's buffer: refused (LoRA ties none of the weights it quantizes; an embedding tied to the head
-    stays in the parameter dtype with a 16-bit base)."""
+    """A block may read a frozen tied parameter of a block whose base is quantized where the owner keeps it raw (an
+    embedding tied to the head: QLoRA quantizes neither), from the owner's raw section (``HostStore.link_source``);
+    a quantized one would need dequantizing from another block's buffer: refused."""
     for lay in lays:
         for seg, owner, off in lay.links:
-            if owner in quant and off >= lays[owner].trainable_numel:
+            if owner in quant and off >= lays[owner].trainable_numel and \
+                    _piece_at(quant[owner], off - lays[owner].trainable_numel).quantized:
                 raise ValueError(f"block {lay.index} reads the frozen tied parameter {seg.name} of block {owner}, "
                                  "which a quantized base holds packed: train with --base-bits 16 for a model that "
-                                 "ties its frozen weights")
+                                 "ties its frozen weight matrices")
+
+
+def _piece_at(q: QuantizedSegment, at: int):
+    return next(p for p in q.pieces if p.offset == at)
 
 
 class HostPool:
