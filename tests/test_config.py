@@ -47,7 +47,7 @@ def test_one_list_of_settings_a_resume_keeps():
     task, data = set(resumed(TrainConfig())), set(resumed(FinetuneConfig()))
     shared = {"model", "batch", "seq", "seed", "warmup", "warmup_ratio", "lr_scheduler_type", "min_lr_ratio",
               "weight_decay", "max_grad_norm", "policy", "gpu_memory", "host_memory", "nvme_memory", "resident",
-              "optimizer", "lora"}
+              "optimizer", "lora", "base_bits"}
     assert task == shared | {"difficulty", "loss_on_prompt"}
     assert data == shared | {"tokenizer", "data", "eval_data", "loss_on", "truncate", "pack", "eval_size",
                              "answer_regex", "epochs", "columns", "text_field", "system_prompt",
