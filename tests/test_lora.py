@@ -264,8 +264,8 @@ def test_checkpoint_holds_the_adapters_and_resumes_only_on_the_same_base(tmp_pat
 
 def test_train_with_lora_on_data_checkpoints_adapters_resumes_and_exports_a_peft_folder(tmp_path):
     """``lazytrain train --data ... --lora ...``: the run trains the adapters only, its checkpoint holds them and the
-    base's identity, a resume reads the base from its folder again, and the export is a PEFT adapter folder (OUTPUT/adapter/; the
-    merged model and ``lazytrain export`` of it: test_lora_export.py)."""
+    base's identity, a resume reads the base from its folder again, and the export is a PEFT adapter folder
+    (OUTPUT/adapter/; the merged model and ``lazytrain export`` of it: test_lora_export.py)."""
     from ft_fixtures import chat, tiny_folder, write_jsonl
     from peft import PeftModel
     from safetensors import safe_open

@@ -139,3 +139,30 @@ def test_merge_without_lora_is_refused_before_training(run, capsys):
                  "--merge"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--merge merges LoRA adapters into their base: give --lora too" in err and len(err.splitlines()) == 1
+
+
+def test_a_gguf_base_merges_from_the_trainers_copy_and_its_export_merge_is_refused(run, capsys):
+    """A GGUF base (read whole by transformers): the run merges the trainer's 16-bit copy of the base, which gives
+    the logits of the adapter on the base the GGUF holds; ``lazytrain export --merge`` of that run refuses."""
+    pytest.importorskip("gguf")
+    from ft_fixtures import write_gguf
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lazytrain.app.cli import main
+    tmp, base, data, _out = run
+    gguf = write_gguf(AutoModelForCausalLM.from_pretrained(base), tmp / "tiny.gguf")
+    out = tmp / "gguf_run"
+    assert main(["train", *ARGS, "--model", str(gguf), "--tokenizer", str(base), "--data", str(data), "--output",
+                 str(out), "--lora", LORA, "--merge"]) == 0
+    ids = torch.randint(4, 100, (2, 12), generator=torch.Generator().manual_seed(2))
+    want = _logits(_trained(base, out), ids)        # (the GGUF holds the folder's weights exactly: test_gguf.py)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out / "adapter")
+    torch.testing.assert_close(_logits(adapted, ids), want, atol=1e-5, rtol=0)
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(gguf)
+    torch.testing.assert_close(_logits(AutoModelForCausalLM.from_pretrained(out / "model"), ids), want, atol=1e-5,
+                               rtol=0)
+    capsys.readouterr()
+    assert main(["export", str(out), "-o", str(tmp / "gguf_export"), "--merge"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "which transformers reads whole" in err and len(err.splitlines()) == 1
