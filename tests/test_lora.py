@@ -264,7 +264,8 @@ def test_checkpoint_holds_the_adapters_and_resumes_only_on_the_same_base(tmp_pat
 
 def test_train_with_lora_on_data_checkpoints_adapters_resumes_and_exports_a_peft_folder(tmp_path):
     """``lazytrain train --data ... --lora ...``: the run trains the adapters only, its checkpoint holds them and the
-    base's identity, a resume reads the base from its folder again, and the export is a PEFT adapter folder."""
+    base's identity, a resume reads the base from its folder again, and the export is a PEFT adapter folder
+    (OUTPUT/adapter/; the merged model and ``lazytrain export`` of it: test_lora_export.py)."""
     from ft_fixtures import chat, tiny_folder, write_jsonl
     from peft import PeftModel
     from safetensors import safe_open
@@ -281,7 +282,7 @@ def test_train_with_lora_on_data_checkpoints_adapters_resumes_and_exports_a_peft
     m = json.loads((out / "metrics.json").read_text())
     assert m["settings"]["lora"] == {"r": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"], "dropout": 0.0}
     meta = json.loads((out / "checkpoint" / "checkpoint.json").read_text())
-    assert meta["base"]["source"] == {"model": str(folder)}
+    assert meta["base"]["source"]["model"] == str(folder) and meta["base"]["source"]["files"]
     for name in meta["files"]:
         with safe_open(str(out / "checkpoint" / name), "pt") as f:
             assert all("lora_" in k for k in f.keys() if k.startswith("param."))
@@ -289,10 +290,10 @@ def test_train_with_lora_on_data_checkpoints_adapters_resumes_and_exports_a_peft
                  "cpu", "--threads", "1"]) == 0
     r = json.loads((out / "metrics.json").read_text())
     assert r["steps_done"] == 3 and r["loss_curve"][:2] == m["loss_curve"]
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), out / "model")
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), out / "adapter")
     lora_b = [p for n, p in adapted.named_parameters() if "lora_B" in n]
     assert len(lora_b) == 2 * 2 and all(p.abs().sum() > 0 for p in lora_b)     # trained away from PEFT's zero B
-    assert main(["export", str(out), "-o", str(tmp_path / "full")]) == 2         # (no base in the checkpoint)
+    assert not (out / "model").exists()             # (no --merge)
 
 
 def test_a_frozen_matmul_weight_costs_its_input_gradient_alone_in_backward():

@@ -356,7 +356,9 @@ def _resumes_a_data_run(folder: str | None) -> bool:
 
 def cmd_export(a) -> int:
     from .finetune.export_cmd import export_checkpoint
-    print(f"wrote {export_checkpoint(a.source, a.output, config=a.config, tokenizer=a.tokenizer, dtype=a.dtype)}")
+    written = export_checkpoint(a.source, a.output, config=a.config, tokenizer=a.tokenizer, dtype=a.dtype,
+                                merge=a.merge)
+    print(f"wrote {' and '.join(str(p) for p in written)}")
     return 0
 
 
@@ -486,6 +488,10 @@ def _export_parser(sub) -> None:
                    help="tokenizer to include: a folder, GGUF file or named model (default: the run's, if any)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="dtype of the weights (default: the config's)")
+    p.add_argument("--merge", action="store_true",
+                   help="of a LoRA run: besides DIR/adapter/ (the PEFT adapter), DIR/model/: the adapters merged into "
+                        "the base the run recorded (a safetensors folder or named model, checked by its files' "
+                        "names and sizes)")
     p.set_defaults(fn=cmd_export)
 
 

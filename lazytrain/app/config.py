@@ -343,6 +343,10 @@ class FinetuneConfig(TrainConfig):
     export_dtype: str | None = setting(None, "dtype of the exported weights (default: that of the weights the model "
                                              "came with)", choices=("float32", "bfloat16", "float16"), group="data",
                                          carried=Runs.DATA, shape=Either(None, str))
+    #: a LoRA run's export: besides OUTPUT/adapter/, OUTPUT/model/ with the adapters merged into the base
+    merge: bool = setting(False, "with --lora: also write OUTPUT/model/, the adapters merged into the base (a full "
+                                 "Hugging Face folder; OUTPUT/adapter/ is written either way)", flag="--merge",
+                          const=True, group="data", carried=Runs.DATA, shape=bool)
     steps: int | None = redefault(TrainConfig, "steps", None)
     lr: float = redefault(TrainConfig, "lr", 1e-4)
     warmup: int = redefault(TrainConfig, "warmup", 10)

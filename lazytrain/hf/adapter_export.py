@@ -99,10 +99,11 @@ def adapter_state(model, tensors: dict[str, torch.Tensor], adapter_name: str = "
 
 
 def write_adapter(folder, model, tensors: dict[str, torch.Tensor], *, base_model_name_or_path: str,
-                  adapter_name: str = "default", dtype: torch.dtype | None = None) -> Path:
+                  adapter_name: str = "default", dtype: torch.dtype | None = None, tokenizer=None) -> Path:
     """The PEFT adapter folder (see the module docstring) of ``model``'s adapter ``adapter_name`` with the
     trained ``tensors``, written atomically at ``folder``; ``dtype`` casts the floating tensors (None keeps
-    theirs).  Returns the folder's path."""
+    theirs); ``tokenizer``'s files go beside them (what PEFT users load with the adapter).  Returns the folder's
+    path."""
     target = Path(folder).absolute()
     if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / ADAPTER_CONFIG).exists())):
         raise AdapterError(f"{target} exists and is not an adapter folder (no {ADAPTER_CONFIG}): refusing to "
@@ -120,6 +121,8 @@ def write_adapter(folder, model, tensors: dict[str, torch.Tensor], *, base_model
     with staged_folder(target) as tmp:
         save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         config.save_pretrained(str(tmp), auto_mapping_dict=auto_mapping)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
         share_folder(tmp)
     return target
 

@@ -175,12 +175,13 @@ def _buffers(model, have: set[str]) -> list[Weight]:
             if n not in params and n not in have and t.device.type != "meta"]
 
 
-def checkpoint_weights(directory) -> list[Weight]:
-    """The weights of a checkpoint folder (``runtime/checkpoint.py``), read one tensor at a time."""
+def checkpoint_weights(directory, *, adapters: bool = False) -> list[Weight]:
+    """The weights of a checkpoint folder (``runtime/checkpoint.py``), read one tensor at a time.  A checkpoint
+    of a frozen base (LoRA) holds its adapters alone: refused unless ``adapters`` asks for just those."""
     folder, meta = read_meta(directory)
-    if "base" in meta:
-        raise ExportError(f"checkpoint {folder} holds LoRA adapters only, not the base they adapt: its run's "
-                          f"model/ folder is the PEFT adapter (peft.PeftModel.from_pretrained on the base)")
+    if "base" in meta and not adapters:
+        raise ExportError(f"checkpoint {folder} holds LoRA adapters only, not the base they adapt: export it with "
+                          f"lazytrain export (its adapter folder, and the merged model with --merge)")
     check_files(folder, meta)           # every file's size and SHA-256, as a resume checks them
     if "world" in meta:                 # each file holds flat pieces of the tensors (checkpoint_world.py)
         return _sharded_weights(folder, meta)

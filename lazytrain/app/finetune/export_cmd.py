@@ -5,7 +5,8 @@ The checkpoint holds the weights; the config comes from ``--config``, else from 
 belongs to (``OUTPUT/source/config.json`` of a ``--data`` run, or the config its ``metrics.json``
 recorded), and the tokenizer and generation config from ``--tokenizer`` or that run's ``source/``.
 The weights are checked against the model the config builds (on ``meta``: no memory) before anything
-is written.
+is written.  A LoRA run's checkpoint (adapters and the base's identity) gives ``DIR/adapter/`` and, with
+``--merge``, ``DIR/model/`` (``lora_export.py``).
 """
 
 from __future__ import annotations
@@ -21,24 +22,48 @@ from ...hf.export import ExportError, check_weights, checkpoint_weights, hf_conf
 from ...hf.model_loading import has_tokenizer, read_config
 from ...runtime.checkpoint import read_extra, read_meta
 from .. import saves
+from . import lora_export
 from .prepare import Source, tokenizer_for
 
 
-def export_checkpoint(source, output, *, config=None, tokenizer=None, dtype: str | None = None) -> Path:
+def export_checkpoint(source, output, *, config=None, tokenizer=None, dtype: str | None = None,
+                      merge: bool = False) -> list[Path]:
+    """The folders written: the model folder; of a LoRA checkpoint, the adapter folder (and the merged one)."""
     ckpt, run = _locate(Path(source))
     cfg = _config(config, run, source, ckpt)
+    meta = read_meta(ckpt)[1]
+    if "base" in meta:
+        return _export_lora(ckpt, run, meta, output, cfg, tokenizer=tokenizer, dtype=dtype, merge=merge)
+    if merge:
+        raise ExportError(f"{source}: --merge merges LoRA adapters, and this checkpoint holds a whole model "
+                          f"(export it without --merge)")
     model = build_from_config(cfg, device="meta", dtype=torch.float32, source=str(config or run or source))
     if not is_hf(model):
         raise ExportError(f"{source}: the model ({cfg.get('model_type')}) is not a Hugging Face architecture; "
                           f"only those export to a Hugging Face folder")
     weights = check_weights(checkpoint_weights(ckpt), model)
     tok, gen = _tokenizer(tokenizer, run)
-    name = dtype or str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    return [write_folder(output, weights, config=hf_config(cfg, type(model).__name__), dtype=_dtype(dtype, cfg),
+                         tokenizer=tok, generation_config=gen)]
+
+
+def _export_lora(ckpt: Path, run: Path | None, meta: dict, output, cfg: dict, *, tokenizer, dtype, merge: bool):
+    """A LoRA checkpoint's adapter folder (and merged folder): its settings (the LoRA spec) from its metrics."""
+    try:
+        settings = json.loads(_run_metrics(ckpt, run))["settings"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ExportError(f"{ckpt}: a LoRA checkpoint without its run's metrics.json, which holds the LoRA "
+                          f"settings ({e})") from None
+    tok, gen = _tokenizer(tokenizer, run)
+    return lora_export.export_checkpoint(ckpt, meta, output, settings=settings, config=cfg, tokenizer=tok,
+                                         generation_config=gen, dtype=_dtype(dtype, cfg), merge=merge)
+
+
+def _dtype(name: str | None, cfg: dict) -> torch.dtype:
+    """--dtype, else the config's, else float32."""
+    name = name or str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
     dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-        dt = torch.float32
-    return write_folder(output, weights, config=hf_config(cfg, type(model).__name__), dtype=dt, tokenizer=tok,
-                        generation_config=gen)
+    return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else torch.float32
 
 
 def _locate(src: Path) -> tuple[Path, Path | None]:
@@ -54,13 +79,13 @@ def _locate(src: Path) -> tuple[Path, Path | None]:
     raise ExportError(f"{src}: neither a checkpoint folder (checkpoint.json) nor a run folder (checkpoint/)")
 
 
-def _run_metrics(ckpt: Path, run: Path) -> bytes:
+def _run_metrics(ckpt: Path, run: Path | None) -> bytes:
     """The run's metrics: the copy committed with the checkpoint (its SHA-256 checked) where it has one, else
     the run folder's, if a regular file (a FIFO would block the read)."""
     folder, meta = read_meta(ckpt)
     if "metrics.json" in meta["extras"]:
         return read_extra(folder, meta, "metrics.json")
-    if not (run / "metrics.json").is_file():
+    if run is None or not (run / "metrics.json").is_file():
         raise FileNotFoundError(run / "metrics.json")
     return (run / "metrics.json").read_bytes()
 

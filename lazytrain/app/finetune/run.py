@@ -49,6 +49,7 @@ from ..runfiles import nan_losses, plot_into, take_settings
 from ..session import StopFlag, can_plot, follow_total, hardware_for, note, progress_bar, say_no_plot, stop_signals
 from ..trackers import Trackers
 from ..trackers import check as check_trackers
+from . import lora_export
 from .evaluation import describe, evaluate
 from .prepare import (
     Source,
@@ -161,6 +162,8 @@ def run(cfg: TrainConfig) -> dict:
     trainer, opt, compile_s = start_trainer(cfg, model, dev, resumed=prev is not None, seq_len=data.seq_len,
                                             hardware=hardware, param_dtype=param_dtype, packed=cfg.pack, ranks=ranks,
                                             weights=weights)
+    if cfg.lora:        # what its checkpoints record of the base: the export's --merge reads it from there
+        trainer.base_source = lora_export.base_record(cfg.model, src)
     plan, start = trainer.plan, trainer.steps if prev is not None else 0
     if dev.type == "cuda":
         # the trainer's host store holds the fp32 masters; the model is only what evaluation runs (in bf16 on
@@ -201,7 +204,7 @@ def run(cfg: TrainConfig) -> dict:
     bar = progress_bar(cfg.steps, start, cfg.progress and ranks.main)
     ckpt = out / "checkpoint"
 
-    def metrics_now(exported: str | None, final_eval: str) -> dict:
+    def metrics_now(exported: dict | None, final_eval: str) -> dict:
         return saver.stamp(_metrics(cfg, run, src=src, model=model, n_params=n_params, dev=dev, hardware=hardware,
                                     param_dtype=param_dtype, data=data, batches=batches, pad=pad, stop_ids=stop_ids,
                                     n_new=n_new, plan=plan, compile_s=compile_s, evals=evals, prev=prev,
@@ -256,7 +259,8 @@ def run(cfg: TrainConfig) -> dict:
         if ranks.main:
             _plot(out / "loss.png", run.history, evals, src.spec)
     trainer.close()
-    print(f"wrote {out / 'metrics.json'}, {ckpt}" + (f" and {exported}" if exported else ""))
+    folders = [f for f in (exported or {}).values() if f]
+    print(f"wrote {out / 'metrics.json'}, {ckpt}" + (f" and {' and '.join(folders)}" if folders else ""))
     print(wall_line(time.perf_counter() - t_start, load_s=setup_s, compile_s=compile_s, train_s=run.train_s,
                     limit_min=cfg.time_limit_min, **spent))
     ranks.close()
@@ -298,8 +302,10 @@ def _say_start(cfg: FinetuneConfig, src: Source, data, batches, pad: dict, plan,
 
 def _metrics(cfg: FinetuneConfig, run: Progress, *, src: Source, model, n_params: int, dev: torch.device, hardware,
              param_dtype: str, data, batches, pad: dict, stop_ids: list[int], n_new: int, plan, compile_s: float,
-             evals: list, prev: dict | None, t_start: float, ckpt: Path, exported: str | None, final_eval: str) -> dict:
-    """metrics.json of the run; ``final_eval``: pending (commit 1), done, or skipped (interrupted)."""
+             evals: list, prev: dict | None, t_start: float, ckpt: Path, exported: dict | None,
+             final_eval: str) -> dict:
+    """metrics.json of the run; ``final_eval``: pending (commit 1), done, or skipped (interrupted); ``exported``:
+    the folders written (``export``: the model folder, merged for LoRA; ``adapter``: a LoRA run's adapter)."""
     return {
         "format": FORMAT,
         "settings": recorded(cfg),
@@ -319,7 +325,8 @@ def _metrics(cfg: FinetuneConfig, run: Progress, *, src: Source, model, n_params
         "eval_curve": evals, "loss_curve": run.history,
         "train_s": round(run.train_s + (prev["train_s"] if prev else 0.0), 2),
         "wall_s": round(time.perf_counter() - t_start, 2), "load_average": list(os.getloadavg()),
-        "checkpoint": str(ckpt), "export": exported, "resumed_from": cfg.resume,
+        "checkpoint": str(ckpt), "export": (exported or {}).get("model"), "adapter": (exported or {}).get("adapter"),
+        "resumed_from": cfg.resume,
     }
 
 
@@ -332,6 +339,7 @@ def _inputs(cfg: FinetuneConfig, prev: dict | None, dev: torch.device, out: Path
     only this rank's pieces (``shard_weights``) where the source allows; else ``weights`` is None (the model's
     own)."""
     src = _source(cfg, prev)
+    lora_export.check_merge(cfg.merge and cfg.export, cfg.lora, src, getattr(cfg, "base_bits", 16))
     tok = tokenizer_for(src, cfg.tokenizer)
     if cfg.chat_template and prev is None:       # a resumed run's tokenizer (OUTPUT/source/) has it
         set_chat_template(tok, cfg.chat_template)
@@ -388,19 +396,19 @@ def shard_weights(src: Source, seed: int, dtype: torch.dtype, *, resumed: bool):
 
 
 def _export(cfg: FinetuneConfig, src: Source, param_dtype: str, folder: Path, trainer, model, tok,
-            stop_ids: list[int], ckpt: Path) -> str:
+            stop_ids: list[int], ckpt: Path) -> dict[str, str | None]:
     """The trained model as a Hugging Face folder: weights, config, tokenizer, generation config (with
     several ranks, rank 0 reads the weights from the checkpoint every rank just saved).  A LoRA run: the adapter as
-    PEFT writes it (``adapter_config.json``, ``adapter_model.safetensors``) with the tokenizer, which
-    ``peft.PeftModel.from_pretrained`` loads onto its base (its checkpoint holds no base to export)."""
-    if cfg.lora:
-        trainer.sync_to_model()
-        model.save_pretrained(str(folder))
-        tok.save_pretrained(str(folder))
-        return str(folder)
+    PEFT writes it in ``OUTPUT/adapter/`` with the tokenizer, and with ``--merge`` the merged model in ``folder``
+    (``lora_export.py``).  Returns the folders written ({"model": ..., "adapter": ...})."""
     dtype = _export_dtype(cfg, src, param_dtype)
-    return str(write_folder(folder, trainer_weights(trainer, ckpt), config=hf_config_dict(model), dtype=dtype,
-                            tokenizer=tok, generation_config=generation_config(model, stop_ids, tok)))
+    if cfg.lora:
+        return lora_export.export_run(folder.parent, spec=cfg.model, src=src, trainer=trainer, model=model,
+                                      tokenizer=tok, generation_config=generation_config(model, stop_ids, tok),
+                                      dtype=dtype, merge=cfg.merge)
+    return {"model": str(write_folder(folder, trainer_weights(trainer, ckpt), config=hf_config_dict(model),
+                                      dtype=dtype, tokenizer=tok,
+                                      generation_config=generation_config(model, stop_ids, tok)))}
 
 
 def hf_config_dict(model) -> dict:
