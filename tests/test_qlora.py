@@ -30,6 +30,7 @@ from lazytrain.compiler.quant_cost import frozen_cost  # noqa: E402
 from lazytrain.frontend.trace import trace  # noqa: E402
 from lazytrain.hf.export import trainer_weights  # noqa: E402
 from lazytrain.ir import Decisions, GiB, OpKind, Plan, Sizes  # noqa: E402
+from lazytrain.ir.semantics import effects  # noqa: E402
 from lazytrain.runtime.optim.torch_adamw import TorchAdamW  # noqa: E402
 from lazytrain.runtime.trainer import Trainer  # noqa: E402
 from lazytrain.util.quant_format import SCALER_BLOCK, packed_nbytes, quantized_param  # noqa: E402
@@ -184,6 +185,8 @@ def test_the_host_store_and_the_plan_hold_a_frozen_block_packed():
     b1 = plan.graph.blocks[1]
     assert loads[1].nbytes == b1.trainable_numel * 4 + packed[1]
     assert sizes.dequant_transient(1) > packed[1]
+    assert effects(loads[1], sizes).transient == sizes.dequant_transient(1)        # verify's GPU peak counts it
+    assert effects(loads[1], Sizes.of_plan(_plan(model, "keep-all", 16))).transient == 0
     cost = CostModel(plan.graph, hw, micro_batch=2, param_dtype="float32", eight_bit=False, base_bits=4)
     assert cost.dequant_s(1) > 0
     assert cost.load_s(1) == pytest.approx(hw.param_load_seconds(loads[1].nbytes) + cost.dequant_s(1))
