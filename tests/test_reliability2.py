@@ -268,8 +268,14 @@ def test_ctrl_c_during_the_final_eval_stops_it_at_once(monkeypatch):
         time.sleep(10)
     monkeypatch.setattr(train, "evaluate", slow_eval)
     from lazytrain.app.session import StopFlag
-    with StopFlag() as flag, within(8):     # (the eval sleeps 10 s unless Ctrl-C stops it)
-        assert train._final_eval(None, [], torch.device("cpu"), flag) is None
+    # Ctrl-C as in a terminal: a runner started in the background ignores SIGINT, and StopFlag leaves an ignored
+    # signal ignored (as it leaves nohup's SIGHUP)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopFlag() as flag, within(8):     # (the eval sleeps 10 s unless Ctrl-C stops it)
+            assert train._final_eval(None, [], torch.device("cpu"), flag) is None
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _edit_metrics(run: Path, edit, digest: bool = True) -> None:

@@ -271,8 +271,10 @@ def test_ctrl_c_stops_after_the_step_and_saves(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, "-m", "lazytrain.app.cli", "train", *TINY, "--steps", "100000",
                           "--time-limit-min", "3", "--eval-every", "1", "--output", str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    seen = []
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen = []     # (the child's SIGINT at its default: a runner started in the background ignores it, and so would
+    #              the child, whose Python then installs no Ctrl-C handler)
     while not (seen and seen[-1].startswith("step 1:")):     # step 1's eval line: a step is done (not a sleep)
         seen.append(p.stdout.readline())
         if not seen[-1] or len(seen) > 20:
