@@ -18,33 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from lazytrain.measure.dequant import layer_params, synthetic_segment
+from lazytrain.measure.timing import median_seconds as _median
 from lazytrain.runtime.quantized import QuantizedSegment, pieces_of
-
-
-def _median(fn, repeats: int, device: torch.device) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _segment(bits: int, params, real: bool, device: torch.device) -> tuple[QuantizedSegment, float | None]:

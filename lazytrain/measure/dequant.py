@@ -10,12 +10,10 @@ with ``quick``, the layer is scaled down (``scale``: its matrices' rows divided)
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from ..runtime.quantized import QuantizedSegment, pieces_of
+from .timing import median_seconds
 
 __all__ = ["LAYER_7B", "synthetic_segment", "dequant_seconds", "dequant_rates"]
 
@@ -67,22 +65,7 @@ def dequant_seconds(seg: QuantizedSegment, device: torch.device, repeats: int) -
     for name, view in views.items():
         view.copy_(seg.host_tensors()[name])
     dst = torch.empty(seg.numel, dtype=seg.dtype, device=device)
-    seg.dequantize_into(dst, views)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            seg.dequantize_into(dst, views)
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            seg.dequantize_into(dst, views)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(lambda: seg.dequantize_into(dst, views), repeats, device)
 
 
 def dequant_rates(device: torch.device, quick: bool = False, repeats: int = 5) -> dict[str, float]:

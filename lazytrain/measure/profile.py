@@ -46,8 +46,6 @@ import math
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 
 import torch
 
@@ -62,6 +60,7 @@ from ..util.host import cpu_cores, host_memory_bytes
 from .dequant import dequant_rates
 from .disk import disk_rates
 from .profile_collectives import GPU_SIZES, measure_collectives
+from .timing import median_seconds
 
 __all__ = ["measure"]
 
@@ -69,26 +68,6 @@ __all__ = ["measure"]
 def _log(verbose: bool, text: str) -> None:
     if verbose:
         print(f"[lazytrain profile] {text}", file=sys.stderr, flush=True)
-
-
-def _median_seconds(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
-    """Median wall time of ``fn`` after one warm-up; CUDA work is timed with events."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _transfers(device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:
@@ -123,17 +102,17 @@ def _transfers(device: torch.device, nbytes: int, repeats: int) -> dict[str, flo
 
     gb = nbytes / 1e9
     return {
-        "h2d_gbps": gb / _median_seconds(h2d, repeats, device),
-        "d2h_gbps": gb / _median_seconds(d2h, repeats, device),
-        "duplex_gbps": 2 * gb / _median_seconds(both, repeats, device),
-        "pageable_h2d_gbps": gb / _median_seconds(lambda: gpu_a.copy_(pageable), repeats, device),
-        "pageable_d2h_gbps": gb / _median_seconds(lambda: pageable.copy_(gpu_b), repeats, device),
+        "h2d_gbps": gb / median_seconds(h2d, repeats, device),
+        "d2h_gbps": gb / median_seconds(d2h, repeats, device),
+        "duplex_gbps": 2 * gb / median_seconds(both, repeats, device),
+        "pageable_h2d_gbps": gb / median_seconds(lambda: gpu_a.copy_(pageable), repeats, device),
+        "pageable_d2h_gbps": gb / median_seconds(lambda: pageable.copy_(gpu_b), repeats, device),
     }
 
 
 def _memcpy_gbps(nbytes: int, repeats: int) -> float:
     src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    return nbytes / 1e9 / _median_seconds(lambda: dst.copy_(src), repeats, torch.device("cpu"))
+    return nbytes / 1e9 / median_seconds(lambda: dst.copy_(src), repeats, torch.device("cpu"))
 
 
 def _matmul_tflops(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> float:
@@ -145,7 +124,7 @@ def _matmul_tflops(device: torch.device, dtype: torch.dtype, size: int, repeats:
         for _ in range(iters):
             torch.mm(a, b)
 
-    return 2 * size**3 * iters / _median_seconds(run, repeats, device) / 1e12
+    return 2 * size**3 * iters / median_seconds(run, repeats, device) / 1e12
 
 
 def _block_seconds(device: torch.device, dtype: torch.dtype, batch: int, seq: int, hidden: int,
@@ -165,7 +144,7 @@ def _block_seconds(device: torch.device, dtype: torch.dtype, batch: int, seq: in
         y.sum().backward()
 
     params = sum(w.numel() for w in weights)
-    return _median_seconds(step, repeats, device), 2.0 * params * batch * seq
+    return median_seconds(step, repeats, device), 2.0 * params * batch * seq
 
 
 def _fit_block(device: torch.device, dtype: torch.dtype, batch: int, seq: int, hidden: int, repeats: int,
@@ -220,8 +199,8 @@ def _attention_seconds(device: torch.device, dtype: torch.dtype, tokens: int, se
     def both() -> None:
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-    fwd = _median_seconds(forward, repeats, device)
-    return fwd, max(_median_seconds(both, repeats, device) - fwd, 1e-9)
+    fwd = median_seconds(forward, repeats, device)
+    return fwd, max(median_seconds(both, repeats, device) - fwd, 1e-9)
 
 
 def _attention_rates(device: torch.device, dtype: torch.dtype, tokens: int, lengths: tuple[int, int], heads: int,
@@ -294,7 +273,7 @@ def _adam_gparams(n_params: int, repeats: int) -> tuple[float, str]:
     except (RuntimeError, TypeError, NotImplementedError):
         optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
         kind = "foreach"
-    seconds = _median_seconds(optimizer.step, repeats, torch.device("cpu"))
+    seconds = median_seconds(optimizer.step, repeats, torch.device("cpu"))
     return sum(p.numel() for p in params) / seconds / 1e9, kind
 
 
