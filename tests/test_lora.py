@@ -115,23 +115,7 @@ def test_lora_trains_like_peft_eager(how):
     tr = Trainer(model, plan, optimizer=TorchAdamW(lr=LR, eps=EPS, max_grad_norm=1.0), device="cpu")
     trained = {n: p for n, p in ref.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(trained.values(), lr=LR, eps=EPS, weight_decay=0.0)
-    compared = 0
-    for ids, labels in _batches():
-        stats = tr.step({"input_ids": ids, "labels": labels})
-        loss = ref(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        for j, lay in enumerate(tr.store.layouts):     # the host-updated blocks' gradients, as offloaded
-            offloaded = tr.store.grad[j].numel() and j not in plan.decisions.gpu_updated_blocks
-            for s in lay.segments if offloaded else ():
-                if s.offset < lay.grad_numel:
-                    got = tr.store.grad[j][s.offset:s.offset + s.numel].view(s.shape)
-                    torch.testing.assert_close(got, trained[s.name].grad, rtol=1e-5, atol=1e-5)
-                    compared += 1
-        norm = torch.nn.utils.clip_grad_norm_(trained.values(), 1.0)
-        opt.step()
-        torch.testing.assert_close(stats.loss, loss.item(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(stats.grad_norm, norm.item(), rtol=1e-5, atol=1e-6)
+    compared = train_beside_eager(tr, plan, ref, opt, trained)
     assert compared == 3 * 7 * 2 * (2 if how != "resident+gpu-updated" else 0)    # steps x projections x A, B x layers
     tr.sync_to_model()
     tr.close()
@@ -361,3 +345,27 @@ def test_bench_with_lora_trains_the_same_adapters_in_every_system(tmp_path):
         assert r["losses"] == pytest.approx(rows["plain"]["losses"], abs=1e-3), name
     assert rows["plain"]["losses"][0] != pytest.approx(rows["plain"]["losses"][-1], abs=1e-4)     # they train
     assert "--lora r=4,alpha=8,targets=q_proj,v_proj" in (out / "t.md").read_text()
+
+
+def train_beside_eager(tr, plan, ref, opt, trained: dict) -> int:
+    """``_batches()`` through the trainer ``tr`` and the eager PEFT model ``ref`` (its trained parameters
+    ``trained``, optimizer ``opt``): each step's loss and clipped gradient norm, and the gradients the host-updated
+    blocks offload, checked at 1e-5; returns how many gradients were compared."""
+    compared = 0
+    for ids, labels in _batches():
+        stats = tr.step({"input_ids": ids, "labels": labels})
+        loss = ref(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        for j, lay in enumerate(tr.store.layouts):     # the host-updated blocks' gradients, as offloaded
+            offloaded = tr.store.grad[j].numel() and j not in plan.decisions.gpu_updated_blocks
+            for s in lay.segments if offloaded else ():
+                if s.offset < lay.grad_numel:
+                    got = tr.store.grad[j][s.offset:s.offset + s.numel].view(s.shape)
+                    torch.testing.assert_close(got, trained[s.name].grad, rtol=1e-5, atol=1e-5)
+                    compared += 1
+        norm = torch.nn.utils.clip_grad_norm_(trained.values(), 1.0)
+        opt.step()
+        torch.testing.assert_close(stats.loss, loss.item(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(stats.grad_norm, norm.item(), rtol=1e-5, atol=1e-6)
+    return compared

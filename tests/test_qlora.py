@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("torchao")
 
-from test_lora import BUDGETS, EPS, FORCED, LR, SEQ, B, _batches, _lora_model  # noqa: E402
+from test_lora import BUDGETS, EPS, FORCED, LR, SEQ, B, _batches, _lora_model, train_beside_eager  # noqa: E402
 from torchao.quantization import to_nf4  # noqa: E402
 from torchao.quantization.quant_primitives import (  # noqa: E402
     MappingType,
@@ -136,23 +136,7 @@ def _trains_like_eager(model, plan: Plan, bits: int, how: str) -> None:
                                    if lay.owned_numel > lay.trainable_numel and j not in plan.decisions.resident_blocks}
     trained = {n: p for n, p in ref.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(trained.values(), lr=LR, eps=EPS, weight_decay=0.0)
-    compared = 0
-    for ids, labels in _batches():
-        stats = tr.step({"input_ids": ids, "labels": labels})
-        loss = ref(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        for j, lay in enumerate(tr.store.layouts):
-            offloaded = tr.store.grad[j].numel() and j not in plan.decisions.gpu_updated_blocks
-            for s in lay.segments if offloaded else ():
-                if s.offset < lay.grad_numel:
-                    got = tr.store.grad[j][s.offset:s.offset + s.numel].view(s.shape)
-                    torch.testing.assert_close(got, trained[s.name].grad, rtol=1e-5, atol=1e-5)
-                    compared += 1
-        norm = torch.nn.utils.clip_grad_norm_(trained.values(), 1.0)
-        opt.step()
-        torch.testing.assert_close(stats.loss, loss.item(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(stats.grad_norm, norm.item(), rtol=1e-5, atol=1e-6)
+    compared = train_beside_eager(tr, plan, ref, opt, trained)
     assert compared == 3 * 7 * 2 * (2 if how != "resident+gpu-updated" else 0)
     want = dict(ref.named_parameters())
     for w in trainer_weights(tr):        # the base as the blocks computed with it, the adapters as trained
