@@ -95,6 +95,7 @@ def worker(argv: list[str]) -> int:
     """``qlora_gpu.py --worker ROW CFG.json OUT.json``: one row; a failure is its row (with the error)."""
     name, cfg_path, out_path = argv
     cfg = json.loads(Path(cfg_path).read_text())
+    cfg["model"] = str(Path(cfg_path).parent / cfg["model"])      # (run.json names it beside itself: no machine path)
     try:
         row = run_row(name, cfg)
     except Exception as e:  # noqa: BLE001 - a row that fails (out of memory) is reported, the others still run
@@ -143,7 +144,7 @@ def main(argv=None) -> list[dict]:
     if a.tiny:
         a.batch, a.seq = 2, 32
     (out / "config.json").write_text(json.dumps(TINY if a.tiny else LLAMA_7B, indent=1) + "\n")
-    cfg = {"model": str((out / "config.json").resolve()), "device": "cpu" if a.tiny else "cuda", "batch": a.batch,
+    cfg = {"model": "config.json", "device": "cpu" if a.tiny else "cuda", "batch": a.batch,
            "seq": a.seq, "gpu_memory": "8GiB" if a.tiny else a.gpu_memory, "host_memory": a.host_memory,
            "steps": a.steps, "warmup": a.warmup}
     (out / "run.json").write_text(json.dumps(cfg, indent=1) + "\n")
