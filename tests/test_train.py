@@ -243,7 +243,7 @@ def test_step_budget_follows_the_measured_pace():
     """Under a time limit the run's steps are the time left over the pace: the slow first step is left out, the
     larger of the recent and overall pace counts, and it never exceeds --steps."""
     from lazytrain.app.loop import StepBudget
-    b = StepBudget(1000, 0, limit_s=100.0)
+    b = StepBudget(1000, limit_s=100.0)
     assert b.total(0, 0.0) == 1000                # nothing measured yet
     b.step_done(30.0)                             # the first step (slow): left out
     assert b.total(1, 30.0) == 1000
@@ -257,7 +257,7 @@ def test_step_budget_follows_the_measured_pace():
         b.step_done(40.0 + 2 * k)                 # slower: 2 s a step, seen within the window
     assert b.total(27, 72.0) == 27 + 14
     assert b.total(27, 200.0) == 28               # past the limit: the step in flight is the last
-    assert StepBudget(50, 0, limit_s=1e9).total(0, 0.0) == 50
+    assert StepBudget(50, limit_s=1e9).total(0, 0.0) == 50
 
 
 def test_ctrl_c_stops_after_the_step_and_saves(tmp_path):

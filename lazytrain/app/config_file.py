@@ -69,8 +69,12 @@ def read_file(path: str) -> dict[str, tuple[Any, str]]:
     except OSError as e:
         raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        loader = yaml.SafeLoader(text)      # parsed once: the node gives each key's line, the data is built from it
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else path

@@ -77,8 +77,8 @@ class StepBudget:
     #: (the demonyms run of issue #43: 14 steps estimated after 3, 38 made) [ledger: step-budget-min-timed]
     MIN_TIMED = 4
 
-    def __init__(self, steps: int, start: int, limit_s: float | None):
-        self.steps, self.start, self.limit_s = steps, start, limit_s
+    def __init__(self, steps: int, limit_s: float | None):
+        self.steps, self.limit_s = steps, limit_s
         self._ends: list[float] = []        # the clock at the end of each of this invocation's steps
 
     def step_done(self, now: float) -> None:
@@ -137,7 +137,7 @@ def steps(cfg: TrainConfig, opt, run: Progress, flag, *, start: int, ranks: Rank
     rate, the time limit and a stop are agreed before each step (``Ranks.agree``): every rank runs the same
     steps."""
     limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else None
-    budget = StepBudget(cfg.steps, start, limit_s)
+    budget = StepBudget(cfg.steps, limit_s)
     t_train = time.perf_counter()
     world = ranks is not None and ranks.size > 1
     while run.step < cfg.steps:
